@@ -1,0 +1,57 @@
+# moe - build the runtime objects, the example programs and the tests into build/.
+# Override anything on the command line: make CC=clang CFLAGS="-O3 -std=c11".
+
+CC ?= cc
+CFLAGS ?= -O2 -std=c11 -Wall -Wextra -pedantic
+LDLIBS = -lm
+BUILD ?= build
+# OpenMP when the compiler has it; a plain serial build otherwise (OPENMP= to turn it off)
+OPENMP ?= $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
+ALL_CFLAGS = $(CFLAGS) $(OPENMP) $(EXTRA_CFLAGS)
+
+LIB = $(BUILD)/moe.o $(BUILD)/quant.o
+EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli
+TESTS = $(BUILD)/moe-test
+
+.PHONY: all examples test test-scalar asan clean help
+
+# all: the library objects and every example program
+all: $(LIB) $(EXAMPLES) $(TESTS)
+
+# examples: the programs in examples/ (moe-logits, moe-cli)
+examples: $(EXAMPLES)
+
+$(BUILD)/%.o: %.c moe.h | $(BUILD)
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(BUILD)/moe-logits: examples/logits.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+$(BUILD)/moe-cli: examples/cli.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+$(BUILD)/moe-test: test/test.c $(LIB) moe.h
+	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+$(BUILD):
+	mkdir -p $(BUILD)
+
+# test: build everything and run the whole suite (unit, golden, bad input); prints N passed, N failed
+test: all
+	./$(BUILD)/moe-test
+
+# test-scalar: the suite built without any SIMD code (-DMOE_NO_SIMD), in build-scalar/
+test-scalar:
+	$(MAKE) BUILD=build-scalar EXTRA_CFLAGS=-DMOE_NO_SIMD test
+
+# asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/
+asan:
+	$(MAKE) BUILD=build-asan OPENMP= EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -fsanitize=address,undefined" test
+
+# clean: remove every build folder
+clean:
+	rm -rf build build-scalar build-asan
+
+# help: list the targets
+help:
+	@grep -B1 -E '^[a-z-]+:' Makefile | grep '^#' | sed 's/^# /  /'

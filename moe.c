@@ -1,0 +1,2052 @@
+/* moe.c - the moe runtime: loading Hugging Face checkpoints (safetensors, validated), the
+ * forward pass of the Kimi Linear / Kimi K3 family (spec/MODEL.md), sessions, the batched step
+ * and sampling. Kernels and number formats live in quant.c; this file owns model logic only.
+ * Not here (yet): GGUF, the streaming expert store beyond plain mmap, the tokenizer.
+ *
+ * Sections in data-flow order: utilities, JSON, safetensors, config, model binding, matmul,
+ * norms and activations, KDA, MLA, FFN and MoE, attention residuals, step, sessions, sampling. */
+#define _POSIX_C_SOURCE 200809L
+#define MOE_INTERNAL
+#include "moe.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <float.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* ==== utilities ============================================================================
+ * Errors go to a caller-owned buffer; nothing here keeps error text. */
+
+static moe_status fail(char *err, size_t errlen, moe_status st, const char *fmt, ...) {
+    if (err && errlen) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, errlen, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+const char *moe_status_str(moe_status st) {
+    switch (st) {
+    case MOE_OK: return "ok";
+    case MOE_ERR_IO: return "I/O error";
+    case MOE_ERR_FORMAT: return "bad model file";
+    case MOE_ERR_UNSUPPORTED: return "unsupported";
+    case MOE_ERR_NOMEM: return "out of memory";
+    case MOE_ERR_ARG: return "bad argument";
+    case MOE_ERR_CTX_FULL: return "context full";
+    }
+    return "unknown status";
+}
+
+/* a*b (and a*b*c) with overflow detection against INT64_MAX/2 */
+static int mul_ok(int64_t a, int64_t b, int64_t *out) {
+    if (a < 0 || b < 0) return 0;
+    if (a && b > (INT64_MAX / 2) / a) return 0;
+    *out = a * b;
+    return 1;
+}
+
+static double now_sec(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void *xcalloc(size_t n, size_t sz) { return n && sz ? calloc(n, sz) : calloc(1, 1); }
+
+/* ==== JSON ===================================================================================
+ * A strict RFC 8259 parser for config.json, safetensors headers and the shard index. The whole
+ * tree lives in an arena freed at once. Depth and sizes are bounded; every read is checked
+ * against the text length, so a hostile header can only produce an error. */
+
+typedef struct jarena {
+    struct jarena *next;
+    size_t used, cap;
+    double data[]; /* double: keeps every allocation suitably aligned */
+} jarena;
+
+typedef struct {
+    const char *s;
+    size_t n, pos;
+    jarena *head, *cur;
+    int depth;
+    char *err;
+    size_t errlen;
+    moe_status st;
+} jparser;
+
+#define JSON_MAX_DEPTH 64
+
+static void *jalloc(jparser *p, size_t sz) {
+    sz = (sz + 7) & ~(size_t)7;
+    if (!p->cur || p->cur->cap - p->cur->used < sz) {
+        size_t cap = sz > 65536 ? sz : 65536;
+        jarena *a = malloc(sizeof(jarena) + cap);
+        if (!a) { p->st = MOE_ERR_NOMEM; return NULL; }
+        a->next = NULL, a->used = 0, a->cap = cap;
+        if (p->cur) p->cur->next = a; else p->head = a;
+        p->cur = a;
+    }
+    void *r = (char *)p->cur->data + p->cur->used;
+    p->cur->used += sz;
+    return r;
+}
+
+static void *jerr(jparser *p, const char *what) {
+    if (p->st == MOE_OK)
+        p->st = fail(p->err, p->errlen, MOE_ERR_FORMAT, "JSON: %s at byte %zu", what, p->pos);
+    return NULL;
+}
+
+static void jws(jparser *p) {
+    while (p->pos < p->n && (p->s[p->pos] == ' ' || p->s[p->pos] == '\t' ||
+                             p->s[p->pos] == '\n' || p->s[p->pos] == '\r'))
+        p->pos++;
+}
+
+static int hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+static int jhex4(jparser *p, unsigned *out) {
+    if (p->n - p->pos < 4) return 0;
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        int h = hexval(p->s[p->pos + i]);
+        if (h < 0) return 0;
+        v = v * 16 + (unsigned)h;
+    }
+    p->pos += 4;
+    *out = v;
+    return 1;
+}
+
+/* at the opening quote; returns the unescaped NUL-terminated string */
+static char *jstring(jparser *p) {
+    size_t start = ++p->pos, end = start;
+    while (end < p->n && p->s[end] != '"') end += p->s[end] == '\\' ? 2 : 1;
+    if (end >= p->n) return jerr(p, "unterminated string");
+    char *out = jalloc(p, end - start + 1), *o = out;
+    if (!out) return NULL;
+    while (p->pos < end) {
+        unsigned char c = (unsigned char)p->s[p->pos++];
+        if (c < 0x20) return jerr(p, "control character in string");
+        if (c != '\\') { *o++ = (char)c; continue; }
+        char e = p->s[p->pos++];
+        switch (e) {
+        case '"': *o++ = '"'; break;
+        case '\\': *o++ = '\\'; break;
+        case '/': *o++ = '/'; break;
+        case 'b': *o++ = '\b'; break;
+        case 'f': *o++ = '\f'; break;
+        case 'n': *o++ = '\n'; break;
+        case 'r': *o++ = '\r'; break;
+        case 't': *o++ = '\t'; break;
+        case 'u': {
+            unsigned cp, lo;
+            if (!jhex4(p, &cp)) return jerr(p, "bad \\u escape");
+            if (cp >= 0xD800 && cp < 0xDC00) {
+                if (p->n - p->pos < 6 || p->s[p->pos] != '\\' || p->s[p->pos + 1] != 'u')
+                    return jerr(p, "lone surrogate");
+                p->pos += 2;
+                if (!jhex4(p, &lo) || lo < 0xDC00 || lo > 0xDFFF) return jerr(p, "bad surrogate");
+                cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+            } else if (cp >= 0xDC00 && cp < 0xE000) {
+                return jerr(p, "lone surrogate");
+            }
+            if (cp == 0) return jerr(p, "NUL in string");
+            if (cp < 0x80) *o++ = (char)cp;
+            else if (cp < 0x800) *o++ = (char)(0xC0 | cp >> 6), *o++ = (char)(0x80 | (cp & 63));
+            else if (cp < 0x10000)
+                *o++ = (char)(0xE0 | cp >> 12), *o++ = (char)(0x80 | ((cp >> 6) & 63)),
+                *o++ = (char)(0x80 | (cp & 63));
+            else
+                *o++ = (char)(0xF0 | cp >> 18), *o++ = (char)(0x80 | ((cp >> 12) & 63)),
+                *o++ = (char)(0x80 | ((cp >> 6) & 63)), *o++ = (char)(0x80 | (cp & 63));
+            break;
+        }
+        default: return jerr(p, "bad escape");
+        }
+    }
+    *o = 0;
+    p->pos = end + 1;
+    return out;
+}
+
+static moe__json *jvalue(jparser *p);
+
+static moe__json *jnode(jparser *p, int type) {
+    moe__json *j = jalloc(p, sizeof *j);
+    if (j) memset(j, 0, sizeof *j), j->type = type;
+    return j;
+}
+
+static moe__json *jcontainer(jparser *p, int obj) {
+    if (++p->depth > JSON_MAX_DEPTH) return jerr(p, "nesting too deep");
+    moe__json *j = jnode(p, obj ? MOE_JSON_OBJ : MOE_JSON_ARR), *last = NULL;
+    if (!j) return NULL;
+    p->pos++;
+    jws(p);
+    if (p->pos < p->n && p->s[p->pos] == (obj ? '}' : ']')) {
+        p->pos++;
+        p->depth--;
+        return j;
+    }
+    for (;;) {
+        const char *key = NULL;
+        jws(p);
+        if (obj) {
+            if (p->pos >= p->n || p->s[p->pos] != '"') return jerr(p, "expected key");
+            if (!(key = jstring(p))) return NULL;
+            jws(p);
+            if (p->pos >= p->n || p->s[p->pos] != ':') return jerr(p, "expected ':'");
+            p->pos++;
+        }
+        moe__json *v = jvalue(p);
+        if (!v) return NULL;
+        v->key = key;
+        if (last) last->next = v; else j->child = v;
+        last = v;
+        j->n++;
+        jws(p);
+        if (p->pos >= p->n) return jerr(p, "unexpected end");
+        char c = p->s[p->pos++];
+        if (c == ',') continue;
+        if (c == (obj ? '}' : ']')) break;
+        return jerr(p, obj ? "expected ',' or '}'" : "expected ',' or ']'");
+    }
+    p->depth--;
+    return j;
+}
+
+static moe__json *jnumber(jparser *p) {
+    size_t s = p->pos, i = s;
+    if (i < p->n && p->s[i] == '-') i++;
+    if (i >= p->n || p->s[i] < '0' || p->s[i] > '9') return jerr(p, "bad value");
+    if (p->s[i] == '0') i++;
+    else while (i < p->n && p->s[i] >= '0' && p->s[i] <= '9') i++;
+    if (i < p->n && p->s[i] == '.') {
+        i++;
+        if (i >= p->n || p->s[i] < '0' || p->s[i] > '9') return jerr(p, "bad number");
+        while (i < p->n && p->s[i] >= '0' && p->s[i] <= '9') i++;
+    }
+    if (i < p->n && (p->s[i] == 'e' || p->s[i] == 'E')) {
+        i++;
+        if (i < p->n && (p->s[i] == '+' || p->s[i] == '-')) i++;
+        if (i >= p->n || p->s[i] < '0' || p->s[i] > '9') return jerr(p, "bad number");
+        while (i < p->n && p->s[i] >= '0' && p->s[i] <= '9') i++;
+    }
+    char buf[64];
+    if (i - s >= sizeof buf) return jerr(p, "number too long");
+    memcpy(buf, p->s + s, i - s);
+    buf[i - s] = 0;
+    moe__json *j = jnode(p, MOE_JSON_NUM);
+    if (!j) return NULL;
+    j->num = strtod(buf, NULL);
+    p->pos = i;
+    return j;
+}
+
+static moe__json *jliteral(jparser *p, const char *lit, int type, double v) {
+    size_t l = strlen(lit);
+    if (p->n - p->pos < l || memcmp(p->s + p->pos, lit, l)) return jerr(p, "bad literal");
+    p->pos += l;
+    moe__json *j = jnode(p, type);
+    if (j) j->num = v;
+    return j;
+}
+
+static moe__json *jvalue(jparser *p) {
+    jws(p);
+    if (p->pos >= p->n) return jerr(p, "unexpected end");
+    switch (p->s[p->pos]) {
+    case '{': return jcontainer(p, 1);
+    case '[': return jcontainer(p, 0);
+    case '"': {
+        moe__json *j = jnode(p, MOE_JSON_STR);
+        if (j && !(j->str = jstring(p))) return NULL;
+        return j;
+    }
+    case 't': return jliteral(p, "true", MOE_JSON_BOOL, 1);
+    case 'f': return jliteral(p, "false", MOE_JSON_BOOL, 0);
+    case 'n': return jliteral(p, "null", MOE_JSON_NULL, 0);
+    default: return jnumber(p);
+    }
+}
+
+static void jarena_free(jarena *a) {
+    while (a) {
+        jarena *n = a->next;
+        free(a);
+        a = n;
+    }
+}
+
+moe_status moe__json_parse(const char *text, size_t len, moe__json **root, char *err,
+                           size_t errlen) {
+    jparser p = {text, len, 0, NULL, NULL, 0, err, errlen, MOE_OK};
+    *root = NULL;
+    /* the root is the first allocation of the first arena, so free() can find the arena */
+    moe__json *r = jvalue(&p);
+    if (r) {
+        jws(&p);
+        if (p.pos != p.n) r = jerr(&p, "trailing characters");
+    }
+    if (!r) {
+        jarena_free(p.head);
+        return p.st ? p.st : MOE_ERR_FORMAT;
+    }
+    *root = r;
+    return MOE_OK;
+}
+
+void moe__json_free(moe__json *root) {
+    if (root) jarena_free((jarena *)((char *)root - offsetof(jarena, data)));
+}
+
+const moe__json *moe__json_get(const moe__json *obj, const char *key) {
+    if (!obj || obj->type != MOE_JSON_OBJ) return NULL;
+    for (const moe__json *c = obj->child; c; c = c->next)
+        if (!strcmp(c->key, key)) return c;
+    return NULL;
+}
+
+/* ==== safetensors ============================================================================
+ * u64 header length, JSON header {name: {dtype, shape, data_offsets}}, data. Each file is mapped
+ * read-only whole; every offset and size is checked against the file before a pointer is made. */
+
+static const struct { const char *name; int type, size; } st_dtypes[] = {
+    {"F32", MOE_T_F32, 4}, {"F16", MOE_T_F16, 2}, {"BF16", MOE_T_BF16, 2}, {"U8", MOE_T_U8, 1},
+    {"I32", MOE_T_I32, 4}, {"I8", -1, 1},         {"BOOL", -1, 1},        {"I16", -1, 2},
+    {"U16", -1, 2},        {"U32", -1, 4},        {"F64", -1, 8},         {"I64", -1, 8},
+    {"U64", -1, 8},        {"F8_E4M3", -1, 1},    {"F8_E5M2", -1, 1},     {"F8_E8M0", -1, 1},
+};
+
+#define ST_MAX_HEADER (512ull << 20)
+#define ST_MAX_DIM (1ll << 40)
+
+static int cmp_tensor_offset(const void *a, const void *b) {
+    const moe__st_tensor *x = *(moe__st_tensor *const *)a, *y = *(moe__st_tensor *const *)b;
+    return x->data < y->data ? -1 : x->data > y->data;
+}
+
+static int st_elem_size(const char *dtype, int *type) {
+    for (size_t i = 0; i < sizeof st_dtypes / sizeof *st_dtypes; i++)
+        if (!strcmp(dtype, st_dtypes[i].name)) {
+            *type = st_dtypes[i].type;
+            return st_dtypes[i].size;
+        }
+    return 0;
+}
+
+static int json_int(const moe__json *j, int64_t lo, int64_t hi, int64_t *out) {
+    if (!j || j->type != MOE_JSON_NUM || j->num != floor(j->num) || j->num < (double)lo ||
+        j->num > (double)hi)
+        return 0;
+    *out = (int64_t)j->num;
+    return 1;
+}
+
+static moe_status st_parse(moe__st_file *f, char *err, size_t errlen) {
+    const unsigned char *b = f->map;
+    if (f->size < 8) return fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated (%zu bytes)", f->path, f->size);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | b[i];
+    if (hlen > f->size - 8 || hlen > ST_MAX_HEADER)
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: header length %llu exceeds file size %zu",
+                    f->path, (unsigned long long)hlen, f->size);
+    moe__json *root;
+    char jerrbuf[160];
+    moe_status st = moe__json_parse((const char *)b + 8, hlen, &root, jerrbuf, sizeof jerrbuf);
+    if (st) return fail(err, errlen, st, "%s: header: %s", f->path, jerrbuf);
+    if (root->type != MOE_JSON_OBJ) {
+        moe__json_free(root);
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: header is not a JSON object", f->path);
+    }
+    const unsigned char *data = b + 8 + hlen;
+    uint64_t data_size = f->size - 8 - hlen;
+    f->tensors = xcalloc((size_t)root->n, sizeof *f->tensors);
+    moe__st_tensor **order = xcalloc((size_t)root->n, sizeof *order);
+    if (!f->tensors || !order) { st = MOE_ERR_NOMEM; goto done; }
+    for (const moe__json *e = root->child; e; e = e->next) {
+        if (!strcmp(e->key, "__metadata__")) continue;
+        moe__st_tensor *t = &f->tensors[f->n_tensors];
+        if (strlen(e->key) >= sizeof t->name) {
+            st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor name too long", f->path);
+            goto done;
+        }
+        strcpy(t->name, e->key);
+        const moe__json *dt = moe__json_get(e, "dtype"), *sh = moe__json_get(e, "shape"),
+                        *off = moe__json_get(e, "data_offsets");
+        int esize;
+        if (!dt || dt->type != MOE_JSON_STR || !(esize = st_elem_size(dt->str, &t->type))) {
+            st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor %s: missing or unknown dtype",
+                      f->path, t->name);
+            goto done;
+        }
+        if (!sh || sh->type != MOE_JSON_ARR || sh->n > 8) {
+            st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor %s: bad shape", f->path, t->name);
+            goto done;
+        }
+        int64_t count = 1, o0, o1;
+        t->ndim = 0;
+        for (const moe__json *d = sh->child; d; d = d->next) {
+            int64_t v;
+            if (!json_int(d, 0, ST_MAX_DIM, &v) || !mul_ok(count, v, &count)) {
+                st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor %s: bad or overflowing shape",
+                          f->path, t->name);
+                goto done;
+            }
+            t->shape[t->ndim++] = v;
+        }
+        if (!off || off->type != MOE_JSON_ARR || off->n != 2 ||
+            !json_int(off->child, 0, INT64_MAX / 4, &o0) ||
+            !json_int(off->child->next, 0, INT64_MAX / 4, &o1) || o0 > o1 ||
+            (uint64_t)o1 > data_size) {
+            st = fail(err, errlen, MOE_ERR_FORMAT,
+                      "%s: tensor %s: data_offsets missing or outside the file (data size %llu)",
+                      f->path, t->name, (unsigned long long)data_size);
+            goto done;
+        }
+        int64_t nbytes;
+        if (!mul_ok(count, esize, &nbytes) || nbytes != o1 - o0) {
+            st = fail(err, errlen, MOE_ERR_FORMAT,
+                      "%s: tensor %s: %lld bytes for its dtype and shape, but offsets span %lld",
+                      f->path, t->name, (long long)(mul_ok(count, esize, &nbytes) ? nbytes : -1),
+                      (long long)(o1 - o0));
+            goto done;
+        }
+        t->data = data + o0;
+        t->nbytes = (uint64_t)nbytes;
+        order[f->n_tensors] = t;
+        f->n_tensors++;
+    }
+    /* tensors may not overlap (a hostile file could alias one region under two names) */
+    qsort(order, (size_t)f->n_tensors, sizeof *order, cmp_tensor_offset);
+    for (int i = 1; i < f->n_tensors; i++)
+        if ((const unsigned char *)order[i]->data <
+            (const unsigned char *)order[i - 1]->data + order[i - 1]->nbytes) {
+            st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensors %s and %s overlap", f->path,
+                      order[i - 1]->name, order[i]->name);
+            goto done;
+        }
+done:
+    free(order);
+    moe__json_free(root);
+    return st;
+}
+
+moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
+    memset(f, 0, sizeof *f);
+    if (!(f->path = strdup(path))) return MOE_ERR_NOMEM;
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) {
+        moe_status st = fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+        moe__st_close(f);
+        return st;
+    }
+    struct stat sb;
+    if (fstat(fd, &sb) || !S_ISREG(sb.st_mode)) {
+        close(fd);
+        moe__st_close(f);
+        return fail(err, errlen, MOE_ERR_IO, "%s: not a regular file", path);
+    }
+    f->size = (size_t)sb.st_size;
+    if (f->size) {
+        f->map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (f->map == MAP_FAILED) {
+            f->map = NULL;
+            moe_status st = fail(err, errlen, MOE_ERR_IO, "%s: mmap: %s", path, strerror(errno));
+            close(fd);
+            moe__st_close(f);
+            return st;
+        }
+    }
+    close(fd);
+    moe_status st = st_parse(f, err, errlen);
+    if (st) moe__st_close(f);
+    return st;
+}
+
+void moe__st_close(moe__st_file *f) {
+    if (!f) return;
+    if (f->map) munmap(f->map, f->size);
+    free(f->tensors);
+    free(f->path);
+    memset(f, 0, sizeof *f);
+}
+
+const moe__st_tensor *moe__st_find(const moe__st_file *f, const char *name) {
+    for (int i = 0; i < f->n_tensors; i++)
+        if (!strcmp(f->tensors[i].name, name)) return &f->tensors[i];
+    return NULL;
+}
+
+/* ==== model structures ====================================================================== */
+
+typedef struct {
+    moe__weight w1, w2, w3; /* gate [I_e, d_e], down [d_e, I_e], up [I_e, d_e] */
+} expert;
+
+typedef struct {
+    int kind, moe;
+    float *attn_norm, *ffn_norm;   /* [d] */
+    float *attn_res_w, *mlp_res_w; /* AttnRes pseudo-queries: norm weight * proj row, [d] */
+    /* mixer projections (KDA and MLA share q, g, o slots) */
+    moe__weight q, k, v, f_a, f_b, b, g_a, g_b, g, o;
+    float *q_conv, *k_conv, *v_conv; /* [H_k*D, W] */
+    float *A_log, *dt_bias, *o_norm; /* [H_k], [H_k*D], [D] */
+    moe__weight q_a, q_b, kv_a, kv_b;
+    float *q_a_norm, *kv_a_norm;
+    /* FFN */
+    moe__weight gate, up, down;          /* dense FFN or fused shared experts */
+    moe__weight router, lat_down, lat_up;
+    float *router_bias, *lat_norm;
+    expert *experts; /* [E] */
+} layer;
+
+typedef struct {
+    const moe__st_tensor *t;
+    int file;
+} tensor_ref;
+
+struct moe_model {
+    moe_options opt;
+    moe__kernels k;
+    moe_config cfg;
+    unsigned char *layer_kind, *layer_moe;
+    moe__st_file *files;
+    int n_files;
+    tensor_ref *table; /* open-addressed hash of every tensor name */
+    size_t table_cap;
+    char prefix[32]; /* "language_model." for K3's multimodal wrapper */
+    layer *layers;
+    moe__weight embed, lm_head;
+    float *final_norm, *out_res_w;
+    moe_model_info info;
+    char *path;
+};
+
+struct moe_session {
+    moe_model *m;
+    int n_ctx, pos;
+    float **kda_state; /* per layer: [H_k, D, D] or NULL */
+    float **conv_tail; /* per layer: [W-1, 3*H_k*D] (pre-convolution q,k,v rows) */
+    float **mla_cache; /* per layer: [cap, r + d_r] latents c (normalised) and kr */
+    int *mla_cap;
+};
+
+/* ==== config ==================================================================================
+ * Moonshot's field names (spec/MODEL.md section 1), with transformers' aliases as fallbacks.
+ * Unknown keys of any type are ignored; every value we use is range-checked. */
+
+typedef struct {
+    const moe__json *j;
+    char *err;
+    size_t errlen;
+    moe_status st;
+} cfgp;
+
+static const moe__json *cget(const moe__json *j, const char *key, const char *alias) {
+    const moe__json *v = moe__json_get(j, key);
+    if ((!v || v->type == MOE_JSON_NULL) && alias) v = moe__json_get(j, alias);
+    return v && v->type != MOE_JSON_NULL ? v : NULL;
+}
+
+static int cint(cfgp *c, const moe__json *j, const char *key, const char *alias, int64_t def,
+                int64_t lo, int64_t hi) {
+    const moe__json *v = cget(j, key, alias);
+    int64_t r;
+    if (!v) r = def;
+    else if (v->type == MOE_JSON_BOOL) r = (int64_t)v->num;
+    else if (!json_int(v, INT32_MIN, INT32_MAX, &r)) r = lo - 1;
+    if (r < lo || r > hi) {
+        if (!c->st)
+            c->st = fail(c->err, c->errlen, MOE_ERR_FORMAT,
+                         "config.json: %s must be an integer in [%lld, %lld]", key, (long long)lo,
+                         (long long)hi);
+        return (int)lo;
+    }
+    return (int)r;
+}
+
+static float cfloat(cfgp *c, const moe__json *j, const char *key, double def, double lo,
+                    double hi) {
+    const moe__json *v = cget(j, key, NULL);
+    double r = v ? (v->type == MOE_JSON_NUM ? v->num : NAN) : def;
+    if (!(r >= lo && r <= hi)) {
+        if (!c->st)
+            c->st = fail(c->err, c->errlen, MOE_ERR_FORMAT,
+                         "config.json: %s must be a number in [%g, %g]", key, lo, hi);
+        return (float)lo;
+    }
+    return (float)r;
+}
+
+static int cstr_is(const moe__json *j, const char *key, const char *val, const char *def) {
+    const moe__json *v = cget(j, key, NULL);
+    const char *s = v && v->type == MOE_JSON_STR ? v->str : def;
+    return s && !strcmp(s, val);
+}
+
+static moe_status parse_config(moe_model *m, const moe__json *root, char *err, size_t errlen) {
+    cfgp c = {root, err, errlen, MOE_OK};
+    const moe__json *j = root;
+    const moe__json *tc = moe__json_get(root, "text_config");
+    if (tc && tc->type == MOE_JSON_OBJ) {
+        j = tc;
+        strcpy(m->prefix, "language_model.");
+    }
+    moe_config *g = &m->cfg;
+    g->vocab_size = cint(&c, j, "vocab_size", NULL, -1, 1, 1 << 24);
+    g->hidden_size = cint(&c, j, "hidden_size", NULL, -1, 1, 1 << 16);
+    g->n_layers = cint(&c, j, "num_hidden_layers", NULL, -1, 1, 4096);
+    g->rms_norm_eps = cfloat(&c, j, "rms_norm_eps", 1e-6, 1e-30, 1.0);
+    if (cstr_is(j, "hidden_act", "silu", "silu")) g->hidden_act = MOE_ACT_SILU;
+    else if (cstr_is(j, "hidden_act", "situ", NULL)) g->hidden_act = MOE_ACT_SITU;
+    else if (!c.st) c.st = fail(err, errlen, MOE_ERR_UNSUPPORTED, "config.json: hidden_act must be \"silu\" or \"situ\"");
+    double beta = cfloat(&c, j, "activation_situ_beta", 0.0, 0.0, 1e6);
+    g->situ_beta = beta > 0 ? (float)beta : 1.0f;
+    g->situ_linear_beta = cfloat(&c, j, "activation_situ_linear_beta", 0.0, 0.0, 1e6);
+    g->bos_token_id = cint(&c, j, "bos_token_id", NULL, -1, -1, INT32_MAX);
+    g->eos_token_id = cint(&c, j, "eos_token_id", NULL, -1, -1, INT32_MAX);
+
+    const moe__json *la = cget(j, "linear_attn_config", NULL);
+    if (la && la->type != MOE_JSON_OBJ) la = NULL;
+    g->kda_heads = la ? cint(&c, la, "num_heads", NULL, -1, 1, 4096) : 0;
+    g->kda_head_dim = la ? cint(&c, la, "head_dim", NULL, -1, 1, 512) : 0;
+    g->conv_kernel = la ? cint(&c, la, "short_conv_kernel_size", NULL, 4, 1, 64) : 0;
+    const moe__json *lb = la ? cget(la, "gate_lower_bound", NULL) : NULL;
+    g->kda_gate_bounded = lb != NULL;
+    g->kda_gate_lower_bound = lb ? cfloat(&c, la, "gate_lower_bound", 0, -1e4, -1e-6) : 0.0f;
+    g->kda_full_rank_gate = la ? cint(&c, la, "use_full_rank_gate", NULL, 0, 0, 1) : 0;
+
+    g->mla_heads = cint(&c, j, "num_attention_heads", NULL, 1, 1, 4096);
+    g->q_lora_rank = cint(&c, j, "q_lora_rank", NULL, 0, 0, 1 << 16);
+    g->kv_lora_rank = cint(&c, j, "kv_lora_rank", NULL, 1, 1, 1 << 16);
+    g->qk_nope_dim = cint(&c, j, "qk_nope_head_dim", NULL, 0, 0, 4096);
+    g->qk_rope_dim = cint(&c, j, "qk_rope_head_dim", NULL, 0, 0, 4096);
+    g->v_head_dim = cint(&c, j, "v_head_dim", NULL, 1, 1, 4096);
+    g->mla_output_gate = cint(&c, j, "mla_use_output_gate", NULL, 0, 0, 1);
+    if (!cint(&c, j, "mla_use_nope", NULL, 1, 0, 1) && !c.st)
+        c.st = fail(err, errlen, MOE_ERR_UNSUPPORTED,
+                    "config.json: mla_use_nope false (rotary MLA) is not supported");
+
+    g->n_experts = cint(&c, j, "num_experts", "n_routed_experts", 0, 0, 1 << 16);
+    g->intermediate_size = cint(&c, j, "intermediate_size", NULL, 0, 0, 1 << 22);
+    if (g->n_experts) {
+        g->n_active = cint(&c, j, "num_experts_per_token", "num_experts_per_tok", -1, 1, g->n_experts);
+        g->n_shared = cint(&c, j, "num_shared_experts", "n_shared_experts", 0, 0, 64);
+        g->moe_intermediate_size = cint(&c, j, "moe_intermediate_size", NULL, -1, 1, 1 << 22);
+        if (cstr_is(j, "moe_router_activation_func", "sigmoid", "sigmoid")) g->router_softmax = 0;
+        else if (cstr_is(j, "moe_router_activation_func", "softmax", NULL)) g->router_softmax = 1;
+        else if (!c.st) c.st = fail(err, errlen, MOE_ERR_UNSUPPORTED, "config.json: moe_router_activation_func must be sigmoid or softmax");
+        g->renormalize = cint(&c, j, "moe_renormalize", "norm_topk_prob", 1, 0, 1);
+        g->routed_scaling_factor = cfloat(&c, j, "routed_scaling_factor", 1.0, -1e6, 1e6);
+        g->n_groups = cint(&c, j, "num_expert_group", "n_group", 1, 1, g->n_experts);
+        g->topk_groups = cint(&c, j, "topk_group", NULL, 1, 1, g->n_groups);
+        if (g->n_experts % g->n_groups && !c.st)
+            c.st = fail(err, errlen, MOE_ERR_FORMAT, "config.json: num_experts %% num_expert_group != 0");
+        g->first_k_dense = cint(&c, j, "first_k_dense_replace", NULL, 0, 0, 1 << 20);
+        g->moe_layer_freq = cint(&c, j, "moe_layer_freq", NULL, 1, 1, 1 << 20);
+        g->latent_dim = cint(&c, j, "routed_expert_hidden_size", NULL, 0, 0, 1 << 16);
+        g->latent_norm = cint(&c, j, "latent_moe_use_norm", NULL, 0, 0, 1);
+        /* grouped selection keeps whole groups; it must still be able to fill k slots */
+        if (g->n_groups > 1 && g->n_groups > g->topk_groups &&
+            (int64_t)g->topk_groups * (g->n_experts / g->n_groups) < g->n_active && !c.st)
+            c.st = fail(err, errlen, MOE_ERR_FORMAT, "config.json: topk_group groups hold fewer than num_experts_per_token experts");
+    }
+    g->attn_res_block = cint(&c, j, "attn_res_block_size", NULL, 0, 0, 1 << 20);
+    if (c.st) return c.st;
+
+    /* layer kinds: KDA iff (i+1) in kda_layers; MoE per first_k_dense_replace / moe_layer_freq */
+    int L = g->n_layers;
+    m->layer_kind = xcalloc((size_t)L, 1);
+    m->layer_moe = xcalloc((size_t)L, 1);
+    if (!m->layer_kind || !m->layer_moe) return MOE_ERR_NOMEM;
+    for (int i = 0; i < L; i++) m->layer_kind[i] = MOE_LAYER_MLA;
+    const moe__json *kl = la ? cget(la, "kda_layers", NULL) : NULL, *fl = la ? cget(la, "full_attn_layers", NULL) : NULL;
+    if (la && (!kl || kl->type != MOE_JSON_ARR))
+        return fail(err, errlen, MOE_ERR_FORMAT, "config.json: linear_attn_config.kda_layers missing");
+    for (const moe__json *e = kl ? kl->child : NULL; e; e = e->next) {
+        int64_t v;
+        if (!json_int(e, 1, L, &v))
+            return fail(err, errlen, MOE_ERR_FORMAT, "config.json: kda_layers entry out of range [1, %d]", L);
+        m->layer_kind[v - 1] = MOE_LAYER_KDA;
+    }
+    if (fl && fl->type == MOE_JSON_ARR)
+        for (const moe__json *e = fl->child; e; e = e->next) {
+            int64_t v;
+            if (!json_int(e, 1, L, &v) || m->layer_kind[v - 1] == MOE_LAYER_KDA)
+                return fail(err, errlen, MOE_ERR_FORMAT,
+                            "config.json: full_attn_layers entry out of range or also in kda_layers");
+        }
+    int any_dense = 0, any_mla = 0;
+    for (int i = 0; i < L; i++) {
+        m->layer_moe[i] = g->n_experts && i >= g->first_k_dense && i % g->moe_layer_freq == 0;
+        any_dense |= !m->layer_moe[i];
+        any_mla |= m->layer_kind[i] == MOE_LAYER_MLA;
+    }
+    if (any_dense && g->intermediate_size < 1)
+        return fail(err, errlen, MOE_ERR_FORMAT, "config.json: intermediate_size missing for dense layers");
+    if (any_mla && g->qk_nope_dim + g->qk_rope_dim < 1)
+        return fail(err, errlen, MOE_ERR_FORMAT, "config.json: MLA query/key head size is 0");
+    g->layer_kind = m->layer_kind;
+    g->layer_moe = m->layer_moe;
+    return MOE_OK;
+}
+
+/* ==== model binding ===========================================================================
+ * All tensors of all files go into one hash table by full name; the model then looks up every
+ * tensor it needs (prefix + spec name), checks dtype, shape and alignment against the config,
+ * and keeps either a pointer into the mapping (matrices) or an f32 copy (small vectors). */
+
+static uint64_t fnv1a(const char *s) {
+    uint64_t h = 1469598103934665603ull;
+    while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
+    return h;
+}
+
+static const tensor_ref *lookup(const moe_model *m, const char *name) {
+    size_t mask = m->table_cap - 1;
+    for (size_t i = fnv1a(name) & mask;; i = (i + 1) & mask) {
+        if (!m->table[i].t) return NULL;
+        if (!strcmp(m->table[i].t->name, name)) return &m->table[i];
+    }
+}
+
+static moe_status build_table(moe_model *m, char *err, size_t errlen) {
+    size_t n = 0;
+    for (int f = 0; f < m->n_files; f++) n += (size_t)m->files[f].n_tensors;
+    m->table_cap = 16;
+    while (m->table_cap < 2 * n + 16) m->table_cap *= 2;
+    if (!(m->table = xcalloc(m->table_cap, sizeof *m->table))) return MOE_ERR_NOMEM;
+    for (int f = 0; f < m->n_files; f++)
+        for (int i = 0; i < m->files[f].n_tensors; i++) {
+            const moe__st_tensor *t = &m->files[f].tensors[i];
+            const tensor_ref *dup = lookup(m, t->name);
+            if (dup)
+                return fail(err, errlen, MOE_ERR_FORMAT, "tensor %s appears twice (%s and %s)",
+                            t->name, m->files[dup->file].path, m->files[f].path);
+            size_t mask = m->table_cap - 1, k = fnv1a(t->name) & mask;
+            while (m->table[k].t) k = (k + 1) & mask;
+            m->table[k].t = t;
+            m->table[k].file = f;
+        }
+    return MOE_OK;
+}
+
+typedef struct {
+    moe_model *m;
+    char *err;
+    size_t errlen;
+    moe_status st;
+} binder;
+
+static const tensor_ref *bfind(binder *b, const char *name) {
+    char full[340];
+    snprintf(full, sizeof full, "%s%s", b->m->prefix, name);
+    return lookup(b->m, full);
+}
+
+static const char *bfile(binder *b, const tensor_ref *r) { return b->m->files[r->file].path; }
+
+static int aligned_for(const moe__st_tensor *t) {
+    size_t a = t->type == MOE_T_F32 || t->type == MOE_T_I32 ? 4 : t->type == MOE_T_U8 ? 1 : 2;
+    return ((uintptr_t)t->data % a) == 0;
+}
+
+/* A matrix [rows, cols]: "X.weight" as F32/F16/BF16, or MXFP4 as X.weight_packed + X.weight_scale
+ * (decided by the tensors present, never by the quantization config's regexes). */
+static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, const char *fmt, ...) {
+    if (b->st) return;
+    char base[256], name[300];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(base, sizeof base, fmt, ap);
+    va_end(ap);
+    snprintf(name, sizeof name, "%s.weight", base);
+    const tensor_ref *r = bfind(b, name);
+    if (r) {
+        const moe__st_tensor *t = r->t;
+        if (t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16) {
+            b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: tensor %s: dtype must be F32, F16 or BF16", bfile(b, r), t->name);
+            return;
+        }
+        if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
+            b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT,
+                         "%s: tensor %s: shape does not match the config (want [%lld, %lld])",
+                         bfile(b, r), t->name, (long long)rows, (long long)cols);
+            return;
+        }
+        if (!aligned_for(t)) {
+            b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: tensor %s: misaligned data", bfile(b, r), t->name);
+            return;
+        }
+        *w = (moe__weight){t->type, rows, cols, t->data, NULL};
+        return;
+    }
+    char pn[300], sn[300];
+    snprintf(pn, sizeof pn, "%s.weight_packed", base);
+    snprintf(sn, sizeof sn, "%s.weight_scale", base);
+    const tensor_ref *rp = bfind(b, pn), *rs = bfind(b, sn);
+    if (!rp || !rs) {
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s%s", b->m->prefix, name);
+        return;
+    }
+    const moe__st_tensor *p = rp->t, *s = rs->t;
+    if (p->type != MOE_T_U8 || s->type != MOE_T_U8 || cols % 32 || p->ndim != 2 || s->ndim != 2 ||
+        p->shape[0] != rows || p->shape[1] != cols / 2 || s->shape[0] != rows ||
+        s->shape[1] != cols / 32) {
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT,
+                     "%s: MXFP4 tensor %s: want U8 weight_packed [%lld, %lld] and weight_scale "
+                     "[%lld, %lld]", bfile(b, rp), pn, (long long)rows, (long long)cols / 2,
+                     (long long)rows, (long long)cols / 32);
+        return;
+    }
+    *w = (moe__weight){MOE_T_MXFP4, rows, cols, p->data, s->data};
+}
+
+/* A small vector of n values (any shape with n elements, or >= n with `pad_zero` allowing a zero
+ * tail), kept as an f32 copy. */
+static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...) {
+    if (b->st) return NULL;
+    char name[300];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof name, fmt, ap);
+    va_end(ap);
+    const tensor_ref *r = bfind(b, name);
+    if (!r) {
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s%s", b->m->prefix, name);
+        return NULL;
+    }
+    const moe__st_tensor *t = r->t;
+    int64_t count = 1;
+    for (int i = 0; i < t->ndim; i++) count *= t->shape[i]; /* checked at parse */
+    if ((t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16) ||
+        (pad_zero ? count < n : count != n) || !aligned_for(t)) {
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT,
+                     "%s: tensor %s: want %lld values of F32, F16 or BF16; found %lld values of "
+                     "another dtype, a different count, or misaligned data",
+                     bfile(b, r), t->name, (long long)n, (long long)count);
+        return NULL;
+    }
+    float *v = malloc((size_t)count * sizeof *v);
+    if (!v) { b->st = MOE_ERR_NOMEM; return NULL; }
+    moe__row_to_f32(t->type, t->data, NULL, v, count);
+    for (int64_t i = n; i < count; i++)
+        if (v[i] != 0.0f) {
+            free(v);
+            b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: tensor %s: non-zero padding past %lld values",
+                         bfile(b, r), t->name, (long long)n);
+            return NULL;
+        }
+    return v;
+}
+
+/* AttnRes pseudo-query: norm weight times projection row (bf16*bf16 is exact in f32) */
+static float *bind_res(binder *b, int d, const char *pre) {
+    float *nw = bind_vec(b, d, 0, "%s_norm.weight", pre), *pw = bind_vec(b, d, 0, "%s_proj.weight", pre);
+    if (nw && pw)
+        for (int i = 0; i < d; i++) nw[i] *= pw[i];
+    free(pw);
+    return nw;
+}
+
+static void bind_layer(binder *b, int i) {
+    moe_model *m = b->m;
+    const moe_config *c = &m->cfg;
+    layer *L = &m->layers[i];
+    const int d = c->hidden_size;
+    char p[64];
+    snprintf(p, sizeof p, "model.layers.%d.", i);
+    L->kind = m->layer_kind[i];
+    L->moe = m->layer_moe[i];
+    L->attn_norm = bind_vec(b, d, 0, "%sinput_layernorm.weight", p);
+    L->ffn_norm = bind_vec(b, d, 0, "%spost_attention_layernorm.weight", p);
+    if (c->attn_res_block) {
+        char q[96];
+        snprintf(q, sizeof q, "%sself_attention_res", p);
+        L->attn_res_w = bind_res(b, d, q);
+        snprintf(q, sizeof q, "%smlp_res", p);
+        L->mlp_res_w = bind_res(b, d, q);
+    }
+    if (L->kind == MOE_LAYER_KDA) {
+        const int64_t H = c->kda_heads, D = c->kda_head_dim, HD = H * D, W = c->conv_kernel;
+        bind_mat(b, &L->q, HD, d, "%sself_attn.q_proj", p);
+        bind_mat(b, &L->k, HD, d, "%sself_attn.k_proj", p);
+        bind_mat(b, &L->v, HD, d, "%sself_attn.v_proj", p);
+        L->q_conv = bind_vec(b, HD * W, 0, "%sself_attn.q_conv1d.weight", p);
+        L->k_conv = bind_vec(b, HD * W, 0, "%sself_attn.k_conv1d.weight", p);
+        L->v_conv = bind_vec(b, HD * W, 0, "%sself_attn.v_conv1d.weight", p);
+        bind_mat(b, &L->f_a, D, d, "%sself_attn.f_a_proj", p);
+        bind_mat(b, &L->f_b, HD, D, "%sself_attn.f_b_proj", p);
+        L->A_log = bind_vec(b, H, 1, "%sself_attn.A_log", p);
+        L->dt_bias = bind_vec(b, HD, 0, "%sself_attn.dt_bias", p);
+        bind_mat(b, &L->b, H, d, "%sself_attn.b_proj", p);
+        if (c->kda_full_rank_gate) {
+            bind_mat(b, &L->g, HD, d, "%sself_attn.g_proj", p);
+        } else {
+            bind_mat(b, &L->g_a, D, d, "%sself_attn.g_a_proj", p);
+            bind_mat(b, &L->g_b, HD, D, "%sself_attn.g_b_proj", p);
+        }
+        L->o_norm = bind_vec(b, D, 0, "%sself_attn.o_norm.weight", p);
+        bind_mat(b, &L->o, d, HD, "%sself_attn.o_proj", p);
+    } else {
+        const int64_t H = c->mla_heads, dq = c->qk_nope_dim + c->qk_rope_dim, r = c->kv_lora_rank;
+        if (c->q_lora_rank) {
+            bind_mat(b, &L->q_a, c->q_lora_rank, d, "%sself_attn.q_a_proj", p);
+            L->q_a_norm = bind_vec(b, c->q_lora_rank, 0, "%sself_attn.q_a_layernorm.weight", p);
+            bind_mat(b, &L->q_b, H * dq, c->q_lora_rank, "%sself_attn.q_b_proj", p);
+        } else {
+            bind_mat(b, &L->q, H * dq, d, "%sself_attn.q_proj", p);
+        }
+        bind_mat(b, &L->kv_a, r + c->qk_rope_dim, d, "%sself_attn.kv_a_proj_with_mqa", p);
+        L->kv_a_norm = bind_vec(b, r, 0, "%sself_attn.kv_a_layernorm.weight", p);
+        bind_mat(b, &L->kv_b, H * (c->qk_nope_dim + c->v_head_dim), r, "%sself_attn.kv_b_proj", p);
+        if (c->mla_output_gate) bind_mat(b, &L->g, H * c->v_head_dim, d, "%sself_attn.g_proj", p);
+        bind_mat(b, &L->o, d, H * c->v_head_dim, "%sself_attn.o_proj", p);
+    }
+    if (!L->moe) {
+        bind_mat(b, &L->gate, c->intermediate_size, d, "%smlp.gate_proj", p);
+        bind_mat(b, &L->up, c->intermediate_size, d, "%smlp.up_proj", p);
+        bind_mat(b, &L->down, d, c->intermediate_size, "%smlp.down_proj", p);
+        return;
+    }
+    const int64_t E = c->n_experts, Ie = c->moe_intermediate_size, de = c->latent_dim ? c->latent_dim : d;
+    bind_mat(b, &L->router, E, d, "%sblock_sparse_moe.gate", p);
+    L->router_bias = bind_vec(b, E, 0, "%sblock_sparse_moe.gate.e_score_correction_bias", p);
+    if (c->latent_dim) {
+        bind_mat(b, &L->lat_down, de, d, "%sblock_sparse_moe.routed_expert_down_proj", p);
+        bind_mat(b, &L->lat_up, d, de, "%sblock_sparse_moe.routed_expert_up_proj", p);
+        if (c->latent_norm) L->lat_norm = bind_vec(b, de, 0, "%sblock_sparse_moe.routed_expert_norm.weight", p);
+    }
+    if (c->n_shared) {
+        int64_t S = (int64_t)c->n_shared * Ie;
+        bind_mat(b, &L->gate, S, d, "%sblock_sparse_moe.shared_experts.gate_proj", p);
+        bind_mat(b, &L->up, S, d, "%sblock_sparse_moe.shared_experts.up_proj", p);
+        bind_mat(b, &L->down, d, S, "%sblock_sparse_moe.shared_experts.down_proj", p);
+    }
+    if (b->st) return;
+    if (!(L->experts = xcalloc((size_t)E, sizeof *L->experts))) { b->st = MOE_ERR_NOMEM; return; }
+    for (int e = 0; e < E && !b->st; e++) {
+        bind_mat(b, &L->experts[e].w1, Ie, de, "%sblock_sparse_moe.experts.%d.w1", p, e);
+        bind_mat(b, &L->experts[e].w2, de, Ie, "%sblock_sparse_moe.experts.%d.w2", p, e);
+        bind_mat(b, &L->experts[e].w3, Ie, de, "%sblock_sparse_moe.experts.%d.w3", p, e);
+    }
+}
+
+static uint64_t weight_bytes(const moe__weight *w) {
+    if (!w->data) return 0;
+    uint64_t n = (uint64_t)w->rows * (uint64_t)moe__row_bytes(w->type, w->cols);
+    return w->type == MOE_T_MXFP4 ? n + (uint64_t)w->rows * (uint64_t)(w->cols / 32) : n;
+}
+
+static uint64_t expert_bytes(const expert *e) {
+    return weight_bytes(&e->w1) + weight_bytes(&e->w2) + weight_bytes(&e->w3);
+}
+
+static void count_params(moe_model *m) {
+    const moe_config *c = &m->cfg;
+    uint64_t total = 0, bytes = 0, ebytes = 0, eparams = 0, eparams_active = 0;
+    size_t pl = strlen(m->prefix);
+    for (size_t i = 0; i < m->table_cap; i++) {
+        const moe__st_tensor *t = m->table[i].t;
+        if (!t || strncmp(t->name, m->prefix, pl)) continue; /* vision tower etc. */
+        int64_t n = 1;
+        for (int d = 0; d < t->ndim; d++) n *= t->shape[d];
+        const char *nm = t->name + pl;
+        size_t len = strlen(nm);
+        if (len > 13 && !strcmp(nm + len - 13, ".weight_scale")) n = 0; /* MXFP4 scales */
+        else if (len > 14 && !strcmp(nm + len - 14, ".weight_packed")) n *= 2;
+        total += (uint64_t)n;
+        bytes += t->nbytes;
+    }
+    for (int l = 0; l < c->n_layers; l++) {
+        if (!m->layers[l].experts) continue;
+        for (int e = 0; e < c->n_experts; e++) {
+            const expert *x = &m->layers[l].experts[e];
+            uint64_t p = (uint64_t)(x->w1.rows * x->w1.cols + x->w2.rows * x->w2.cols + x->w3.rows * x->w3.cols);
+            eparams += p;
+            ebytes += expert_bytes(x);
+            if (e < c->n_active) eparams_active += p; /* experts of one layer share a shape */
+        }
+    }
+    m->info.n_params = total;
+    m->info.n_params_active = total - eparams + eparams_active;
+    m->info.weight_bytes = bytes;
+    m->info.expert_bytes = ebytes;
+    m->info.n_files = m->n_files;
+    m->info.format = "safetensors";
+}
+
+static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
+    const moe_config *c = &m->cfg;
+    binder b = {m, err, errlen, MOE_OK};
+    const int d = c->hidden_size;
+    bind_mat(&b, &m->embed, c->vocab_size, d, "model.embed_tokens");
+    bind_mat(&b, &m->lm_head, c->vocab_size, d, "lm_head");
+    m->final_norm = bind_vec(&b, d, 0, "model.norm.weight");
+    if (c->attn_res_block) m->out_res_w = bind_res(&b, d, "model.output_attn_res");
+    if (!b.st && !(m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers))) b.st = MOE_ERR_NOMEM;
+    for (int i = 0; i < c->n_layers && !b.st; i++) bind_layer(&b, i);
+    if (!b.st && m->embed.type == MOE_T_MXFP4)
+        b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
+    if (!b.st) count_params(m);
+    return b.st;
+}
+
+/* ==== opening ================================================================================ */
+
+static moe_status read_file(const char *path, char **out, size_t *len, size_t max, char *err,
+                            size_t errlen) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    char *buf = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            if (cap >= max) {
+                fclose(f);
+                free(buf);
+                return fail(err, errlen, MOE_ERR_FORMAT, "%s: larger than %zu bytes", path, max);
+            }
+            cap = cap ? cap * 2 : 65536;
+            char *nb = realloc(buf, cap + 1);
+            if (!nb) { fclose(f); free(buf); return MOE_ERR_NOMEM; }
+            buf = nb;
+        }
+        size_t r = fread(buf + n, 1, cap - n, f);
+        n += r;
+        if (r == 0) break;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) { free(buf); return fail(err, errlen, MOE_ERR_IO, "%s: read error", path); }
+    buf[n] = 0;
+    *out = buf;
+    *len = n;
+    return MOE_OK;
+}
+
+static moe_status parse_json_file(const char *path, moe__json **root, char *err, size_t errlen) {
+    char *text = NULL;
+    size_t len = 0;
+    moe_status st = read_file(path, &text, &len, 256u << 20, err, errlen);
+    if (st) return st;
+    char e2[200];
+    st = moe__json_parse(text, len, root, e2, sizeof e2);
+    free(text);
+    if (st) return fail(err, errlen, st, "%s: %s", path, e2);
+    return MOE_OK;
+}
+
+static int is_dir(const char *path) {
+    struct stat sb;
+    return !stat(path, &sb) && S_ISDIR(sb.st_mode);
+}
+
+static int file_exists(const char *path) {
+    struct stat sb;
+    return !stat(path, &sb);
+}
+
+/* The shard list from model.safetensors.index.json: distinct plain file names in first-seen
+ * order. A name with a path separator is refused (the index must not reach outside the dir). */
+static moe_status index_shards(const char *dir, const char *index_path, char ***names, int *n,
+                               moe__json **idx, char *err, size_t errlen) {
+    moe_status st = parse_json_file(index_path, idx, err, errlen);
+    if (st) return st;
+    const moe__json *wm = moe__json_get(*idx, "weight_map");
+    if (!wm || wm->type != MOE_JSON_OBJ || wm->n == 0)
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: no weight_map", index_path);
+    char **list = xcalloc((size_t)wm->n, sizeof *list);
+    if (!list) return MOE_ERR_NOMEM;
+    int cnt = 0;
+    for (const moe__json *e = wm->child; e; e = e->next) {
+        if (e->type != MOE_JSON_STR || !*e->str || strchr(e->str, '/') || !strcmp(e->str, "..") ||
+            strlen(e->str) > 255) {
+            free(list);
+            return fail(err, errlen, MOE_ERR_FORMAT, "%s: bad shard name for tensor %s", index_path, e->key);
+        }
+        int seen = 0;
+        for (int i = 0; i < cnt && !seen; i++) seen = !strcmp(list[i], e->str);
+        if (!seen) list[cnt++] = (char *)e->str;
+    }
+    (void)dir;
+    *names = list;
+    *n = cnt;
+    return MOE_OK;
+}
+
+moe_options moe_default_options(void) {
+    moe_options o;
+    memset(&o, 0, sizeof o);
+    o.n_threads = 1;
+    o.n_batch = 512;
+    o.expert_mode = MOE_EXPERTS_MMAP;
+    return o;
+}
+
+static moe_status open_files(moe_model *m, const char *path, char *err, size_t errlen) {
+    char dir[4096], buf[4400];
+    moe_status st;
+    if (strlen(path) >= sizeof dir - 1) return fail(err, errlen, MOE_ERR_ARG, "path too long");
+    moe__json *cfg = NULL, *idx = NULL;
+    char **shards = NULL, *single[1];
+    int n_shards = 0;
+    if (is_dir(path)) {
+        snprintf(dir, sizeof dir, "%s", path);
+        snprintf(buf, sizeof buf, "%s/model.safetensors.index.json", dir);
+        if (file_exists(buf)) {
+            if ((st = index_shards(dir, buf, &shards, &n_shards, &idx, err, errlen))) goto out;
+        } else {
+            single[0] = "model.safetensors";
+            shards = single, n_shards = 1;
+        }
+    } else {
+        /* a single .safetensors file: config.json beside it */
+        const char *slash = strrchr(path, '/');
+        if (slash) snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+        else strcpy(dir, ".");
+        single[0] = (char *)(slash ? slash + 1 : path);
+        shards = single, n_shards = 1;
+    }
+    snprintf(buf, sizeof buf, "%s/config.json", dir);
+    if ((st = parse_json_file(buf, &cfg, err, errlen))) goto out;
+    if (cfg->type != MOE_JSON_OBJ) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: not an object", buf); goto out; }
+    if ((st = parse_config(m, cfg, err, errlen))) goto out;
+    if (!(m->files = xcalloc((size_t)n_shards, sizeof *m->files))) { st = MOE_ERR_NOMEM; goto out; }
+    for (int i = 0; i < n_shards; i++) {
+        snprintf(buf, sizeof buf, "%s/%s", dir, shards[i]);
+        if ((st = moe__st_open(&m->files[i], buf, err, errlen))) goto out;
+        m->n_files++;
+    }
+    if ((st = build_table(m, err, errlen))) goto out;
+    if (idx) { /* every tensor the index names must be in the shard it names */
+        const moe__json *wm = moe__json_get(idx, "weight_map");
+        for (const moe__json *e = wm->child; e; e = e->next) {
+            const tensor_ref *r = lookup(m, e->key);
+            const char *base = r ? strrchr(m->files[r->file].path, '/') + 1 : NULL;
+            if (!r || strcmp(base, e->str)) {
+                st = fail(err, errlen, MOE_ERR_FORMAT, "index lists tensor %s in %s, but it is not there",
+                          e->key, e->str);
+                goto out;
+            }
+        }
+    }
+out:
+    if (shards != single) free(shards);
+    moe__json_free(cfg);
+    moe__json_free(idx);
+    return st;
+}
+
+moe_status moe_model_open(moe_model **out, const char *path, const moe_options *opt, char *err,
+                          size_t errlen) {
+    if (err && errlen) err[0] = 0;
+    if (!out) return fail(err, errlen, MOE_ERR_ARG, "moe_model_open: out is NULL");
+    *out = NULL;
+    if (!path) return fail(err, errlen, MOE_ERR_ARG, "moe_model_open: path is NULL");
+    moe_model *m = xcalloc(1, sizeof *m);
+    if (!m) return MOE_ERR_NOMEM;
+    m->opt = opt ? *opt : moe_default_options();
+    if (m->opt.n_threads < 1) m->opt.n_threads = 1;
+    if (m->opt.n_batch < 1) m->opt.n_batch = 512;
+    moe__kernels_init(&m->k, m->opt.flags);
+    moe_status st = MOE_OK;
+    if (!(m->path = strdup(path))) st = MOE_ERR_NOMEM;
+    if (!st) st = open_files(m, path, err, errlen);
+    if (!st) st = bind_model(m, err, errlen);
+    if (st) {
+        if (st == MOE_ERR_NOMEM && err && errlen && !err[0]) fail(err, errlen, st, "out of memory loading %s", path);
+        moe_model_close(m);
+        return st;
+    }
+    *out = m;
+    return MOE_OK;
+}
+
+void moe_model_close(moe_model *m) {
+    if (!m) return;
+    if (m->layers)
+        for (int i = 0; i < m->cfg.n_layers; i++) {
+            layer *L = &m->layers[i];
+            float *vecs[] = {L->attn_norm, L->ffn_norm, L->attn_res_w, L->mlp_res_w, L->q_conv,
+                             L->k_conv, L->v_conv, L->A_log, L->dt_bias, L->o_norm, L->q_a_norm,
+                             L->kv_a_norm, L->router_bias, L->lat_norm};
+            for (size_t k = 0; k < sizeof vecs / sizeof *vecs; k++) free(vecs[k]);
+            free(L->experts);
+        }
+    free(m->layers);
+    free(m->final_norm);
+    free(m->out_res_w);
+    free(m->table);
+    for (int i = 0; i < m->n_files; i++) moe__st_close(&m->files[i]);
+    free(m->files);
+    free(m->layer_kind);
+    free(m->layer_moe);
+    free(m->path);
+    free(m);
+}
+
+const moe_config *moe_model_config(const moe_model *m) { return m ? &m->cfg : NULL; }
+
+moe_model_info moe_model_get_info(const moe_model *m) {
+    moe_model_info z;
+    memset(&z, 0, sizeof z);
+    return m ? m->info : z;
+}
+
+/* ==== matmul ==================================================================================
+ * y[t, n] = sum_k x[t, k] W[n, k]: threads split the weight rows; each output element is one
+ * kernel dot, so results do not depend on the thread count. */
+
+static void matmul_ld(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
+                      const moe__weight *W) {
+    const moe__dot_fn dot = m->k.dot[W->type];
+    const int64_t N = W->rows, K = W->cols, rb = moe__row_bytes(W->type, K);
+    const int64_t sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
+    const unsigned char *base = W->data;
+    (void)sb;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (N * T * K > (1 << 18) && m->opt.n_threads > 1)
+#endif
+    for (int64_t n = 0; n < N; n++) {
+        const void *w = base + n * rb;
+        const uint8_t *s = W->scale ? W->scale + n * sb : NULL;
+        for (int t = 0; t < T; t++) y[(int64_t)t * N + n] = dot(w, s, x + (int64_t)t * ldx, K);
+    }
+}
+
+static void matmul(const moe_model *m, float *y, const float *x, int T, const moe__weight *W) {
+    matmul_ld(m, y, x, W->cols, T, W);
+}
+
+/* ==== norms and activations ==================================================================== */
+
+static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
+    double ss = 0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float inv = (float)(1.0 / sqrt(ss / n + eps));
+    for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
+}
+
+static void rmsnorm_rows(float *y, const float *x, const float *w, int rows, int n, float eps) {
+    for (int t = 0; t < rows; t++) rmsnorm(y + (size_t)t * n, x + (size_t)t * n, w, n, eps);
+}
+
+static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
+static inline float siluf(float z) { return z * sigmoidf(z); }
+static inline float softplusf(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
+
+/* gate a, up b -> phi(a, b) into a (SwiGLU or SiTU-GLU, spec section 3) */
+static void glu(const moe_config *c, float *a, const float *b, int64_t n) {
+    if (c->hidden_act == MOE_ACT_SILU) {
+        for (int64_t i = 0; i < n; i++) a[i] = siluf(a[i]) * b[i];
+        return;
+    }
+    const float be = c->situ_beta, bl = c->situ_linear_beta;
+    for (int64_t i = 0; i < n; i++) {
+        float up = bl > 0 ? bl * tanhf(b[i] / bl) : b[i];
+        a[i] = be * tanhf(a[i] / be) * sigmoidf(a[i]) * up;
+    }
+}
+
+/* ==== KDA layer (spec section 6) ===============================================================
+ * One sequence segment of n rows. The session keeps the last W-1 pre-convolution rows of q, k, v
+ * and the per-head state S; both are updated here. */
+
+#define KDA_CHUNK_MIN 16 /* below this many tokens the recurrence is used */
+
+static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s, int li,
+                              const float *x, int n, float *out) {
+    const moe_config *c = &m->cfg;
+    const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
+    const int W = c->conv_kernel, Wm = W - 1;
+    const size_t ext = (size_t)(Wm + n) * HD;
+    float *buf = malloc(sizeof(float) * (3 * ext + 5 * (size_t)n * HD + (size_t)n * H + (size_t)n * D));
+    if (!buf) return MOE_ERR_NOMEM;
+    float *qe = buf, *ke = qe + ext, *ve = ke + ext, *q = ve + ext, *k = q + (size_t)n * HD;
+    float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD;
+    float *beta = o + (size_t)n * HD, *tmp = beta + (size_t)n * H;
+    float *tail = s->conv_tail[li];
+    float *exts[3] = {qe, ke, ve}, *outs[3] = {q, k, v};
+    const moe__weight *proj[3] = {&L->q, &L->k, &L->v};
+    const float *convw[3] = {L->q_conv, L->k_conv, L->v_conv};
+    /* 1-2. projections, then the causal depthwise convolution over [tail | new rows] */
+    for (int a = 0; a < 3; a++) {
+        float *e = exts[a];
+        for (int r = 0; r < Wm; r++) memcpy(e + (size_t)r * HD, tail + ((size_t)r * 3 + a) * HD, sizeof(float) * HD);
+        matmul(m, e + (size_t)Wm * HD, x, n, proj[a]);
+        for (int t = 0; t < n; t++)
+            for (int ch = 0; ch < HD; ch++) {
+                float acc = 0;
+                const float *w = convw[a] + (size_t)ch * W;
+                for (int j = 0; j < W; j++) acc += w[j] * e[(size_t)(t + j) * HD + ch];
+                outs[a][(size_t)t * HD + ch] = siluf(acc);
+            }
+        for (int r = 0; r < Wm; r++)
+            memcpy(tail + ((size_t)r * 3 + a) * HD, e + (size_t)(n + r) * HD, sizeof(float) * HD);
+    }
+    /* 3. per-head L2 norm; q also scaled by D^-1/2 */
+    const float qscale = 1.0f / sqrtf((float)D);
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < H; h++) {
+            float *qh = q + (size_t)t * HD + (size_t)h * D, *kh = k + (size_t)t * HD + (size_t)h * D;
+            double sq = 0, sk = 0;
+            for (int i = 0; i < D; i++) sq += (double)qh[i] * qh[i], sk += (double)kh[i] * kh[i];
+            float iq = (float)(1.0 / sqrt(sq + 1e-6)) * qscale, ik = (float)(1.0 / sqrt(sk + 1e-6));
+            for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
+        }
+    /* 4. decay gate: z = (x f_a^T) f_b^T + dt_bias */
+    matmul(m, tmp, x, n, &L->f_a);
+    matmul(m, g, tmp, n, &L->f_b);
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < H; h++) {
+            float a = expf(L->A_log[h]);
+            for (int i = 0; i < D; i++) {
+                size_t idx = (size_t)t * HD + (size_t)h * D + i;
+                float z = g[idx] + L->dt_bias[(size_t)h * D + i];
+                g[idx] = c->kda_gate_bounded ? c->kda_gate_lower_bound * sigmoidf(a * z) : -a * softplusf(z);
+            }
+        }
+    /* 5. beta */
+    matmul(m, beta, x, n, &L->b);
+    for (int i = 0; i < n * H; i++) beta[i] = sigmoidf(beta[i]);
+    /* 6. the core, per head: chunked for prefill, recurrence for short steps */
+    const unsigned fl = m->opt.flags;
+    const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
+    const int bounded = c->kda_gate_bounded && c->kda_gate_lower_bound >= -5.0f;
+    const size_t wsz = moe__kda_chunk_work(D);
+    float *work = chunked ? malloc(sizeof(float) * wsz * (size_t)H) : NULL;
+    if (chunked && !work) { free(buf); return MOE_ERR_NOMEM; }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1 && H > 1)
+#endif
+    for (int h = 0; h < H; h++) {
+        moe__kda_head a = {n, D, HD, H, q + (size_t)h * D, k + (size_t)h * D, v + (size_t)h * D,
+                           g + (size_t)h * D, beta + h, o + (size_t)h * D,
+                           s->kda_state[li] + (size_t)h * D * D};
+        if (chunked) moe__kda_chunked(&a, bounded, work + wsz * (size_t)h);
+        else moe__kda_recurrent(&a);
+    }
+    free(work);
+    /* 7. output gate and per-head RMSNorm; 8. output projection (og reuses q's buffer) */
+    float *og = q;
+    if (c->kda_full_rank_gate) {
+        matmul(m, og, x, n, &L->g);
+    } else {
+        matmul(m, tmp, x, n, &L->g_a);
+        matmul(m, og, tmp, n, &L->g_b);
+    }
+    for (int t = 0; t < n; t++)
+        for (int h = 0; h < H; h++) {
+            float *oh = o + (size_t)t * HD + (size_t)h * D;
+            const float *gh = og + (size_t)t * HD + (size_t)h * D;
+            rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
+            for (int i = 0; i < D; i++) oh[i] *= sigmoidf(gh[i]);
+        }
+    matmul(m, out, o, n, &L->o);
+    (void)d;
+    free(buf);
+    return MOE_OK;
+}
+
+/* ==== MLA layer (spec section 7) ===============================================================
+ * The session caches, per token, the normalised latent c (r) and the shared key slice kr (d_r).
+ * Attention runs either absorbed (queries mapped into the latent space: cheap when few queries
+ * meet a long cache, i.e. decode) or expanded (keys/values rebuilt from the cache: cheaper when
+ * many queries share the keys, i.e. prefill); the cost model below picks per call. */
+
+static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
+    const moe_config *c = &s->m->cfg;
+    if (rows <= s->mla_cap[li]) return MOE_OK;
+    int cap = s->mla_cap[li] ? s->mla_cap[li] : 64;
+    while (cap < rows) cap = cap > s->n_ctx / 2 ? s->n_ctx : cap * 2;
+    if (cap < rows) cap = rows;
+    size_t w = (size_t)c->kv_lora_rank + c->qk_rope_dim;
+    float *p = realloc(s->mla_cache[li], sizeof(float) * w * (size_t)cap);
+    if (!p) return MOE_ERR_NOMEM;
+    s->mla_cache[li] = p;
+    s->mla_cap[li] = cap;
+    return MOE_OK;
+}
+
+static int nthreads(const moe_model *m) {
+#ifdef _OPENMP
+    return m->opt.n_threads;
+#else
+    (void)m;
+    return 1;
+#endif
+}
+
+static int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s, int li,
+                              const float *x, int n, float *out) {
+    const moe_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, pos = s->pos;
+    const int S = pos + n; /* keys after this step */
+    moe_status st = mla_cache_reserve(s, li, S);
+    if (st) return st;
+    /* cost of the two attention forms (multiply-adds), averaged over the causal triangle */
+    const double savg = pos + (n + 1) / 2.0;
+    const double absorbed = (double)n * H * (savg * (2.0 * r + dr) + (double)(dn + dv) * r);
+    const double expanded = (double)S * H * (dn + dv) * r + (double)n * H * savg * (dq + dv);
+    int use_expanded = expanded < absorbed;
+    if (m->opt.flags & MOE_FLAG_MLA_ABSORBED) use_expanded = 0;
+    if (m->opt.flags & MOE_FLAG_MLA_EXPANDED) use_expanded = 1;
+    const int nt = nthreads(m);
+    size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
+    size_t kvn = use_expanded ? (size_t)S * H * (dn + dv) : 0;
+    size_t scratch = (size_t)S + 2 * (size_t)r + 16; /* scores, ctx, absorbed query */
+    size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
+    size_t gn = c->mla_output_gate ? yn : 0;
+    float *buf = malloc(sizeof(float) * (qn + yn + gn + kvn + qa + (size_t)n * cw + scratch * nt));
+    if (!buf) return MOE_ERR_NOMEM;
+    float *q = buf, *y = q + qn, *gate = y + yn, *kv = gate + gn, *qa_buf = kv + kvn;
+    float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
+    /* 1. queries */
+    if (c->q_lora_rank) {
+        matmul(m, qa_buf, x, n, &L->q_a);
+        rmsnorm_rows(qa_buf, qa_buf, L->q_a_norm, n, c->q_lora_rank, 1e-6f);
+        matmul(m, q, qa_buf, n, &L->q_b);
+    } else {
+        matmul(m, q, x, n, &L->q);
+    }
+    /* 2. latents into the cache */
+    matmul(m, lat, x, n, &L->kv_a);
+    float *cache = s->mla_cache[li];
+    for (int t = 0; t < n; t++) {
+        float *row = cache + (size_t)(pos + t) * cw;
+        rmsnorm(row, lat + (size_t)t * cw, L->kv_a_norm, r, 1e-6f);
+        memcpy(row + r, lat + (size_t)t * cw + r, sizeof(float) * dr);
+    }
+    if (use_expanded) matmul_ld(m, kv, cache, cw, S, &L->kv_b); /* [S, H*(dn+dv)] */
+    const float scale = 1.0f / sqrtf((float)dq);
+    const int64_t kvrow = (int64_t)moe__row_bytes(L->kv_b.type, r);
+    const int64_t kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
+    const moe__dot_fn dot = m->k.dot[L->kv_b.type];
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n * H > 1)
+#endif
+    for (int th = 0; th < n * H; th++) {
+        const int t = th / H, h = th % H, last = pos + t;
+        float *sc = scr + scratch * (size_t)thread_id(), *ctx = sc + S;
+        const float *qh = q + (size_t)t * H * dq + (size_t)h * dq;
+        float *yh = y + (size_t)t * H * dv + (size_t)h * dv;
+        float mx = -INFINITY;
+        if (use_expanded) {
+            const size_t kvw = (size_t)H * (dn + dv);
+            for (int j = 0; j <= last; j++) {
+                const float *kn = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
+                const float *kr = cache + (size_t)j * cw + r;
+                float a = 0;
+                for (int i = 0; i < dn; i++) a += qh[i] * kn[i];
+                for (int i = 0; i < dr; i++) a += qh[dn + i] * kr[i];
+                sc[j] = a * scale;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            double sum = 0;
+            for (int j = 0; j <= last; j++) sum += sc[j] = expf(sc[j] - mx);
+            float inv = (float)(1.0 / sum);
+            for (int i = 0; i < dv; i++) yh[i] = 0;
+            for (int j = 0; j <= last; j++) {
+                const float *vv = kv + (size_t)j * kvw + (size_t)h * (dn + dv) + dn;
+                float p = sc[j] * inv;
+                for (int i = 0; i < dv; i++) yh[i] += p * vv[i];
+            }
+        } else {
+            /* absorbed: qa = W_UK,h^T qn (r values, from kv_b rows h*(dn+dv) .. +dn);
+             * score_j = qa . c_j + qr . kr_j; ctx = sum_j p_j c_j; y_h = W_UV,h ctx */
+            float *qa = ctx + r, row[1024];
+            for (int i = 0; i < r; i++) qa[i] = 0;
+            for (int i = 0; i < dn; i++) {
+                const int64_t wr = (int64_t)h * (dn + dv) + i;
+                moe__row_to_f32(L->kv_b.type, (const unsigned char *)L->kv_b.data + wr * kvrow,
+                                L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
+                for (int j = 0; j < r; j++) qa[j] += qh[i] * row[j];
+            }
+            for (int j = 0; j <= last; j++) {
+                const float *cj = cache + (size_t)j * cw;
+                float a = 0;
+                for (int i = 0; i < r; i++) a += qa[i] * cj[i];
+                for (int i = 0; i < dr; i++) a += qh[dn + i] * cj[r + i];
+                sc[j] = a * scale;
+                if (sc[j] > mx) mx = sc[j];
+            }
+            double sum = 0;
+            for (int j = 0; j <= last; j++) sum += sc[j] = expf(sc[j] - mx);
+            float inv = (float)(1.0 / sum);
+            for (int i = 0; i < r; i++) ctx[i] = 0;
+            for (int j = 0; j <= last; j++) {
+                const float *cj = cache + (size_t)j * cw;
+                float p = sc[j] * inv;
+                for (int i = 0; i < r; i++) ctx[i] += p * cj[i];
+            }
+            for (int i = 0; i < dv; i++) {
+                const int64_t wr = (int64_t)h * (dn + dv) + dn + i;
+                yh[i] = dot((const unsigned char *)L->kv_b.data + wr * kvrow,
+                            L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, ctx, r);
+            }
+        }
+    }
+    /* 5. output gate; 6. output projection */
+    if (c->mla_output_gate) {
+        matmul(m, gate, x, n, &L->g);
+        for (size_t i = 0; i < yn; i++) y[i] *= sigmoidf(gate[i]);
+    }
+    matmul(m, out, y, n, &L->o);
+    free(buf);
+    return MOE_OK;
+}
+
+/* ==== FFN and MoE (spec section 8) ============================================================= */
+
+static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const moe__weight *up,
+                              const moe__weight *down, const float *x, int n, float *out) {
+    const int64_t I = gate->rows;
+    float *a = malloc(sizeof(float) * 2 * (size_t)n * (size_t)I);
+    if (!a) return MOE_ERR_NOMEM;
+    float *b = a + (size_t)n * I;
+    matmul(m, a, x, n, gate);
+    matmul(m, b, x, n, up);
+    glu(&m->cfg, a, b, (int64_t)n * I);
+    matmul(m, out, a, n, down);
+    free(a);
+    return MOE_OK;
+}
+
+/* The one way the forward pass reaches a routed expert. With mmap experts the weights are the
+ * mapping itself; the streaming expert store will make them resident here. */
+static moe_status expert_get(const moe_model *m, int li, int e, const expert **out) {
+    *out = &m->layers[li].experts[e];
+    return MOE_OK;
+}
+
+/* Top-k selection per row on s' = s + bias (grouped when G > 1 and G > G_k); weights from the
+ * unbiased s. ids come out sorted ascending. */
+static void route_rows(const moe_config *c, const float *logits, const float *bias, int n,
+                       int32_t *ids, float *wts, float *work) {
+    const int E = c->n_experts, K = c->n_active, G = c->n_groups, Gk = c->topk_groups;
+    float *s = work, *sel = work + E;
+    for (int t = 0; t < n; t++) {
+        const float *l = logits + (size_t)t * E;
+        if (c->router_softmax) {
+            float mx = -INFINITY;
+            for (int e = 0; e < E; e++) mx = l[e] > mx ? l[e] : mx;
+            double sum = 0;
+            for (int e = 0; e < E; e++) sum += s[e] = expf(l[e] - mx);
+            for (int e = 0; e < E; e++) s[e] = (float)(s[e] / sum);
+        } else {
+            for (int e = 0; e < E; e++) s[e] = sigmoidf(l[e]);
+        }
+        for (int e = 0; e < E; e++) sel[e] = s[e] + bias[e];
+        if (G > 1 && G > Gk) {
+            const int per = E / G;
+            float gscore[1024];
+            unsigned char keep[1024];
+            for (int gi = 0; gi < G; gi++) {
+                float b1 = -INFINITY, b2 = -INFINITY;
+                for (int e = gi * per; e < (gi + 1) * per; e++) {
+                    if (sel[e] > b1) b2 = b1, b1 = sel[e];
+                    else if (sel[e] > b2) b2 = sel[e];
+                }
+                gscore[gi] = per > 1 ? b1 + b2 : b1;
+                keep[gi] = 0;
+            }
+            for (int kk = 0; kk < Gk; kk++) {
+                int best = -1;
+                for (int gi = 0; gi < G; gi++)
+                    if (!keep[gi] && (best < 0 || gscore[gi] > gscore[best])) best = gi;
+                keep[best] = 1;
+            }
+            for (int gi = 0; gi < G; gi++)
+                if (!keep[gi])
+                    for (int e = gi * per; e < (gi + 1) * per; e++) sel[e] = -INFINITY;
+        }
+        int32_t *id = ids + (size_t)t * K;
+        float *w = wts + (size_t)t * K;
+        unsigned char *taken = (unsigned char *)(sel + E);
+        memset(taken, 0, (size_t)E);
+        for (int kk = 0; kk < K; kk++) { /* k passes: K is small (<= 16 in the family) */
+            int best = -1;
+            for (int e = 0; e < E; e++)
+                if (!taken[e] && (best < 0 || sel[e] > sel[best])) best = e;
+            id[kk] = best;
+            taken[best] = 1;
+        }
+        /* sort ids ascending (insertion sort; K is small) */
+        for (int i = 1; i < K; i++) {
+            int32_t v = id[i];
+            int j = i - 1;
+            while (j >= 0 && id[j] > v) id[j + 1] = id[j], j--;
+            id[j + 1] = v;
+        }
+        double sum = 0;
+        for (int kk = 0; kk < K; kk++) sum += w[kk] = s[id[kk]];
+        for (int kk = 0; kk < K; kk++) {
+            if (K > 1 && c->renormalize) w[kk] = (float)(w[kk] / (sum + 1e-20));
+            w[kk] *= c->routed_scaling_factor;
+        }
+    }
+}
+
+static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, int n, float *out,
+                                  int32_t *ids, moe_step_stats *stats) {
+    const moe_config *c = &m->cfg;
+    const layer *L = &m->layers[li];
+    const int d = c->hidden_size, E = c->n_experts, K = c->n_active, Ie = c->moe_intermediate_size;
+    const int de = c->latent_dim ? c->latent_dim : d;
+    moe_status st = MOE_OK;
+    size_t nk = (size_t)n * K;
+    float *logits = malloc(sizeof(float) * ((size_t)n * E + 3 * (size_t)E + nk + (size_t)n * de * 2 +
+                                            (size_t)n * (2 * (size_t)Ie + de) + (size_t)n * de));
+    int *cnt = xcalloc((size_t)E + 1, sizeof *cnt), *rows = malloc(sizeof(int) * nk);
+    float *rw = malloc(sizeof(float) * nk);
+    if (!logits || !cnt || !rows || !rw) { st = MOE_ERR_NOMEM; goto done; }
+    float *work = logits + (size_t)n * E, *wts = work + 3 * (size_t)E, *xe = wts + nk;
+    float *ye = xe + (size_t)n * de, *gx = ye + (size_t)n * de, *ga = gx + (size_t)n * de;
+    float *gb = ga + (size_t)n * Ie, *go = gb + (size_t)n * Ie;
+    /* 1-4. router in f32, selection, weights */
+    matmul(m, logits, x, n, &L->router);
+    route_rows(c, logits, L->router_bias, n, ids, wts, work);
+    /* 5. group the rows by expert (counting sort: experts in id order, rows in row order) */
+    for (size_t i = 0; i < nk; i++) cnt[ids[i] + 1]++;
+    for (int e = 0; e < E; e++) cnt[e + 1] += cnt[e];
+    {
+        int *fill = malloc(sizeof(int) * (size_t)E);
+        if (!fill) { st = MOE_ERR_NOMEM; goto done; }
+        memcpy(fill, cnt, sizeof(int) * (size_t)E);
+        for (size_t i = 0; i < nk; i++) {
+            int slot = fill[ids[i]]++;
+            rows[slot] = (int)(i / K);
+            rw[slot] = wts[i];
+        }
+        free(fill);
+    }
+    if (c->latent_dim) matmul(m, xe, x, n, &L->lat_down);
+    else memcpy(xe, x, sizeof(float) * (size_t)n * d);
+    memset(ye, 0, sizeof(float) * (size_t)n * de);
+    for (int e = 0; e < E; e++) {
+        const int c0 = cnt[e], ce = cnt[e + 1] - c0;
+        if (!ce) continue;
+        const expert *ex;
+        if ((st = expert_get(m, li, e, &ex))) goto done;
+        for (int i = 0; i < ce; i++) memcpy(gx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
+        matmul(m, ga, gx, ce, &ex->w1);
+        matmul(m, gb, gx, ce, &ex->w3);
+        glu(c, ga, gb, (int64_t)ce * Ie);
+        matmul(m, go, ga, ce, &ex->w2);
+        for (int i = 0; i < ce; i++) {
+            float *yr = ye + (size_t)rows[c0 + i] * de, w = rw[c0 + i];
+            const float *orow = go + (size_t)i * de;
+            for (int j = 0; j < de; j++) yr[j] += w * orow[j];
+        }
+        if (stats) {
+            stats->expert_rows += (uint64_t)ce;
+            stats->expert_loads++;
+            stats->expert_bytes += expert_bytes(ex);
+        }
+    }
+    if (c->latent_dim) {
+        if (c->latent_norm) rmsnorm_rows(ye, ye, L->lat_norm, n, de, c->rms_norm_eps);
+        matmul(m, out, ye, n, &L->lat_up);
+    } else {
+        memcpy(out, ye, sizeof(float) * (size_t)n * d);
+    }
+    /* 6. shared experts on the full-width input */
+    if (c->n_shared) {
+        float *sh = malloc(sizeof(float) * (size_t)n * d);
+        if (!sh) { st = MOE_ERR_NOMEM; goto done; }
+        st = ffn_forward(m, &L->gate, &L->up, &L->down, x, n, sh);
+        for (size_t i = 0; i < (size_t)n * d; i++) out[i] += sh[i];
+        free(sh);
+    }
+done:
+    free(logits);
+    free(cnt);
+    free(rows);
+    free(rw);
+    return st;
+}
+
+/* ==== attention residuals (spec section 5.2) ==================================================
+ * Per token: softmax over depth of (RMS-normalised source . pseudo-query), mixing the raw
+ * sources. In f32 with double accumulation: the mix logits are close together. */
+
+#define MAX_SOURCES 4100 /* blocks + partial: n_layers <= 4096 is checked at load */
+
+static void attnres_row(float *y, const float *const *src, int ns, const float *w, int d, float eps) {
+    double sc[MAX_SOURCES], mx = -INFINITY;
+    for (int s = 0; s < ns; s++) {
+        double ss = 0, dot = 0;
+        for (int j = 0; j < d; j++) ss += (double)src[s][j] * src[s][j], dot += (double)src[s][j] * w[j];
+        sc[s] = dot / sqrt(ss / d + eps);
+        if (sc[s] > mx) mx = sc[s];
+    }
+    double sum = 0;
+    for (int s = 0; s < ns; s++) sum += sc[s] = exp(sc[s] - mx);
+    for (int j = 0; j < d; j++) {
+        double a = 0;
+        for (int s = 0; s < ns; s++) a += sc[s] * src[s][j];
+        y[j] = (float)(a / sum);
+    }
+}
+
+/* y[rows] = AttnRes over [blocks..., p] for every row */
+static void attnres(float *y, const float *p, float *const *blocks, int nb, const float *w, int rows, int d, float eps) {
+    for (int t = 0; t < rows; t++) {
+        const float *src[MAX_SOURCES];
+        for (int b = 0; b < nb; b++) src[b] = blocks[b] + (size_t)t * d;
+        src[nb] = p + (size_t)t * d;
+        attnres_row(y + (size_t)t * d, src, nb + 1, w, d, eps);
+    }
+}
+
+/* ==== step ====================================================================================
+ * One forward pass over the rows of several sequence segments. Mixers run per segment (each
+ * has its own state); norms, FFN and MoE run on all rows together, so an expert chosen by many
+ * rows is read once. */
+
+typedef struct {
+    moe_seq *q;
+    int start, n, row0; /* tokens [start, start+n) of q, at rows [row0, row0+n) */
+} segment;
+
+static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_stats *stats) {
+    const moe_config *c = &m->cfg;
+    const int d = c->hidden_size, Lc = c->n_layers, B = c->attn_res_block, V = c->vocab_size;
+    const int nbmax = B ? Lc / B + 2 : 0, K = c->n_active;
+    const size_t Rd = (size_t)R * d;
+    moe_status st = MOE_OK;
+    float *h = malloc(sizeof(float) * Rd * (4 + (size_t)nbmax));
+    int32_t *ids = c->n_experts ? malloc(sizeof(int32_t) * (size_t)R * K) : NULL;
+    float *blocks[MAX_SOURCES];
+    if (!h || (c->n_experts && !ids)) { st = MOE_ERR_NOMEM; goto done; }
+    float *x = h + Rd, *mix = x + Rd, *out = mix + Rd;
+    for (int b = 0; b < nbmax; b++) blocks[b] = out + Rd * (size_t)(b + 1);
+    int nb = 0;
+    const int64_t erb = moe__row_bytes(m->embed.type, d);
+    for (int i = 0; i < nsg; i++)
+        for (int t = 0; t < sg[i].n; t++)
+            moe__row_to_f32(m->embed.type, (const unsigned char *)m->embed.data + (int64_t)sg[i].q->tokens[sg[i].start + t] * erb,
+                            NULL, h + (size_t)(sg[i].row0 + t) * d, d);
+    for (int li = 0; li < Lc; li++) {
+        const layer *L = &m->layers[li];
+        int p_none = 0;
+        /* mixer input: plain h, or AttnRes over the blocks (h holds the partial sum p) */
+        const float *xa = h;
+        if (B && nb > 0) {
+            attnres(mix, h, blocks, nb, L->attn_res_w, R, d, c->rms_norm_eps);
+            xa = mix;
+        }
+        rmsnorm_rows(x, xa, L->attn_norm, R, d, c->rms_norm_eps);
+        if (B && li % B == 0) { /* close the block: p becomes a source of its own */
+            memcpy(blocks[nb++], h, sizeof(float) * Rd);
+            p_none = 1;
+        }
+        for (int i = 0; i < nsg && !st; i++) {
+            moe_session *s = sg[i].q->s;
+            const float *xi = x + (size_t)sg[i].row0 * d;
+            float *oi = out + (size_t)sg[i].row0 * d;
+            st = L->kind == MOE_LAYER_KDA ? kda_forward(m, L, s, li, xi, sg[i].n, oi)
+                                          : mla_forward(m, L, s, li, xi, sg[i].n, oi);
+        }
+        if (st) goto done;
+        if (p_none) memcpy(h, out, sizeof(float) * Rd);
+        else for (size_t i = 0; i < Rd; i++) h[i] += out[i];
+        const float *xm = h;
+        if (B) {
+            attnres(mix, h, blocks, nb, L->mlp_res_w, R, d, c->rms_norm_eps);
+            xm = mix;
+        }
+        rmsnorm_rows(x, xm, L->ffn_norm, R, d, c->rms_norm_eps);
+        if (L->moe) st = moe_ffn_forward(m, li, x, R, out, ids, stats);
+        else st = ffn_forward(m, &L->gate, &L->up, &L->down, x, R, out);
+        if (st) goto done;
+        for (size_t i = 0; i < Rd; i++) h[i] += out[i];
+        for (int i = 0; i < nsg; i++) { /* routing trace */
+            moe_seq *q = sg[i].q;
+            if (!q->routes) continue;
+            for (int t = 0; t < sg[i].n; t++) {
+                int32_t *dst = q->routes + ((size_t)(sg[i].start + t) * Lc + li) * K;
+                for (int kk = 0; kk < K; kk++) dst[kk] = L->moe ? ids[(size_t)(sg[i].row0 + t) * K + kk] : -1;
+            }
+        }
+    }
+    /* logits, only for the rows asked for */
+    for (int i = 0; i < nsg; i++) {
+        moe_seq *q = sg[i].q;
+        if (!q->logits) continue;
+        for (int t = 0; t < sg[i].n; t++) {
+            const int tok = sg[i].start + t;
+            if (!q->logits_all && tok != q->n - 1) continue;
+            const size_t row = (size_t)(sg[i].row0 + t) * d;
+            float *xr = x, *fin = mix;
+            if (B) {
+                const float *src[MAX_SOURCES];
+                for (int b = 0; b < nb; b++) src[b] = blocks[b] + row;
+                src[nb] = h + row;
+                attnres_row(fin, src, nb + 1, m->out_res_w, d, c->rms_norm_eps);
+            } else {
+                memcpy(fin, h + row, sizeof(float) * d);
+            }
+            rmsnorm(xr, fin, m->final_norm, d, c->rms_norm_eps);
+            matmul(m, q->logits + (q->logits_all ? (size_t)tok * V : 0), xr, 1, &m->lm_head);
+        }
+    }
+    for (int i = 0; i < nsg; i++) sg[i].q->s->pos += sg[i].n;
+done:
+    free(h);
+    free(ids);
+    return st;
+}
+
+moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *stats, char *err,
+                    size_t errlen) {
+    if (err && errlen) err[0] = 0;
+    if (!m || (!seqs && n_seqs) || n_seqs < 0) return fail(err, errlen, MOE_ERR_ARG, "moe_step: NULL model or sequences");
+    const moe_config *c = &m->cfg;
+    double t0 = now_sec();
+    moe_step_stats local;
+    memset(&local, 0, sizeof local);
+    int total = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        moe_seq *q = &seqs[i];
+        if (!q->s || q->s->m != m) return fail(err, errlen, MOE_ERR_ARG, "moe_step: sequence %d: session missing or from another model", i);
+        if (q->n < 0 || (q->n && !q->tokens)) return fail(err, errlen, MOE_ERR_ARG, "moe_step: sequence %d: bad token array", i);
+        for (int j = 0; j < i; j++)
+            if (seqs[j].s == q->s) return fail(err, errlen, MOE_ERR_ARG, "moe_step: session appears twice in one step");
+        for (int t = 0; t < q->n; t++)
+            if (q->tokens[t] < 0 || q->tokens[t] >= c->vocab_size)
+                return fail(err, errlen, MOE_ERR_ARG, "moe_step: sequence %d: token %d is %d, outside [0, %d)", i, t,
+                            (int)q->tokens[t], c->vocab_size);
+        if (q->n > q->s->n_ctx - q->s->pos)
+            return fail(err, errlen, MOE_ERR_CTX_FULL, "moe_step: sequence %d: %d + %d tokens exceed the context of %d", i,
+                        q->s->pos, q->n, q->s->n_ctx);
+        total += q->n;
+    }
+    /* reserve the MLA caches now, so running out of memory cannot leave a half-advanced session */
+    for (int i = 0; i < n_seqs; i++)
+        for (int li = 0; li < c->n_layers; li++)
+            if (m->layer_kind[li] == MOE_LAYER_MLA && mla_cache_reserve(seqs[i].s, li, seqs[i].s->pos + seqs[i].n))
+                return fail(err, errlen, MOE_ERR_NOMEM, "moe_step: out of memory for the attention cache");
+    segment *sg = xcalloc((size_t)n_seqs, sizeof *sg);
+    int *done_tok = xcalloc((size_t)n_seqs, sizeof *done_tok);
+    if (!sg || !done_tok) { free(sg); free(done_tok); return fail(err, errlen, MOE_ERR_NOMEM, "moe_step: out of memory"); }
+    moe_status st = MOE_OK;
+    /* rounds of at most n_batch rows, shared fairly among the sequences with tokens left */
+    int left = total;
+    while (left > 0 && !st) {
+        int active = 0;
+        for (int i = 0; i < n_seqs; i++) active += done_tok[i] < seqs[i].n;
+        int share = m->opt.n_batch / active;
+        if (share < 1) share = 1;
+        int nsg = 0, R = 0;
+        for (int i = 0; i < n_seqs && R < m->opt.n_batch; i++) {
+            int rem = seqs[i].n - done_tok[i];
+            if (rem <= 0) continue;
+            int take = rem < share ? rem : share;
+            if (take > m->opt.n_batch - R) take = m->opt.n_batch - R;
+            sg[nsg++] = (segment){&seqs[i], done_tok[i], take, R};
+            R += take;
+        }
+        st = forward(m, sg, nsg, R, &local);
+        for (int i = 0; i < nsg; i++) done_tok[sg[i].q - seqs] += sg[i].n;
+        left -= R;
+        local.n_chunks++;
+    }
+    if (st) {
+        for (int i = 0; i < n_seqs; i++) moe_session_reset(seqs[i].s);
+        fail(err, errlen, st, "moe_step: %s during the forward pass; the sessions were reset", moe_status_str(st));
+    }
+    free(sg);
+    free(done_tok);
+    local.n_tokens = total;
+    local.seconds = now_sec() - t0;
+    if (stats) *stats = local;
+    return st;
+}
+
+/* ==== sessions ================================================================================ */
+
+void moe_session_free(moe_session *s) {
+    if (!s) return;
+    const int L = s->m->cfg.n_layers;
+    for (int i = 0; i < L; i++) {
+        if (s->kda_state) free(s->kda_state[i]);
+        if (s->conv_tail) free(s->conv_tail[i]);
+        if (s->mla_cache) free(s->mla_cache[i]);
+    }
+    free(s->kda_state);
+    free(s->conv_tail);
+    free(s->mla_cache);
+    free(s->mla_cap);
+    free(s);
+}
+
+static size_t kda_state_floats(const moe_config *c) { return (size_t)c->kda_heads * c->kda_head_dim * c->kda_head_dim; }
+static size_t conv_tail_floats(const moe_config *c) {
+    return (size_t)(c->conv_kernel - 1) * 3 * c->kda_heads * c->kda_head_dim;
+}
+
+moe_status moe_session_new(moe_session **out, moe_model *m, int n_ctx, char *err, size_t errlen) {
+    if (!out) return fail(err, errlen, MOE_ERR_ARG, "moe_session_new: out is NULL");
+    *out = NULL;
+    if (!m || n_ctx < 1) return fail(err, errlen, MOE_ERR_ARG, "moe_session_new: need a model and n_ctx >= 1");
+    const moe_config *c = &m->cfg;
+    if (c->kv_lora_rank > 1024) return fail(err, errlen, MOE_ERR_UNSUPPORTED, "kv_lora_rank above 1024");
+    moe_session *s = xcalloc(1, sizeof *s);
+    if (!s) return MOE_ERR_NOMEM;
+    s->m = m;
+    s->n_ctx = n_ctx;
+    const int L = c->n_layers;
+    s->kda_state = xcalloc((size_t)L, sizeof *s->kda_state);
+    s->conv_tail = xcalloc((size_t)L, sizeof *s->conv_tail);
+    s->mla_cache = xcalloc((size_t)L, sizeof *s->mla_cache);
+    s->mla_cap = xcalloc((size_t)L, sizeof *s->mla_cap);
+    int ok = s->kda_state && s->conv_tail && s->mla_cache && s->mla_cap;
+    for (int i = 0; i < L && ok; i++)
+        if (m->layer_kind[i] == MOE_LAYER_KDA) {
+            s->kda_state[i] = xcalloc(kda_state_floats(c), sizeof(float));
+            s->conv_tail[i] = xcalloc(conv_tail_floats(c), sizeof(float));
+            ok = s->kda_state[i] && s->conv_tail[i];
+        }
+    if (!ok) {
+        moe_session_free(s);
+        return fail(err, errlen, MOE_ERR_NOMEM, "moe_session_new: out of memory");
+    }
+    *out = s;
+    return MOE_OK;
+}
+
+void moe_session_reset(moe_session *s) {
+    if (!s) return;
+    const moe_config *c = &s->m->cfg;
+    for (int i = 0; i < c->n_layers; i++) {
+        if (s->kda_state[i]) memset(s->kda_state[i], 0, sizeof(float) * kda_state_floats(c));
+        if (s->conv_tail[i]) memset(s->conv_tail[i], 0, sizeof(float) * conv_tail_floats(c));
+    }
+    s->pos = 0;
+}
+
+int moe_session_pos(const moe_session *s) { return s ? s->pos : 0; }
+
+moe_status moe_session_restore(moe_session *dst, const moe_session *src, char *err, size_t errlen) {
+    if (!dst || !src || dst->m != src->m)
+        return fail(err, errlen, MOE_ERR_ARG, "moe_session_restore: sessions missing or of different models");
+    if (src->pos > dst->n_ctx)
+        return fail(err, errlen, MOE_ERR_CTX_FULL, "moe_session_restore: %d tokens do not fit a context of %d", src->pos, dst->n_ctx);
+    if (dst == src) return MOE_OK;
+    const moe_config *c = &src->m->cfg;
+    const size_t cw = (size_t)c->kv_lora_rank + c->qk_rope_dim;
+    for (int i = 0; i < c->n_layers; i++)
+        if (src->m->layer_kind[i] == MOE_LAYER_MLA && src->pos && mla_cache_reserve(dst, i, src->pos))
+            return fail(err, errlen, MOE_ERR_NOMEM, "moe_session_restore: out of memory");
+    for (int i = 0; i < c->n_layers; i++) {
+        if (src->kda_state[i]) memcpy(dst->kda_state[i], src->kda_state[i], sizeof(float) * kda_state_floats(c));
+        if (src->conv_tail[i]) memcpy(dst->conv_tail[i], src->conv_tail[i], sizeof(float) * conv_tail_floats(c));
+        if (src->mla_cache[i] && src->pos) memcpy(dst->mla_cache[i], src->mla_cache[i], sizeof(float) * cw * (size_t)src->pos);
+    }
+    dst->pos = src->pos;
+    return MOE_OK;
+}
+
+moe_status moe_session_fork(moe_session **out, const moe_session *src, char *err, size_t errlen) {
+    if (!out) return fail(err, errlen, MOE_ERR_ARG, "moe_session_fork: out is NULL");
+    *out = NULL;
+    if (!src) return fail(err, errlen, MOE_ERR_ARG, "moe_session_fork: src is NULL");
+    moe_session *s;
+    moe_status st = moe_session_new(&s, src->m, src->n_ctx, err, errlen);
+    if (st) return st;
+    if ((st = moe_session_restore(s, src, err, errlen))) {
+        moe_session_free(s);
+        return st;
+    }
+    *out = s;
+    return MOE_OK;
+}
+
+/* ==== sampling ================================================================================= */
+
+static uint64_t rng_next(uint64_t *s) { /* xorshift64* */
+    if (!*s) *s = 0x9E3779B97F4A7C15ull;
+    *s ^= *s >> 12, *s ^= *s << 25, *s ^= *s >> 27;
+    return *s * 0x2545F4914F6CDD1Dull;
+}
+
+typedef struct {
+    float p;
+    int32_t id;
+} cand;
+
+static int cand_desc(const void *a, const void *b) {
+    const cand *x = a, *y = b;
+    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng) {
+    if (!logits || n_vocab <= 0) return -1;
+    int32_t best = 0;
+    for (int i = 1; i < n_vocab; i++)
+        if (logits[i] > logits[best]) best = i;
+    if (!sp || !(sp->temperature > 0) || !rng) return best;
+    cand *cs = malloc(sizeof *cs * (size_t)n_vocab);
+    if (!cs) return best; /* no memory: fall back to greedy rather than fail the caller */
+    for (int i = 0; i < n_vocab; i++) cs[i] = (cand){logits[i], i};
+    qsort(cs, (size_t)n_vocab, sizeof *cs, cand_desc);
+    int n = n_vocab;
+    if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
+    double mx = cs[0].p, sum = 0;
+    for (int i = 0; i < n; i++) sum += cs[i].p = (float)exp((cs[i].p - mx) / sp->temperature);
+    for (int i = 0; i < n; i++) cs[i].p = (float)(cs[i].p / sum);
+    if (sp->min_p > 0) {
+        int k = 1;
+        while (k < n && cs[k].p >= sp->min_p * cs[0].p) k++;
+        n = k;
+    }
+    if (sp->top_p > 0 && sp->top_p < 1) {
+        double acc = 0;
+        int k = 0;
+        while (k < n && acc < sp->top_p) acc += cs[k++].p;
+        n = k ? k : 1;
+    }
+    sum = 0;
+    for (int i = 0; i < n; i++) sum += cs[i].p;
+    double u = (double)(rng_next(rng) >> 11) / 9007199254740992.0 * sum, acc = 0;
+    int32_t pick = cs[n - 1].id;
+    for (int i = 0; i < n; i++) {
+        acc += cs[i].p;
+        if (u < acc) { pick = cs[i].id; break; }
+    }
+    free(cs);
+    return pick;
+}

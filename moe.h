@@ -1,0 +1,297 @@
+/* moe.h - CPU inference for sparse Mixture-of-Experts language models of the Kimi Linear /
+ * Kimi K3 family (KDA linear attention, gated MLA, block attention residuals, latent MoE).
+ *
+ * Drop-in: copy moe.h, moe.c and quant.c into your tree and compile them with your own flags
+ * (C11, libc + libm; OpenMP used when the compiler has it). Minimal use:
+ *
+ *     moe_model *m; moe_session *s; char err[256];
+ *     moe_options o = moe_default_options();
+ *     if (moe_model_open(&m, "Kimi-K3/", &o, err, sizeof err)) { puts(err); return 1; }
+ *     if (moe_session_new(&s, m, 4096, err, sizeof err)) { puts(err); return 1; }
+ *     int32_t ids[] = {1, 2, 3};
+ *     float *logits = malloc(sizeof(float) * moe_model_config(m)->vocab_size);
+ *     moe_seq q = {s, ids, 3, logits, 0, NULL};   // logits of the last token only
+ *     if (moe_step(m, &q, 1, NULL, err, sizeof err)) { puts(err); }
+ *     moe_session_free(s); moe_model_close(m); free(logits);
+ *
+ * Threading: no global mutable state. A moe_model is read-only after moe_model_open and may be
+ * shared by any number of threads and sessions. A moe_session is used by one thread at a time;
+ * a moe_step call may include several sessions, each at most once. Worker threads (OpenMP) are
+ * created per call, sized by moe_options.n_threads; none outlive a call.
+ *
+ * Ownership: every object is created through a `**out` constructor and freed by its *_free or
+ * *_close function, which accept NULL. Pointers returned by accessors stay valid until the object
+ * they came from is freed. Every fallible call returns a moe_status; when err is non-NULL it also
+ * receives a NUL-terminated message (truncated to errlen) naming the file, tensor or argument.
+ */
+#ifndef MOE_H
+#define MOE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef MOE_API
+#define MOE_API /* the embedding program may define this, e.g. for symbol visibility */
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct moe_model moe_model;     /* mapped files, config, weights: read-only, shared */
+typedef struct moe_session moe_session; /* one sequence: KDA states, MLA latents, position */
+
+typedef enum {
+    MOE_OK = 0,
+    MOE_ERR_IO,          /* open/read/mmap failed */
+    MOE_ERR_FORMAT,      /* a file is malformed or inconsistent with its config */
+    MOE_ERR_UNSUPPORTED, /* valid, but a feature this build does not implement */
+    MOE_ERR_NOMEM,       /* allocation failed */
+    MOE_ERR_ARG,         /* a bad argument: NULL, token id out of range, wrong model, ... */
+    MOE_ERR_CTX_FULL     /* the step would exceed the session's context size */
+} moe_status;
+
+/* Static string describing a status; never NULL. */
+MOE_API const char *moe_status_str(moe_status st);
+
+/* ---- options ---------------------------------------------------------------------------- */
+
+enum {
+    MOE_FLAG_FORCE_SCALAR = 1u << 0,  /* use the scalar reference kernels only */
+    MOE_FLAG_KDA_RECURRENT = 1u << 1, /* always use the KDA recurrence (default: pick by shape) */
+    MOE_FLAG_KDA_CHUNKED = 1u << 2,   /* always use the chunked KDA form for prefill */
+    MOE_FLAG_MLA_ABSORBED = 1u << 3,  /* always use absorbed MLA attention */
+    MOE_FLAG_MLA_EXPANDED = 1u << 4   /* always expand MLA keys/values from the latent cache */
+};
+
+typedef enum { MOE_EXPERTS_MMAP = 0 } moe_expert_mode;
+
+typedef struct {
+    int n_threads;          /* worker threads per call; <= 0 means 1 */
+    int n_batch;            /* rows per internal forward chunk (bounds activation memory) */
+    size_t expert_budget;   /* RAM for the expert cache in bytes; 0 = unlimited (reserved) */
+    int expert_mode;        /* moe_expert_mode */
+    unsigned flags;         /* MOE_FLAG_* */
+} moe_options;
+
+/* Defaults: 1 thread, n_batch 512, mmap experts, no flags. */
+MOE_API moe_options moe_default_options(void);
+
+/* ---- model ------------------------------------------------------------------------------ */
+
+enum { MOE_LAYER_KDA = 0, MOE_LAYER_MLA = 1 };
+enum { MOE_ACT_SILU = 0, MOE_ACT_SITU = 1 };
+
+/* The text model's configuration, after defaults are applied (spec/MODEL.md section 1). */
+typedef struct {
+    int vocab_size, hidden_size, n_layers;
+    float rms_norm_eps;
+    int hidden_act; /* MOE_ACT_* */
+    float situ_beta, situ_linear_beta; /* situ_linear_beta 0: no tanh on the up branch */
+    int intermediate_size;
+    /* KDA */
+    int kda_heads, kda_head_dim, conv_kernel;
+    int kda_gate_bounded;      /* 1: g = lb * sigmoid(..); 0: softplus gate */
+    float kda_gate_lower_bound;
+    int kda_full_rank_gate;
+    /* MLA */
+    int mla_heads, q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_head_dim;
+    int mla_output_gate;
+    /* MoE */
+    int n_experts, n_active, n_shared, moe_intermediate_size;
+    int router_softmax, renormalize;
+    float routed_scaling_factor;
+    int n_groups, topk_groups, first_k_dense, moe_layer_freq;
+    int latent_dim, latent_norm; /* latent_dim 0: no latent MoE */
+    /* residuals */
+    int attn_res_block; /* 0: plain residuals */
+    int bos_token_id, eos_token_id;
+    const unsigned char *layer_kind; /* [n_layers] MOE_LAYER_* */
+    const unsigned char *layer_moe;  /* [n_layers] 1 if the FFN is MoE */
+} moe_config;
+
+typedef struct {
+    uint64_t n_params;        /* every weight of the text model */
+    uint64_t n_params_active; /* weights touched per token (shared + k routed experts) */
+    uint64_t weight_bytes;    /* bytes of text-model weights as stored */
+    uint64_t expert_bytes;    /* bytes of routed-expert weights as stored */
+    int n_files;              /* safetensors files mapped */
+    const char *format;       /* "safetensors" */
+} moe_model_info;
+
+/* Opens a model: a Hugging Face checkpoint directory (config.json + model.safetensors or shards
+ * with model.safetensors.index.json) or a single .safetensors file with config.json beside it.
+ * Files are memory-mapped read-only and validated before use. opt may be NULL (defaults).
+ * On success *out owns the model; free it with moe_model_close. On failure *out is NULL. */
+MOE_API moe_status moe_model_open(moe_model **out, const char *path, const moe_options *opt,
+                                  char *err, size_t errlen);
+MOE_API void moe_model_close(moe_model *m);
+
+/* Valid until moe_model_close. */
+MOE_API const moe_config *moe_model_config(const moe_model *m);
+MOE_API moe_model_info moe_model_get_info(const moe_model *m);
+
+/* ---- sessions --------------------------------------------------------------------------- */
+
+/* A new empty sequence of at most n_ctx tokens. Memory for the MLA latent cache grows with the
+ * sequence; the KDA states are allocated here. */
+MOE_API moe_status moe_session_new(moe_session **out, moe_model *m, int n_ctx, char *err,
+                                   size_t errlen);
+MOE_API void moe_session_free(moe_session *s);
+/* Back to an empty sequence (position 0). */
+MOE_API void moe_session_reset(moe_session *s);
+/* Number of tokens the session has consumed. */
+MOE_API int moe_session_pos(const moe_session *s);
+/* A new session with a copy of src's state: a snapshot, or a fork sharing a computed prefix. */
+MOE_API moe_status moe_session_fork(moe_session **out, const moe_session *src, char *err,
+                                    size_t errlen);
+/* Overwrites dst's state with src's (same model); dst's n_ctx must be >= src's position. */
+MOE_API moe_status moe_session_restore(moe_session *dst, const moe_session *src, char *err,
+                                       size_t errlen);
+
+/* ---- stepping --------------------------------------------------------------------------- */
+
+/* One sequence's share of a step. tokens[0..n) are appended to session s. logits (may be NULL)
+ * receives float32 logits: vocab_size floats for the last token, or n * vocab_size for every
+ * token when logits_all is set. routes (may be NULL) receives the routed experts chosen for every
+ * token and layer: n * n_layers * n_active int32, -1 for layers without MoE. */
+typedef struct {
+    moe_session *s;
+    const int32_t *tokens;
+    int n;
+    float *logits;
+    int logits_all;
+    int32_t *routes;
+} moe_seq;
+
+typedef struct {
+    int n_tokens;          /* rows processed */
+    int n_chunks;          /* internal forward chunks */
+    uint64_t expert_rows;  /* (token, expert) pairs computed */
+    uint64_t expert_loads; /* distinct experts reached per chunk and layer, summed */
+    uint64_t expert_bytes; /* bytes of expert weights those loads touched */
+    double seconds;        /* wall time of the step */
+} moe_step_stats;
+
+/* Runs the tokens of n_seqs sequences through the model in one batched forward pass: a prefill
+ * chunk of one sequence, one token from each of many sequences, or any mix. Each session may
+ * appear once. On error no session has advanced unless the error is MOE_ERR_IO/NOMEM during the
+ * forward pass, in which case the sessions involved are reset (their state is undefined).
+ * stats may be NULL. */
+MOE_API moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *stats,
+                            char *err, size_t errlen);
+
+/* ---- sampling --------------------------------------------------------------------------- */
+
+typedef struct {
+    float temperature; /* <= 0: greedy */
+    int top_k;         /* <= 0: off */
+    float top_p;       /* >= 1: off */
+    float min_p;       /* <= 0: off */
+} moe_sampler;
+
+/* Picks a token from logits[n_vocab]. *rng is the caller's generator state (any seed != 0 works;
+ * 0 is replaced by a fixed constant); it advances. Deterministic for a given state. */
+MOE_API int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *sp,
+                           uint64_t *rng);
+
+#ifdef __cplusplus
+}
+#endif
+
+/* ---- internal: shared by moe.c, quant.c and test/ only; not part of the API ------------- */
+#ifdef MOE_INTERNAL
+#include <stdbool.h>
+
+#ifndef MOE_ASSERT
+#include <assert.h>
+#define MOE_ASSERT(x) assert(x) /* our own invariants only, never input validation */
+#endif
+
+enum { MOE_T_F32 = 0, MOE_T_F16, MOE_T_BF16, MOE_T_MXFP4, MOE_T_U8, MOE_T_I32, MOE_T_COUNT };
+
+/* A weight matrix [rows, cols] (PyTorch [out, in]) in its stored format. MXFP4 rows are cols/2
+ * packed bytes plus cols/32 E8M0 scale bytes in a separate array. */
+typedef struct {
+    int type;
+    int64_t rows, cols;
+    const void *data;
+    const uint8_t *scale; /* MXFP4 only */
+} moe__weight;
+
+typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x, int64_t n);
+
+typedef struct {
+    moe__dot_fn dot[MOE_T_COUNT]; /* weight row . f32 vector, per weight type */
+    const char *isa;              /* "scalar", "avx2", ... */
+} moe__kernels;
+
+void moe__kernels_init(moe__kernels *k, unsigned flags);
+float moe__bf16_to_f32(uint16_t h);
+uint16_t moe__f32_to_bf16(float f);
+float moe__f16_to_f32(uint16_t h);
+uint16_t moe__f32_to_f16(float f);
+/* Decodes n values of one row (MXFP4: scale = that row's scale bytes). */
+void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out, int64_t n);
+/* Bytes of one row of n values (MXFP4: packed bytes only). */
+int64_t moe__row_bytes(int type, int64_t n);
+extern const float moe__e2m1[16];
+float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x, int64_t n);
+/* Every kernel level this CPU can run (scalar first); returns how many were written. */
+int moe__kernel_levels(moe__kernels *out, int max);
+
+/* JSON (config.json, safetensors headers, index): a tree in one allocation. */
+enum { MOE_JSON_NULL, MOE_JSON_BOOL, MOE_JSON_NUM, MOE_JSON_STR, MOE_JSON_ARR, MOE_JSON_OBJ };
+typedef struct moe__json moe__json;
+struct moe__json {
+    int type;
+    int n;            /* children (array/object) */
+    double num;       /* number; bool as 0/1 */
+    const char *str;  /* string value (NUL-terminated, unescaped) */
+    const char *key;  /* key when inside an object */
+    moe__json *child; /* first child */
+    moe__json *next;  /* next sibling */
+};
+moe_status moe__json_parse(const char *text, size_t len, moe__json **root, char *err,
+                           size_t errlen);
+void moe__json_free(moe__json *root);
+const moe__json *moe__json_get(const moe__json *obj, const char *key);
+
+/* A safetensors file mapped read-only (used by the loader and by tests for golden files). */
+typedef struct {
+    char name[256];
+    int type; /* MOE_T_* */
+    int ndim;
+    int64_t shape[8];
+    const void *data;
+    uint64_t nbytes;
+} moe__st_tensor;
+
+typedef struct {
+    char *path;
+    void *map;
+    size_t size;
+    moe__st_tensor *tensors;
+    int n_tensors;
+} moe__st_file;
+
+moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t errlen);
+void moe__st_close(moe__st_file *f);
+const moe__st_tensor *moe__st_find(const moe__st_file *f, const char *name);
+
+/* The KDA core for one head over n tokens, state S[D,D] (rows = key channels) updated in place.
+ * q,k,v,g: [n, stride] rows (head offset already applied), beta[n*beta_stride], o: [n, stride]. */
+typedef struct {
+    int n, D, stride, beta_stride;
+    const float *q, *k, *v, *g, *beta;
+    float *o;
+    float *S;
+} moe__kda_head;
+void moe__kda_recurrent(const moe__kda_head *a);
+/* Chunked form on 16-token chunks; bounded: gate known to be >= -5 (dense-matmul factorisation),
+ * otherwise per-element decays. work: at least moe__kda_chunk_work(D) floats. */
+void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work);
+size_t moe__kda_chunk_work(int D);
+
+#endif /* MOE_INTERNAL */
+#endif /* MOE_H */

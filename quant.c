@@ -1,0 +1,437 @@
+/* quant.c - weight formats and math kernels of moe: number conversions (BF16, F16, MXFP4),
+ * dot products of a stored weight row with an f32 activation row, and the KDA core (recurrent
+ * and chunked). Every kernel has a scalar reference (*_ref), always compiled; SIMD versions are
+ * compiled with per-function target attributes and chosen at run time (moe__kernels_init), so
+ * a plain -O2 build runs on any CPU and uses what it has. No model logic and no threads here:
+ * callers split rows across threads. */
+#define MOE_INTERNAL
+#include "moe.h"
+
+#include <math.h>
+#include <string.h>
+
+#if !defined(MOE_NO_SIMD) && (defined(__GNUC__) || defined(__clang__)) && \
+    (defined(__x86_64__) || defined(_M_X64))
+#define MOE_X86 1
+#include <immintrin.h>
+#define MOE_TARGET(s) __attribute__((target(s)))
+#endif
+
+/* ---- number formats -------------------------------------------------------------------- */
+
+float moe__bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t moe__f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1); /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+float moe__f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+uint16_t moe__f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000;
+    int32_t exp = (int32_t)((u >> 23) & 0xff) - 127 + 15;
+    uint32_t man = u & 0x7fffff;
+    if (((u >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        uint32_t shift = (uint32_t)(14 - exp), half = 1u << (shift - 1);
+        uint32_t r = man >> shift, rem = man & ((1u << shift) - 1);
+        if (rem > half || (rem == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = ((uint32_t)exp << 10) | (man >> 13), rem = man & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++; /* may carry into the exponent: ok */
+    return (uint16_t)(sign | r);
+}
+
+/* OCP MX E2M1 code -> value; bit 3 is the sign (code 8 is -0.0). */
+const float moe__e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* E8M0 scale byte -> 2^(s-127), built from bits (exact); 255 is NaN in the MX spec. */
+static inline float e8m0(uint8_t s) {
+    uint32_t u = s == 0 ? 0x00400000u : s == 255 ? 0x7fc00000u : (uint32_t)s << 23;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+int64_t moe__row_bytes(int type, int64_t n) {
+    switch (type) {
+    case MOE_T_F32: case MOE_T_I32: return 4 * n;
+    case MOE_T_F16: case MOE_T_BF16: return 2 * n;
+    case MOE_T_MXFP4: return n / 2;
+    default: return n;
+    }
+}
+
+void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out, int64_t n) {
+    switch (type) {
+    case MOE_T_F32: memcpy(out, row, (size_t)n * 4); break;
+    case MOE_T_BF16: {
+        const uint16_t *p = row;
+        for (int64_t i = 0; i < n; i++) out[i] = moe__bf16_to_f32(p[i]);
+        break;
+    }
+    case MOE_T_F16: {
+        const uint16_t *p = row;
+        for (int64_t i = 0; i < n; i++) out[i] = moe__f16_to_f32(p[i]);
+        break;
+    }
+    case MOE_T_MXFP4: {
+        const uint8_t *p = row;
+        for (int64_t i = 0; i < n; i++) {
+            uint8_t b = p[i / 2], q = (i & 1) ? b >> 4 : b & 15;
+            out[i] = moe__e2m1[q] * e8m0(scale[i / 32]);
+        }
+        break;
+    }
+    default: MOE_ASSERT(0 && "not a weight type");
+    }
+}
+
+/* ---- scalar reference dots: y = w[0..n) . x[0..n) ------------------------------------- */
+
+static float dot_f32_ref(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const float *p = w;
+    float s = 0;
+    for (int64_t i = 0; i < n; i++) s += p[i] * x[i];
+    return s;
+}
+
+static float dot_bf16_ref(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const uint16_t *p = w;
+    float s = 0;
+    for (int64_t i = 0; i < n; i++) s += moe__bf16_to_f32(p[i]) * x[i];
+    return s;
+}
+
+static float dot_f16_ref(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const uint16_t *p = w;
+    float s = 0;
+    for (int64_t i = 0; i < n; i++) s += moe__f16_to_f32(p[i]) * x[i];
+    return s;
+}
+
+/* n is a multiple of 32 (checked at load). The block sum is scaled once: exact, since the
+ * scale is a power of two. */
+static float dot_mxfp4_ref(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    const uint8_t *p = w;
+    float s = 0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        float bs = 0;
+        for (int i = 0; i < 16; i++) {
+            uint8_t v = p[b * 16 + i];
+            bs += moe__e2m1[v & 15] * x[b * 32 + 2 * i] + moe__e2m1[v >> 4] * x[b * 32 + 2 * i + 1];
+        }
+        s += bs * e8m0(sc[b]);
+    }
+    return s;
+}
+
+float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x, int64_t n) {
+    switch (type) {
+    case MOE_T_F32: return dot_f32_ref(w, scale, x, n);
+    case MOE_T_BF16: return dot_bf16_ref(w, scale, x, n);
+    case MOE_T_F16: return dot_f16_ref(w, scale, x, n);
+    case MOE_T_MXFP4: return dot_mxfp4_ref(w, scale, x, n);
+    default: return 0;
+    }
+}
+
+/* ---- AVX2 + FMA (+F16C) ---------------------------------------------------------------- */
+#ifdef MOE_X86
+
+MOE_TARGET("avx2,fma") static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+MOE_TARGET("avx2,fma") static float dot_f32_avx2(const void *w, const uint8_t *sc,
+                                                 const float *x, int64_t n) {
+    (void)sc;
+    const float *p = w;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(x + i), a0);
+    float s = hsum_avx2(_mm256_add_ps(a0, a1));
+    for (; i < n; i++) s += p[i] * x[i];
+    return s;
+}
+
+MOE_TARGET("avx2,fma") static inline __m256 load_bf16_avx2(const uint16_t *p) {
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+MOE_TARGET("avx2,fma") static float dot_bf16_avx2(const void *w, const uint8_t *sc,
+                                                  const float *x, int64_t n) {
+    (void)sc;
+    const uint16_t *p = w;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(load_bf16_avx2(p + i), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(load_bf16_avx2(p + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load_bf16_avx2(p + i), _mm256_loadu_ps(x + i), a0);
+    float s = hsum_avx2(_mm256_add_ps(a0, a1));
+    for (; i < n; i++) s += moe__bf16_to_f32(p[i]) * x[i];
+    return s;
+}
+
+MOE_TARGET("avx2,fma,f16c") static float dot_f16_avx2(const void *w, const uint8_t *sc,
+                                                      const float *x, int64_t n) {
+    (void)sc;
+    const uint16_t *p = w;
+    __m256 a0 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))),
+                             _mm256_loadu_ps(x + i), a0);
+    float s = hsum_avx2(a0);
+    for (; i < n; i++) s += moe__f16_to_f32(p[i]) * x[i];
+    return s;
+}
+
+/* MXFP4: 2*E2M1 is an exact int8 (0,1,2,3,4,6,8,12 with sign), so one byte shuffle decodes 16
+ * codes; the block sum is scaled by 2^(s-127)/2 afterwards. Low nibble = even column. */
+MOE_TARGET("avx2,fma") static float dot_mxfp4_avx2(const void *w, const uint8_t *sc,
+                                                   const float *x, int64_t n) {
+    const uint8_t *p = w;
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(p + b * 16));
+        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));
+        __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi); /* column order */
+        const float *xb = x + b * 32;
+        __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), _mm256_loadu_ps(xb));
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8))),
+                            _mm256_loadu_ps(xb + 8), s);
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1)), _mm256_loadu_ps(xb + 16), s);
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8))),
+                            _mm256_loadu_ps(xb + 24), s);
+        acc = _mm256_fmadd_ps(s, _mm256_set1_ps(0.5f * e8m0(sc[b])), acc);
+    }
+    return hsum_avx2(acc);
+}
+
+static int cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+}
+#endif /* MOE_X86 */
+
+/* ---- kernel table ---------------------------------------------------------------------- */
+
+static void kernels_scalar(moe__kernels *k) {
+    memset(k, 0, sizeof *k);
+    k->dot[MOE_T_F32] = dot_f32_ref;
+    k->dot[MOE_T_BF16] = dot_bf16_ref;
+    k->dot[MOE_T_F16] = dot_f16_ref;
+    k->dot[MOE_T_MXFP4] = dot_mxfp4_ref;
+    k->isa = "scalar";
+}
+
+int moe__kernel_levels(moe__kernels *out, int max) {
+    int n = 0;
+    if (n < max) kernels_scalar(&out[n++]);
+#ifdef MOE_X86
+    if (n < max && cpu_has_avx2()) {
+        moe__kernels *k = &out[n++];
+        kernels_scalar(k);
+        k->dot[MOE_T_F32] = dot_f32_avx2;
+        k->dot[MOE_T_BF16] = dot_bf16_avx2;
+        k->dot[MOE_T_F16] = dot_f16_avx2;
+        k->dot[MOE_T_MXFP4] = dot_mxfp4_avx2;
+        k->isa = "avx2";
+    }
+#endif
+    return n;
+}
+
+void moe__kernels_init(moe__kernels *k, unsigned flags) {
+    moe__kernels levels[4];
+    int n = moe__kernel_levels(levels, 4);
+    *k = levels[(flags & MOE_FLAG_FORCE_SCALAR) ? 0 : n - 1];
+}
+
+/* ---- KDA core (spec/MODEL.md section 6) ------------------------------------------------ */
+
+/* Per token: S <- diag(e^g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
+ * S is [D key rows, D value columns]. */
+void moe__kda_recurrent(const moe__kda_head *a) {
+    const int D = a->D;
+    float *S = a->S;
+    float pred[512], u[512];
+    MOE_ASSERT(D <= 512);
+    for (int t = 0; t < a->n; t++) {
+        const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
+        const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
+        float beta = a->beta[(size_t)t * a->beta_stride], *o = a->o + (size_t)t * a->stride;
+        for (int j = 0; j < D; j++) pred[j] = 0;
+        for (int i = 0; i < D; i++) {
+            float d = expf(g[i]), ki = k[i], *row = S + (size_t)i * D;
+            for (int j = 0; j < D; j++) {
+                row[j] *= d;
+                pred[j] += row[j] * ki;
+            }
+        }
+        for (int j = 0; j < D; j++) u[j] = beta * (v[j] - pred[j]);
+        for (int j = 0; j < D; j++) o[j] = 0;
+        for (int i = 0; i < D; i++) {
+            float ki = k[i], qi = q[i], *row = S + (size_t)i * D;
+            for (int j = 0; j < D; j++) {
+                row[j] += ki * u[j];
+                o[j] += row[j] * qi;
+            }
+        }
+    }
+}
+
+#define KDA_C 16 /* chunk length: with g >= -5, e^{-G} stays below e^80 < FLT_MAX */
+
+size_t moe__kda_chunk_work(int D) {
+    /* G, Kt (k e^G), Kh (k e^-G), Qt (q e^G), U: [C,D] each; A, P: [C,C]; gn: [D] */
+    return (size_t)5 * KDA_C * D + 2 * KDA_C * KDA_C + D;
+}
+
+/* One chunk of n <= 16 tokens from state S0 (updated to S_next in place):
+ *   A_ij = beta_i sum_c k_ic k_jc e^{G_ic-G_jc} (j<i);  (I+A) U = diag(beta)(V - K~ S0)
+ *   P_ij = sum_c q_ic k_jc e^{G_ic-G_jc} (j<=i);       O = Q~ S0 + P U
+ *   S_next = diag(e^{G_n}) S0 + sum_j (k_j e^{G_n-G_j}) u_j^T
+ * bounded: the decays factor as e^{G_i} e^{-G_j}, making A, P and the state update plain
+ * matrix products; otherwise (softplus gate, unbounded step) each factor is formed per element. */
+void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work) {
+    const int D = a->D, C = KDA_C;
+    float *G = work, *Kt = G + C * D, *Kh = Kt + C * D, *Qt = Kh + C * D, *U = Qt + C * D;
+    float *A = U + C * D, *P = A + C * C, *gn = P + C * C;
+    float *S = a->S;
+    for (int t0 = 0; t0 < a->n; t0 += C) {
+        const int n = a->n - t0 < C ? a->n - t0 : C;
+#define ROW(p, t) ((p) + (size_t)(t0 + (t)) * a->stride)
+        for (int i = 0; i < n; i++) {
+            const float *g = ROW(a->g, i), *k = ROW(a->k, i), *q = ROW(a->q, i);
+            for (int c = 0; c < D; c++) {
+                float Gc = (i ? G[(i - 1) * D + c] : 0.0f) + g[c];
+                G[i * D + c] = Gc;
+                float e = expf(Gc);
+                Kt[i * D + c] = k[c] * e;
+                Qt[i * D + c] = q[c] * e;
+                Kh[i * D + c] = bounded ? k[c] / e : 0.0f;
+            }
+        }
+        /* A and P */
+        for (int i = 0; i < n; i++) {
+            const float *qi = ROW(a->q, i), *ki = ROW(a->k, i);
+            float beta = a->beta[(size_t)(t0 + i) * a->beta_stride];
+            for (int j = 0; j <= i; j++) {
+                float sa = 0, sp = 0;
+                if (bounded) {
+                    for (int c = 0; c < D; c++) {
+                        sa += Kt[i * D + c] * Kh[j * D + c];
+                        sp += Qt[i * D + c] * Kh[j * D + c];
+                    }
+                } else {
+                    const float *kj = ROW(a->k, j);
+                    for (int c = 0; c < D; c++) {
+                        float e = expf(G[i * D + c] - G[j * D + c]);
+                        sa += ki[c] * kj[c] * e;
+                        sp += qi[c] * kj[c] * e;
+                    }
+                }
+                A[i * C + j] = j < i ? beta * sa : 0.0f;
+                P[i * C + j] = sp;
+            }
+        }
+        /* rhs = beta (V - K~ S0), then forward substitution U_i = rhs_i - sum_{j<i} A_ij U_j */
+        for (int i = 0; i < n; i++) {
+            float beta = a->beta[(size_t)(t0 + i) * a->beta_stride], *u = U + i * D;
+            const float *v = ROW(a->v, i);
+            for (int j = 0; j < D; j++) u[j] = 0;
+            for (int c = 0; c < D; c++) {
+                float kc = Kt[i * D + c];
+                const float *row = S + (size_t)c * D;
+                for (int j = 0; j < D; j++) u[j] += kc * row[j];
+            }
+            for (int j = 0; j < D; j++) u[j] = beta * (v[j] - u[j]);
+            for (int m = 0; m < i; m++) {
+                float aim = A[i * C + m];
+                const float *um = U + m * D;
+                for (int j = 0; j < D; j++) u[j] -= aim * um[j];
+            }
+        }
+        /* O = Q~ S0 + P U */
+        for (int i = 0; i < n; i++) {
+            float *o = ROW(a->o, i);
+            for (int j = 0; j < D; j++) o[j] = 0;
+            for (int c = 0; c < D; c++) {
+                float qc = Qt[i * D + c];
+                const float *row = S + (size_t)c * D;
+                for (int j = 0; j < D; j++) o[j] += qc * row[j];
+            }
+            for (int m = 0; m <= i; m++) {
+                float p = P[i * C + m];
+                const float *um = U + m * D;
+                for (int j = 0; j < D; j++) o[j] += p * um[j];
+            }
+        }
+        /* S_next */
+        for (int c = 0; c < D; c++) gn[c] = G[(n - 1) * D + c];
+        for (int c = 0; c < D; c++) {
+            float *row = S + (size_t)c * D, d = expf(gn[c]);
+            for (int j = 0; j < D; j++) row[j] *= d;
+            for (int m = 0; m < n; m++) {
+                float f = bounded ? Kh[m * D + c] * d
+                                  : ROW(a->k, m)[c] * expf(gn[c] - G[m * D + c]);
+                const float *um = U + m * D;
+                for (int j = 0; j < D; j++) row[j] += f * um[j];
+            }
+        }
+#undef ROW
+    }
+}

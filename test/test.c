@@ -1,0 +1,1005 @@
+/* test.c - the moe test runner: kernels against their scalar references, the JSON and
+ * safetensors parsers, every golden case (test/golden), chunked against recurrent KDA, absorbed
+ * against expanded MLA, cached decode against recompute, batched sessions against each alone,
+ * snapshots and forks, hostile files, API misuse, and memory use.
+ *
+ *   moe-test            run everything
+ *   moe-test NAME...    run the named tests
+ *   moe-test --list     list the tests
+ *
+ * Golden data: test/golden (override with MOE_GOLDEN=DIR). Prints "N passed, N failed" last and
+ * exits 1 if anything failed. */
+#define _POSIX_C_SOURCE 200809L
+#define MOE_INTERNAL
+#include "../moe.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+/* ---- runner ------------------------------------------------------------------------------ */
+
+static int g_failed_checks; /* the runner's own bookkeeping, not library state */
+
+#define CHECK(expr)                                                                     \
+    do {                                                                                \
+        if (!(expr)) {                                                                  \
+            fprintf(stderr, "  %s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #expr); \
+            g_failed_checks++;                                                          \
+        }                                                                               \
+    } while (0)
+
+#define CHECKF(expr, ...)                                                               \
+    do {                                                                                \
+        if (!(expr)) {                                                                  \
+            fprintf(stderr, "  %s:%d: CHECK failed: %s: ", __FILE__, __LINE__, #expr);  \
+            fprintf(stderr, __VA_ARGS__);                                               \
+            fprintf(stderr, "\n");                                                      \
+            g_failed_checks++;                                                          \
+        }                                                                               \
+    } while (0)
+
+static const char *golden_dir(void) {
+    const char *d = getenv("MOE_GOLDEN");
+    return d ? d : "test/golden";
+}
+
+static uint64_t rng_state = 88172645463325252ull;
+static double urand(void) { /* [0, 1) */
+    rng_state ^= rng_state << 13, rng_state ^= rng_state >> 7, rng_state ^= rng_state << 17;
+    return (double)(rng_state >> 11) / 9007199254740992.0;
+}
+static float nrand(void) { /* roughly normal */
+    return (float)((urand() + urand() + urand() + urand() - 2.0) * 1.7320508);
+}
+
+static char tmp_root[256];
+
+static void tmp_path(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", tmp_root, name); }
+
+static int copy_file(const char *from, const char *to) {
+    FILE *a = fopen(from, "rb"), *b = fopen(to, "wb");
+    int ok = a && b;
+    char buf[1 << 16];
+    size_t r;
+    while (ok && (r = fread(buf, 1, sizeof buf, a)) > 0) ok = fwrite(buf, 1, r, b) == r;
+    if (a) fclose(a);
+    if (b && fclose(b)) ok = 0;
+    return ok;
+}
+
+static char *read_all(const char *path, size_t *len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *b = malloc((size_t)n + 1);
+    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) { free(b); b = NULL; }
+    fclose(f);
+    if (b) b[n] = 0, *len = (size_t)n;
+    return b;
+}
+
+static int write_all(const char *path, const void *p, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return 0;
+    int ok = fwrite(p, 1, n, f) == n;
+    return fclose(f) == 0 && ok;
+}
+
+/* ---- kernels ------------------------------------------------------------------------------ */
+
+static void test_bf16_f16(void) {
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = moe__f16_to_f32((uint16_t)h);
+        if (isnan(f)) continue;
+        CHECKF(moe__f32_to_f16(f) == h, "f16 %04x", h);
+        float b = moe__bf16_to_f32((uint16_t)h);
+        if (!isnan(b)) CHECKF(moe__f32_to_bf16(b) == h, "bf16 %04x", h);
+    }
+    CHECK(moe__f16_to_f32(0x3c00) == 1.0f && moe__f16_to_f32(0xc000) == -2.0f);
+    CHECK(moe__f16_to_f32(0x0001) == ldexpf(1, -24)); /* smallest subnormal */
+    CHECK(moe__bf16_to_f32(0x3f80) == 1.0f);
+    CHECK(moe__f32_to_bf16(1.00390625f) == 0x3f80); /* tie to even */
+}
+
+static void test_mxfp4_worked_example(void) {
+    /* real K3, layer 1 expert 0 w1 row 0 (golden/README.md): bytes 16 b9 ce 23, scale 121 */
+    const uint8_t packed[16] = {0x16, 0xb9, 0xce, 0x23};
+    const uint8_t scale[1] = {121};
+    const float want[8] = {0.0625f, 0.0078125f, -0.0078125f, -0.0234375f, -0.0625f, -0.03125f, 0.0234375f, 0.015625f};
+    float out[32];
+    moe__row_to_f32(MOE_T_MXFP4, packed, scale, out, 32);
+    for (int i = 0; i < 8; i++) CHECKF(out[i] == want[i], "value %d: %g != %g", i, out[i], want[i]);
+    uint8_t neg0 = 0x08, s127 = 127;
+    uint8_t row[16] = {0};
+    row[0] = neg0;
+    moe__row_to_f32(MOE_T_MXFP4, row, &s127, out, 32);
+    CHECK(out[0] == 0.0f && signbit(out[0]));
+}
+
+static void test_mxfp4_golden_dequant(void) {
+    char dir[512], path[600];
+    snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
+    snprintf(path, sizeof path, "%s/logits.safetensors", dir);
+    moe__st_file ref, shard;
+    char err[256];
+    CHECKF(moe__st_open(&ref, path, err, sizeof err) == MOE_OK, "%s", err);
+    snprintf(path, sizeof path, "%s/model-00002-of-000011.safetensors", dir);
+    CHECKF(moe__st_open(&shard, path, err, sizeof err) == MOE_OK, "%s", err);
+    if (g_failed_checks) return;
+    int checked = 0;
+    const int eids[2] = {0, 10};
+    const char *ws[3] = {"w1", "w2", "w3"};
+    for (int e = 0; e < 2; e++)
+        for (int w = 0; w < 3; w++) {
+            char n1[200], n2[200], n3[200];
+            snprintf(n1, sizeof n1, "dequant.model.layers.1.block_sparse_moe.experts.%d.%s.weight", eids[e], ws[w]);
+            snprintf(n2, sizeof n2, "language_model.model.layers.1.block_sparse_moe.experts.%d.%s.weight_packed", eids[e], ws[w]);
+            snprintf(n3, sizeof n3, "language_model.model.layers.1.block_sparse_moe.experts.%d.%s.weight_scale", eids[e], ws[w]);
+            const moe__st_tensor *want = moe__st_find(&ref, n1), *p = moe__st_find(&shard, n2), *s = moe__st_find(&shard, n3);
+            CHECK(want && p && s);
+            if (!want || !p || !s) continue;
+            int64_t rows = want->shape[0], cols = want->shape[1];
+            float *row = malloc(sizeof(float) * (size_t)cols);
+            for (int64_t r = 0; r < rows; r++) {
+                moe__row_to_f32(MOE_T_MXFP4, (const uint8_t *)p->data + r * cols / 2, (const uint8_t *)s->data + r * cols / 32, row, cols);
+                /* bit for bit, -0.0 included */
+                CHECKF(!memcmp(row, (const float *)want->data + r * cols, sizeof(float) * (size_t)cols), "%s row %lld", n1, (long long)r);
+            }
+            free(row);
+            checked++;
+        }
+    CHECK(checked == 6);
+    moe__st_close(&ref);
+    moe__st_close(&shard);
+}
+
+/* every SIMD level against the scalar reference, ragged lengths and extreme values */
+static void test_dot_levels(void) {
+    moe__kernels lv[4];
+    int nl = moe__kernel_levels(lv, 4);
+    CHECK(nl >= 1 && !strcmp(lv[0].isa, "scalar"));
+    const int lens[] = {1, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 1000, 4096, 7168};
+    float *x = malloc(sizeof(float) * 8192), *wf = malloc(sizeof(float) * 8192);
+    uint16_t *wb = malloc(2 * 8192), *wh = malloc(2 * 8192);
+    uint8_t *wq = malloc(4096), *ws = malloc(256);
+    for (int li = 1; li < nl; li++)
+        for (size_t a = 0; a < sizeof lens / sizeof *lens; a++)
+            for (int mode = 0; mode < 3; mode++) { /* normal, large, tiny magnitudes */
+                int n = lens[a];
+                float mag = mode == 0 ? 1.0f : mode == 1 ? 1e15f : 1e-15f;
+                double absdot = 0;
+                for (int i = 0; i < n; i++) {
+                    x[i] = nrand();
+                    wf[i] = nrand() * mag;
+                    wb[i] = moe__f32_to_bf16(wf[i]);
+                    wh[i] = moe__f32_to_f16(mode == 1 ? nrand() * 6e4f / 4 : wf[i]);
+                }
+                for (int i = 0; i < n; i++) absdot += fabs((double)wf[i] * x[i]);
+                for (int t = 0; t < 3; t++) {
+                    int type = t == 0 ? MOE_T_F32 : t == 1 ? MOE_T_BF16 : MOE_T_F16;
+                    const void *w = t == 0 ? (const void *)wf : t == 1 ? (const void *)wb : (const void *)wh;
+                    float r = lv[0].dot[type](w, NULL, x, n), s = lv[li].dot[type](w, NULL, x, n);
+                    double bound = 1e-5 * (type == MOE_T_F16 ? 2e5 : absdot) + 1e-30;
+                    if (type == MOE_T_F16) {
+                        bound = 0;
+                        for (int i = 0; i < n; i++) bound += fabs((double)moe__f16_to_f32(wh[i]) * x[i]);
+                        bound = bound * 1e-5 + 1e-30;
+                    }
+                    CHECKF(fabs((double)r - s) <= bound, "%s type %d n %d: %g vs %g", lv[li].isa, type, n, r, s);
+                }
+                if (n % 32 == 0) {
+                    for (int i = 0; i < n / 2; i++) wq[i] = (uint8_t)(urand() * 256);
+                    for (int i = 0; i < n / 32; i++) ws[i] = (uint8_t)(mode == 0 ? 110 + urand() * 20 : mode == 1 ? 200 + urand() * 50 : 1 + urand() * 50);
+                    float r = lv[0].dot[MOE_T_MXFP4](wq, ws, x, n), s = lv[li].dot[MOE_T_MXFP4](wq, ws, x, n);
+                    float *row = malloc(sizeof(float) * (size_t)n);
+                    moe__row_to_f32(MOE_T_MXFP4, wq, ws, row, n);
+                    double ad = 0;
+                    for (int i = 0; i < n; i++) ad += fabs((double)row[i] * x[i]);
+                    free(row);
+                    CHECKF(fabs((double)r - s) <= 1e-5 * ad + 1e-37, "%s mxfp4 n %d: %g vs %g", lv[li].isa, n, r, s);
+                }
+            }
+    free(x), free(wf), free(wb), free(wh), free(wq), free(ws);
+}
+
+/* ---- JSON ------------------------------------------------------------------------------ */
+
+static void test_json(void) {
+    const char *good[] = {"{}", "[]", "0", "-1.5e3", "\"a\\u00e9\\ud83d\\ude00\"", "{\"a\":[1,2,{\"b\":null}],\"c\":true}", " [ ] "};
+    const char *bad[] = {"", "{", "[1,]", "{\"a\"}", "\"\\x\"", "01", "1.", "tru", "[1] x", "\"\\ud800\"", "{\"a\":1,}", "\"a\nb\"", "-", "[\"\\u12\"]"};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+        moe__json *j;
+        CHECKF(moe__json_parse(good[i], strlen(good[i]), &j, NULL, 0) == MOE_OK, "%s", good[i]);
+        moe__json_free(j);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        moe__json *j;
+        char err[128];
+        CHECKF(moe__json_parse(bad[i], strlen(bad[i]), &j, err, sizeof err) == MOE_ERR_FORMAT, "%s", bad[i]);
+    }
+    moe__json *j;
+    const char *t = "{\"k\":\"a\\u00e9\\ud83d\\ude00\",\"n\":[1,2.5]}";
+    CHECK(moe__json_parse(t, strlen(t), &j, NULL, 0) == MOE_OK);
+    const moe__json *k = moe__json_get(j, "k"), *n = moe__json_get(j, "n");
+    CHECK(k && !strcmp(k->str, "a\xc3\xa9\xf0\x9f\x98\x80"));
+    CHECK(n && n->n == 2 && n->child->next->num == 2.5);
+    moe__json_free(j);
+    /* nesting bomb */
+    char deep[3000];
+    memset(deep, '[', 2000);
+    memset(deep + 2000, ']', 999);
+    deep[2999] = 0;
+    CHECK(moe__json_parse(deep, strlen(deep), &j, NULL, 0) == MOE_ERR_FORMAT);
+}
+
+/* ---- golden cases ------------------------------------------------------------------------ */
+
+typedef struct {
+    moe__json *cases;
+    moe__st_file ref;
+    double tol;
+} golden;
+
+static int golden_load(golden *g, const char *name) {
+    char path[600], err[256];
+    size_t len;
+    snprintf(path, sizeof path, "%s/%s/cases.json", golden_dir(), name);
+    char *text = read_all(path, &len);
+    CHECKF(text != NULL, "cannot read %s", path);
+    if (!text) return 0;
+    moe_status st = moe__json_parse(text, len, &g->cases, err, sizeof err);
+    free(text);
+    CHECKF(st == MOE_OK, "%s", err);
+    if (st) return 0;
+    snprintf(path, sizeof path, "%s/%s/logits.safetensors", golden_dir(), name);
+    st = moe__st_open(&g->ref, path, err, sizeof err);
+    CHECKF(st == MOE_OK, "%s", err);
+    if (st) { moe__json_free(g->cases); return 0; }
+    g->tol = moe__json_get(moe__json_get(g->cases, "recommended_tolerance"), "logits_max_abs")->num;
+    return 1;
+}
+
+static void golden_free(golden *g) {
+    moe__json_free(g->cases);
+    moe__st_close(&g->ref);
+}
+
+static int ids_of(const moe__json *arr, int32_t **out) {
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(arr->n ? arr->n : 1));
+    int n = 0;
+    for (const moe__json *e = arr->child; e; e = e->next) ids[n++] = (int32_t)e->num;
+    *out = ids;
+    return n;
+}
+
+static int argmax(const float *x, int n) {
+    int b = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+static double max_abs_diff(const float *a, const float *b, size_t n) {
+    double m = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (!(d <= m)) m = d; /* NaN propagates as failure */
+    }
+    return m;
+}
+
+static moe_model *open_model(const char *sub, unsigned flags, int threads) {
+    char path[600], err[512];
+    snprintf(path, sizeof path, "%s/%s", golden_dir(), sub);
+    moe_options o = moe_default_options();
+    o.flags = flags;
+    o.n_threads = threads;
+    moe_model *m = NULL;
+    moe_status st = moe_model_open(&m, path, &o, err, sizeof err);
+    CHECKF(st == MOE_OK, "open %s: %s", path, err);
+    return m;
+}
+
+/* every prompt: all prefill rows, argmax, routing, 16 greedy tokens and their logit rows */
+static void run_golden(const char *name, unsigned flags, int threads) {
+    golden g;
+    if (!golden_load(&g, name)) return;
+    moe_model *m = open_model(name, flags, threads);
+    if (!m) { golden_free(&g); return; }
+    const moe_config *c = moe_model_config(m);
+    const int V = c->vocab_size, L = c->n_layers, K = c->n_active;
+    const moe__json *prompts = moe__json_get(g.cases, "prompts");
+    for (const moe__json *p = prompts->child; p; p = p->next) {
+        int32_t *ids, *greedy;
+        int n = ids_of(moe__json_get(p, "ids"), &ids), ng = ids_of(moe__json_get(p, "greedy"), &greedy);
+        const char *pname = moe__json_get(p, "name")->str;
+        char key[128];
+        snprintf(key, sizeof key, "%s.logits", pname);
+        const moe__st_tensor *want = moe__st_find(&g.ref, key);
+        snprintf(key, sizeof key, "%s.greedy_logits", pname);
+        const moe__st_tensor *gwant = moe__st_find(&g.ref, key);
+        CHECK(want && gwant && want->shape[0] == n && want->shape[1] == V);
+        moe_session *s = NULL;
+        CHECK(moe_session_new(&s, m, n + ng, NULL, 0) == MOE_OK);
+        float *logits = malloc(sizeof(float) * (size_t)V * (size_t)n);
+        int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * L * (K ? K : 1));
+        moe_seq q = {s, ids, n, logits, 1, K ? routes : NULL};
+        char err[256];
+        CHECKF(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
+        const float *wl = want->data;
+        double md = max_abs_diff(logits, wl, (size_t)n * V);
+        CHECKF(md <= g.tol, "%s %s: max |dlogit| %.3g > %.3g", name, pname, md, g.tol);
+        int amiss = 0;
+        for (int t = 0; t < n; t++) amiss += argmax(logits + (size_t)t * V, V) != argmax(wl + (size_t)t * V, V);
+        CHECKF(amiss == 0, "%s %s: argmax differs at %d rows", name, pname, amiss);
+        /* routing ids, except the positions listed as fragile */
+        const moe__json *fragile = moe__json_get(p, "fragile_routing_below_1e-5");
+        int rmiss = 0, rchecked = 0;
+        for (int l = 0; K && l < L; l++) {
+            snprintf(key, sizeof key, "%s.route.%d.ids", pname, l);
+            const moe__st_tensor *rt = moe__st_find(&g.ref, key);
+            if (!c->layer_moe[l]) { CHECK(rt == NULL && routes[l * K] == -1); continue; }
+            CHECK(rt != NULL);
+            if (!rt) continue;
+            for (int t = 0; t < n; t++) {
+                int is_fragile = 0;
+                for (const moe__json *f = fragile ? fragile->child : NULL; f; f = f->next)
+                    is_fragile |= (int)f->child->num == t && (int)f->child->next->num == l;
+                if (is_fragile) continue;
+                rchecked++;
+                rmiss += memcmp(routes + ((size_t)t * L + l) * K, (const int32_t *)rt->data + (size_t)t * K, sizeof(int32_t) * K) != 0;
+            }
+        }
+        CHECKF(rmiss == 0, "%s %s: routing differs in %d of %d (token, layer) pairs", name, pname, rmiss, rchecked);
+        /* greedy continuation with the caches */
+        const float *gl = gwant->data;
+        float *row = logits + (size_t)(n - 1) * V;
+        double gmd = 0;
+        int gmiss = 0;
+        for (int j = 0; j < ng; j++) {
+            double dd = max_abs_diff(row, gl + (size_t)j * V, (size_t)V);
+            if (dd > gmd) gmd = dd;
+            int32_t tok = argmax(row, V);
+            gmiss += tok != greedy[j];
+            if (j + 1 == ng) break;
+            moe_seq d = {s, &greedy[j], 1, logits, 0, NULL};
+            CHECKF(moe_step(m, &d, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
+            row = logits;
+        }
+        CHECKF(gmiss == 0, "%s %s: %d greedy tokens differ", name, pname, gmiss);
+        CHECKF(gmd <= g.tol, "%s %s: greedy rows max |dlogit| %.3g", name, pname, gmd);
+        if (getenv("MOE_TEST_VERBOSE"))
+            fprintf(stderr, "  %s %s (%d tokens): max|d| %.2g, greedy rows %.2g, routing %d checked\n", name, pname, n, md, gmd, rchecked);
+        free(logits), free(routes), free(ids), free(greedy);
+        moe_session_free(s);
+    }
+    moe_model_close(m);
+    golden_free(&g);
+}
+
+static void test_golden_kimi(void) { run_golden("kimi", 0, 1); }
+static void test_golden_seed(void) { run_golden("seed", 0, 1); }
+static void test_golden_k3mx(void) { run_golden("k3mx", 0, 1); }
+static void test_golden_threads_scalar(void) {
+    run_golden("seed", MOE_FLAG_FORCE_SCALAR, 2);
+    run_golden("k3mx", 0, 2);
+}
+static void test_golden_forced_paths(void) {
+    run_golden("kimi", MOE_FLAG_KDA_RECURRENT | MOE_FLAG_MLA_ABSORBED, 1);
+    run_golden("seed", MOE_FLAG_KDA_CHUNKED | MOE_FLAG_MLA_EXPANDED, 1);
+}
+
+/* ---- KDA chunked vs recurrent -------------------------------------------------------------- */
+
+static void kda_compare(int T, int D, int bounded) {
+    const int H = 2, st = H * D;
+    size_t n = (size_t)T * st;
+    float *q = malloc(sizeof(float) * n), *k = malloc(sizeof(float) * n), *v = malloc(sizeof(float) * n);
+    float *g = malloc(sizeof(float) * n), *beta = malloc(sizeof(float) * (size_t)T * H);
+    float *o1 = malloc(sizeof(float) * n), *o2 = malloc(sizeof(float) * n);
+    float *S1 = calloc((size_t)H * D * D, sizeof(float)), *S2 = calloc((size_t)H * D * D, sizeof(float));
+    float *work = malloc(sizeof(float) * moe__kda_chunk_work(D));
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++) {
+            double sq = 0, sk = 0;
+            float *qh = q + (size_t)t * st + h * D, *kh = k + (size_t)t * st + h * D;
+            for (int i = 0; i < D; i++) {
+                qh[i] = nrand(), kh[i] = nrand();
+                sq += qh[i] * qh[i], sk += kh[i] * kh[i];
+                v[(size_t)t * st + h * D + i] = nrand();
+                /* bounded: (-5, 0); softplus form: mostly small decays, some very large ones */
+                float u = (float)urand();
+                g[(size_t)t * st + h * D + i] = bounded ? -5.0f * u : (urand() < 0.02 ? -30.0f * u : -0.3f * u);
+            }
+            for (int i = 0; i < D; i++) qh[i] /= (float)sqrt(sq) * sqrtf((float)D), kh[i] /= (float)sqrt(sk);
+            beta[t * H + h] = (float)urand();
+        }
+    /* start from a non-zero state: chunks must carry it */
+    for (size_t i = 0; i < (size_t)H * D * D; i++) S1[i] = S2[i] = nrand() * 0.1f;
+    for (int h = 0; h < H; h++) {
+        moe__kda_head a = {T, D, st, H, q + h * D, k + h * D, v + h * D, g + h * D, beta + h, o1 + h * D, S1 + (size_t)h * D * D};
+        moe__kda_head b = a;
+        b.o = o2 + h * D, b.S = S2 + (size_t)h * D * D;
+        moe__kda_recurrent(&a);
+        moe__kda_chunked(&b, bounded, work);
+    }
+    double mo = max_abs_diff(o1, o2, n), ms = max_abs_diff(S1, S2, (size_t)H * D * D);
+    double so = 0, ss = 0;
+    for (size_t i = 0; i < n; i++) so = fmax(so, fabs(o1[i]));
+    for (size_t i = 0; i < (size_t)H * D * D; i++) ss = fmax(ss, fabs(S1[i]));
+    CHECKF(mo <= 2e-5 * (1 + so) && ms <= 2e-5 * (1 + ss), "T %d D %d bounded %d: output %.3g (max %.3g), state %.3g (max %.3g)",
+           T, D, bounded, mo, so, ms, ss);
+    free(q), free(k), free(v), free(g), free(beta), free(o1), free(o2), free(S1), free(S2), free(work);
+}
+
+static void test_kda_chunked_vs_recurrent(void) {
+    const int Ts[] = {1, 5, 15, 16, 17, 31, 33, 100, 2053};
+    for (size_t i = 0; i < sizeof Ts / sizeof *Ts; i++) {
+        kda_compare(Ts[i], 32, 1);
+        kda_compare(Ts[i], 32, 0);
+    }
+    kda_compare(300, 128, 1); /* K3's head size */
+    kda_compare(300, 128, 0);
+}
+
+/* ---- model-level equivalences --------------------------------------------------------------- */
+
+static int32_t *random_ids(int n, int V) {
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(urand() * V);
+    return ids;
+}
+
+/* logits of every position, fed in the given piece sizes (0-terminated list; rest in one piece) */
+static float *logits_in_pieces(moe_model *m, const int32_t *ids, int n, const int *pieces) {
+    const int V = moe_model_config(m)->vocab_size;
+    moe_session *s;
+    if (moe_session_new(&s, m, n, NULL, 0)) return NULL;
+    float *all = malloc(sizeof(float) * (size_t)V * n);
+    int done = 0;
+    for (int i = 0; done < n; i++) {
+        int take = pieces && pieces[i] ? pieces[i] : n - done;
+        if (take > n - done) take = n - done;
+        moe_seq q = {s, ids + done, take, all + (size_t)done * V, 1, NULL};
+        char err[256];
+        CHECKF(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
+        done += take;
+    }
+    moe_session_free(s);
+    return all;
+}
+
+static void test_cached_decode_vs_recompute(void) {
+    const char *cases[] = {"seed", "kimi"};
+    for (int ci = 0; ci < 2; ci++) {
+        moe_model *m = open_model(cases[ci], 0, 1);
+        if (!m) return;
+        const int V = moe_model_config(m)->vocab_size, n = 150;
+        int32_t *ids = random_ids(n, V);
+        const int one[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                           1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0};
+        const int mixed[] = {3, 17, 1, 40, 2, 16, 5, 33, 0};
+        float *a = logits_in_pieces(m, ids, n, NULL), *b = logits_in_pieces(m, ids, n, one),
+              *c = logits_in_pieces(m, ids, n, mixed);
+        CHECK(a && b && c);
+        if (a && b && c) {
+            double d1 = max_abs_diff(a, b, (size_t)n * V), d2 = max_abs_diff(a, c, (size_t)n * V);
+            CHECKF(d1 < 1e-3 && d2 < 1e-3, "%s: token-by-token %.3g, mixed pieces %.3g", cases[ci], d1, d2);
+        }
+        free(a), free(b), free(c), free(ids);
+        moe_model_close(m);
+    }
+}
+
+static void test_batch_vs_alone(void) {
+    moe_model *m = open_model("seed", 0, 1);
+    if (!m) return;
+    const int V = moe_model_config(m)->vocab_size, ns = 3;
+    const int lens[3] = {37, 1, 20};
+    int32_t *ids[3];
+    float *alone[3], *batched[3];
+    moe_session *s[3];
+    for (int i = 0; i < ns; i++) {
+        ids[i] = random_ids(lens[i] + 4, V);
+        alone[i] = logits_in_pieces(m, ids[i], lens[i], NULL);
+        batched[i] = malloc(sizeof(float) * (size_t)V * lens[i]);
+        CHECK(moe_session_new(&s[i], m, 64, NULL, 0) == MOE_OK);
+    }
+    moe_seq q[3];
+    for (int i = 0; i < ns; i++) q[i] = (moe_seq){s[i], ids[i], lens[i], batched[i], 1, NULL};
+    moe_step_stats stt;
+    CHECK(moe_step(m, q, ns, &stt, NULL, 0) == MOE_OK);
+    CHECK(stt.n_tokens == 58 && stt.expert_rows > 0 && stt.expert_loads > 0);
+    for (int i = 0; i < ns; i++) {
+        double d = max_abs_diff(alone[i], batched[i], (size_t)V * lens[i]);
+        CHECKF(d < 1e-4, "sequence %d: %.3g", i, d);
+    }
+    /* lockstep decode: one token from each sequence per step, against each alone */
+    for (int step = 0; step < 4; step++) {
+        float *lk = malloc(sizeof(float) * (size_t)V * ns);
+        for (int i = 0; i < ns; i++) q[i] = (moe_seq){s[i], ids[i] + lens[i] + step, 1, lk + (size_t)i * V, 0, NULL};
+        CHECK(moe_step(m, q, ns, NULL, NULL, 0) == MOE_OK);
+        for (int i = 0; i < ns; i++) {
+            float *ref = logits_in_pieces(m, ids[i], lens[i] + step + 1, NULL);
+            double d = max_abs_diff(ref + (size_t)(lens[i] + step) * V, lk + (size_t)i * V, (size_t)V);
+            CHECKF(d < 1e-3, "lockstep step %d sequence %d: %.3g", step, i, d);
+            free(ref);
+        }
+        free(lk);
+    }
+    for (int i = 0; i < ns; i++) {
+        free(ids[i]), free(alone[i]), free(batched[i]);
+        moe_session_free(s[i]);
+    }
+    moe_model_close(m);
+}
+
+static void test_small_batch_chunks(void) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/k3mx", golden_dir());
+    moe_options o = moe_default_options();
+    o.n_batch = 7;
+    moe_model *m = NULL, *ref = open_model("k3mx", 0, 1);
+    CHECK(moe_model_open(&m, path, &o, NULL, 0) == MOE_OK);
+    if (!m || !ref) { moe_model_close(m); moe_model_close(ref); return; }
+    const int V = moe_model_config(m)->vocab_size, n = 50;
+    int32_t *ids = random_ids(n, V);
+    float *a = logits_in_pieces(ref, ids, n, NULL), *b = logits_in_pieces(m, ids, n, NULL);
+    double d = max_abs_diff(a, b, (size_t)n * V);
+    CHECKF(d < 1e-3, "n_batch 7 vs 512: %.3g", d);
+    free(a), free(b), free(ids);
+    moe_model_close(m);
+    moe_model_close(ref);
+}
+
+static void test_snapshot_fork(void) {
+    moe_model *m = open_model("seed", 0, 1);
+    if (!m) return;
+    const int V = moe_model_config(m)->vocab_size;
+    int32_t *ids = random_ids(60, V);
+    moe_session *a, *b, *snap;
+    float *la = malloc(sizeof(float) * V * 20), *lb = malloc(sizeof(float) * V * 20);
+    CHECK(moe_session_new(&a, m, 100, NULL, 0) == MOE_OK);
+    moe_seq q = {a, ids, 30, NULL, 0, NULL};
+    CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
+    CHECK(moe_session_fork(&snap, a, NULL, 0) == MOE_OK && moe_session_pos(snap) == 30);
+    CHECK(moe_session_fork(&b, a, NULL, 0) == MOE_OK);
+    /* a and its fork b continue with the same tokens: same logits */
+    q = (moe_seq){a, ids + 30, 20, la, 1, NULL};
+    CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
+    q = (moe_seq){b, ids + 30, 20, lb, 1, NULL};
+    CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
+    CHECK(max_abs_diff(la, lb, (size_t)V * 20) == 0);
+    /* b diverges, then is restored from the snapshot and replays: same as a */
+    q = (moe_seq){b, ids + 40, 5, NULL, 0, NULL};
+    CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK && moe_session_pos(b) == 55);
+    CHECK(moe_session_restore(b, snap, NULL, 0) == MOE_OK && moe_session_pos(b) == 30);
+    q = (moe_seq){b, ids + 30, 20, lb, 1, NULL};
+    CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
+    CHECK(max_abs_diff(la, lb, (size_t)V * 20) == 0);
+    /* reset = a fresh session */
+    moe_session_reset(b);
+    CHECK(moe_session_pos(b) == 0);
+    float *full = logits_in_pieces(m, ids, 20, NULL);
+    q = (moe_seq){b, ids, 20, lb, 1, NULL};
+    CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
+    CHECK(max_abs_diff(full, lb, (size_t)V * 20) == 0);
+    /* restoring into a too-small context is refused */
+    moe_session *tiny;
+    CHECK(moe_session_new(&tiny, m, 10, NULL, 0) == MOE_OK);
+    CHECK(moe_session_restore(tiny, a, NULL, 0) == MOE_ERR_CTX_FULL);
+    moe_session_free(tiny);
+    free(full), free(la), free(lb), free(ids);
+    moe_session_free(a), moe_session_free(b), moe_session_free(snap);
+    moe_model_close(m);
+}
+
+/* ---- API misuse ------------------------------------------------------------------------------ */
+
+static void test_api_args(void) {
+    char err[256];
+    moe_model *m = NULL;
+    CHECK(moe_model_open(NULL, "x", NULL, err, sizeof err) == MOE_ERR_ARG);
+    CHECK(moe_model_open(&m, NULL, NULL, err, sizeof err) == MOE_ERR_ARG && m == NULL);
+    CHECK(moe_model_open(&m, "/nonexistent/dir", NULL, err, sizeof err) != MOE_OK && m == NULL);
+    moe_model_close(NULL);
+    moe_session_free(NULL);
+    moe_session_reset(NULL);
+    CHECK(strcmp(moe_status_str(MOE_ERR_CTX_FULL), "context full") == 0);
+    m = open_model("kimi", 0, 1);
+    moe_model *m2 = open_model("kimi", 0, 1);
+    if (!m || !m2) return;
+    const int V = moe_model_config(m)->vocab_size;
+    moe_session *s, *s2;
+    CHECK(moe_session_new(NULL, m, 8, err, sizeof err) == MOE_ERR_ARG);
+    CHECK(moe_session_new(&s, m, 0, err, sizeof err) == MOE_ERR_ARG);
+    CHECK(moe_session_new(&s, m, 8, err, sizeof err) == MOE_OK);
+    CHECK(moe_session_new(&s2, m2, 8, err, sizeof err) == MOE_OK);
+    int32_t bad[2] = {5, V}, neg[1] = {-1}, ok[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    moe_seq q = {s, bad, 2, NULL, 0, NULL};
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_ARG && strstr(err, "outside"));
+    q.tokens = neg, q.n = 1;
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_ARG);
+    CHECK(moe_session_pos(s) == 0);
+    q.tokens = ok, q.n = 9;
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_CTX_FULL);
+    q.n = 8;
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK && moe_session_pos(s) == 8);
+    q.n = 1;
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_CTX_FULL);
+    moe_seq two[2] = {{s2, ok, 1, NULL, 0, NULL}, {s2, ok, 1, NULL, 0, NULL}};
+    CHECK(moe_step(m, two, 1, NULL, err, sizeof err) == MOE_ERR_ARG); /* session of another model */
+    CHECK(moe_step(m2, two, 2, NULL, err, sizeof err) == MOE_ERR_ARG); /* same session twice */
+    CHECK(moe_step(NULL, two, 1, NULL, err, sizeof err) == MOE_ERR_ARG);
+    CHECK(moe_step(m, NULL, 1, NULL, err, sizeof err) == MOE_ERR_ARG);
+    CHECK(moe_step(m, NULL, 0, NULL, err, sizeof err) == MOE_OK);
+    q = (moe_seq){s2, NULL, 3, NULL, 0, NULL};
+    CHECK(moe_step(m2, &q, 1, NULL, err, sizeof err) == MOE_ERR_ARG);
+    CHECK(moe_session_restore(s, s2, err, sizeof err) == MOE_ERR_ARG);
+    moe_session *f;
+    CHECK(moe_session_fork(&f, NULL, err, sizeof err) == MOE_ERR_ARG);
+    moe_session_free(s);
+    moe_session_free(s2);
+    moe_model_close(m);
+    moe_model_close(m2);
+}
+
+static void test_model_info(void) {
+    moe_model *m = open_model("k3mx", 0, 1), *s = open_model("seed", 0, 1);
+    if (!m || !s) { moe_model_close(m); moe_model_close(s); return; }
+    const moe_config *c = moe_model_config(m);
+    moe_model_info a = moe_model_get_info(m), b = moe_model_get_info(s);
+    CHECK(c->n_layers == 8 && c->n_experts == 64 && c->n_active == 6 && c->latent_dim == 64);
+    CHECK(c->layer_kind[3] == MOE_LAYER_MLA && c->layer_kind[0] == MOE_LAYER_KDA && !c->layer_moe[0] && c->layer_moe[1]);
+    CHECK(c->attn_res_block == 3 && c->kda_gate_bounded && c->hidden_act == MOE_ACT_SITU);
+    /* same model, experts BF16 in seed and MXFP4 in k3mx: same parameter count, fewer bytes */
+    CHECK(a.n_params == b.n_params + 6 * 125 && b.n_params > 0); /* k3mx pads A_log to 128 */
+    CHECK(a.expert_bytes < b.expert_bytes && a.n_files == 11 && b.n_files == 1);
+    /* 7 MoE layers x 64 experts x 3 x 32 x 64 values */
+    CHECK(b.expert_bytes == 7ull * 64 * 3 * 32 * 64 * 2);
+    CHECK(a.expert_bytes == 7ull * 64 * 3 * (32 * 32 + 32 * 2));
+    CHECK(b.n_params - b.n_params_active == 7ull * (64 - 6) * 3 * 32 * 64);
+    moe_model_close(m);
+    moe_model_close(s);
+}
+
+static void test_sampling(void) {
+    float logits[6] = {0.1f, 2.0f, -1.0f, 1.9f, 0.0f, 1.0f};
+    moe_sampler greedy = {0, 0, 1, 0}, topk1 = {1.0f, 1, 1, 0}, hot = {1.0f, 0, 1, 0};
+    uint64_t r = 42;
+    CHECK(moe_sample(logits, 6, &greedy, &r) == 1);
+    CHECK(moe_sample(logits, 6, NULL, NULL) == 1);
+    CHECK(moe_sample(logits, 6, &topk1, &r) == 1);
+    int counts[6] = {0};
+    uint64_t r1 = 7, r2 = 7;
+    for (int i = 0; i < 4000; i++) {
+        int a = moe_sample(logits, 6, &hot, &r1), b = moe_sample(logits, 6, &hot, &r2);
+        CHECK(a == b); /* deterministic for a seed */
+        counts[a]++;
+    }
+    /* p(1)/p(3) = e^0.1 = 1.105; both far more frequent than token 2 */
+    CHECK(counts[1] > counts[3] * 0.9 && counts[3] > counts[2] * 5 && counts[2] > 0);
+    moe_sampler nucleus = {1.0f, 0, 0.3f, 0};
+    for (int i = 0; i < 100; i++) CHECK(moe_sample(logits, 6, &nucleus, &r) == 1);
+    moe_sampler minp = {1.0f, 0, 1.0f, 0.5f};
+    for (int i = 0; i < 200; i++) {
+        int t = moe_sample(logits, 6, &minp, &r);
+        CHECK(t == 1 || t == 3); /* e^-1 = 0.37 < 0.5 removes token 5 */
+    }
+}
+
+/* ---- hostile files ---------------------------------------------------------------------------- */
+
+/* a model dir in tmp: config.json (optionally edited) and model.safetensors (header edited) */
+typedef struct {
+    char *cfg;
+    size_t cfg_len;
+    char *st;
+    size_t st_len;
+} model_files;
+
+static int load_seed_files(model_files *f) {
+    char p[600];
+    snprintf(p, sizeof p, "%s/seed/config.json", golden_dir());
+    f->cfg = read_all(p, &f->cfg_len);
+    snprintf(p, sizeof p, "%s/seed/model.safetensors", golden_dir());
+    f->st = read_all(p, &f->st_len);
+    return f->cfg && f->st;
+}
+
+static char *replace_once(const char *s, const char *from, const char *to) {
+    const char *at = strstr(s, from);
+    if (!at) return NULL;
+    size_t a = (size_t)(at - s), fl = strlen(from), tl = strlen(to), n = strlen(s);
+    char *r = malloc(n - fl + tl + 1);
+    memcpy(r, s, a);
+    memcpy(r + a, to, tl);
+    memcpy(r + a + tl, at + fl, n - a - fl + 1);
+    return r;
+}
+
+static moe_status open_dir(const char *dir, char *err, size_t errlen) {
+    moe_model *m = NULL;
+    moe_status st = moe_model_open(&m, dir, NULL, err, errlen);
+    moe_model_close(m);
+    return st;
+}
+
+/* writes tmp/bad/{config.json, model.safetensors}; header_edit replaces text in the JSON
+ * header (the data stays where it was), cfg_edit in config.json; truncate_at < 0: full length */
+static moe_status try_open(const model_files *f, const char *cfg_from, const char *cfg_to,
+                           const char *hdr_from, const char *hdr_to, long truncate_at, char *err, size_t errlen) {
+    char dir[600], p[700];
+    tmp_path(dir, sizeof dir, "bad");
+    mkdir(dir, 0700);
+    char *cfg = cfg_from ? replace_once(f->cfg, cfg_from, cfg_to) : strdup(f->cfg);
+    if (!cfg) { fprintf(stderr, "  (test bug: '%s' not in config)\n", cfg_from); return MOE_OK; }
+    snprintf(p, sizeof p, "%s/config.json", dir);
+    write_all(p, cfg, strlen(cfg));
+    free(cfg);
+    snprintf(p, sizeof p, "%s/model.safetensors", dir);
+    if (!hdr_from) { /* raw bytes, possibly truncated */
+        size_t n = truncate_at >= 0 && (size_t)truncate_at < f->st_len ? (size_t)truncate_at : f->st_len;
+        write_all(p, f->st, n);
+        return open_dir(dir, err, errlen);
+    }
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | (unsigned char)f->st[i];
+    char *hdr = malloc(hlen + 1);
+    memcpy(hdr, f->st + 8, hlen);
+    hdr[hlen] = 0;
+    char *nh = replace_once(hdr, hdr_from, hdr_to);
+    free(hdr);
+    if (!nh) { fprintf(stderr, "  (test bug: '%s' not in header)\n", hdr_from); return MOE_OK; }
+    /* keep the data offset: pad the edited header back to the old length with spaces */
+    size_t nl = strlen(nh);
+    char *out = malloc(f->st_len + nl + 16);
+    size_t newh = nl <= hlen ? hlen : nl;
+    for (int i = 0; i < 8; i++) out[i] = (char)(newh >> (8 * i));
+    memcpy(out + 8, nh, nl);
+    memset(out + 8 + nl, ' ', newh - nl);
+    memcpy(out + 8 + newh, f->st + 8 + hlen, f->st_len - 8 - hlen);
+    write_all(p, out, 8 + newh + (f->st_len - 8 - hlen));
+    free(out);
+    free(nh);
+    return open_dir(dir, err, errlen);
+}
+
+static void expect_format(const model_files *f, const char *cf, const char *ct, const char *hf, const char *ht, const char *what) {
+    char err[512] = "";
+    moe_status st = try_open(f, cf, ct, hf, ht, -1, err, sizeof err);
+    CHECKF(st == MOE_ERR_FORMAT && err[0], "%s: status %d (%s)", what, st, err);
+    if (getenv("MOE_TEST_VERBOSE")) fprintf(stderr, "  %s -> %s\n", what, err);
+}
+
+static void test_bad_files(void) {
+    model_files f;
+    if (!load_seed_files(&f)) { CHECK(0); return; }
+    char err[512];
+    /* the unedited copy opens */
+    CHECKF(try_open(&f, NULL, NULL, NULL, NULL, -1, err, sizeof err) == MOE_OK, "%s", err);
+    /* truncated at many offsets, header and data alike: always a clean format error */
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = hlen << 8 | (unsigned char)f.st[i];
+    long cuts[40];
+    int nc = 0;
+    const long fixed[] = {0, 1, 7, 8, 9, 100, (long)hlen / 2, (long)hlen + 7, (long)hlen + 8, (long)hlen + 9};
+    for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++) cuts[nc++] = fixed[i];
+    for (int i = 1; i <= 20; i++) cuts[nc++] = (long)(hlen + 8 + (f.st_len - hlen - 8) * i / 21);
+    cuts[nc++] = (long)f.st_len - 1;
+    for (int i = 0; i < nc; i++) {
+        moe_status st = try_open(&f, NULL, NULL, NULL, NULL, cuts[i], err, sizeof err);
+        CHECKF(st == MOE_ERR_FORMAT, "truncated at %ld: status %d (%s)", cuts[i], st, err);
+    }
+    /* header length past the end, and absurd */
+    {
+        char *bad = malloc(f.st_len);
+        memcpy(bad, f.st, f.st_len);
+        for (int k = 0; k < 2; k++) {
+            uint64_t v = k ? ~0ull : (uint64_t)f.st_len;
+            for (int i = 0; i < 8; i++) bad[i] = (char)(v >> (8 * i));
+            model_files g = f;
+            g.st = bad;
+            moe_status st = try_open(&g, NULL, NULL, NULL, NULL, -1, err, sizeof err);
+            CHECKF(st == MOE_ERR_FORMAT, "header length %llu: %d", (unsigned long long)v, st);
+        }
+        free(bad);
+    }
+    const char *qp = "\"model.layers.0.self_attn.q_proj.weight\":{\"dtype\":\"BF16\",\"shape\":[192,192],\"data_offsets\":[";
+    /* header text edits (the seed header is compact JSON) */
+    expect_format(&f, NULL, NULL, "{\"lm_head.weight\"", "[{\"lm_head.weight\"", "header not JSON");
+    expect_format(&f, NULL, NULL, "{\"lm_head.weight\"", "[{\"lm_head.weight\"}]", "header not an object");
+    expect_format(&f, NULL, NULL, qp, "\"model.layers.0.self_attn.q_proj.weight\":{\"dtype\":\"BF16\",\"shape\":[192,192],\"data_offsets\":[9", "offsets outside the file");
+    expect_format(&f, NULL, NULL, "\"shape\":[192,192],\"data_offsets\":[1706380,", "\"shape\":[192,192],\"data_offsets\":[1780108,", "offsets reversed");
+    expect_format(&f, NULL, NULL, "\"shape\":[192,192],\"data_offsets\":[1706380,1780108]", "\"shape\":[192,192],\"data_offsets\":[1629580,1703308]", "tensors overlap");
+    expect_format(&f, NULL, NULL, "\"model.layers.0.self_attn.dt_bias\":{\"dtype\":\"F32\"", "\"model.layers.0.self_attn.dt_bias\":{\"dtype\":\"BF16\"", "dtype/byte length mismatch");
+    expect_format(&f, NULL, NULL, "\"model.layers.0.self_attn.dt_bias\":{\"dtype\":\"F32\"", "\"model.layers.0.self_attn.dt_bias\":{\"dtype\":\"Q9\"", "unknown dtype");
+    expect_format(&f, NULL, NULL, "\"model.layers.0.self_attn.dt_bias\":{\"dtype\":\"F32\"", "\"model.layers.0.self_attn.dt_bias\":{\"dtype\":\"I32\"", "wrong dtype class");
+    expect_format(&f, NULL, NULL, "\"shape\":[192,192],\"data_offsets\":[1706380", "\"shape\":[96,384],\"data_offsets\":[1706380", "shape mismatch with config");
+    expect_format(&f, NULL, NULL, "\"shape\":[192,192],\"data_offsets\":[1706380", "\"shape\":[4294967296,4294967296,4294967296],\"data_offsets\":[1706380", "overflowing dims");
+    expect_format(&f, NULL, NULL, "\"shape\":[192,192],\"data_offsets\":[1706380", "\"shape\":[192,-192],\"data_offsets\":[1706380", "negative dim");
+    expect_format(&f, NULL, NULL, "\"model.layers.0.self_attn.q_proj.weight\"", "\"model.layers.0.self_attn.q_prox.weight\"", "missing tensor");
+    expect_format(&f, NULL, NULL, "\"model.layers.0.self_attn.q_proj.weight\"", "\"model.layers.0.self_attn.k_proj.weight\"", "duplicate tensor name");
+    expect_format(&f, NULL, NULL, "\"model.layers.0.self_attn.A_log\":{\"dtype\":\"F32\",\"shape\":[3]", "\"model.layers.0.self_attn.A_log\":{\"dtype\":\"F32\",\"shape\":[2]", "A_log too short");
+    /* inconsistent or absurd config values */
+    expect_format(&f, "\"vocab_size\": 1280", "\"vocab_size\": -1", NULL, NULL, "negative vocab");
+    expect_format(&f, "\"vocab_size\": 1280", "\"vocab_size\": 1e300", NULL, NULL, "absurd vocab");
+    expect_format(&f, "\"vocab_size\": 1280", "\"vocab_size\": 1000", NULL, NULL, "vocab does not match tensors");
+    expect_format(&f, "\"hidden_size\": 192", "\"hidden_size\": 0", NULL, NULL, "zero hidden size");
+    expect_format(&f, "\"hidden_size\": 192", "\"hidden_size\": \"192\"", NULL, NULL, "hidden size a string");
+    expect_format(&f, "\"num_experts_per_token\": 6", "\"num_experts_per_token\": 65", NULL, NULL, "top-k above the expert count");
+    expect_format(&f, "\"num_experts_per_token\": 6", "\"num_experts_per_token\": 0", NULL, NULL, "top-k zero");
+    expect_format(&f, "\"num_expert_group\": 4", "\"num_expert_group\": 5", NULL, NULL, "groups do not divide experts");
+    expect_format(&f, "\"topk_group\": 2", "\"topk_group\": 9", NULL, NULL, "topk_group above groups");
+    expect_format(&f, "\"head_dim\": 64", "\"head_dim\": 32", NULL, NULL, "KDA head size does not match tensors");
+    expect_format(&f, "\"num_hidden_layers\": 8", "\"num_hidden_layers\": 0", NULL, NULL, "zero layers");
+    expect_format(&f, "\"num_hidden_layers\": 8", "\"num_hidden_layers\": 9", NULL, NULL, "more layers than tensors");
+    expect_format(&f, "\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": -1", NULL, NULL, "negative eps");
+    expect_format(&f, "\"kda_layers\": [\n      1,", "\"kda_layers\": [\n      99,", NULL, NULL, "kda layer out of range");
+    expect_format(&f, "\"gate_lower_bound\": -5.0", "\"gate_lower_bound\": 3.0", NULL, NULL, "positive gate bound");
+    expect_format(&f, "{", "[", NULL, NULL, "config not JSON object");
+    {
+        moe_status st = try_open(&f, "\"hidden_act\": \"situ\"", "\"hidden_act\": \"gelu\"", NULL, NULL, -1, err, sizeof err);
+        CHECKF(st == MOE_ERR_UNSUPPORTED, "unknown activation: %d", st);
+    }
+    free(f.cfg);
+    free(f.st);
+}
+
+/* a sharded checkpoint whose index names a missing shard, or a tensor the shard lacks */
+static void test_bad_index(void) {
+    char dir[600], p[800], q[800], err[512];
+    tmp_path(dir, sizeof dir, "badidx");
+    mkdir(dir, 0700);
+    const char *files[] = {"config.json", "model.safetensors.index.json", "model-00001-of-000011.safetensors",
+                           "model-00002-of-000011.safetensors", "model-00003-of-000011.safetensors",
+                           "model-00004-of-000011.safetensors", "model-00005-of-000011.safetensors",
+                           "model-00006-of-000011.safetensors", "model-00007-of-000011.safetensors",
+                           "model-00008-of-000011.safetensors", "model-00009-of-000011.safetensors",
+                           "model-00010-of-000011.safetensors", "model-00011-of-000011.safetensors"};
+    for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
+        snprintf(p, sizeof p, "%s/k3mx/%s", golden_dir(), files[i]);
+        snprintf(q, sizeof q, "%s/%s", dir, files[i]);
+        CHECK(copy_file(p, q));
+    }
+    moe_model *m = NULL;
+    CHECKF(moe_model_open(&m, dir, NULL, err, sizeof err) == MOE_OK, "%s", err);
+    moe_model_close(m);
+    snprintf(q, sizeof q, "%s/model-00005-of-000011.safetensors", dir);
+    remove(q);
+    moe_status st = moe_model_open(&m, dir, NULL, err, sizeof err);
+    CHECKF(st == MOE_ERR_IO && strstr(err, "model-00005"), "missing shard: %d %s", st, err);
+    /* index says a tensor is in another shard than it is */
+    snprintf(p, sizeof p, "%s/k3mx/model-00005-of-000011.safetensors", golden_dir());
+    CHECK(copy_file(p, q));
+    size_t len;
+    snprintf(p, sizeof p, "%s/model.safetensors.index.json", dir);
+    char *idx = read_all(p, &len);
+    char *ed = replace_once(idx, "\"language_model.model.layers.0.input_layernorm.weight\": \"model-00001-of-000011.safetensors\"",
+                            "\"language_model.model.layers.0.input_layernorm.weight\": \"model-00002-of-000011.safetensors\"");
+    CHECK(ed != NULL);
+    if (ed) {
+        write_all(p, ed, strlen(ed));
+        st = moe_model_open(&m, dir, NULL, err, sizeof err);
+        CHECKF(st == MOE_ERR_FORMAT, "index mismatch: %d %s", st, err);
+        free(ed);
+    }
+    ed = replace_once(idx, "\"model-00001-of-000011.safetensors\"", "\"../etc/passwd\"");
+    if (ed) {
+        write_all(p, ed, strlen(ed));
+        st = moe_model_open(&m, dir, NULL, err, sizeof err);
+        CHECKF(st == MOE_ERR_FORMAT, "shard path escape: %d %s", st, err);
+        free(ed);
+    }
+    free(idx);
+}
+
+/* ---- memory ------------------------------------------------------------------------------------ */
+
+/* the seed model with a 600-token prompt stays under 100 MB resident (measured in a child, so
+ * the test process's own mappings do not count) */
+static void test_rss_seed_600(void) {
+    golden g;
+    if (!golden_load(&g, "seed")) return;
+    const moe__json *p3 = moe__json_get(g.cases, "prompts")->child->next->next->next;
+    int32_t *ids;
+    int n = ids_of(moe__json_get(p3, "ids"), &ids);
+    golden_free(&g);
+    CHECK(n == 600);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char path[600];
+        snprintf(path, sizeof path, "%s/seed", golden_dir());
+        moe_model *m;
+        moe_session *s;
+        if (moe_model_open(&m, path, NULL, NULL, 0) || moe_session_new(&s, m, 700, NULL, 0)) _exit(2);
+        float *lg = malloc(sizeof(float) * moe_model_config(m)->vocab_size);
+        moe_seq q = {s, ids, n, lg, 0, NULL};
+        if (moe_step(m, &q, 1, NULL, NULL, 0)) _exit(3);
+        _exit(0);
+    }
+    int status = 0;
+    CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+    CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %d", status);
+    struct rusage ru;
+    getrusage(RUSAGE_CHILDREN, &ru);
+    CHECKF(ru.ru_maxrss < 100 * 1024, "max RSS %ld kB", ru.ru_maxrss);
+    if (getenv("MOE_TEST_VERBOSE")) fprintf(stderr, "  seed 600 tokens: max RSS %ld kB\n", ru.ru_maxrss);
+    free(ids);
+}
+
+/* ---- table and main ---------------------------------------------------------------------------- */
+
+static const struct {
+    const char *name;
+    void (*fn)(void);
+} tests[] = {
+    {"rss_seed_600", test_rss_seed_600}, /* first: fork before this process grows */
+    {"bf16_f16", test_bf16_f16},
+    {"mxfp4_worked_example", test_mxfp4_worked_example},
+    {"mxfp4_golden_dequant", test_mxfp4_golden_dequant},
+    {"dot_levels", test_dot_levels},
+    {"json", test_json},
+    {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
+    {"golden_kimi", test_golden_kimi},
+    {"golden_seed", test_golden_seed},
+    {"golden_k3mx", test_golden_k3mx},
+    {"golden_threads_scalar", test_golden_threads_scalar},
+    {"golden_forced_paths", test_golden_forced_paths},
+    {"cached_decode_vs_recompute", test_cached_decode_vs_recompute},
+    {"batch_vs_alone", test_batch_vs_alone},
+    {"small_batch_chunks", test_small_batch_chunks},
+    {"snapshot_fork", test_snapshot_fork},
+    {"api_args", test_api_args},
+    {"model_info", test_model_info},
+    {"sampling", test_sampling},
+    {"bad_files", test_bad_files},
+    {"bad_index", test_bad_index},
+};
+
+static void rm_tree(const char *dir) {
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    if (system(cmd)) fprintf(stderr, "warning: could not remove %s\n", dir);
+}
+
+int main(int argc, char **argv) {
+    const int nt = (int)(sizeof tests / sizeof *tests);
+    if (argc > 1 && !strcmp(argv[1], "--list")) {
+        for (int i = 0; i < nt; i++) printf("%s\n", tests[i].name);
+        return 0;
+    }
+    snprintf(tmp_root, sizeof tmp_root, "/tmp/moe-test-XXXXXX");
+    if (!mkdtemp(tmp_root)) {
+        perror("mkdtemp");
+        return 1;
+    }
+    int passed = 0, failed = 0;
+    for (int i = 0; i < nt; i++) {
+        int want = argc == 1;
+        for (int a = 1; a < argc; a++) want |= !strcmp(argv[a], tests[i].name);
+        if (!want) continue;
+        int before = g_failed_checks;
+        fprintf(stderr, "%-28s ", tests[i].name);
+        tests[i].fn();
+        if (g_failed_checks == before) {
+            fprintf(stderr, "ok\n");
+            passed++;
+        } else {
+            fprintf(stderr, "FAILED\n");
+            failed++;
+        }
+    }
+    rm_tree(tmp_root);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
