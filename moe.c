@@ -624,6 +624,8 @@ static moe_status parse_config(moe_model *m, const moe__json *root, char *err, s
     double beta = cfloat(&c, j, "activation_situ_beta", 0.0, 0.0, 1e6);
     g->situ_beta = beta > 0 ? (float)beta : 1.0f;
     g->situ_linear_beta = cfloat(&c, j, "activation_situ_linear_beta", 0.0, 0.0, 1e6);
+    g->tie_embeddings = cint(&c, j, "tie_word_embeddings", NULL, 0, 0, 1);
+    if (!g->tie_embeddings) g->tie_embeddings = cint(&c, root, "tie_word_embeddings", NULL, 0, 0, 1);
     g->bos_token_id = cint(&c, j, "bos_token_id", NULL, -1, -1, INT32_MAX);
     g->eos_token_id = cint(&c, j, "eos_token_id", NULL, -1, -1, INT32_MAX);
 
@@ -1002,7 +1004,8 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     binder b = {m, err, errlen, MOE_OK};
     const int d = c->hidden_size;
     bind_mat(&b, &m->embed, c->vocab_size, d, "model.embed_tokens");
-    bind_mat(&b, &m->lm_head, c->vocab_size, d, "lm_head");
+    if (c->tie_embeddings && !bfind(&b, "lm_head.weight")) m->lm_head = m->embed;
+    else bind_mat(&b, &m->lm_head, c->vocab_size, d, "lm_head");
     m->final_norm = bind_vec(&b, d, 0, "model.norm.weight");
     if (c->attn_res_block) m->out_res_w = bind_res(&b, d, "model.output_attn_res");
     if (!b.st && !(m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers))) b.st = MOE_ERR_NOMEM;
@@ -1425,7 +1428,7 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     const int nt = nthreads(m);
     size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
     size_t kvn = use_expanded ? (size_t)S * H * (dn + dv) : 0;
-    size_t scratch = (size_t)S + 2 * (size_t)r + 16; /* scores, ctx, absorbed query */
+    size_t scratch = (size_t)S + 3 * (size_t)r + 16; /* scores, ctx, absorbed query, kv_b row */
     size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
     size_t gn = c->mla_output_gate ? yn : 0;
     float *buf = malloc(sizeof(float) * (qn + yn + gn + kvn + qa + (size_t)n * cw + scratch * nt));
@@ -1485,7 +1488,7 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         } else {
             /* absorbed: qa = W_UK,h^T qn (r values, from kv_b rows h*(dn+dv) .. +dn);
              * score_j = qa . c_j + qr . kr_j; ctx = sum_j p_j c_j; y_h = W_UV,h ctx */
-            float *qa = ctx + r, row[1024];
+            float *qa = ctx + r, *row = qa + r;
             for (int i = 0; i < r; i++) qa[i] = 0;
             for (int i = 0; i < dn; i++) {
                 const int64_t wr = (int64_t)h * (dn + dv) + i;
@@ -1555,7 +1558,7 @@ static moe_status expert_get(const moe_model *m, int li, int e, const expert **o
 static void route_rows(const moe_config *c, const float *logits, const float *bias, int n,
                        int32_t *ids, float *wts, float *work) {
     const int E = c->n_experts, K = c->n_active, G = c->n_groups, Gk = c->topk_groups;
-    float *s = work, *sel = work + E;
+    float *s = work, *sel = work + E; /* work: 4E floats */
     for (int t = 0; t < n; t++) {
         const float *l = logits + (size_t)t * E;
         if (c->router_softmax) {
@@ -1570,8 +1573,8 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
         for (int e = 0; e < E; e++) sel[e] = s[e] + bias[e];
         if (G > 1 && G > Gk) {
             const int per = E / G;
-            float gscore[1024];
-            unsigned char keep[1024];
+            float *gscore = sel + E;
+            unsigned char *keep = (unsigned char *)(gscore + G);
             for (int gi = 0; gi < G; gi++) {
                 float b1 = -INFINITY, b2 = -INFINITY;
                 for (int e = gi * per; e < (gi + 1) * per; e++) {
@@ -1594,6 +1597,7 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
         int32_t *id = ids + (size_t)t * K;
         float *w = wts + (size_t)t * K;
         unsigned char *taken = (unsigned char *)(sel + E);
+        /* (taken reuses the group-score space: grouping is done by now) */
         memset(taken, 0, (size_t)E);
         for (int kk = 0; kk < K; kk++) { /* k passes: K is small (<= 16 in the family) */
             int best = -1;
@@ -1626,12 +1630,12 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
     const int de = c->latent_dim ? c->latent_dim : d;
     moe_status st = MOE_OK;
     size_t nk = (size_t)n * K;
-    float *logits = malloc(sizeof(float) * ((size_t)n * E + 3 * (size_t)E + nk + (size_t)n * de * 2 +
+    float *logits = malloc(sizeof(float) * ((size_t)n * E + 4 * (size_t)E + nk + (size_t)n * de * 2 +
                                             (size_t)n * (2 * (size_t)Ie + de) + (size_t)n * de));
     int *cnt = xcalloc((size_t)E + 1, sizeof *cnt), *rows = malloc(sizeof(int) * nk);
     float *rw = malloc(sizeof(float) * nk);
     if (!logits || !cnt || !rows || !rw) { st = MOE_ERR_NOMEM; goto done; }
-    float *work = logits + (size_t)n * E, *wts = work + 3 * (size_t)E, *xe = wts + nk;
+    float *work = logits + (size_t)n * E, *wts = work + 4 * (size_t)E, *xe = wts + nk;
     float *ye = xe + (size_t)n * de, *gx = ye + (size_t)n * de, *ga = gx + (size_t)n * de;
     float *gb = ga + (size_t)n * Ie, *go = gb + (size_t)n * Ie;
     /* 1-4. router in f32, selection, weights */
@@ -1922,7 +1926,6 @@ moe_status moe_session_new(moe_session **out, moe_model *m, int n_ctx, char *err
     *out = NULL;
     if (!m || n_ctx < 1) return fail(err, errlen, MOE_ERR_ARG, "moe_session_new: need a model and n_ctx >= 1");
     const moe_config *c = &m->cfg;
-    if (c->kv_lora_rank > 1024) return fail(err, errlen, MOE_ERR_UNSUPPORTED, "kv_lora_rank above 1024");
     moe_session *s = xcalloc(1, sizeof *s);
     if (!s) return MOE_ERR_NOMEM;
     s->m = m;

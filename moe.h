@@ -105,6 +105,7 @@ typedef struct {
     int latent_dim, latent_norm; /* latent_dim 0: no latent MoE */
     /* residuals */
     int attn_res_block; /* 0: plain residuals */
+    int tie_embeddings; /* lm_head shares embed_tokens (only used when lm_head is absent) */
     int bos_token_id, eos_token_id;
     const unsigned char *layer_kind; /* [n_layers] MOE_LAYER_* */
     const unsigned char *layer_moe;  /* [n_layers] 1 if the FFN is MoE */

@@ -13,6 +13,7 @@
 #if !defined(MOE_NO_SIMD) && (defined(__GNUC__) || defined(__clang__)) && \
     (defined(__x86_64__) || defined(_M_X64))
 #define MOE_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #define MOE_TARGET(s) __attribute__((target(s)))
 #endif
@@ -260,9 +261,11 @@ MOE_TARGET("avx2,fma") static float dot_mxfp4_avx2(const void *w, const uint8_t 
 }
 
 static int cpu_has_avx2(void) {
+    unsigned a, b, c, d;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    /* F16C (CPUID.1:ECX bit 29): clang 14 does not know it as a __builtin_cpu_supports name */
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 29))) return 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif /* MOE_X86 */
 

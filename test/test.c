@@ -452,9 +452,24 @@ static void test_kda_chunked_vs_recurrent(void) {
 
 /* ---- model-level equivalences --------------------------------------------------------------- */
 
-static int32_t *random_ids(int n, int V) {
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
-    for (int i = 0; i < n; i++) ids[i] = (int32_t)(urand() * V);
+/* Token ids of golden prompt `pi` followed by its greedy continuation. Those ids were drawn so
+ * that no routing decision is within 1e-5 of a tie (cases.json), so two float32 computations
+ * that differ only in rounding (chunked vs recurrent, batched vs alone) route identically; on
+ * random ids a near-tie can flip an expert and move the logits by whole units. */
+static int32_t *golden_ids(const char *name, int pi, int *n) {
+    golden g;
+    *n = 0;
+    if (!golden_load(&g, name)) return NULL;
+    const moe__json *p = moe__json_get(g.cases, "prompts")->child;
+    for (int i = 0; i < pi && p; i++) p = p->next;
+    int32_t *a, *b;
+    int na = ids_of(moe__json_get(p, "ids"), &a), nb = ids_of(moe__json_get(p, "greedy"), &b);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(na + nb));
+    memcpy(ids, a, sizeof(int32_t) * (size_t)na);
+    memcpy(ids + na, b, sizeof(int32_t) * (size_t)nb);
+    free(a), free(b);
+    golden_free(&g);
+    *n = na + nb;
     return ids;
 }
 
@@ -483,7 +498,10 @@ static void test_cached_decode_vs_recompute(void) {
         moe_model *m = open_model(cases[ci], 0, 1);
         if (!m) return;
         const int V = moe_model_config(m)->vocab_size, n = 150;
-        int32_t *ids = random_ids(n, V);
+        int ng;
+        int32_t *ids = golden_ids(cases[ci], 3, &ng);
+        CHECK(ids && ng >= n);
+        if (!ids) return;
         const int one[] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
                            1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0};
         const int mixed[] = {3, 17, 1, 40, 2, 16, 5, 33, 0};
@@ -503,12 +521,14 @@ static void test_batch_vs_alone(void) {
     moe_model *m = open_model("seed", 0, 1);
     if (!m) return;
     const int V = moe_model_config(m)->vocab_size, ns = 3;
-    const int lens[3] = {37, 1, 20};
+    const int lens[3] = {37, 1, 20}, which[3] = {3, 0, 2};
     int32_t *ids[3];
     float *alone[3], *batched[3];
     moe_session *s[3];
     for (int i = 0; i < ns; i++) {
-        ids[i] = random_ids(lens[i] + 4, V);
+        int ng;
+        ids[i] = golden_ids("seed", which[i], &ng);
+        CHECK(ng >= lens[i] + 4);
         alone[i] = logits_in_pieces(m, ids[i], lens[i], NULL);
         batched[i] = malloc(sizeof(float) * (size_t)V * lens[i]);
         CHECK(moe_session_new(&s[i], m, 64, NULL, 0) == MOE_OK);
@@ -551,7 +571,8 @@ static void test_small_batch_chunks(void) {
     CHECK(moe_model_open(&m, path, &o, NULL, 0) == MOE_OK);
     if (!m || !ref) { moe_model_close(m); moe_model_close(ref); return; }
     const int V = moe_model_config(m)->vocab_size, n = 50;
-    int32_t *ids = random_ids(n, V);
+    int ng;
+    int32_t *ids = golden_ids("k3mx", 3, &ng);
     float *a = logits_in_pieces(ref, ids, n, NULL), *b = logits_in_pieces(m, ids, n, NULL);
     double d = max_abs_diff(a, b, (size_t)n * V);
     CHECKF(d < 1e-3, "n_batch 7 vs 512: %.3g", d);
@@ -564,7 +585,8 @@ static void test_snapshot_fork(void) {
     moe_model *m = open_model("seed", 0, 1);
     if (!m) return;
     const int V = moe_model_config(m)->vocab_size;
-    int32_t *ids = random_ids(60, V);
+    int ng;
+    int32_t *ids = golden_ids("seed", 3, &ng);
     moe_session *a, *b, *snap;
     float *la = malloc(sizeof(float) * V * 20), *lb = malloc(sizeof(float) * V * 20);
     CHECK(moe_session_new(&a, m, 100, NULL, 0) == MOE_OK);
@@ -902,6 +924,85 @@ static void test_bad_index(void) {
     free(idx);
 }
 
+/* ---- moe-logits: the stable command-line interface ------------------------------------------ */
+
+static char exe_dir[512] = ".";
+
+static int run_cmd(const char *cmd, char *out, size_t outlen) {
+    FILE *p = popen(cmd, "r");
+    if (!p) return -1;
+    size_t n = 0, r;
+    while (n + 1 < outlen && (r = fread(out + n, 1, outlen - 1 - n, p)) > 0) n += r;
+    out[n] = 0;
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void test_moe_logits_cli(void) {
+    const char *cases[] = {"kimi", "seed", "k3mx"};
+    char cmd[2400], out[4096], idsf[600], logf[600];
+    tmp_path(idsf, sizeof idsf, "ids.txt");
+    tmp_path(logf, sizeof logf, "logits.bin");
+    for (int ci = 0; ci < 3; ci++) {
+        golden g;
+        if (!golden_load(&g, cases[ci])) return;
+        const moe__json *p = moe__json_get(g.cases, "prompts")->child->next->next; /* p2, 64 tokens */
+        int32_t *ids, *greedy;
+        int n = ids_of(moe__json_get(p, "ids"), &ids), ng = ids_of(moe__json_get(p, "greedy"), &greedy);
+        FILE *f = fopen(idsf, "w");
+        for (int i = 0; i < n; i++) fprintf(f, i % 10 == 9 ? "%d\n" : "%d ", (int)ids[i]);
+        fclose(f);
+        snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/%s --tokens %s --out %s --all --greedy %d", exe_dir,
+                 golden_dir(), cases[ci], idsf, logf, ng);
+        int rc = run_cmd(cmd, out, sizeof out);
+        CHECKF(rc == 0, "%s: exit %d", cmd, rc);
+        size_t len = 0;
+        char *bin = read_all(logf, &len);
+        const moe__st_tensor *want = moe__st_find(&g.ref, "p2.logits");
+        CHECK(bin && want && len == want->nbytes);
+        if (bin && want && len == want->nbytes) {
+            double d = max_abs_diff((const float *)bin, want->data, len / 4);
+            CHECKF(d <= g.tol, "%s: max |dlogit| %.3g", cases[ci], d);
+        }
+        free(bin);
+        /* the greedy ids are the last line of stdout */
+        char want_line[1024] = "";
+        for (int i = 0; i < ng; i++) snprintf(want_line + strlen(want_line), sizeof want_line - strlen(want_line), i ? " %d" : "%d", (int)greedy[i]);
+        char *last = out + strlen(out);
+        while (last > out && last[-1] == '\n') *--last = 0;
+        while (last > out && last[-1] != '\n') last--;
+        CHECKF(!strcmp(last, want_line), "%s: greedy '%s' want '%s'", cases[ci], last, want_line);
+        /* without --all: the last row only */
+        snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/%s --tokens %s --out %s", exe_dir, golden_dir(), cases[ci], idsf, logf);
+        CHECK(run_cmd(cmd, out, sizeof out) == 0);
+        bin = read_all(logf, &len);
+        const int V = (int)want->shape[1];
+        CHECK(bin && len == (size_t)V * 4);
+        if (bin && len == (size_t)V * 4)
+            CHECK(max_abs_diff((const float *)bin, (const float *)want->data + (size_t)(n - 1) * V, (size_t)V) <= g.tol);
+        free(bin), free(ids), free(greedy);
+        golden_free(&g);
+    }
+    /* exit codes: 2 usage, 1 errors */
+    snprintf(cmd, sizeof cmd, "%s/moe-logits 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+    snprintf(cmd, sizeof cmd, "%s/moe-logits -m x --tokens y --bogus 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+    snprintf(cmd, sizeof cmd, "%s/moe-logits -m /nonexistent --tokens %s 2>/dev/null", exe_dir, idsf);
+    CHECK(run_cmd(cmd, out, sizeof out) == 1);
+    const char *bad_ids[] = {"1 2 x", "1 -2", "99999999", "", "1 2 3.5"};
+    for (int i = 0; i < 5; i++) {
+        FILE *f = fopen(idsf, "w");
+        fputs(bad_ids[i], f);
+        fclose(f);
+        remove(logf);
+        snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/kimi --tokens %s --out %s 2>/dev/null", exe_dir, golden_dir(), idsf, logf);
+        CHECKF(run_cmd(cmd, out, sizeof out) == 1, "ids '%s'", bad_ids[i]);
+        struct stat sb;
+        CHECK(stat(logf, &sb) != 0); /* nothing written on failure */
+    }
+}
+
 /* ---- memory ------------------------------------------------------------------------------------ */
 
 /* the seed model with a 600-token prompt stays under 100 MB resident (measured in a child, so
@@ -964,6 +1065,7 @@ static const struct {
     {"sampling", test_sampling},
     {"bad_files", test_bad_files},
     {"bad_index", test_bad_index},
+    {"moe_logits_cli", test_moe_logits_cli},
 };
 
 static void rm_tree(const char *dir) {
@@ -978,6 +1080,8 @@ int main(int argc, char **argv) {
         for (int i = 0; i < nt; i++) printf("%s\n", tests[i].name);
         return 0;
     }
+    const char *slash = strrchr(argv[0], '/');
+    if (slash) snprintf(exe_dir, sizeof exe_dir, "%.*s", (int)(slash - argv[0]), argv[0]);
     snprintf(tmp_root, sizeof tmp_root, "/tmp/moe-test-XXXXXX");
     if (!mkdtemp(tmp_root)) {
         perror("mkdtemp");
