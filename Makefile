@@ -10,7 +10,7 @@ OPENMP ?= $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o 
 ALL_CFLAGS = $(CFLAGS) $(OPENMP) $(EXTRA_CFLAGS)
 
 LIB = $(BUILD)/moe.o $(BUILD)/quant.o
-EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli
+EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity
 TESTS = $(BUILD)/moe-test
 
 .PHONY: all examples test test-scalar asan clean help
@@ -18,7 +18,7 @@ TESTS = $(BUILD)/moe-test
 # all: the library objects and every example program
 all: $(LIB) $(EXAMPLES) $(TESTS)
 
-# examples: the programs in examples/ (moe-logits, moe-cli)
+# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity)
 examples: $(EXAMPLES)
 
 $(BUILD)/%.o: %.c moe.h | $(BUILD)
@@ -28,6 +28,9 @@ $(BUILD)/moe-logits: examples/logits.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 $(BUILD)/moe-cli: examples/cli.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+$(BUILD)/moe-perplexity: examples/perplexity.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 $(BUILD)/moe-test: test/test.c $(LIB) moe.h

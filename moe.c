@@ -65,6 +65,14 @@ static double now_sec(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+static int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 static void *xcalloc(size_t n, size_t sz) { return n && sz ? calloc(n, sz) : calloc(1, 1); }
 
 /* ==== JSON ===================================================================================
@@ -541,6 +549,8 @@ struct moe_model {
     float *final_norm, *out_res_w;
     moe_model_info info;
     char *path;
+    void **owned; /* weights converted at load */
+    int n_owned, cap_owned;
 };
 
 struct moe_session {
@@ -999,6 +1009,58 @@ static void count_params(moe_model *m) {
     m->info.format = "safetensors";
 }
 
+/* Converts one weight matrix to `to` (a MOE_WTYPE_*) into memory the model owns. */
+static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
+    static const int types[] = {-1, MOE_T_F32, MOE_T_BF16, MOE_T_Q8_0, MOE_T_Q4_0};
+    if (!w->data || to <= MOE_WTYPE_ASIS || to > MOE_WTYPE_Q4_0) return MOE_OK;
+    const int t = types[to];
+    if (t == w->type || (moe__is_quant(t) && w->cols % 32)) return MOE_OK;
+    if (m->n_owned == m->cap_owned) {
+        int cap = m->cap_owned ? 2 * m->cap_owned : 256;
+        void **p = realloc(m->owned, sizeof *p * (size_t)cap);
+        if (!p) return MOE_ERR_NOMEM;
+        m->owned = p, m->cap_owned = cap;
+    }
+    const int64_t rb_in = moe__row_bytes(w->type, w->cols), rb = moe__row_bytes(t, w->cols);
+    const int64_t sb = w->type == MOE_T_MXFP4 ? w->cols / 32 : 0;
+    unsigned char *dst = malloc((size_t)(rb * w->rows));
+    float *tmp = malloc(sizeof(float) * (size_t)w->cols * (size_t)m->opt.n_threads);
+    if (!dst || !tmp) { free(dst); free(tmp); return MOE_ERR_NOMEM; }
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1)
+#endif
+    for (int64_t r = 0; r < w->rows; r++) {
+        float *row = tmp + (size_t)w->cols * (size_t)thread_id();
+        moe__row_to_f32(w->type, (const unsigned char *)w->data + r * rb_in, w->scale ? w->scale + r * sb : NULL, row, w->cols);
+        unsigned char *o = dst + r * rb;
+        if (t == MOE_T_F32) memcpy(o, row, sizeof(float) * (size_t)w->cols);
+        else if (t == MOE_T_BF16) for (int64_t i = 0; i < w->cols; i++) ((uint16_t *)o)[i] = moe__f32_to_bf16(row[i]);
+        else moe__quantize_row(t, row, o, w->cols);
+    }
+    free(tmp);
+    m->owned[m->n_owned++] = dst;
+    *w = (moe__weight){t, w->rows, w->cols, dst, NULL};
+    return MOE_OK;
+}
+
+static moe_status convert_weights(moe_model *m) {
+    const int dt = m->opt.dense_type, et = m->opt.expert_type;
+    moe_status st = MOE_OK;
+    if (dt) st = convert_weight(m, &m->lm_head, dt);
+    for (int i = 0; i < m->cfg.n_layers && !st; i++) {
+        layer *L = &m->layers[i];
+        moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o,
+                                &L->q_a, &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->lat_down, &L->lat_up};
+        for (size_t k = 0; k < sizeof dense / sizeof *dense && !st && dt; k++) st = convert_weight(m, dense[k], dt);
+        for (int e = 0; L->experts && et && e < m->cfg.n_experts && !st; e++) {
+            st = convert_weight(m, &L->experts[e].w1, et);
+            if (!st) st = convert_weight(m, &L->experts[e].w2, et);
+            if (!st) st = convert_weight(m, &L->experts[e].w3, et);
+        }
+    }
+    return st;
+}
+
 static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     const moe_config *c = &m->cfg;
     binder b = {m, err, errlen, MOE_OK};
@@ -1013,6 +1075,7 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     if (!b.st && m->embed.type == MOE_T_MXFP4)
         b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
     if (!b.st) count_params(m);
+    if (!b.st && (b.st = convert_weights(m))) fail(err, errlen, b.st, "out of memory converting weights at load");
     return b.st;
 }
 
@@ -1198,6 +1261,8 @@ void moe_model_close(moe_model *m) {
             for (size_t k = 0; k < sizeof vecs / sizeof *vecs; k++) free(vecs[k]);
             free(L->experts);
         }
+    for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
+    free(m->owned);
     free(m->layers);
     free(m->final_norm);
     free(m->out_res_w);
@@ -1222,26 +1287,55 @@ moe_model_info moe_model_get_info(const moe_model *m) {
  * y[t, n] = sum_k x[t, k] W[n, k]: threads split the weight rows; each output element is one
  * kernel dot, so results do not depend on the thread count. */
 
-static void matmul_ld(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
-                      const moe__weight *W) {
-    const moe__dot_fn dot = m->k.dot[W->type];
+#define MM_ROW_TILE 16 /* weight rows per task: they stay in cache while every token passes */
+
+static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
+                            const moe__weight *W) {
     const int64_t N = W->rows, K = W->cols, rb = moe__row_bytes(W->type, K);
     const int64_t sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
     const unsigned char *base = W->data;
-    (void)sb;
+    const int nt = m->opt.n_threads, par = nt > 1 && N * T * K > (1 << 18);
+    if (moe__is_quant(W->type)) {
+        /* integer formats: quantize the activation rows once, then int8 dots */
+        const int64_t nb = K / 32;
+        moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nb * T));
+        if (!xq) return MOE_ERR_NOMEM;
+        const moe__dotq_fn dotq = m->k.dotq[W->type];
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (N * T * K > (1 << 18) && m->opt.n_threads > 1)
+#pragma omp parallel for num_threads(nt) schedule(static) if (par && T > 1)
 #endif
-    for (int64_t n = 0; n < N; n++) {
-        const void *w = base + n * rb;
-        const uint8_t *s = W->scale ? W->scale + n * sb : NULL;
-        for (int t = 0; t < T; t++) y[(int64_t)t * N + n] = dot(w, s, x + (int64_t)t * ldx, K);
+        for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (par)
+#endif
+        for (int64_t r0 = 0; r0 < N; r0 += MM_ROW_TILE) {
+            const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
+            for (int t = 0; t < T; t++)
+                for (int64_t n = r0; n < r1; n++) y[(int64_t)t * N + n] = dotq(base + n * rb, xq + (int64_t)t * nb, K);
+        }
+        free(xq);
+        return MOE_OK;
     }
+    const moe__dot_fn dot = m->k.dot[W->type];
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (par)
+#endif
+    for (int64_t r0 = 0; r0 < N; r0 += MM_ROW_TILE) {
+        const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
+        for (int t = 0; t < T; t++)
+            for (int64_t n = r0; n < r1; n++)
+                y[(int64_t)t * N + n] = dot(base + n * rb, W->scale ? W->scale + n * sb : NULL, x + (int64_t)t * ldx, K);
+    }
+    return MOE_OK;
 }
 
-static void matmul(const moe_model *m, float *y, const float *x, int T, const moe__weight *W) {
-    matmul_ld(m, y, x, W->cols, T, W);
+/* y[T, rows] = x[T, cols] W^T. Callers chain these through MM so that the first failure sticks
+ * and is returned; later products in the same function then run on scratch values that are
+ * thrown away with the step. */
+static moe_status matmul(const moe_model *m, float *y, const float *x, int T, const moe__weight *W) {
+    return matmul_ld(m, y, x, W->cols, T, W);
 }
+#define MM(y, x, T, W) (st = st ? st : matmul(m, (y), (x), (T), (W)))
 
 /* ==== norms and activations ==================================================================== */
 
@@ -1291,6 +1385,7 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD;
     float *beta = o + (size_t)n * HD, *tmp = beta + (size_t)n * H;
     float *tail = s->conv_tail[li];
+    moe_status st = MOE_OK;
     float *exts[3] = {qe, ke, ve}, *outs[3] = {q, k, v};
     const moe__weight *proj[3] = {&L->q, &L->k, &L->v};
     const float *convw[3] = {L->q_conv, L->k_conv, L->v_conv};
@@ -1298,7 +1393,7 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     for (int a = 0; a < 3; a++) {
         float *e = exts[a];
         for (int r = 0; r < Wm; r++) memcpy(e + (size_t)r * HD, tail + ((size_t)r * 3 + a) * HD, sizeof(float) * HD);
-        matmul(m, e + (size_t)Wm * HD, x, n, proj[a]);
+        MM(e + (size_t)Wm * HD, x, n, proj[a]);
         for (int t = 0; t < n; t++)
             for (int ch = 0; ch < HD; ch++) {
                 float acc = 0;
@@ -1320,8 +1415,8 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
             for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
         }
     /* 4. decay gate: z = (x f_a^T) f_b^T + dt_bias */
-    matmul(m, tmp, x, n, &L->f_a);
-    matmul(m, g, tmp, n, &L->f_b);
+    MM(tmp, x, n, &L->f_a);
+    MM(g, tmp, n, &L->f_b);
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {
             float a = expf(L->A_log[h]);
@@ -1332,7 +1427,7 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
             }
         }
     /* 5. beta */
-    matmul(m, beta, x, n, &L->b);
+    MM(beta, x, n, &L->b);
     for (int i = 0; i < n * H; i++) beta[i] = sigmoidf(beta[i]);
     /* 6. the core, per head: chunked for prefill, recurrence for short steps */
     const unsigned fl = m->opt.flags;
@@ -1355,10 +1450,10 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     /* 7. output gate and per-head RMSNorm; 8. output projection (og reuses q's buffer) */
     float *og = q;
     if (c->kda_full_rank_gate) {
-        matmul(m, og, x, n, &L->g);
+        MM(og, x, n, &L->g);
     } else {
-        matmul(m, tmp, x, n, &L->g_a);
-        matmul(m, og, tmp, n, &L->g_b);
+        MM(tmp, x, n, &L->g_a);
+        MM(og, tmp, n, &L->g_b);
     }
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {
@@ -1367,10 +1462,10 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
             rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
             for (int i = 0; i < D; i++) oh[i] *= sigmoidf(gh[i]);
         }
-    matmul(m, out, o, n, &L->o);
+    MM(out, o, n, &L->o);
     (void)d;
     free(buf);
-    return MOE_OK;
+    return st;
 }
 
 /* ==== MLA layer (spec section 7) ===============================================================
@@ -1393,23 +1488,6 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
     return MOE_OK;
 }
 
-static int nthreads(const moe_model *m) {
-#ifdef _OPENMP
-    return m->opt.n_threads;
-#else
-    (void)m;
-    return 1;
-#endif
-}
-
-static int thread_id(void) {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
 static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s, int li,
                               const float *x, int n, float *out) {
     const moe_config *c = &m->cfg;
@@ -1425,7 +1503,11 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     int use_expanded = expanded < absorbed;
     if (m->opt.flags & MOE_FLAG_MLA_ABSORBED) use_expanded = 0;
     if (m->opt.flags & MOE_FLAG_MLA_EXPANDED) use_expanded = 1;
-    const int nt = nthreads(m);
+#ifdef _OPENMP
+    const int nt = m->opt.n_threads;
+#else
+    const int nt = 1;
+#endif
     size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
     size_t kvn = use_expanded ? (size_t)S * H * (dn + dv) : 0;
     size_t scratch = (size_t)S + 3 * (size_t)r + 16; /* scores, ctx, absorbed query, kv_b row */
@@ -1437,21 +1519,21 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
     /* 1. queries */
     if (c->q_lora_rank) {
-        matmul(m, qa_buf, x, n, &L->q_a);
+        MM(qa_buf, x, n, &L->q_a);
         rmsnorm_rows(qa_buf, qa_buf, L->q_a_norm, n, c->q_lora_rank, 1e-6f);
-        matmul(m, q, qa_buf, n, &L->q_b);
+        MM(q, qa_buf, n, &L->q_b);
     } else {
-        matmul(m, q, x, n, &L->q);
+        MM(q, x, n, &L->q);
     }
     /* 2. latents into the cache */
-    matmul(m, lat, x, n, &L->kv_a);
+    MM(lat, x, n, &L->kv_a);
     float *cache = s->mla_cache[li];
     for (int t = 0; t < n; t++) {
         float *row = cache + (size_t)(pos + t) * cw;
         rmsnorm(row, lat + (size_t)t * cw, L->kv_a_norm, r, 1e-6f);
         memcpy(row + r, lat + (size_t)t * cw + r, sizeof(float) * dr);
     }
-    if (use_expanded) matmul_ld(m, kv, cache, cw, S, &L->kv_b); /* [S, H*(dn+dv)] */
+    if (use_expanded && !st) st = matmul_ld(m, kv, cache, cw, S, &L->kv_b); /* [S, H*(dn+dv)] */
     const float scale = 1.0f / sqrtf((float)dq);
     const int64_t kvrow = (int64_t)moe__row_bytes(L->kv_b.type, r);
     const int64_t kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
@@ -1522,12 +1604,12 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     }
     /* 5. output gate; 6. output projection */
     if (c->mla_output_gate) {
-        matmul(m, gate, x, n, &L->g);
+        MM(gate, x, n, &L->g);
         for (size_t i = 0; i < yn; i++) y[i] *= sigmoidf(gate[i]);
     }
-    matmul(m, out, y, n, &L->o);
+    MM(out, y, n, &L->o);
     free(buf);
-    return MOE_OK;
+    return st;
 }
 
 /* ==== FFN and MoE (spec section 8) ============================================================= */
@@ -1538,12 +1620,13 @@ static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const
     float *a = malloc(sizeof(float) * 2 * (size_t)n * (size_t)I);
     if (!a) return MOE_ERR_NOMEM;
     float *b = a + (size_t)n * I;
-    matmul(m, a, x, n, gate);
-    matmul(m, b, x, n, up);
+    moe_status st = MOE_OK;
+    MM(a, x, n, gate);
+    MM(b, x, n, up);
     glu(&m->cfg, a, b, (int64_t)n * I);
-    matmul(m, out, a, n, down);
+    MM(out, a, n, down);
     free(a);
-    return MOE_OK;
+    return st;
 }
 
 /* The one way the forward pass reaches a routed expert. With mmap experts the weights are the
@@ -1556,7 +1639,7 @@ static moe_status expert_get(const moe_model *m, int li, int e, const expert **o
 /* Top-k selection per row on s' = s + bias (grouped when G > 1 and G > G_k); weights from the
  * unbiased s. ids come out sorted ascending. */
 static void route_rows(const moe_config *c, const float *logits, const float *bias, int n,
-                       int32_t *ids, float *wts, float *work) {
+                       const int32_t *const *forced, int32_t *ids, float *wts, float *work) {
     const int E = c->n_experts, K = c->n_active, G = c->n_groups, Gk = c->topk_groups;
     float *s = work, *sel = work + E; /* work: 4E floats */
     for (int t = 0; t < n; t++) {
@@ -1596,6 +1679,10 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
         }
         int32_t *id = ids + (size_t)t * K;
         float *w = wts + (size_t)t * K;
+        if (forced && forced[t]) {
+            memcpy(id, forced[t], sizeof(int32_t) * (size_t)K);
+            goto weights;
+        }
         unsigned char *taken = (unsigned char *)(sel + E);
         /* (taken reuses the group-score space: grouping is done by now) */
         memset(taken, 0, (size_t)E);
@@ -1606,6 +1693,7 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
             id[kk] = best;
             taken[best] = 1;
         }
+    weights:
         /* sort ids ascending (insertion sort; K is small) */
         for (int i = 1; i < K; i++) {
             int32_t v = id[i];
@@ -1623,7 +1711,7 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
 }
 
 static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, int n, float *out,
-                                  int32_t *ids, moe_step_stats *stats) {
+                                  const int32_t *const *forced, int32_t *ids, moe_step_stats *stats) {
     const moe_config *c = &m->cfg;
     const layer *L = &m->layers[li];
     const int d = c->hidden_size, E = c->n_experts, K = c->n_active, Ie = c->moe_intermediate_size;
@@ -1639,8 +1727,8 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
     float *ye = xe + (size_t)n * de, *gx = ye + (size_t)n * de, *ga = gx + (size_t)n * de;
     float *gb = ga + (size_t)n * Ie, *go = gb + (size_t)n * Ie;
     /* 1-4. router in f32, selection, weights */
-    matmul(m, logits, x, n, &L->router);
-    route_rows(c, logits, L->router_bias, n, ids, wts, work);
+    if ((st = matmul(m, logits, x, n, &L->router))) goto done;
+    route_rows(c, logits, L->router_bias, n, forced, ids, wts, work);
     /* 5. group the rows by expert (counting sort: experts in id order, rows in row order) */
     for (size_t i = 0; i < nk; i++) cnt[ids[i] + 1]++;
     for (int e = 0; e < E; e++) cnt[e + 1] += cnt[e];
@@ -1655,7 +1743,7 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
         }
         free(fill);
     }
-    if (c->latent_dim) matmul(m, xe, x, n, &L->lat_down);
+    if (c->latent_dim) MM(xe, x, n, &L->lat_down);
     else memcpy(xe, x, sizeof(float) * (size_t)n * d);
     memset(ye, 0, sizeof(float) * (size_t)n * de);
     for (int e = 0; e < E; e++) {
@@ -1664,10 +1752,11 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
         const expert *ex;
         if ((st = expert_get(m, li, e, &ex))) goto done;
         for (int i = 0; i < ce; i++) memcpy(gx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
-        matmul(m, ga, gx, ce, &ex->w1);
-        matmul(m, gb, gx, ce, &ex->w3);
+        MM(ga, gx, ce, &ex->w1);
+        MM(gb, gx, ce, &ex->w3);
         glu(c, ga, gb, (int64_t)ce * Ie);
-        matmul(m, go, ga, ce, &ex->w2);
+        MM(go, ga, ce, &ex->w2);
+        if (st) goto done;
         for (int i = 0; i < ce; i++) {
             float *yr = ye + (size_t)rows[c0 + i] * de, w = rw[c0 + i];
             const float *orow = go + (size_t)i * de;
@@ -1681,7 +1770,7 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
     }
     if (c->latent_dim) {
         if (c->latent_norm) rmsnorm_rows(ye, ye, L->lat_norm, n, de, c->rms_norm_eps);
-        matmul(m, out, ye, n, &L->lat_up);
+        MM(out, ye, n, &L->lat_up);
     } else {
         memcpy(out, ye, sizeof(float) * (size_t)n * d);
     }
@@ -1752,8 +1841,11 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     moe_status st = MOE_OK;
     float *h = malloc(sizeof(float) * Rd * (4 + (size_t)nbmax));
     int32_t *ids = c->n_experts ? malloc(sizeof(int32_t) * (size_t)R * K) : NULL;
+    const int32_t **frc = NULL;
+    for (int i = 0; i < nsg; i++)
+        if (sg[i].q->force_routes && !frc && !(frc = malloc(sizeof *frc * (size_t)R))) st = MOE_ERR_NOMEM;
     float *blocks[MAX_SOURCES];
-    if (!h || (c->n_experts && !ids)) { st = MOE_ERR_NOMEM; goto done; }
+    if (st || !h || (c->n_experts && !ids)) { st = MOE_ERR_NOMEM; goto done; }
     float *x = h + Rd, *mix = x + Rd, *out = mix + Rd;
     for (int b = 0; b < nbmax; b++) blocks[b] = out + Rd * (size_t)(b + 1);
     int nb = 0;
@@ -1792,7 +1884,12 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
             xm = mix;
         }
         rmsnorm_rows(x, xm, L->ffn_norm, R, d, c->rms_norm_eps);
-        if (L->moe) st = moe_ffn_forward(m, li, x, R, out, ids, stats);
+        if (L->moe) {
+            for (int i = 0; frc && i < nsg; i++)
+                for (int t = 0; t < sg[i].n; t++)
+                    frc[sg[i].row0 + t] = sg[i].q->force_routes ? sg[i].q->force_routes + ((size_t)(sg[i].start + t) * Lc + li) * K : NULL;
+            st = moe_ffn_forward(m, li, x, R, out, frc, ids, stats);
+        }
         else st = ffn_forward(m, &L->gate, &L->up, &L->down, x, R, out);
         if (st) goto done;
         for (size_t i = 0; i < Rd; i++) h[i] += out[i];
@@ -1823,13 +1920,14 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
                 memcpy(fin, h + row, sizeof(float) * d);
             }
             rmsnorm(xr, fin, m->final_norm, d, c->rms_norm_eps);
-            matmul(m, q->logits + (q->logits_all ? (size_t)tok * V : 0), xr, 1, &m->lm_head);
+            if ((st = matmul(m, q->logits + (q->logits_all ? (size_t)tok * V : 0), xr, 1, &m->lm_head))) goto done;
         }
     }
     for (int i = 0; i < nsg; i++) sg[i].q->s->pos += sg[i].n;
 done:
     free(h);
     free(ids);
+    free(frc);
     return st;
 }
 
@@ -1852,6 +1950,16 @@ moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *sta
             if (q->tokens[t] < 0 || q->tokens[t] >= c->vocab_size)
                 return fail(err, errlen, MOE_ERR_ARG, "moe_step: sequence %d: token %d is %d, outside [0, %d)", i, t,
                             (int)q->tokens[t], c->vocab_size);
+        for (int t = 0; q->force_routes && t < q->n; t++)
+            for (int li = 0; li < c->n_layers; li++) {
+                const int32_t *r = q->force_routes + ((size_t)t * c->n_layers + li) * c->n_active;
+                for (int k = 0; m->layer_moe[li] && k < c->n_active; k++) {
+                    int dup = 0;
+                    for (int j = 0; j < k; j++) dup |= r[j] == r[k];
+                    if (r[k] < 0 || r[k] >= c->n_experts || dup)
+                        return fail(err, errlen, MOE_ERR_ARG, "moe_step: sequence %d: force_routes token %d layer %d: bad expert list", i, t, li);
+                }
+            }
         if (q->n > q->s->n_ctx - q->s->pos)
             return fail(err, errlen, MOE_ERR_CTX_FULL, "moe_step: sequence %d: %d + %d tokens exceed the context of %d", i,
                         q->s->pos, q->n, q->s->n_ctx);

@@ -10,7 +10,7 @@
  *     if (moe_session_new(&s, m, 4096, err, sizeof err)) { puts(err); return 1; }
  *     int32_t ids[] = {1, 2, 3};
  *     float *logits = malloc(sizeof(float) * moe_model_config(m)->vocab_size);
- *     moe_seq q = {s, ids, 3, logits, 0, NULL};   // logits of the last token only
+ *     moe_seq q = {.s = s, .tokens = ids, .n = 3, .logits = logits};   // logits of the last token only
  *     if (moe_step(m, &q, 1, NULL, err, sizeof err)) { puts(err); }
  *     moe_session_free(s); moe_model_close(m); free(logits);
  *
@@ -66,15 +66,29 @@ enum {
 
 typedef enum { MOE_EXPERTS_MMAP = 0 } moe_expert_mode;
 
+/* Weight formats a model can be converted to at load (moe_options.dense_type/expert_type). */
+typedef enum {
+    MOE_WTYPE_ASIS = 0, /* keep the stored format (memory-mapped, nothing copied) */
+    MOE_WTYPE_F32,
+    MOE_WTYPE_BF16,
+    MOE_WTYPE_Q8_0, /* ggml Q8_0: int8 x half scale per 32 values */
+    MOE_WTYPE_Q4_0  /* ggml Q4_0: 4-bit x half scale per 32 values */
+} moe_wtype;
+
 typedef struct {
     int n_threads;          /* worker threads per call; <= 0 means 1 */
     int n_batch;            /* rows per internal forward chunk (bounds activation memory) */
     size_t expert_budget;   /* RAM for the expert cache in bytes; 0 = unlimited (reserved) */
     int expert_mode;        /* moe_expert_mode */
+    int dense_type;         /* moe_wtype for the attention, dense FFN, shared expert and LM-head
+                               matrices, converted at load into RAM the model owns */
+    int expert_type;        /* moe_wtype for the routed experts (makes them resident) */
     unsigned flags;         /* MOE_FLAG_* */
 } moe_options;
 
-/* Defaults: 1 thread, n_batch 512, mmap experts, no flags. */
+/* Defaults: 1 thread, n_batch 512, mmap experts, weights as stored, no flags. The router,
+ * the embedding and MLA's kv_b stay as stored whatever dense_type says; so does a matrix whose
+ * row length is not a multiple of 32 when a block format is asked for. */
 MOE_API moe_options moe_default_options(void);
 
 /* ---- model ------------------------------------------------------------------------------ */
@@ -155,7 +169,10 @@ MOE_API moe_status moe_session_restore(moe_session *dst, const moe_session *src,
 /* One sequence's share of a step. tokens[0..n) are appended to session s. logits (may be NULL)
  * receives float32 logits: vocab_size floats for the last token, or n * vocab_size for every
  * token when logits_all is set. routes (may be NULL) receives the routed experts chosen for every
- * token and layer: n * n_layers * n_active int32, -1 for layers without MoE. */
+ * token and layer: n * n_layers * n_active int32, -1 for layers without MoE. force_routes (may be
+ * NULL, same layout) makes every MoE layer use the given experts instead of its own top-k (the
+ * weights still come from the router): a diagnostic that separates numeric error from routing
+ * flips, e.g. when comparing a quantized model with its original. */
 typedef struct {
     moe_session *s;
     const int32_t *tokens;
@@ -163,6 +180,7 @@ typedef struct {
     float *logits;
     int logits_all;
     int32_t *routes;
+    const int32_t *force_routes;
 } moe_seq;
 
 typedef struct {
@@ -209,7 +227,18 @@ MOE_API int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *
 #define MOE_ASSERT(x) assert(x) /* our own invariants only, never input validation */
 #endif
 
-enum { MOE_T_F32 = 0, MOE_T_F16, MOE_T_BF16, MOE_T_MXFP4, MOE_T_U8, MOE_T_I32, MOE_T_COUNT };
+enum {
+    MOE_T_F32 = 0, MOE_T_F16, MOE_T_BF16, MOE_T_MXFP4, MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_U8, MOE_T_I32,
+    MOE_T_COUNT
+};
+
+/* ggml block layouts (bit-compatible): 32 values per block, scale d as IEEE half.
+ * Q8_0: x = d * qs[i]. Q4_0: x = d * (q - 8), q = qs[i] & 15 for i < 16, qs[i-16] >> 4 after. */
+typedef struct { uint16_t d; int8_t qs[32]; } moe__block_q8_0;
+typedef struct { uint16_t d; uint8_t qs[16]; } moe__block_q4_0;
+/* activations quantized for the integer kernels: f32 scale, 32 int8 values */
+typedef struct { float d; int8_t qs[32]; } moe__block_q8a;
+int moe__is_quant(int type); /* Q8_0 or Q4_0: activations go through moe__block_q8a */
 
 /* A weight matrix [rows, cols] (PyTorch [out, in]) in its stored format. MXFP4 rows are cols/2
  * packed bytes plus cols/32 E8M0 scale bytes in a separate array. */
@@ -221,9 +250,14 @@ typedef struct {
 } moe__weight;
 
 typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x, int64_t n);
+/* weight row . quantized activation row (n a multiple of 32) */
+typedef float (*moe__dotq_fn)(const void *w, const moe__block_q8a *x, int64_t n);
+typedef void (*moe__quant_fn)(const float *x, moe__block_q8a *out, int64_t n);
 
 typedef struct {
-    moe__dot_fn dot[MOE_T_COUNT]; /* weight row . f32 vector, per weight type */
+    moe__dot_fn dot[MOE_T_COUNT];   /* weight row . f32 vector, per float weight type */
+    moe__dotq_fn dotq[MOE_T_COUNT]; /* weight row . q8a row, per integer weight type */
+    moe__quant_fn quant_q8a;        /* f32 row -> q8a blocks */
     const char *isa;              /* "scalar", "avx2", ... */
 } moe__kernels;
 
@@ -234,6 +268,10 @@ float moe__f16_to_f32(uint16_t h);
 uint16_t moe__f32_to_f16(float f);
 /* Decodes n values of one row (MXFP4: scale = that row's scale bytes). */
 void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out, int64_t n);
+/* Quantizes n values (a multiple of 32) to Q8_0 or Q4_0 blocks (ggml's reference rounding). */
+void moe__quantize_row(int type, const float *x, void *out, int64_t n);
+float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n);
+void moe__quant_q8a_ref(const float *x, moe__block_q8a *out, int64_t n);
 /* Bytes of one row of n values (MXFP4: packed bytes only). */
 int64_t moe__row_bytes(int type, int64_t n);
 extern const float moe__e2m1[16];

@@ -88,8 +88,16 @@ static inline float e8m0(uint8_t s) {
     return f;
 }
 
+_Static_assert(sizeof(moe__block_q8_0) == 34, "ggml block_q8_0 is 34 bytes");
+_Static_assert(sizeof(moe__block_q4_0) == 18, "ggml block_q4_0 is 18 bytes");
+_Static_assert(sizeof(moe__block_q8a) == 36, "q8a block is 36 bytes");
+
+int moe__is_quant(int type) { return type == MOE_T_Q8_0 || type == MOE_T_Q4_0; }
+
 int64_t moe__row_bytes(int type, int64_t n) {
     switch (type) {
+    case MOE_T_Q8_0: return n / 32 * (int64_t)sizeof(moe__block_q8_0);
+    case MOE_T_Q4_0: return n / 32 * (int64_t)sizeof(moe__block_q4_0);
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
     case MOE_T_MXFP4: return n / 2;
@@ -118,7 +126,66 @@ void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out
         }
         break;
     }
+    case MOE_T_Q8_0: {
+        const moe__block_q8_0 *b = row;
+        for (int64_t i = 0; i < n / 32; i++) {
+            float d = moe__f16_to_f32(b[i].d);
+            for (int j = 0; j < 32; j++) out[i * 32 + j] = d * b[i].qs[j];
+        }
+        break;
+    }
+    case MOE_T_Q4_0: {
+        const moe__block_q4_0 *b = row;
+        for (int64_t i = 0; i < n / 32; i++) {
+            float d = moe__f16_to_f32(b[i].d);
+            for (int j = 0; j < 16; j++) {
+                out[i * 32 + j] = d * ((b[i].qs[j] & 15) - 8);
+                out[i * 32 + j + 16] = d * ((b[i].qs[j] >> 4) - 8);
+            }
+        }
+        break;
+    }
     default: MOE_ASSERT(0 && "not a weight type");
+    }
+}
+
+/* ggml's reference quantizers (quantize_row_q8_0_ref / quantize_row_q4_0_ref), so files and
+ * results match llama.cpp's bit for bit. */
+void moe__quantize_row(int type, const float *x, void *out, int64_t n) {
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float *v = x + i * 32;
+        if (type == MOE_T_Q8_0) {
+            moe__block_q8_0 *b = (moe__block_q8_0 *)out + i;
+            float amax = 0;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+            float d = amax / 127, id = d ? 1.0f / d : 0.0f;
+            b->d = moe__f32_to_f16(d);
+            for (int j = 0; j < 32; j++) b->qs[j] = (int8_t)roundf(v[j] * id);
+        } else {
+            moe__block_q4_0 *b = (moe__block_q4_0 *)out + i;
+            float amax = 0, max = 0;
+            for (int j = 0; j < 32; j++)
+                if (fabsf(v[j]) > amax) amax = fabsf(v[j]), max = v[j];
+            float d = max / -8, id = d ? 1.0f / d : 0.0f;
+            b->d = moe__f32_to_f16(d);
+            for (int j = 0; j < 16; j++) {
+                int q0 = (int)(v[j] * id + 8.5f), q1 = (int)(v[j + 16] * id + 8.5f);
+                q0 = q0 > 15 ? 15 : q0, q1 = q1 > 15 ? 15 : q1;
+                b->qs[j] = (uint8_t)(q0 | q1 << 4);
+            }
+        }
+    }
+}
+
+/* activation blocks: symmetric int8 with an f32 scale (more precise than Q8_0's half scale) */
+void moe__quant_q8a_ref(const float *x, moe__block_q8a *out, int64_t n) {
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float *v = x + i * 32;
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float d = amax / 127, id = d ? 127.0f / amax : 0.0f;
+        out[i].d = d;
+        for (int j = 0; j < 32; j++) out[i].qs[j] = (int8_t)lrintf(v[j] * id);
     }
 }
 
@@ -162,6 +229,33 @@ static float dot_mxfp4_ref(const void *w, const uint8_t *sc, const float *x, int
         s += bs * e8m0(sc[b]);
     }
     return s;
+}
+
+static float dotq_q8_0_ref(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q8_0 *b = w;
+    float s = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        int acc = 0;
+        for (int j = 0; j < 32; j++) acc += b[i].qs[j] * x[i].qs[j];
+        s += moe__f16_to_f32(b[i].d) * x[i].d * (float)acc;
+    }
+    return s;
+}
+
+static float dotq_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q4_0 *b = w;
+    float s = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        int acc = 0;
+        for (int j = 0; j < 16; j++)
+            acc += ((b[i].qs[j] & 15) - 8) * x[i].qs[j] + ((b[i].qs[j] >> 4) - 8) * x[i].qs[j + 16];
+        s += moe__f16_to_f32(b[i].d) * x[i].d * (float)acc;
+    }
+    return s;
+}
+
+float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+    return type == MOE_T_Q8_0 ? dotq_q8_0_ref(w, x, n) : type == MOE_T_Q4_0 ? dotq_q4_0_ref(w, x, n) : 0;
 }
 
 float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x, int64_t n) {
@@ -260,6 +354,65 @@ MOE_TARGET("avx2,fma") static float dot_mxfp4_avx2(const void *w, const uint8_t 
     return hsum_avx2(acc);
 }
 
+/* int8 x int8 -> 8 x int32 partial sums (maddubs needs one unsigned operand: |a| and sign(b,a)) */
+MOE_TARGET("avx2,fma") static inline __m256 mul_i8_avx2(__m256i a, __m256i b) {
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+MOE_TARGET("avx2,fma,f16c") static inline float f16_avx(uint16_t h) {
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h)));
+}
+
+MOE_TARGET("avx2,fma,f16c") static float dotq_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q8_0 *b = w;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 32; i++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)b[i].qs), v = _mm256_loadu_si256((const __m256i *)x[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx(b[i].d) * x[i].d), mul_i8_avx2(a, v), acc);
+    }
+    return hsum_avx2(acc);
+}
+
+MOE_TARGET("avx2,fma,f16c") static float dotq_q4_0_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q4_0 *b = w;
+    const __m256i m4 = _mm256_set1_epi8(15), off = _mm256_set1_epi8(8);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 32; i++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)b[i].qs);
+        /* low nibbles are values 0..15, high nibbles 16..31 */
+        __m256i q = _mm256_insertf128_si256(_mm256_castsi128_si256(raw), _mm_srli_epi16(raw, 4), 1);
+        q = _mm256_sub_epi8(_mm256_and_si256(q, m4), off);
+        __m256i v = _mm256_loadu_si256((const __m256i *)x[i].qs);
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_avx(b[i].d) * x[i].d), mul_i8_avx2(q, v), acc);
+    }
+    return hsum_avx2(acc);
+}
+
+MOE_TARGET("avx2,fma") static void quant_q8a_avx2(const float *x, moe__block_q8a *out, int64_t n) {
+    const __m256 signbit = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float *v = x + i * 32;
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16), v3 = _mm256_loadu_ps(v + 24);
+        __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(signbit, v0), _mm256_andnot_ps(signbit, v1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(signbit, v2), _mm256_andnot_ps(signbit, v3)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        float amax = _mm_cvtss_f32(m);
+        out[i].d = amax / 127;
+        __m256 id = _mm256_set1_ps(amax ? 127.0f / amax : 0.0f);
+        /* cvtps rounds to nearest even, as lrintf does in the reference */
+        __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+        __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+        __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+        __m256i p = _mm256_packs_epi16(p01, p23);
+        /* packs interleave 128-bit lanes: restore the order */
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)out[i].qs, p);
+    }
+}
+
 static int cpu_has_avx2(void) {
     unsigned a, b, c, d;
     __builtin_cpu_init();
@@ -277,6 +430,9 @@ static void kernels_scalar(moe__kernels *k) {
     k->dot[MOE_T_BF16] = dot_bf16_ref;
     k->dot[MOE_T_F16] = dot_f16_ref;
     k->dot[MOE_T_MXFP4] = dot_mxfp4_ref;
+    k->dotq[MOE_T_Q8_0] = dotq_q8_0_ref;
+    k->dotq[MOE_T_Q4_0] = dotq_q4_0_ref;
+    k->quant_q8a = moe__quant_q8a_ref;
     k->isa = "scalar";
 }
 
@@ -291,6 +447,9 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dot[MOE_T_BF16] = dot_bf16_avx2;
         k->dot[MOE_T_F16] = dot_f16_avx2;
         k->dot[MOE_T_MXFP4] = dot_mxfp4_avx2;
+        k->dotq[MOE_T_Q8_0] = dotq_q8_0_avx2;
+        k->dotq[MOE_T_Q4_0] = dotq_q4_0_avx2;
+        k->quant_q8a = quant_q8a_avx2;
         k->isa = "avx2";
     }
 #endif

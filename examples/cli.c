@@ -150,7 +150,7 @@ int main(int argc, char **argv) {
     if (!(logits = malloc(sizeof(float) * (size_t)c->vocab_size))) { fprintf(stderr, "moe-cli: out of memory\n"); goto out; }
     moe_step_stats ps, ds, tot = {0};
     double tp = now();
-    moe_seq q = {s, ids, n, logits, 0, NULL};
+    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = logits};
     if ((st = moe_step(m, &q, 1, &ps, err, sizeof err))) { fprintf(stderr, "moe-cli: %s\n", err); goto out; }
     tp = now() - tp;
     int gen = 0;
@@ -162,7 +162,7 @@ int main(int argc, char **argv) {
         if (!ignore_eos && tok == c->eos_token_id) { gen++; break; }
         if (gen + 1 == n_gen) { gen++; break; }
         if (moe_session_pos(s) >= n_ctx) { fprintf(stderr, "\nmoe-cli: context full\n"); gen++; break; }
-        moe_seq d = {s, &tok, 1, logits, 0, NULL};
+        moe_seq d = {.s = s, .tokens = &tok, .n = 1, .logits = logits};
         if ((st = moe_step(m, &d, 1, &ds, err, sizeof err))) { fprintf(stderr, "\nmoe-cli: %s\n", err); goto out; }
         tot.expert_rows += ds.expert_rows, tot.expert_loads += ds.expert_loads, tot.expert_bytes += ds.expert_bytes;
     }

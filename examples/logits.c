@@ -143,7 +143,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "moe-logits: out of memory\n");
         goto out;
     }
-    moe_seq q = {s, ids, n, logits, all, NULL};
+    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = logits, .logits_all = all};
     if ((st = moe_step(m, &q, 1, NULL, err, sizeof err))) {
         fprintf(stderr, "moe-logits: %s: %s\n", moe_status_str(st), err);
         goto out;
@@ -168,7 +168,7 @@ int main(int argc, char **argv) {
         for (int j = 0; j < greedy; j++) {
             printf(j ? " %d" : "%d", (int)tok);
             if (j + 1 == greedy) break;
-            moe_seq d = {s, &tok, 1, logits, 0, NULL};
+            moe_seq d = {.s = s, .tokens = &tok, .n = 1, .logits = logits};
             if ((st = moe_step(m, &d, 1, NULL, err, sizeof err))) {
                 printf("\n");
                 fprintf(stderr, "moe-logits: %s: %s\n", moe_status_str(st), err);

@@ -331,7 +331,7 @@ static void run_golden(const char *name, unsigned flags, int threads) {
         CHECK(moe_session_new(&s, m, n + ng, NULL, 0) == MOE_OK);
         float *logits = malloc(sizeof(float) * (size_t)V * (size_t)n);
         int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * L * (K ? K : 1));
-        moe_seq q = {s, ids, n, logits, 1, K ? routes : NULL};
+        moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = logits, .logits_all = 1, .routes = K ? routes : NULL};
         char err[256];
         CHECKF(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
         const float *wl = want->data;
@@ -370,7 +370,7 @@ static void run_golden(const char *name, unsigned flags, int threads) {
             int32_t tok = argmax(row, V);
             gmiss += tok != greedy[j];
             if (j + 1 == ng) break;
-            moe_seq d = {s, &greedy[j], 1, logits, 0, NULL};
+            moe_seq d = {.s = s, .tokens = &greedy[j], .n = 1, .logits = logits};
             CHECKF(moe_step(m, &d, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
             row = logits;
         }
@@ -483,7 +483,7 @@ static float *logits_in_pieces(moe_model *m, const int32_t *ids, int n, const in
     for (int i = 0; done < n; i++) {
         int take = pieces && pieces[i] ? pieces[i] : n - done;
         if (take > n - done) take = n - done;
-        moe_seq q = {s, ids + done, take, all + (size_t)done * V, 1, NULL};
+        moe_seq q = {.s = s, .tokens = ids + done, .n = take, .logits = all + (size_t)done * V, .logits_all = 1};
         char err[256];
         CHECKF(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
         done += take;
@@ -534,7 +534,7 @@ static void test_batch_vs_alone(void) {
         CHECK(moe_session_new(&s[i], m, 64, NULL, 0) == MOE_OK);
     }
     moe_seq q[3];
-    for (int i = 0; i < ns; i++) q[i] = (moe_seq){s[i], ids[i], lens[i], batched[i], 1, NULL};
+    for (int i = 0; i < ns; i++) q[i] = (moe_seq){.s = s[i], .tokens = ids[i], .n = lens[i], .logits = batched[i], .logits_all = 1};
     moe_step_stats stt;
     CHECK(moe_step(m, q, ns, &stt, NULL, 0) == MOE_OK);
     CHECK(stt.n_tokens == 58 && stt.expert_rows > 0 && stt.expert_loads > 0);
@@ -545,7 +545,7 @@ static void test_batch_vs_alone(void) {
     /* lockstep decode: one token from each sequence per step, against each alone */
     for (int step = 0; step < 4; step++) {
         float *lk = malloc(sizeof(float) * (size_t)V * ns);
-        for (int i = 0; i < ns; i++) q[i] = (moe_seq){s[i], ids[i] + lens[i] + step, 1, lk + (size_t)i * V, 0, NULL};
+        for (int i = 0; i < ns; i++) q[i] = (moe_seq){.s = s[i], .tokens = ids[i] + lens[i] + step, .n = 1, .logits = lk + (size_t)i * V};
         CHECK(moe_step(m, q, ns, NULL, NULL, 0) == MOE_OK);
         for (int i = 0; i < ns; i++) {
             float *ref = logits_in_pieces(m, ids[i], lens[i] + step + 1, NULL);
@@ -590,28 +590,28 @@ static void test_snapshot_fork(void) {
     moe_session *a, *b, *snap;
     float *la = malloc(sizeof(float) * V * 20), *lb = malloc(sizeof(float) * V * 20);
     CHECK(moe_session_new(&a, m, 100, NULL, 0) == MOE_OK);
-    moe_seq q = {a, ids, 30, NULL, 0, NULL};
+    moe_seq q = {.s = a, .tokens = ids, .n = 30};
     CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
     CHECK(moe_session_fork(&snap, a, NULL, 0) == MOE_OK && moe_session_pos(snap) == 30);
     CHECK(moe_session_fork(&b, a, NULL, 0) == MOE_OK);
     /* a and its fork b continue with the same tokens: same logits */
-    q = (moe_seq){a, ids + 30, 20, la, 1, NULL};
+    q = (moe_seq){.s = a, .tokens = ids + 30, .n = 20, .logits = la, .logits_all = 1};
     CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
-    q = (moe_seq){b, ids + 30, 20, lb, 1, NULL};
+    q = (moe_seq){.s = b, .tokens = ids + 30, .n = 20, .logits = lb, .logits_all = 1};
     CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
     CHECK(max_abs_diff(la, lb, (size_t)V * 20) == 0);
     /* b diverges, then is restored from the snapshot and replays: same as a */
-    q = (moe_seq){b, ids + 40, 5, NULL, 0, NULL};
+    q = (moe_seq){.s = b, .tokens = ids + 40, .n = 5};
     CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK && moe_session_pos(b) == 55);
     CHECK(moe_session_restore(b, snap, NULL, 0) == MOE_OK && moe_session_pos(b) == 30);
-    q = (moe_seq){b, ids + 30, 20, lb, 1, NULL};
+    q = (moe_seq){.s = b, .tokens = ids + 30, .n = 20, .logits = lb, .logits_all = 1};
     CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
     CHECK(max_abs_diff(la, lb, (size_t)V * 20) == 0);
     /* reset = a fresh session */
     moe_session_reset(b);
     CHECK(moe_session_pos(b) == 0);
     float *full = logits_in_pieces(m, ids, 20, NULL);
-    q = (moe_seq){b, ids, 20, lb, 1, NULL};
+    q = (moe_seq){.s = b, .tokens = ids, .n = 20, .logits = lb, .logits_all = 1};
     CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
     CHECK(max_abs_diff(full, lb, (size_t)V * 20) == 0);
     /* restoring into a too-small context is refused */
@@ -646,7 +646,7 @@ static void test_api_args(void) {
     CHECK(moe_session_new(&s, m, 8, err, sizeof err) == MOE_OK);
     CHECK(moe_session_new(&s2, m2, 8, err, sizeof err) == MOE_OK);
     int32_t bad[2] = {5, V}, neg[1] = {-1}, ok[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
-    moe_seq q = {s, bad, 2, NULL, 0, NULL};
+    moe_seq q = {.s = s, .tokens = bad, .n = 2};
     CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_ARG && strstr(err, "outside"));
     q.tokens = neg, q.n = 1;
     CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_ARG);
@@ -657,13 +657,13 @@ static void test_api_args(void) {
     CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK && moe_session_pos(s) == 8);
     q.n = 1;
     CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_CTX_FULL);
-    moe_seq two[2] = {{s2, ok, 1, NULL, 0, NULL}, {s2, ok, 1, NULL, 0, NULL}};
+    moe_seq two[2] = {{.s = s2, .tokens = ok, .n = 1}, {.s = s2, .tokens = ok, .n = 1}};
     CHECK(moe_step(m, two, 1, NULL, err, sizeof err) == MOE_ERR_ARG); /* session of another model */
     CHECK(moe_step(m2, two, 2, NULL, err, sizeof err) == MOE_ERR_ARG); /* same session twice */
     CHECK(moe_step(NULL, two, 1, NULL, err, sizeof err) == MOE_ERR_ARG);
     CHECK(moe_step(m, NULL, 1, NULL, err, sizeof err) == MOE_ERR_ARG);
     CHECK(moe_step(m, NULL, 0, NULL, err, sizeof err) == MOE_OK);
-    q = (moe_seq){s2, NULL, 3, NULL, 0, NULL};
+    q = (moe_seq){.s = s2, .tokens = NULL, .n = 3};
     CHECK(moe_step(m2, &q, 1, NULL, err, sizeof err) == MOE_ERR_ARG);
     CHECK(moe_session_restore(s, s2, err, sizeof err) == MOE_ERR_ARG);
     moe_session *f;
@@ -1024,7 +1024,7 @@ static void test_rss_seed_600(void) {
         moe_session *s;
         if (moe_model_open(&m, path, NULL, NULL, 0) || moe_session_new(&s, m, 700, NULL, 0)) _exit(2);
         float *lg = malloc(sizeof(float) * moe_model_config(m)->vocab_size);
-        moe_seq q = {s, ids, n, lg, 0, NULL};
+        moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = lg};
         if (moe_step(m, &q, 1, NULL, NULL, 0)) _exit(3);
         _exit(0);
     }
