@@ -210,6 +210,81 @@ static void test_dot_levels(void) {
     free(x), free(wf), free(wb), free(wh), free(wq), free(ws);
 }
 
+/* Q8_0/Q4_0: ggml's rounding (hand-derived known answers), round-trip bounds, and every int8
+ * kernel level against the scalar reference; the q8a activation quantizers must agree bit for bit */
+static void test_quant_blocks(void) {
+    float x[32];
+    for (int j = 0; j < 32; j++) x[j] = (float)(j - 16);
+    moe__block_q4_0 b4;
+    moe__quantize_row(MOE_T_Q4_0, x, &b4, 32);
+    /* max-magnitude value is -16: d = -16 / -8 = 2, q = (int)(x / 2 + 8.5) clamped to 15 */
+    CHECK(b4.d == 0x4000);
+    for (int j = 0; j < 16; j++) {
+        int q0 = (int)((j - 16) * 0.5f + 8.5f), q1 = (int)((j) * 0.5f + 8.5f);
+        q1 = q1 > 15 ? 15 : q1;
+        CHECKF((b4.qs[j] & 15) == q0 && (b4.qs[j] >> 4) == q1, "q4_0 byte %d = %02x", j, b4.qs[j]);
+    }
+    moe__block_q8_0 b8;
+    moe__quantize_row(MOE_T_Q8_0, x, &b8, 32);
+    CHECK(moe__f16_to_f32(b8.d) == moe__f16_to_f32(moe__f32_to_f16(16.0f / 127)));
+    CHECK(b8.qs[0] == -127 && b8.qs[16] == 0 && b8.qs[31] == (int8_t)roundf(15 * 127.0f / 16));
+    /* round trip on random rows: Q8_0 within d/2 (+ the half-precision scale), Q4_0 within d */
+    for (int rep = 0; rep < 50; rep++) {
+        float v[256], back[256];
+        moe__block_q8_0 q8[8];
+        moe__block_q4_0 q4[8];
+        for (int i = 0; i < 256; i++) v[i] = nrand() * (rep % 5 == 0 ? 1e-3f : 3.0f);
+        moe__quantize_row(MOE_T_Q8_0, v, q8, 256);
+        moe__row_to_f32(MOE_T_Q8_0, q8, NULL, back, 256);
+        for (int i = 0; i < 256; i++) {
+            float d = fabsf(moe__f16_to_f32(q8[i / 32].d));
+            /* the half scale: relative 2^-11, or absolute 2^-25 per unit of q when subnormal */
+            CHECKF(fabsf(back[i] - v[i]) <= 0.5f * d + 1e-3f * fabsf(v[i]) + 128 * 3e-8f, "q8_0 %d: %g vs %g", i, back[i], v[i]);
+        }
+        moe__quantize_row(MOE_T_Q4_0, v, q4, 256);
+        moe__row_to_f32(MOE_T_Q4_0, q4, NULL, back, 256);
+        for (int i = 0; i < 256; i++) {
+            float d = fabsf(moe__f16_to_f32(q4[i / 32].d));
+            CHECKF(fabsf(back[i] - v[i]) <= 1.001f * d + 1e-30f, "q4_0 %d: %g vs %g", i, back[i], v[i]);
+        }
+    }
+    moe__kernels lv[4];
+    int nl = moe__kernel_levels(lv, 4);
+    const int lens[] = {32, 64, 96, 256, 1024, 2048, 7168};
+    float *xa = malloc(sizeof(float) * 7168), *w = malloc(sizeof(float) * 7168);
+    moe__block_q8a *qa = malloc(sizeof *qa * 224), *qb = malloc(sizeof *qb * 224);
+    void *w8 = malloc(34 * 224), *w4 = malloc(18 * 224);
+    for (size_t a = 0; a < sizeof lens / sizeof *lens; a++)
+        for (int mode = 0; mode < 4; mode++) {
+            int n = lens[a];
+            for (int i = 0; i < n; i++) {
+                xa[i] = mode == 3 ? 0.0f : nrand() * (mode == 1 ? 1e6f : mode == 2 ? 1e-6f : 1.0f);
+                w[i] = nrand() * (mode == 1 ? 100.0f : 0.02f);
+            }
+            if (mode == 0) xa[n / 2] = 50.0f; /* an outlier in one block */
+            moe__quantize_row(MOE_T_Q8_0, w, w8, n);
+            moe__quantize_row(MOE_T_Q4_0, w, w4, n);
+            lv[0].quant_q8a(xa, qa, n);
+            for (int li = 1; li < nl; li++) {
+                lv[li].quant_q8a(xa, qb, n);
+                CHECKF(!memcmp(qa, qb, sizeof *qa * (size_t)(n / 32)), "%s q8a n %d mode %d", lv[li].isa, n, mode);
+                for (int t = 0; t < 2; t++) {
+                    int type = t ? MOE_T_Q4_0 : MOE_T_Q8_0;
+                    const void *wq = t ? w4 : w8;
+                    float r = lv[0].dotq[type](wq, qa, n), s = lv[li].dotq[type](wq, qa, n);
+                    /* bound: the sum of |terms| at float precision */
+                    float *dw = malloc(sizeof(float) * (size_t)n);
+                    moe__row_to_f32(type, wq, NULL, dw, n);
+                    double ab = 0;
+                    for (int i = 0; i < n; i++) ab += fabs((double)dw[i] * qa[i / 32].d * qa[i / 32].qs[i % 32]);
+                    free(dw);
+                    CHECKF(fabs((double)r - s) <= 1e-5 * ab + 1e-30, "%s dotq type %d n %d mode %d: %g vs %g", lv[li].isa, type, n, mode, r, s);
+                }
+            }
+        }
+    free(xa), free(w), free(qa), free(qb), free(w8), free(w4);
+}
+
 /* ---- JSON ------------------------------------------------------------------------------ */
 
 static void test_json(void) {
@@ -1049,6 +1124,7 @@ static const struct {
     {"mxfp4_worked_example", test_mxfp4_worked_example},
     {"mxfp4_golden_dequant", test_mxfp4_golden_dequant},
     {"dot_levels", test_dot_levels},
+    {"quant_blocks", test_quant_blocks},
     {"json", test_json},
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
     {"golden_kimi", test_golden_kimi},
