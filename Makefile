@@ -10,7 +10,7 @@ OPENMP ?= $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o 
 ALL_CFLAGS = $(CFLAGS) $(OPENMP) $(EXTRA_CFLAGS)
 
 LIB = $(BUILD)/moe.o $(BUILD)/quant.o
-EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity
+EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert
 TESTS = $(BUILD)/moe-test
 
 .PHONY: all examples test test-scalar asan clean help
@@ -18,7 +18,7 @@ TESTS = $(BUILD)/moe-test
 # all: the library objects and every example program
 all: $(LIB) $(EXAMPLES) $(TESTS)
 
-# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity)
+# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert)
 examples: $(EXAMPLES)
 
 $(BUILD)/%.o: %.c moe.h | $(BUILD)
@@ -31,6 +31,9 @@ $(BUILD)/moe-cli: examples/cli.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 $(BUILD)/moe-perplexity: examples/perplexity.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+$(BUILD)/moe-convert: examples/convert.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 $(BUILD)/moe-test: test/test.c $(LIB) moe.h

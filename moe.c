@@ -460,7 +460,7 @@ done:
     return st;
 }
 
-moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
+static moe_status map_file(moe__st_file *f, const char *path, char *err, size_t errlen) {
     memset(f, 0, sizeof *f);
     if (!(f->path = strdup(path))) return MOE_ERR_NOMEM;
     int fd = open(path, O_RDONLY);
@@ -487,14 +487,21 @@ moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t err
         }
     }
     close(fd);
-    moe_status st = st_parse(f, err, errlen);
-    if (st) moe__st_close(f);
+    return MOE_OK;
+}
+
+moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
+    moe_status st = map_file(f, path, err, errlen);
+    if (st) return st;
+    if ((st = st_parse(f, err, errlen))) moe__st_close(f);
     return st;
 }
 
 void moe__st_close(moe__st_file *f) {
     if (!f) return;
     if (f->map) munmap(f->map, f->size);
+    free(f->kv);
+    free(f->keys);
     free(f->tensors);
     free(f->path);
     memset(f, 0, sizeof *f);
@@ -503,6 +510,187 @@ void moe__st_close(moe__st_file *f) {
 const moe__st_tensor *moe__st_find(const moe__st_file *f, const char *name) {
     for (int i = 0; i < f->n_tensors; i++)
         if (!strcmp(f->tensors[i].name, name)) return &f->tensors[i];
+    return NULL;
+}
+
+/* ==== GGUF ====================================================================================
+ * GGUF v2/v3 (llama.cpp's container): magic, version, counts, key/value metadata, tensor infos,
+ * aligned data. Read through a bounded cursor: every length and count is checked against the
+ * bytes left before it is used, and a tensor's extent against the file. Tensors become
+ * moe__st_tensor entries with PyTorch-order shapes, so the binder treats both formats alike. */
+
+typedef struct {
+    const uint8_t *b;
+    size_t n, pos;
+    int bad;
+} gcur;
+
+static int g_take(gcur *c, void *out, size_t k) {
+    if (c->bad || k > c->n - c->pos) { c->bad = 1; return 0; }
+    if (out) memcpy(out, c->b + c->pos, k);
+    c->pos += k;
+    return 1;
+}
+
+static uint32_t g_u32(gcur *c) { uint32_t v = 0; g_take(c, &v, 4); return v; } /* little-endian hosts */
+static uint64_t g_u64(gcur *c) { uint64_t v = 0; g_take(c, &v, 8); return v; }
+
+static const uint8_t *g_str(gcur *c, uint64_t *len) {
+    *len = g_u64(c);
+    const uint8_t *p = c->b + c->pos;
+    if (!g_take(c, NULL, *len)) return NULL;
+    return p;
+}
+
+static size_t gguf_scalar_size(uint32_t t) {
+    static const size_t sz[] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    return t < sizeof sz / sizeof *sz ? sz[t] : 0;
+}
+
+/* ggml tensor types: block length, block bytes, our type (-1: sized for validation only) */
+static const struct { uint32_t id; int blk, bytes, type; } ggml_types[] = {
+    {0, 1, 4, MOE_T_F32},  {1, 1, 2, MOE_T_F16},    {2, 32, 18, MOE_T_Q4_0},  {3, 32, 20, -1},
+    {6, 32, 22, -1},       {7, 32, 24, -1},         {8, 32, 34, MOE_T_Q8_0},  {9, 32, 36, -1},
+    {10, 256, 84, -1},     {11, 256, 110, -1},      {12, 256, 144, -1},       {13, 256, 176, -1},
+    {14, 256, 210, -1},    {15, 256, 292, -1},      {24, 1, 1, -1},           {25, 1, 2, -1},
+    {26, 1, 4, MOE_T_I32}, {27, 1, 8, -1},          {28, 1, 8, -1},           {30, 1, 2, MOE_T_BF16},
+    {39, 32, 17, MOE_T_MXFP4_GGML},
+};
+
+moe_status moe__gguf_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
+    moe_status st = map_file(f, path, err, errlen);
+    if (st) return st;
+    f->is_gguf = 1;
+    f->alignment = 32;
+    gcur c = {f->map, f->size, 0, 0};
+    uint32_t magic = g_u32(&c), version = g_u32(&c);
+    uint64_t n_tensors = g_u64(&c), n_kv = g_u64(&c);
+    moe__st_tensor **order = NULL;
+    if (c.bad || magic != 0x46554747u) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: not a GGUF file (bad magic)", path); goto out; }
+    if (version < 2 || version > 3) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: GGUF version %u (2 and 3 are read)", path, version); goto out; }
+    /* a key/value needs >= 13 bytes, a tensor info >= 24: counts beyond that are lies */
+    if (n_kv > (c.n - c.pos) / 13 || n_tensors > (c.n - c.pos) / 24 || n_tensors > (1u << 24)) {
+        st = fail(err, errlen, MOE_ERR_FORMAT, "%s: absurd counts (%llu tensors, %llu keys)", path,
+                  (unsigned long long)n_tensors, (unsigned long long)n_kv);
+        goto out;
+    }
+    f->kv = xcalloc((size_t)n_kv, sizeof *f->kv);
+    f->tensors = xcalloc((size_t)n_tensors, sizeof *f->tensors);
+    order = xcalloc((size_t)n_tensors, sizeof *order);
+    size_t keybytes = 0;
+    if (!f->kv || !f->tensors || !order) { st = MOE_ERR_NOMEM; goto out; }
+    /* keys are copied NUL-terminated into one buffer; first pass measures it */
+    const size_t kv_start = c.pos;
+    for (int pass = 0; pass < 2; pass++) {
+        c.pos = kv_start;
+        size_t kp = 0;
+        for (uint64_t i = 0; i < n_kv; i++) {
+            uint64_t klen;
+            const uint8_t *k = g_str(&c, &klen);
+            uint32_t t = g_u32(&c);
+            if (c.bad || klen > 65535) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata key %llu truncated or too long", path, (unsigned long long)i); goto out; }
+            moe__gguf_kv kv = {NULL, t, 0, 0, c.b + c.pos};
+            if (t == MOE_GGUF_STRING) {
+                kv.data = g_str(&c, &kv.n);
+            } else if (t == MOE_GGUF_ARRAY) {
+                kv.etype = g_u32(&c);
+                kv.n = g_u64(&c);
+                kv.data = c.b + c.pos;
+                size_t es = gguf_scalar_size(kv.etype);
+                if (kv.etype == MOE_GGUF_STRING) {
+                    if (kv.n > (c.n - c.pos) / 8) c.bad = 1;
+                    for (uint64_t j = 0; j < kv.n && !c.bad; j++) { uint64_t l; g_str(&c, &l); }
+                } else if (!es || kv.n > (c.n - c.pos) / es) {
+                    c.bad = 1; /* nested arrays are not used by any model we read */
+                } else {
+                    g_take(&c, NULL, (size_t)kv.n * es);
+                }
+            } else if (gguf_scalar_size(t)) {
+                g_take(&c, NULL, gguf_scalar_size(t));
+            } else {
+                c.bad = 1;
+            }
+            if (c.bad) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata %.*s: bad type or truncated", path, (int)klen, (const char *)k); goto out; }
+            if (pass == 0) {
+                keybytes += klen + 1;
+            } else {
+                memcpy(f->keys + kp, k, klen);
+                f->keys[kp + klen] = 0;
+                kv.key = f->keys + kp;
+                kp += klen + 1;
+                f->kv[i] = kv;
+            }
+        }
+        if (pass == 0 && !(f->keys = malloc(keybytes + 1))) { st = MOE_ERR_NOMEM; goto out; }
+    }
+    f->n_kv = (int64_t)n_kv;
+    const moe__gguf_kv *al = moe__gguf_get(f, "general.alignment");
+    if (al) {
+        uint32_t a = 0;
+        if (al->type == MOE_GGUF_U32) memcpy(&a, al->data, 4);
+        if (!a || (a & (a - 1)) || a > (1u << 20)) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: bad general.alignment", path); goto out; }
+        f->alignment = a;
+    }
+    for (uint64_t i = 0; i < n_tensors; i++) {
+        moe__st_tensor *t = &f->tensors[i];
+        uint64_t nlen;
+        const uint8_t *nm = g_str(&c, &nlen);
+        uint32_t nd = g_u32(&c);
+        if (c.bad || nlen >= sizeof t->name || nd < 1 || nd > 4) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor info %llu: bad name or dimension count", path, (unsigned long long)i); goto out; }
+        memcpy(t->name, nm, nlen);
+        t->name[nlen] = 0;
+        int64_t ne[4] = {1, 1, 1, 1}, count = 1;
+        for (uint32_t d = 0; d < nd; d++) {
+            uint64_t v = g_u64(&c);
+            if (v < 1 || v > (uint64_t)ST_MAX_DIM || !mul_ok(count, (int64_t)v, &count)) c.bad = 1;
+            ne[d] = (int64_t)v;
+        }
+        uint32_t gt = g_u32(&c);
+        uint64_t off = g_u64(&c);
+        if (c.bad) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor %s: bad or overflowing dimensions", path, t->name); goto out; }
+        int ti = -1;
+        for (size_t k = 0; k < sizeof ggml_types / sizeof *ggml_types; k++)
+            if (ggml_types[k].id == gt) ti = (int)k;
+        if (ti < 0) { st = fail(err, errlen, MOE_ERR_UNSUPPORTED, "%s: tensor %s: unknown ggml type %u", path, t->name, gt); goto out; }
+        if (ne[0] % ggml_types[ti].blk) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor %s: row of %lld values is not whole blocks", path, t->name, (long long)ne[0]); goto out; }
+        int64_t nbytes;
+        if (!mul_ok(count / ggml_types[ti].blk, ggml_types[ti].bytes, &nbytes)) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor %s: size overflows", path, t->name); goto out; }
+        t->type = ggml_types[ti].type;
+        t->ndim = (int)nd;
+        for (uint32_t d = 0; d < nd; d++) t->shape[d] = ne[nd - 1 - d];
+        t->nbytes = (uint64_t)nbytes;
+        t->data = (const void *)(uintptr_t)off; /* relative until the data start is known */
+        order[i] = t;
+    }
+    const uint64_t data_start = ((uint64_t)c.pos + f->alignment - 1) / f->alignment * f->alignment;
+    if (data_start > f->size) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated before the tensor data", path); goto out; }
+    const uint64_t data_size = f->size - data_start;
+    for (uint64_t i = 0; i < n_tensors; i++) {
+        moe__st_tensor *t = &f->tensors[i];
+        uint64_t off = (uint64_t)(uintptr_t)t->data;
+        if (off % f->alignment || off > data_size || t->nbytes > data_size - off) {
+            st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor %s: offset %llu + %llu bytes is misaligned or outside the file",
+                      path, t->name, (unsigned long long)off, (unsigned long long)t->nbytes);
+            goto out;
+        }
+        t->data = (const unsigned char *)f->map + data_start + off;
+    }
+    f->n_tensors = (int)n_tensors;
+    qsort(order, (size_t)n_tensors, sizeof *order, cmp_tensor_offset);
+    for (uint64_t i = 1; i < n_tensors; i++)
+        if ((const unsigned char *)order[i]->data < (const unsigned char *)order[i - 1]->data + order[i - 1]->nbytes) {
+            st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensors %s and %s overlap", path, order[i - 1]->name, order[i]->name);
+            goto out;
+        }
+out:
+    free(order);
+    if (st) moe__st_close(f);
+    return st;
+}
+
+const moe__gguf_kv *moe__gguf_get(const moe__st_file *f, const char *key) {
+    for (int64_t i = 0; i < f->n_kv; i++)
+        if (!strcmp(f->kv[i].key, key)) return &f->kv[i];
     return NULL;
 }
 
@@ -544,6 +732,7 @@ struct moe_model {
     tensor_ref *table; /* open-addressed hash of every tensor name */
     size_t table_cap;
     char prefix[32]; /* "language_model." for K3's multimodal wrapper */
+    int gguf;        /* tensors use GGUF names (moe__hf_to_gguf) */
     layer *layers;
     moe__weight embed, lm_head;
     float *final_norm, *out_res_w;
@@ -724,10 +913,231 @@ static moe_status parse_config(moe_model *m, const moe__json *root, char *err, s
     return MOE_OK;
 }
 
+/* ==== HF <-> GGUF tensor names ===============================================================
+ * llama.cpp's names for its kimi-linear architecture, and for K3's extra tensors the names of
+ * its Kimi-K3 support (AttnRes, latent MoE, gates): README lists them. Experts are stored merged
+ * per layer (ffn_{gate,up,down}_exps, [E, out, in]) and handled by the binder. */
+
+static const char *const name_map[][2] = {
+    {"input_layernorm.weight", "attn_norm.weight"},
+    {"post_attention_layernorm.weight", "ffn_norm.weight"},
+    {"self_attention_res_norm.weight", "attn_res_norm.weight"},
+    {"self_attention_res_proj.weight", "attn_res_proj.weight"},
+    {"mlp_res_norm.weight", "ffn_res_norm.weight"},
+    {"mlp_res_proj.weight", "ffn_res_proj.weight"},
+    {"self_attn.q_proj.weight", "attn_q.weight"},
+    {"self_attn.k_proj.weight", "attn_k.weight"},
+    {"self_attn.v_proj.weight", "attn_v.weight"},
+    {"self_attn.q_conv1d.weight", "ssm_conv1d_q.weight"},
+    {"self_attn.k_conv1d.weight", "ssm_conv1d_k.weight"},
+    {"self_attn.v_conv1d.weight", "ssm_conv1d_v.weight"},
+    {"self_attn.f_a_proj.weight", "ssm_f_a.weight"},
+    {"self_attn.f_b_proj.weight", "ssm_f_b.weight"},
+    {"self_attn.b_proj.weight", "ssm_beta.weight"},
+    {"self_attn.A_log", "ssm_a"},
+    {"self_attn.dt_bias", "ssm_dt.bias"},
+    {"self_attn.g_a_proj.weight", "ssm_g_a.weight"},
+    {"self_attn.g_b_proj.weight", "ssm_g_b.weight"},
+    {"self_attn.g_proj.weight", "attn_gate.weight"},
+    {"self_attn.o_norm.weight", "ssm_norm.weight"},
+    {"self_attn.o_proj.weight", "attn_output.weight"},
+    {"self_attn.q_a_proj.weight", "attn_q_a.weight"},
+    {"self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight"},
+    {"self_attn.q_b_proj.weight", "attn_q_b.weight"},
+    {"self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight"},
+    {"self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight"},
+    {"self_attn.kv_b_proj.weight", "attn_kv_b.weight"},
+    {"mlp.gate_proj.weight", "ffn_gate.weight"},
+    {"mlp.up_proj.weight", "ffn_up.weight"},
+    {"mlp.down_proj.weight", "ffn_down.weight"},
+    {"block_sparse_moe.gate.weight", "ffn_gate_inp.weight"},
+    {"block_sparse_moe.gate.e_score_correction_bias", "exp_probs_b.bias"},
+    {"block_sparse_moe.shared_experts.gate_proj.weight", "ffn_gate_shexp.weight"},
+    {"block_sparse_moe.shared_experts.up_proj.weight", "ffn_up_shexp.weight"},
+    {"block_sparse_moe.shared_experts.down_proj.weight", "ffn_down_shexp.weight"},
+    {"block_sparse_moe.routed_expert_down_proj.weight", "ffn_latent_down.weight"},
+    {"block_sparse_moe.routed_expert_up_proj.weight", "ffn_latent_up.weight"},
+    {"block_sparse_moe.routed_expert_norm.weight", "ffn_latent_norm.weight"},
+};
+
+static const char *const global_map[][2] = {
+    {"model.embed_tokens.weight", "token_embd.weight"},
+    {"lm_head.weight", "output.weight"},
+    {"model.norm.weight", "output_norm.weight"},
+    {"model.output_attn_res_norm.weight", "output_res_norm.weight"},
+    {"model.output_attn_res_proj.weight", "output_res_proj.weight"},
+};
+
+int moe__hf_to_gguf(const char *hf, char *out, size_t n) {
+    for (size_t i = 0; i < sizeof global_map / sizeof *global_map; i++)
+        if (!strcmp(hf, global_map[i][0])) return snprintf(out, n, "%s", global_map[i][1]) < (int)n;
+    int layer, used = 0;
+    if (sscanf(hf, "model.layers.%d.%n", &layer, &used) != 1 || !used) return 0;
+    for (size_t i = 0; i < sizeof name_map / sizeof *name_map; i++)
+        if (!strcmp(hf + used, name_map[i][0])) return snprintf(out, n, "blk.%d.%s", layer, name_map[i][1]) < (int)n;
+    return 0;
+}
+
+/* GGUF metadata -> the HF config.json it stands for, then parsed and validated by parse_config:
+ * one set of rules for both formats. */
+static int64_t gk_int(const moe__st_file *f, const char *arch, const char *suffix, int64_t def) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    const moe__gguf_kv *kv = moe__gguf_get(f, key);
+    if (!kv) return def;
+    switch (kv->type) {
+    case MOE_GGUF_U8: case MOE_GGUF_BOOL: return *(const uint8_t *)kv->data;
+    case MOE_GGUF_I8: return *(const int8_t *)kv->data;
+    case MOE_GGUF_U16: { uint16_t v; memcpy(&v, kv->data, 2); return v; }
+    case MOE_GGUF_I16: { int16_t v; memcpy(&v, kv->data, 2); return v; }
+    case MOE_GGUF_U32: { uint32_t v; memcpy(&v, kv->data, 4); return v; }
+    case MOE_GGUF_I32: { int32_t v; memcpy(&v, kv->data, 4); return v; }
+    case MOE_GGUF_U64: { uint64_t v; memcpy(&v, kv->data, 8); return v > INT32_MAX ? -1 : (int64_t)v; }
+    case MOE_GGUF_I64: { int64_t v; memcpy(&v, kv->data, 8); return v; }
+    default: return -1; /* wrong type: out of every range, so validation names it */
+    }
+}
+
+static double gk_float(const moe__st_file *f, const char *arch, const char *suffix, double def) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    const moe__gguf_kv *kv = moe__gguf_get(f, key);
+    if (!kv) return def;
+    if (kv->type == MOE_GGUF_F32) { float v; memcpy(&v, kv->data, 4); return v; }
+    if (kv->type == MOE_GGUF_F64) { double v; memcpy(&v, kv->data, 8); return v; }
+    return (double)gk_int(f, arch, suffix, (int64_t)def);
+}
+
+static const moe__st_tensor *gguf_tensor(const moe__st_file *f, const char *fmt, int i) {
+    char name[96];
+    snprintf(name, sizeof name, fmt, i);
+    for (int k = 0; k < f->n_tensors; k++)
+        if (!strcmp(f->tensors[k].name, name)) return &f->tensors[k];
+    return NULL;
+}
+
+typedef struct {
+    char *s;
+    size_t n, cap;
+} sbuf;
+
+static void sb_printf(sbuf *b, const char *fmt, ...) {
+    va_list ap;
+    for (;;) {
+        va_start(ap, fmt);
+        int k = vsnprintf(b->s ? b->s + b->n : NULL, b->s ? b->cap - b->n : 0, fmt, ap);
+        va_end(ap);
+        if (k < 0) return;
+        if (b->s && b->n + (size_t)k < b->cap) { b->n += (size_t)k; return; }
+        size_t cap = (b->cap + (size_t)k + 1) * 2;
+        char *p = realloc(b->s, cap);
+        if (!p) { free(b->s); b->s = NULL; b->cap = b->n = 0; return; }
+        b->s = p, b->cap = cap;
+    }
+}
+
+static moe_status gguf_config_json(const moe__st_file *f, moe__json **out, char *err, size_t errlen) {
+    const moe__gguf_kv *a = moe__gguf_get(f, "general.architecture");
+    char arch[32];
+    if (!a || a->type != MOE_GGUF_STRING || a->n >= sizeof arch)
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: general.architecture missing", f->path);
+    memcpy(arch, a->data, a->n);
+    arch[a->n] = 0;
+    if (strcmp(arch, "kimi-linear") && strcmp(arch, "kimi-k3"))
+        return fail(err, errlen, MOE_ERR_UNSUPPORTED, "%s: architecture '%s' (kimi-linear and kimi-k3 are supported)", f->path, arch);
+    const int64_t L = gk_int(f, arch, "block_count", -1);
+    if (L < 1 || L > 4096) return fail(err, errlen, MOE_ERR_FORMAT, "%s: %s.block_count missing or absurd", f->path, arch);
+    char key[96];
+    snprintf(key, sizeof key, "%s.attention.head_count_kv", arch);
+    const moe__gguf_kv *hkv = moe__gguf_get(f, key);
+    const moe__st_tensor *emb = gguf_tensor(f, "token_embd.weight", 0);
+    int64_t vocab = gk_int(f, arch, "vocab_size", emb && emb->ndim == 2 ? emb->shape[0] : -1);
+    int first_kda = -1, first_mla = -1;
+    sbuf b = {0};
+    sb_printf(&b, "{\"vocab_size\": %lld, \"hidden_size\": %lld, \"num_hidden_layers\": %lld, \"rms_norm_eps\": %.9g,",
+              (long long)vocab, (long long)gk_int(f, arch, "embedding_length", -1), (long long)L,
+              gk_float(f, arch, "attention.layer_norm_rms_epsilon", -1));
+    double situ = gk_float(f, arch, "situ_beta", 0);
+    sb_printf(&b, "\"hidden_act\": \"%s\", \"activation_situ_beta\": %.9g, \"activation_situ_linear_beta\": %.9g,",
+              situ > 0 ? "situ" : "silu", situ, gk_float(f, arch, "situ_linear_beta", 0));
+    sb_printf(&b, "\"linear_attn_config\": {\"kda_layers\": [");
+    for (int64_t i = 0, k = 0; i < L; i++) {
+        int64_t kvh = 1;
+        if (hkv && hkv->type == MOE_GGUF_ARRAY && hkv->etype == MOE_GGUF_U32 && (int64_t)hkv->n == L) {
+            uint32_t v;
+            memcpy(&v, hkv->data + 4 * i, 4);
+            kvh = v;
+        } else if (hkv && hkv->type == MOE_GGUF_ARRAY && hkv->etype == MOE_GGUF_I32 && (int64_t)hkv->n == L) {
+            int32_t v;
+            memcpy(&v, hkv->data + 4 * i, 4);
+            kvh = v;
+        }
+        if (kvh == 0) {
+            sb_printf(&b, "%s%lld", k++ ? "," : "", (long long)(i + 1));
+            if (first_kda < 0) first_kda = (int)i;
+        } else if (first_mla < 0) {
+            first_mla = (int)i;
+        }
+    }
+    const int64_t H = gk_int(f, arch, "attention.head_count", -1);
+    sb_printf(&b, "], \"num_heads\": %lld, \"head_dim\": %lld, \"short_conv_kernel_size\": %lld",
+              (long long)gk_int(f, arch, "kda.head_count", H), (long long)gk_int(f, arch, "kda.head_dim", first_kda < 0 ? 1 : -1),
+              (long long)gk_int(f, arch, "ssm.conv_kernel", 4));
+    double lb = gk_float(f, arch, "kda.gate_lower_bound", 0);
+    if (lb != 0) sb_printf(&b, ", \"gate_lower_bound\": %.9g", lb);
+    sb_printf(&b, ", \"use_full_rank_gate\": %s},", first_kda >= 0 && gguf_tensor(f, "blk.%d.attn_gate.weight", first_kda) ? "true" : "false");
+    const int64_t dr = gk_int(f, arch, "rope.dimension_count", 0);
+    sb_printf(&b, "\"num_attention_heads\": %lld, \"q_lora_rank\": %lld, \"kv_lora_rank\": %lld, \"qk_nope_head_dim\": %lld, "
+                  "\"qk_rope_head_dim\": %lld, \"v_head_dim\": %lld, \"mla_use_output_gate\": %s,",
+              (long long)H, (long long)gk_int(f, arch, "attention.q_lora_rank", 0), (long long)gk_int(f, arch, "attention.kv_lora_rank", 1),
+              (long long)(gk_int(f, arch, "attention.key_length_mla", dr + 1) - dr), (long long)dr,
+              (long long)gk_int(f, arch, "attention.value_length_mla", 1),
+              first_mla >= 0 && gguf_tensor(f, "blk.%d.attn_gate.weight", first_mla) ? "true" : "false");
+    const int64_t E = gk_int(f, arch, "expert_count", 0), gating = gk_int(f, arch, "expert_gating_func", 2);
+    sb_printf(&b, "\"intermediate_size\": %lld, \"num_experts\": %lld, \"num_experts_per_token\": %lld, \"num_shared_experts\": %lld, "
+                  "\"moe_intermediate_size\": %lld, \"moe_router_activation_func\": \"%s\", \"moe_renormalize\": %s, "
+                  "\"routed_scaling_factor\": %.9g, \"num_expert_group\": %lld, \"topk_group\": %lld, \"first_k_dense_replace\": %lld, "
+                  "\"moe_layer_freq\": 1,",
+              (long long)gk_int(f, arch, "feed_forward_length", 0), (long long)E, (long long)gk_int(f, arch, "expert_used_count", -1),
+              (long long)gk_int(f, arch, "expert_shared_count", 0), (long long)gk_int(f, arch, "expert_feed_forward_length", -1),
+              gating == 1 ? "softmax" : gating == 2 ? "sigmoid" : "invalid", gk_int(f, arch, "expert_weights_norm", 1) ? "true" : "false",
+              gk_float(f, arch, "expert_weights_scale", 1.0), (long long)gk_int(f, arch, "expert_group_count", 1),
+              (long long)gk_int(f, arch, "expert_group_used_count", 1), (long long)gk_int(f, arch, "leading_dense_block_count", 0));
+    const int64_t lat = gk_int(f, arch, "moe_latent_size", 0);
+    if (lat) sb_printf(&b, "\"routed_expert_hidden_size\": %lld, \"latent_moe_use_norm\": %s,", (long long)lat,
+                       gguf_tensor(f, "blk.%d.ffn_latent_norm.weight", (int)gk_int(f, arch, "leading_dense_block_count", 0)) ? "true" : "false");
+    const int64_t B = gk_int(f, arch, "attn_res_block_size", 0);
+    if (B) sb_printf(&b, "\"attn_res_block_size\": %lld,", (long long)B);
+    const moe__gguf_kv *bos = moe__gguf_get(f, "tokenizer.ggml.bos_token_id"), *eos = moe__gguf_get(f, "tokenizer.ggml.eos_token_id");
+    uint32_t bv = 0, ev = 0;
+    if (bos && bos->type == MOE_GGUF_U32) memcpy(&bv, bos->data, 4);
+    if (eos && eos->type == MOE_GGUF_U32) memcpy(&ev, eos->data, 4);
+    sb_printf(&b, "\"bos_token_id\": %d, \"eos_token_id\": %d, \"tie_word_embeddings\": %s}", bos ? (int)bv : -1, eos ? (int)ev : -1,
+              gguf_tensor(f, "output.weight", 0) ? "false" : "true");
+    if (!b.s) return MOE_ERR_NOMEM;
+    char e2[200];
+    moe_status st = moe__json_parse(b.s, b.n, out, e2, sizeof e2);
+    free(b.s);
+    if (st) return fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata does not form a valid config (%s)", f->path, e2);
+    return MOE_OK;
+}
+
 /* ==== model binding ===========================================================================
  * All tensors of all files go into one hash table by full name; the model then looks up every
  * tensor it needs (prefix + spec name), checks dtype, shape and alignment against the config,
  * and keeps either a pointer into the mapping (matrices) or an f32 copy (small vectors). */
+
+/* Registers memory the model frees at close; 0 on success. */
+static int own(moe_model *m, void *p) {
+    if (m->n_owned == m->cap_owned) {
+        int cap = m->cap_owned ? 2 * m->cap_owned : 256;
+        void **q = realloc(m->owned, sizeof *q * (size_t)cap);
+        if (!q) return 1;
+        m->owned = q, m->cap_owned = cap;
+    }
+    m->owned[m->n_owned++] = p;
+    return 0;
+}
 
 static uint64_t fnv1a(const char *s) {
     uint64_t h = 1469598103934665603ull;
@@ -771,9 +1181,15 @@ typedef struct {
     moe_status st;
 } binder;
 
+/* the name a tensor has in the files: prefix + HF name, or its GGUF name */
+static void bname(const binder *b, const char *name, char *full, size_t n) {
+    if (!b->m->gguf) snprintf(full, n, "%s%s", b->m->prefix, name);
+    else if (!moe__hf_to_gguf(name, full, n)) snprintf(full, n, "(no GGUF name for %s)", name);
+}
+
 static const tensor_ref *bfind(binder *b, const char *name) {
     char full[340];
-    snprintf(full, sizeof full, "%s%s", b->m->prefix, name);
+    bname(b, name, full, sizeof full);
     return lookup(b->m, full);
 }
 
@@ -797,8 +1213,10 @@ static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, cons
     const tensor_ref *r = bfind(b, name);
     if (r) {
         const moe__st_tensor *t = r->t;
-        if (t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16) {
-            b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: tensor %s: dtype must be F32, F16 or BF16", bfile(b, r), t->name);
+        if (t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16 && !moe__is_quant(t->type) &&
+            t->type != MOE_T_MXFP4_GGML) {
+            b->st = fail(b->err, b->errlen, MOE_ERR_UNSUPPORTED,
+                         "%s: tensor %s: weight type not supported (F32, F16, BF16, Q8_0, Q4_0, MXFP4)", bfile(b, r), t->name);
             return;
         }
         if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
@@ -819,7 +1237,9 @@ static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, cons
     snprintf(sn, sizeof sn, "%s.weight_scale", base);
     const tensor_ref *rp = bfind(b, pn), *rs = bfind(b, sn);
     if (!rp || !rs) {
-        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s%s", b->m->prefix, name);
+        char full[340];
+        bname(b, name, full, sizeof full);
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s", full);
         return;
     }
     const moe__st_tensor *p = rp->t, *s = rs->t;
@@ -846,7 +1266,9 @@ static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...)
     va_end(ap);
     const tensor_ref *r = bfind(b, name);
     if (!r) {
-        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s%s", b->m->prefix, name);
+        char full[340];
+        bname(b, name, full, sizeof full);
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s", full);
         return NULL;
     }
     const moe__st_tensor *t = r->t;
@@ -882,6 +1304,66 @@ static float *bind_res(binder *b, int d, const char *pre) {
     return nw;
 }
 
+/* GGUF: experts of a layer are three [E, out, in] tensors; expert e is the e-th slab */
+static void bind_merged_experts(binder *b, layer *L, int li, int64_t E, int64_t Ie, int64_t de) {
+    static const char *names[3] = {"ffn_gate_exps", "ffn_down_exps", "ffn_up_exps"};
+    for (int w = 0; w < 3 && !b->st; w++) {
+        char nm[96];
+        snprintf(nm, sizeof nm, "blk.%d.%s.weight", li, names[w]);
+        const tensor_ref *r = lookup(b->m, nm);
+        const int64_t rows = w == 1 ? de : Ie, cols = w == 1 ? Ie : de;
+        if (!r) { b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s", nm); return; }
+        const moe__st_tensor *t = r->t;
+        if (t->ndim != 3 || t->shape[0] != E || t->shape[1] != rows || t->shape[2] != cols ||
+            (t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16 && !moe__is_quant(t->type) &&
+             t->type != MOE_T_MXFP4_GGML) || !aligned_for(t)) {
+            b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: tensor %s: want [%lld, %lld, %lld] of a supported type",
+                         bfile(b, r), nm, (long long)E, (long long)rows, (long long)cols);
+            return;
+        }
+        const int64_t slab = rows * moe__row_bytes(t->type, cols);
+        for (int64_t e = 0; e < E; e++) {
+            moe__weight *dst = w == 0 ? &L->experts[e].w1 : w == 1 ? &L->experts[e].w2 : &L->experts[e].w3;
+            *dst = (moe__weight){t->type, rows, cols, (const unsigned char *)t->data + e * slab, NULL};
+        }
+    }
+}
+
+/* GGUF files made for llama.cpp's MLA cache split kv_b into attn_k_b [H, r, d_n] (W_UK^T per head)
+ * and attn_v_b [H, d_v, r]; rebuild kv_b [H*(d_n+d_v), r] as f32 owned by the model. */
+static void bind_split_kv_b(binder *b, layer *L, int li) {
+    moe_model *m = b->m;
+    const moe_config *c = &m->cfg;
+    const int64_t H = c->mla_heads, dn = c->qk_nope_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
+    char kn[64], vn[64];
+    snprintf(kn, sizeof kn, "blk.%d.attn_k_b.weight", li);
+    snprintf(vn, sizeof vn, "blk.%d.attn_v_b.weight", li);
+    const tensor_ref *rk = lookup(m, kn), *rv = lookup(m, vn);
+    if (!rk || !rv) { b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor blk.%d.attn_kv_b.weight (or attn_k_b + attn_v_b)", li); return; }
+    const moe__st_tensor *k = rk->t, *v = rv->t;
+    int ok_types = (k->type == MOE_T_F32 || k->type == MOE_T_F16 || k->type == MOE_T_BF16 || moe__is_quant(k->type)) &&
+                   (v->type == MOE_T_F32 || v->type == MOE_T_F16 || v->type == MOE_T_BF16 || moe__is_quant(v->type));
+    if (!ok_types || k->ndim != 3 || k->shape[0] != H || k->shape[1] != r || k->shape[2] != dn || v->ndim != 3 ||
+        v->shape[0] != H || v->shape[1] != dv || v->shape[2] != r || !aligned_for(k) || !aligned_for(v)) {
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: attn_k_b/attn_v_b of layer %d: want [%lld, %lld, %lld] and [%lld, %lld, %lld]",
+                     bfile(b, rk), li, (long long)H, (long long)r, (long long)dn, (long long)H, (long long)dv, (long long)r);
+        return;
+    }
+    float *kv = malloc(sizeof(float) * (size_t)(H * (dn + dv) * r)), *row = malloc(sizeof(float) * (size_t)(r > dn ? r : dn));
+    if (!kv || !row || own(m, kv)) { free(kv); free(row); b->st = MOE_ERR_NOMEM; return; }
+    const int64_t krb = moe__row_bytes(k->type, dn), vrb = moe__row_bytes(v->type, r);
+    for (int64_t h = 0; h < H; h++) {
+        for (int64_t cc = 0; cc < r; cc++) { /* k_b row (h, cc) holds W_UK[h][:, cc] */
+            moe__row_to_f32(k->type, (const unsigned char *)k->data + (h * r + cc) * krb, NULL, row, dn);
+            for (int64_t i = 0; i < dn; i++) kv[(h * (dn + dv) + i) * r + cc] = row[i];
+        }
+        for (int64_t j = 0; j < dv; j++)
+            moe__row_to_f32(v->type, (const unsigned char *)v->data + (h * dv + j) * vrb, NULL, kv + (h * (dn + dv) + dn + j) * r, r);
+    }
+    free(row);
+    L->kv_b = (moe__weight){MOE_T_F32, H * (dn + dv), r, kv, NULL};
+}
+
 static void bind_layer(binder *b, int i) {
     moe_model *m = b->m;
     const moe_config *c = &m->cfg;
@@ -911,6 +1393,8 @@ static void bind_layer(binder *b, int i) {
         bind_mat(b, &L->f_a, D, d, "%sself_attn.f_a_proj", p);
         bind_mat(b, &L->f_b, HD, D, "%sself_attn.f_b_proj", p);
         L->A_log = bind_vec(b, H, 1, "%sself_attn.A_log", p);
+        /* GGUF stores exp(A_log) (K3) or -exp(A_log) (Kimi Linear) as ssm_a: both give |.| = a */
+        for (int64_t h = 0; m->gguf && L->A_log && h < H; h++) L->A_log[h] = logf(fabsf(L->A_log[h]));
         L->dt_bias = bind_vec(b, HD, 0, "%sself_attn.dt_bias", p);
         bind_mat(b, &L->b, H, d, "%sself_attn.b_proj", p);
         if (c->kda_full_rank_gate) {
@@ -932,7 +1416,10 @@ static void bind_layer(binder *b, int i) {
         }
         bind_mat(b, &L->kv_a, r + c->qk_rope_dim, d, "%sself_attn.kv_a_proj_with_mqa", p);
         L->kv_a_norm = bind_vec(b, r, 0, "%sself_attn.kv_a_layernorm.weight", p);
-        bind_mat(b, &L->kv_b, H * (c->qk_nope_dim + c->v_head_dim), r, "%sself_attn.kv_b_proj", p);
+        char kvb[128];
+        snprintf(kvb, sizeof kvb, "%sself_attn.kv_b_proj.weight", p);
+        if (m->gguf && !bfind(b, kvb)) bind_split_kv_b(b, L, i);
+        else bind_mat(b, &L->kv_b, H * (c->qk_nope_dim + c->v_head_dim), r, "%sself_attn.kv_b_proj", p);
         if (c->mla_output_gate) bind_mat(b, &L->g, H * c->v_head_dim, d, "%sself_attn.g_proj", p);
         bind_mat(b, &L->o, d, H * c->v_head_dim, "%sself_attn.o_proj", p);
     }
@@ -958,6 +1445,10 @@ static void bind_layer(binder *b, int i) {
     }
     if (b->st) return;
     if (!(L->experts = xcalloc((size_t)E, sizeof *L->experts))) { b->st = MOE_ERR_NOMEM; return; }
+    if (m->gguf) {
+        bind_merged_experts(b, L, i, E, Ie, de);
+        return;
+    }
     for (int e = 0; e < E && !b->st; e++) {
         bind_mat(b, &L->experts[e].w1, Ie, de, "%sblock_sparse_moe.experts.%d.w1", p, e);
         bind_mat(b, &L->experts[e].w2, de, Ie, "%sblock_sparse_moe.experts.%d.w2", p, e);
@@ -1006,8 +1497,9 @@ static void count_params(moe_model *m) {
     m->info.weight_bytes = bytes;
     m->info.expert_bytes = ebytes;
     m->info.n_files = m->n_files;
-    m->info.format = "safetensors";
+    m->info.format = m->gguf ? "gguf" : "safetensors";
 }
+
 
 /* Converts one weight matrix to `to` (a MOE_WTYPE_*) into memory the model owns. */
 static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
@@ -1015,12 +1507,6 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     if (!w->data || to <= MOE_WTYPE_ASIS || to > MOE_WTYPE_Q4_0) return MOE_OK;
     const int t = types[to];
     if (t == w->type || (moe__is_quant(t) && w->cols % 32)) return MOE_OK;
-    if (m->n_owned == m->cap_owned) {
-        int cap = m->cap_owned ? 2 * m->cap_owned : 256;
-        void **p = realloc(m->owned, sizeof *p * (size_t)cap);
-        if (!p) return MOE_ERR_NOMEM;
-        m->owned = p, m->cap_owned = cap;
-    }
     const int64_t rb_in = moe__row_bytes(w->type, w->cols), rb = moe__row_bytes(t, w->cols);
     const int64_t sb = w->type == MOE_T_MXFP4 ? w->cols / 32 : 0;
     unsigned char *dst = malloc((size_t)(rb * w->rows));
@@ -1038,7 +1524,7 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
         else moe__quantize_row(t, row, o, w->cols);
     }
     free(tmp);
-    m->owned[m->n_owned++] = dst;
+    if (own(m, dst)) { free(dst); return MOE_ERR_NOMEM; }
     *w = (moe__weight){t, w->rows, w->cols, dst, NULL};
     return MOE_OK;
 }
@@ -1072,7 +1558,9 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     if (c->attn_res_block) m->out_res_w = bind_res(&b, d, "model.output_attn_res");
     if (!b.st && !(m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers))) b.st = MOE_ERR_NOMEM;
     for (int i = 0; i < c->n_layers && !b.st; i++) bind_layer(&b, i);
-    if (!b.st && m->embed.type == MOE_T_MXFP4)
+    for (int i = 0; i < c->n_layers && !b.st; i++) /* absorbed MLA decodes kv_b rows as floats */
+        if (m->layers[i].kind == MOE_LAYER_MLA && !m->k.dot[m->layers[i].kv_b.type]) b.st = convert_weight(m, &m->layers[i].kv_b, MOE_WTYPE_F32);
+    if (!b.st && (m->embed.type == MOE_T_MXFP4 || m->embed.type == MOE_T_MXFP4_GGML))
         b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
     if (!b.st) count_params(m);
     if (!b.st && (b.st = convert_weights(m))) fail(err, errlen, b.st, "out of memory converting weights at load");
@@ -1171,10 +1659,36 @@ moe_options moe_default_options(void) {
     return o;
 }
 
+static int is_gguf_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    char magic[4] = {0};
+    if (!f) return 0;
+    size_t r = fread(magic, 1, 4, f);
+    fclose(f);
+    return r == 4 && !memcmp(magic, "GGUF", 4);
+}
+
+/* One GGUF file holds the config (as metadata) and every tensor. */
+static moe_status open_gguf(moe_model *m, const char *path, char *err, size_t errlen) {
+    m->gguf = 1;
+    if (!(m->files = xcalloc(1, sizeof *m->files))) return MOE_ERR_NOMEM;
+    moe_status st = moe__gguf_open(&m->files[0], path, err, errlen);
+    if (st) return st;
+    m->n_files = 1;
+    moe__json *cfg = NULL;
+    if ((st = gguf_config_json(&m->files[0], &cfg, err, errlen))) return st;
+    char e2[400];
+    st = parse_config(m, cfg, e2, sizeof e2);
+    moe__json_free(cfg);
+    if (st) return fail(err, errlen, st, "%s: %s", path, e2);
+    return build_table(m, err, errlen);
+}
+
 static moe_status open_files(moe_model *m, const char *path, char *err, size_t errlen) {
     char dir[4096], buf[4400];
     moe_status st;
     if (strlen(path) >= sizeof dir - 1) return fail(err, errlen, MOE_ERR_ARG, "path too long");
+    if (!is_dir(path) && is_gguf_file(path)) return open_gguf(m, path, err, errlen);
     moe__json *cfg = NULL, *idx = NULL;
     char **shards = NULL, *single[1];
     int n_shards = 0;
@@ -1274,6 +1788,13 @@ void moe_model_close(moe_model *m) {
     free(m->path);
     free(m);
 }
+
+const moe__st_tensor *moe__model_tensor(const moe_model *m, const char *name) {
+    const tensor_ref *r = m ? lookup(m, name) : NULL;
+    return r ? r->t : NULL;
+}
+
+const char *moe__model_prefix(const moe_model *m) { return m ? m->prefix : ""; }
 
 const moe_config *moe_model_config(const moe_model *m) { return m ? &m->cfg : NULL; }
 

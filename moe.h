@@ -228,7 +228,10 @@ MOE_API int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *
 #endif
 
 enum {
-    MOE_T_F32 = 0, MOE_T_F16, MOE_T_BF16, MOE_T_MXFP4, MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_U8, MOE_T_I32,
+    MOE_T_F32 = 0, MOE_T_F16, MOE_T_BF16,
+    MOE_T_MXFP4,      /* compressed-tensors: packed nibbles (low = even column) + separate E8M0 */
+    MOE_T_MXFP4_GGML, /* ggml block_mxfp4: {E8M0 e; qs[16]}, low nibbles = values 0..15 */
+    MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_U8, MOE_T_I32,
     MOE_T_COUNT
 };
 
@@ -238,6 +241,7 @@ typedef struct { uint16_t d; int8_t qs[32]; } moe__block_q8_0;
 typedef struct { uint16_t d; uint8_t qs[16]; } moe__block_q4_0;
 /* activations quantized for the integer kernels: f32 scale, 32 int8 values */
 typedef struct { float d; int8_t qs[32]; } moe__block_q8a;
+typedef struct { uint8_t e; uint8_t qs[16]; } moe__block_mxfp4;
 int moe__is_quant(int type); /* Q8_0 or Q4_0: activations go through moe__block_q8a */
 
 /* A weight matrix [rows, cols] (PyTorch [out, in]) in its stored format. MXFP4 rows are cols/2
@@ -306,15 +310,43 @@ typedef struct {
     uint64_t nbytes;
 } moe__st_tensor;
 
+/* GGUF metadata: scalars at data; arrays hold n elements of etype at data; strings (and string
+ * array elements) are u64 length + bytes, as in the file. */
+enum { MOE_GGUF_U8, MOE_GGUF_I8, MOE_GGUF_U16, MOE_GGUF_I16, MOE_GGUF_U32, MOE_GGUF_I32, MOE_GGUF_F32,
+       MOE_GGUF_BOOL, MOE_GGUF_STRING, MOE_GGUF_ARRAY, MOE_GGUF_U64, MOE_GGUF_I64, MOE_GGUF_F64 };
+typedef struct {
+    const char *key; /* NUL-terminated copy */
+    uint32_t type, etype;
+    uint64_t n; /* array length, or string length */
+    const uint8_t *data;
+} moe__gguf_kv;
+
+/* A mapped weight file: safetensors, or GGUF (is_gguf; tensor shapes are given in PyTorch order,
+ * i.e. ggml's ne reversed, and kv holds the metadata). */
 typedef struct {
     char *path;
     void *map;
     size_t size;
     moe__st_tensor *tensors;
     int n_tensors;
+    int is_gguf;
+    moe__gguf_kv *kv;
+    int64_t n_kv;
+    char *keys;
+    uint32_t alignment;
 } moe__st_file;
 
 moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t errlen);
+/* Opens and validates a GGUF v2/v3 file (same struct, same close). */
+moe_status moe__gguf_open(moe__st_file *f, const char *path, char *err, size_t errlen);
+const moe__gguf_kv *moe__gguf_get(const moe__st_file *f, const char *key);
+/* GGUF name of an HF tensor name ("model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight");
+ * 0 when it has none (routed experts are merged per layer: blk.N.ffn_{gate,up,down}_exps). */
+int moe__hf_to_gguf(const char *hf, char *out, size_t n);
+/* A tensor of an open model's files by its full stored name; NULL if absent (for moe-convert). */
+const moe__st_tensor *moe__model_tensor(const moe_model *m, const char *name);
+/* The stored-name prefix of the text model ("language_model." for K3's wrapper, else ""). */
+const char *moe__model_prefix(const moe_model *m);
 void moe__st_close(moe__st_file *f);
 const moe__st_tensor *moe__st_find(const moe__st_file *f, const char *name);
 

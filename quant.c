@@ -91,12 +91,14 @@ static inline float e8m0(uint8_t s) {
 _Static_assert(sizeof(moe__block_q8_0) == 34, "ggml block_q8_0 is 34 bytes");
 _Static_assert(sizeof(moe__block_q4_0) == 18, "ggml block_q4_0 is 18 bytes");
 _Static_assert(sizeof(moe__block_q8a) == 36, "q8a block is 36 bytes");
+_Static_assert(sizeof(moe__block_mxfp4) == 17, "ggml block_mxfp4 is 17 bytes");
 
 int moe__is_quant(int type) { return type == MOE_T_Q8_0 || type == MOE_T_Q4_0; }
 
 int64_t moe__row_bytes(int type, int64_t n) {
     switch (type) {
     case MOE_T_Q8_0: return n / 32 * (int64_t)sizeof(moe__block_q8_0);
+    case MOE_T_MXFP4_GGML: return n / 32 * (int64_t)sizeof(moe__block_mxfp4);
     case MOE_T_Q4_0: return n / 32 * (int64_t)sizeof(moe__block_q4_0);
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
@@ -123,6 +125,17 @@ void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out
         for (int64_t i = 0; i < n; i++) {
             uint8_t b = p[i / 2], q = (i & 1) ? b >> 4 : b & 15;
             out[i] = moe__e2m1[q] * e8m0(scale[i / 32]);
+        }
+        break;
+    }
+    case MOE_T_MXFP4_GGML: {
+        const moe__block_mxfp4 *b = row;
+        for (int64_t i = 0; i < n / 32; i++) {
+            float d = e8m0(b[i].e);
+            for (int j = 0; j < 16; j++) {
+                out[i * 32 + j] = moe__e2m1[b[i].qs[j] & 15] * d;
+                out[i * 32 + j + 16] = moe__e2m1[b[i].qs[j] >> 4] * d;
+            }
         }
         break;
     }
@@ -258,8 +271,22 @@ float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n)
     return type == MOE_T_Q8_0 ? dotq_q8_0_ref(w, x, n) : type == MOE_T_Q4_0 ? dotq_q4_0_ref(w, x, n) : 0;
 }
 
+static float dot_mxfp4g_ref(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const moe__block_mxfp4 *b = w;
+    float s = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        float bs = 0;
+        for (int j = 0; j < 16; j++)
+            bs += moe__e2m1[b[i].qs[j] & 15] * x[i * 32 + j] + moe__e2m1[b[i].qs[j] >> 4] * x[i * 32 + j + 16];
+        s += bs * e8m0(b[i].e);
+    }
+    return s;
+}
+
 float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x, int64_t n) {
     switch (type) {
+    case MOE_T_MXFP4_GGML: return dot_mxfp4g_ref(w, scale, x, n);
     case MOE_T_F32: return dot_f32_ref(w, scale, x, n);
     case MOE_T_BF16: return dot_bf16_ref(w, scale, x, n);
     case MOE_T_F16: return dot_f16_ref(w, scale, x, n);
@@ -413,6 +440,27 @@ MOE_TARGET("avx2,fma") static void quant_q8a_avx2(const float *x, moe__block_q8a
     }
 }
 
+/* ggml block_mxfp4: the same shuffle decode; low nibbles are values 0..15, high 16..31 */
+MOE_TARGET("avx2,fma") static float dot_mxfp4g_avx2(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const moe__block_mxfp4 *b = w;
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 32; i++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)b[i].qs);
+        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));
+        __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        const float *xb = x + i * 32;
+        __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(xb));
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(xb + 8), s);
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(xb + 16), s);
+        s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(xb + 24), s);
+        acc = _mm256_fmadd_ps(s, _mm256_set1_ps(0.5f * e8m0(b[i].e)), acc);
+    }
+    return hsum_avx2(acc);
+}
+
 static int cpu_has_avx2(void) {
     unsigned a, b, c, d;
     __builtin_cpu_init();
@@ -430,6 +478,7 @@ static void kernels_scalar(moe__kernels *k) {
     k->dot[MOE_T_BF16] = dot_bf16_ref;
     k->dot[MOE_T_F16] = dot_f16_ref;
     k->dot[MOE_T_MXFP4] = dot_mxfp4_ref;
+    k->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_ref;
     k->dotq[MOE_T_Q8_0] = dotq_q8_0_ref;
     k->dotq[MOE_T_Q4_0] = dotq_q4_0_ref;
     k->quant_q8a = moe__quant_q8a_ref;
@@ -447,6 +496,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dot[MOE_T_BF16] = dot_bf16_avx2;
         k->dot[MOE_T_F16] = dot_f16_avx2;
         k->dot[MOE_T_MXFP4] = dot_mxfp4_avx2;
+        k->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_avx2;
         k->dotq[MOE_T_Q8_0] = dotq_q8_0_avx2;
         k->dotq[MOE_T_Q4_0] = dotq_q4_0_avx2;
         k->quant_q8a = quant_q8a_avx2;

@@ -1,0 +1,749 @@
+/* moe-convert: a Hugging Face checkpoint directory (or a benchmark shape) to one GGUF file.
+ *
+ *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [-t THREADS]
+ *   moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]
+ *
+ * TYPE: f32, bf16, q8_0, q4_0 (dense default: bf16); experts also "mxfp4" and "asis" (default:
+ * keep the stored format; MXFP4 experts are repacked into ggml's block_mxfp4 bit for bit).
+ * Norms, biases, convolutions and the router stay F32. Tensor and key names follow llama.cpp's
+ * kimi-linear architecture (kimi-k3 when the model has K3 features); general.alignment is 4096.
+ *
+ * Streaming and resumable: the header is planned and written first; then tensor by tensor, each
+ * converted row by row through a bounded buffer and written at its offset, followed by an fsync
+ * and a progress record (OUT.gguf.partial.done). An interrupted run restarts after the last
+ * tensor recorded; the result is renamed to OUT.gguf only when complete. Progress (bytes, rate,
+ * ETA) goes to stderr. Exit 0 on success, 1 on errors, 2 on usage errors. */
+#define _DEFAULT_SOURCE
+#define MOE_INTERNAL
+#include "../moe.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define ALIGN 4096
+#define CHUNK (64u << 20) /* output bytes buffered before a write */
+
+enum { SRC_MAT, SRC_VEC, SRC_ALOG, SRC_EXPERTS };
+
+typedef struct {
+    char name[96];   /* GGUF name */
+    int type;        /* MOE_T_* written */
+    int nd;
+    int64_t ne[4];   /* ggml order */
+    uint64_t offset; /* relative to the data section */
+    uint64_t nbytes;
+    int kind;         /* SRC_* */
+    char src[200];    /* HF name (experts: base with %d for the expert id) */
+    int64_t rows, cols, n_mats;
+    float rmean, rstd; /* --random: mean + std * normal */
+} out_tensor;
+
+typedef struct {
+    out_tensor *t;
+    int n, cap;
+} plan;
+
+typedef struct {
+    moe_model *m; /* checkpoint mode */
+    const char *prefix;
+    uint64_t seed; /* random mode when m is NULL */
+    int threads;
+} source;
+
+static int die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "moe-convert: ");
+    vfprintf(stderr, fmt, ap);
+    fprintf(stderr, "\n");
+    va_end(ap);
+    return 1;
+}
+
+static int usage(const char *msg) {
+    if (msg) fprintf(stderr, "moe-convert: %s\n", msg);
+    fprintf(stderr, "usage: moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [-t THREADS]\n"
+                    "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
+                    "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0 (bf16)\n"
+                    "  --experts TYPE  routed experts: asis f32 bf16 q8_0 q4_0 mxfp4 (asis)\n");
+    return 2;
+}
+
+static int parse_type(const char *s, int experts) {
+    if (!strcmp(s, "f32")) return MOE_T_F32;
+    if (!strcmp(s, "bf16")) return MOE_T_BF16;
+    if (!strcmp(s, "q8_0")) return MOE_T_Q8_0;
+    if (!strcmp(s, "q4_0")) return MOE_T_Q4_0;
+    if (experts && !strcmp(s, "mxfp4")) return MOE_T_MXFP4_GGML;
+    if (experts && !strcmp(s, "asis")) return -1;
+    return -2;
+}
+
+static int ggml_id(int type) {
+    switch (type) {
+    case MOE_T_F32: return 0;
+    case MOE_T_F16: return 1;
+    case MOE_T_Q4_0: return 2;
+    case MOE_T_Q8_0: return 8;
+    case MOE_T_BF16: return 30;
+    case MOE_T_MXFP4_GGML: return 39;
+    default: return -1;
+    }
+}
+
+static out_tensor *add(plan *p, const char *name, int type, int kind, const char *src) {
+    if (p->n == p->cap) {
+        p->cap = p->cap ? 2 * p->cap : 256;
+        out_tensor *t = realloc(p->t, sizeof *t * (size_t)p->cap);
+        if (!t) { fprintf(stderr, "moe-convert: out of memory\n"); exit(1); }
+        p->t = t;
+    }
+    out_tensor *t = &p->t[p->n++];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, "%s", name);
+    snprintf(t->src, sizeof t->src, "%s", src);
+    t->type = type, t->kind = kind, t->rstd = 0.02f;
+    return t;
+}
+
+/* matrix [rows, cols]; block formats need whole 32-value blocks, else F32 */
+static void add_mat(plan *p, const char *gg, const char *hf, int64_t rows, int64_t cols, int type) {
+    if ((type == MOE_T_Q8_0 || type == MOE_T_Q4_0 || type == MOE_T_MXFP4_GGML) && cols % 32) type = MOE_T_F32;
+    out_tensor *t = add(p, gg, type, SRC_MAT, hf);
+    t->nd = 2, t->ne[0] = cols, t->ne[1] = rows, t->rows = rows, t->cols = cols, t->n_mats = 1;
+}
+
+static out_tensor *add_vec(plan *p, const char *gg, const char *hf, int nd, const int64_t *ne, float mean, float std) {
+    out_tensor *t = add(p, gg, MOE_T_F32, SRC_VEC, hf);
+    t->nd = nd;
+    int64_t n = 1;
+    for (int i = 0; i < nd; i++) t->ne[i] = ne[i], n *= ne[i];
+    t->rows = 1, t->cols = n, t->n_mats = 1, t->rmean = mean, t->rstd = std;
+    return t;
+}
+
+/* the tensors of the model, in the order the runtime reads them */
+static void build_plan(plan *p, const moe_config *c, int dense, int experts, int expert_src_type) {
+    char hf[200], gg[96];
+    const int64_t d = c->hidden_size, V = c->vocab_size;
+#define HF(...) (snprintf(hf, sizeof hf, __VA_ARGS__), hf)
+#define MAT(hfname, rows, cols, type) (moe__hf_to_gguf(hfname, gg, sizeof gg), add_mat(p, gg, hfname, rows, cols, type))
+#define VEC1(hfname, n, mean, std) (moe__hf_to_gguf(hfname, gg, sizeof gg), add_vec(p, gg, hfname, 1, (int64_t[]){n}, mean, std))
+    MAT("model.embed_tokens.weight", V, d, dense);
+    for (int i = 0; i < c->n_layers; i++) {
+        VEC1(HF("model.layers.%d.input_layernorm.weight", i), d, 1.0f, 0.02f);
+        VEC1(HF("model.layers.%d.post_attention_layernorm.weight", i), d, 1.0f, 0.02f);
+        if (c->attn_res_block) {
+            VEC1(HF("model.layers.%d.self_attention_res_norm.weight", i), d, 1.0f, 0.02f);
+            VEC1(HF("model.layers.%d.self_attention_res_proj.weight", i), d, 0.0f, 0.02f);
+            VEC1(HF("model.layers.%d.mlp_res_norm.weight", i), d, 1.0f, 0.02f);
+            VEC1(HF("model.layers.%d.mlp_res_proj.weight", i), d, 0.0f, 0.02f);
+        }
+        if (c->layer_kind[i] == MOE_LAYER_KDA) {
+            const int64_t H = c->kda_heads, D = c->kda_head_dim, HD = H * D, W = c->conv_kernel;
+            MAT(HF("model.layers.%d.self_attn.q_proj.weight", i), HD, d, dense);
+            MAT(HF("model.layers.%d.self_attn.k_proj.weight", i), HD, d, dense);
+            MAT(HF("model.layers.%d.self_attn.v_proj.weight", i), HD, d, dense);
+            const char *cv[3] = {"q", "k", "v"};
+            for (int a = 0; a < 3; a++) {
+                HF("model.layers.%d.self_attn.%s_conv1d.weight", i, cv[a]);
+                moe__hf_to_gguf(hf, gg, sizeof gg);
+                add_vec(p, gg, hf, 4, (int64_t[]){W, 1, HD, 1}, 0.0f, 0.3f);
+            }
+            MAT(HF("model.layers.%d.self_attn.f_a_proj.weight", i), D, d, dense);
+            MAT(HF("model.layers.%d.self_attn.f_b_proj.weight", i), HD, D, dense);
+            MAT(HF("model.layers.%d.self_attn.b_proj.weight", i), H, d, dense);
+            HF("model.layers.%d.self_attn.A_log", i);
+            moe__hf_to_gguf(hf, gg, sizeof gg);
+            out_tensor *a = add_vec(p, gg, hf, 4, (int64_t[]){1, H, 1, 1}, 0.0f, 1.0f);
+            a->kind = SRC_ALOG;
+            VEC1(HF("model.layers.%d.self_attn.dt_bias", i), HD, 0.0f, 0.5f);
+            if (c->kda_full_rank_gate) {
+                MAT(HF("model.layers.%d.self_attn.g_proj.weight", i), HD, d, dense);
+            } else {
+                MAT(HF("model.layers.%d.self_attn.g_a_proj.weight", i), D, d, dense);
+                MAT(HF("model.layers.%d.self_attn.g_b_proj.weight", i), HD, D, dense);
+            }
+            VEC1(HF("model.layers.%d.self_attn.o_norm.weight", i), D, 1.0f, 0.02f);
+            MAT(HF("model.layers.%d.self_attn.o_proj.weight", i), d, HD, dense);
+        } else {
+            const int64_t H = c->mla_heads, dq = c->qk_nope_dim + c->qk_rope_dim, r = c->kv_lora_rank;
+            if (c->q_lora_rank) {
+                MAT(HF("model.layers.%d.self_attn.q_a_proj.weight", i), c->q_lora_rank, d, dense);
+                VEC1(HF("model.layers.%d.self_attn.q_a_layernorm.weight", i), c->q_lora_rank, 1.0f, 0.02f);
+                MAT(HF("model.layers.%d.self_attn.q_b_proj.weight", i), H * dq, c->q_lora_rank, dense);
+            } else {
+                MAT(HF("model.layers.%d.self_attn.q_proj.weight", i), H * dq, d, dense);
+            }
+            MAT(HF("model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", i), r + c->qk_rope_dim, d, dense);
+            VEC1(HF("model.layers.%d.self_attn.kv_a_layernorm.weight", i), r, 1.0f, 0.02f);
+            MAT(HF("model.layers.%d.self_attn.kv_b_proj.weight", i), H * (c->qk_nope_dim + c->v_head_dim), r, dense);
+            if (c->mla_output_gate) MAT(HF("model.layers.%d.self_attn.g_proj.weight", i), H * c->v_head_dim, d, dense);
+            MAT(HF("model.layers.%d.self_attn.o_proj.weight", i), d, H * c->v_head_dim, dense);
+        }
+        if (!c->layer_moe[i]) {
+            MAT(HF("model.layers.%d.mlp.gate_proj.weight", i), c->intermediate_size, d, dense);
+            MAT(HF("model.layers.%d.mlp.up_proj.weight", i), c->intermediate_size, d, dense);
+            MAT(HF("model.layers.%d.mlp.down_proj.weight", i), d, c->intermediate_size, dense);
+            continue;
+        }
+        const int64_t E = c->n_experts, Ie = c->moe_intermediate_size, de = c->latent_dim ? c->latent_dim : d;
+        MAT(HF("model.layers.%d.block_sparse_moe.gate.weight", i), E, d, MOE_T_F32); /* the router stays f32 */
+        VEC1(HF("model.layers.%d.block_sparse_moe.gate.e_score_correction_bias", i), E, 0.0f, 0.01f);
+        if (c->latent_dim) {
+            MAT(HF("model.layers.%d.block_sparse_moe.routed_expert_down_proj.weight", i), de, d, dense);
+            if (c->latent_norm) VEC1(HF("model.layers.%d.block_sparse_moe.routed_expert_norm.weight", i), de, 1.0f, 0.02f);
+            MAT(HF("model.layers.%d.block_sparse_moe.routed_expert_up_proj.weight", i), d, de, dense);
+        }
+        if (c->n_shared) {
+            const int64_t S = (int64_t)c->n_shared * Ie;
+            MAT(HF("model.layers.%d.block_sparse_moe.shared_experts.gate_proj.weight", i), S, d, dense);
+            MAT(HF("model.layers.%d.block_sparse_moe.shared_experts.up_proj.weight", i), S, d, dense);
+            MAT(HF("model.layers.%d.block_sparse_moe.shared_experts.down_proj.weight", i), d, S, dense);
+        }
+        static const char *wn[3] = {"w1", "w3", "w2"}, *gn[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+        for (int w = 0; w < 3; w++) {
+            int64_t rows = w == 2 ? de : Ie, cols = w == 2 ? Ie : de;
+            int type = experts >= 0 ? experts : expert_src_type;
+            if ((type == MOE_T_Q8_0 || type == MOE_T_Q4_0 || type == MOE_T_MXFP4_GGML) && cols % 32) type = MOE_T_F32;
+            snprintf(gg, sizeof gg, "blk.%d.%s.weight", i, gn[w]);
+            out_tensor *t = add(p, gg, type, SRC_EXPERTS, HF("model.layers.%d.block_sparse_moe.experts.%%d.%s", i, wn[w]));
+            t->nd = 3, t->ne[0] = cols, t->ne[1] = rows, t->ne[2] = E;
+            t->rows = rows, t->cols = cols, t->n_mats = E;
+        }
+    }
+    VEC1("model.norm.weight", d, 1.0f, 0.02f);
+    if (c->attn_res_block) {
+        VEC1("model.output_attn_res_norm.weight", d, 1.0f, 0.02f);
+        VEC1("model.output_attn_res_proj.weight", d, 0.0f, 0.02f);
+    }
+    MAT("lm_head.weight", V, d, dense);
+#undef HF
+#undef MAT
+#undef VEC1
+}
+
+/* ---- GGUF header ----------------------------------------------------------------------------- */
+
+typedef struct {
+    unsigned char *b;
+    size_t n, cap;
+    int oom;
+} buf;
+
+static void put(buf *b, const void *p, size_t n) {
+    if (b->oom) return;
+    if (b->n + n > b->cap) {
+        size_t cap = (b->cap + n) * 2;
+        unsigned char *q = realloc(b->b, cap);
+        if (!q) { b->oom = 1; return; }
+        b->b = q, b->cap = cap;
+    }
+    memcpy(b->b + b->n, p, n);
+    b->n += n;
+}
+static void put_u32(buf *b, uint32_t v) { put(b, &v, 4); }
+static void put_u64(buf *b, uint64_t v) { put(b, &v, 8); }
+static void put_str(buf *b, const char *s) { put_u64(b, strlen(s)); put(b, s, strlen(s)); }
+static void kv_u32(buf *b, const char *k, uint32_t v) { put_str(b, k); put_u32(b, MOE_GGUF_U32); put_u32(b, v); }
+static void kv_f32(buf *b, const char *k, float v) { put_str(b, k); put_u32(b, MOE_GGUF_F32); put(b, &v, 4); }
+static void kv_bool(buf *b, const char *k, int v) { uint8_t x = (uint8_t)!!v; put_str(b, k); put_u32(b, MOE_GGUF_BOOL); put(b, &x, 1); }
+static void kv_str(buf *b, const char *k, const char *v) { put_str(b, k); put_u32(b, MOE_GGUF_STRING); put_str(b, v); }
+
+typedef struct {
+    int n_kv;
+    buf b;
+    char arch[16];
+} meta;
+
+#define K(suffix) (snprintf(key, sizeof key, "%s." suffix, mt->arch), mt->n_kv++, key)
+
+static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx, int random_vocab) {
+    char key[128];
+    buf *b = &mt->b;
+    const int k3 = c->attn_res_block || c->latent_dim || c->hidden_act == MOE_ACT_SITU || c->kda_full_rank_gate || c->mla_output_gate;
+    strcpy(mt->arch, k3 ? "kimi-k3" : "kimi-linear");
+    kv_str(b, "general.architecture", mt->arch), mt->n_kv++;
+    kv_str(b, "general.name", name), mt->n_kv++;
+    kv_u32(b, "general.alignment", ALIGN), mt->n_kv++;
+    kv_u32(b, K("block_count"), (uint32_t)c->n_layers);
+    kv_u32(b, K("context_length"), (uint32_t)ctx);
+    kv_u32(b, K("embedding_length"), (uint32_t)c->hidden_size);
+    kv_u32(b, K("vocab_size"), (uint32_t)c->vocab_size);
+    kv_u32(b, K("feed_forward_length"), (uint32_t)c->intermediate_size);
+    kv_f32(b, K("attention.layer_norm_rms_epsilon"), c->rms_norm_eps);
+    kv_u32(b, K("attention.head_count"), (uint32_t)c->mla_heads);
+    if (c->kda_heads && c->kda_heads != c->mla_heads) kv_u32(b, K("kda.head_count"), (uint32_t)c->kda_heads); /* ours */
+    /* per-layer KV heads: 0 marks a KDA (recurrent) layer, 1 an MLA layer (one latent KV head) */
+    put_str(b, K("attention.head_count_kv"));
+    put_u32(b, MOE_GGUF_ARRAY), put_u32(b, MOE_GGUF_U32), put_u64(b, (uint64_t)c->n_layers);
+    for (int i = 0; i < c->n_layers; i++) put_u32(b, c->layer_kind[i] == MOE_LAYER_MLA ? 1u : 0u);
+    if (c->q_lora_rank) kv_u32(b, K("attention.q_lora_rank"), (uint32_t)c->q_lora_rank);
+    kv_u32(b, K("attention.kv_lora_rank"), (uint32_t)c->kv_lora_rank);
+    kv_u32(b, K("attention.key_length"), (uint32_t)(c->kv_lora_rank + c->qk_rope_dim));
+    kv_u32(b, K("attention.value_length"), (uint32_t)c->kv_lora_rank);
+    kv_u32(b, K("attention.key_length_mla"), (uint32_t)(c->qk_nope_dim + c->qk_rope_dim));
+    kv_u32(b, K("attention.value_length_mla"), (uint32_t)c->v_head_dim);
+    kv_u32(b, K("rope.dimension_count"), (uint32_t)c->qk_rope_dim);
+    kv_u32(b, K("ssm.conv_kernel"), (uint32_t)c->conv_kernel);
+    kv_u32(b, K("kda.head_dim"), (uint32_t)c->kda_head_dim);
+    if (c->kda_gate_bounded) {
+        kv_f32(b, K("kda.gate_lower_bound"), c->kda_gate_lower_bound);
+        kv_bool(b, K("kda.safe_gate"), c->kda_gate_lower_bound >= -5.0f);
+    }
+    if (c->n_experts) {
+        kv_u32(b, K("expert_count"), (uint32_t)c->n_experts);
+        kv_u32(b, K("expert_used_count"), (uint32_t)c->n_active);
+        kv_u32(b, K("expert_shared_count"), (uint32_t)c->n_shared);
+        kv_u32(b, K("expert_feed_forward_length"), (uint32_t)c->moe_intermediate_size);
+        kv_u32(b, K("leading_dense_block_count"), (uint32_t)c->first_k_dense);
+        kv_f32(b, K("expert_weights_scale"), c->routed_scaling_factor);
+        kv_bool(b, K("expert_weights_norm"), c->renormalize);
+        kv_u32(b, K("expert_gating_func"), c->router_softmax ? 1u : 2u);
+        kv_u32(b, K("expert_group_count"), (uint32_t)c->n_groups);
+        kv_u32(b, K("expert_group_used_count"), (uint32_t)c->topk_groups);
+        if (c->latent_dim) kv_u32(b, K("moe_latent_size"), (uint32_t)c->latent_dim);
+    }
+    if (c->hidden_act == MOE_ACT_SITU) {
+        kv_f32(b, K("situ_beta"), c->situ_beta);
+        kv_f32(b, K("situ_linear_beta"), c->situ_linear_beta);
+    }
+    if (c->attn_res_block) kv_u32(b, K("attn_res_block_size"), (uint32_t)c->attn_res_block);
+    if (c->bos_token_id >= 0) kv_u32(b, "tokenizer.ggml.bos_token_id", (uint32_t)c->bos_token_id), mt->n_kv++;
+    if (c->eos_token_id >= 0) kv_u32(b, "tokenizer.ggml.eos_token_id", (uint32_t)c->eos_token_id), mt->n_kv++;
+    if (random_vocab) {
+        /* a placeholder SPM ("llama") vocabulary, so other engines can load the benchmark file:
+         * <unk>, <s>, </s>, 256 byte tokens, then filler pieces */
+        kv_str(b, "tokenizer.ggml.model", "llama"), mt->n_kv++;
+        put_str(b, "tokenizer.ggml.tokens"), mt->n_kv++;
+        put_u32(b, MOE_GGUF_ARRAY), put_u32(b, MOE_GGUF_STRING), put_u64(b, (uint64_t)c->vocab_size);
+        for (int i = 0; i < c->vocab_size; i++) {
+            char tok[32];
+            if (i < 3) snprintf(tok, sizeof tok, "%s", i == 0 ? "<unk>" : i == 1 ? "<s>" : "</s>");
+            else if (i < 259) snprintf(tok, sizeof tok, "<0x%02X>", i - 3);
+            else snprintf(tok, sizeof tok, "\xe2\x96\x81t%d", i); /* "\u2581t<i>" */
+            put_str(b, tok);
+        }
+        put_str(b, "tokenizer.ggml.scores"), mt->n_kv++;
+        put_u32(b, MOE_GGUF_ARRAY), put_u32(b, MOE_GGUF_F32), put_u64(b, (uint64_t)c->vocab_size);
+        for (int i = 0; i < c->vocab_size; i++) { float s = -(float)i; put(b, &s, 4); }
+        put_str(b, "tokenizer.ggml.token_type"), mt->n_kv++;
+        put_u32(b, MOE_GGUF_ARRAY), put_u32(b, MOE_GGUF_I32), put_u64(b, (uint64_t)c->vocab_size);
+        for (int i = 0; i < c->vocab_size; i++) { int32_t t = i == 0 ? 2 : i < 3 ? 3 : i < 259 ? 6 : 1; put(b, &t, 4); }
+        if (c->bos_token_id < 0) kv_u32(b, "tokenizer.ggml.bos_token_id", 1), mt->n_kv++;
+        if (c->eos_token_id < 0) kv_u32(b, "tokenizer.ggml.eos_token_id", 2), mt->n_kv++;
+    }
+}
+#undef K
+
+/* whole header: magic, version, counts, metadata, tensor infos, padding to ALIGN */
+static int build_header(buf *h, const meta *mt, plan *p, uint64_t *data_bytes) {
+    uint64_t off = 0;
+    for (int i = 0; i < p->n; i++) {
+        out_tensor *t = &p->t[i];
+        int64_t rows = 1;
+        for (int k = 1; k < t->nd; k++) rows *= t->ne[k];
+        t->nbytes = (uint64_t)rows * (uint64_t)moe__row_bytes(t->type, t->ne[0]);
+        t->offset = off;
+        off = (off + t->nbytes + ALIGN - 1) / ALIGN * ALIGN;
+    }
+    *data_bytes = off;
+    put(h, "GGUF", 4);
+    put_u32(h, 3);
+    put_u64(h, (uint64_t)p->n);
+    put_u64(h, (uint64_t)mt->n_kv);
+    put(h, mt->b.b, mt->b.n);
+    for (int i = 0; i < p->n; i++) {
+        const out_tensor *t = &p->t[i];
+        put_str(h, t->name);
+        put_u32(h, (uint32_t)t->nd);
+        for (int k = 0; k < t->nd; k++) put_u64(h, (uint64_t)t->ne[k]);
+        put_u32(h, (uint32_t)ggml_id(t->type));
+        put_u64(h, t->offset);
+    }
+    static const unsigned char zero[ALIGN];
+    put(h, zero, (ALIGN - h->n % ALIGN) % ALIGN);
+    return !h->oom && !mt->b.oom;
+}
+
+/* ---- tensor data ------------------------------------------------------------------------------ */
+
+static uint64_t mix64(uint64_t x) {
+    x ^= x >> 30, x *= 0xbf58476d1ce4e5b9ull, x ^= x >> 27, x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* random row: mean + std * (sum of 4 uniforms, centred and scaled: near-normal, never exactly 0
+ * for std > 0 in practice), deterministic per (seed, tensor, row) so a resumed run matches */
+static void random_row(float *out, int64_t n, uint64_t seed, float mean, float std) {
+    uint64_t s = mix64(seed) | 1;
+    for (int64_t i = 0; i < n; i++) {
+        float u = 0;
+        for (int k = 0; k < 4; k++) {
+            s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+            u += (float)(s >> 40) * (1.0f / 16777216.0f);
+        }
+        float v = mean + std * (u - 2.0f) * 1.7320508f;
+        out[i] = v != 0.0f ? v : std; /* never an exact zero */
+    }
+}
+
+static uint64_t name_hash(const char *s) {
+    uint64_t h = 1469598103934665603ull;
+    while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
+    return h;
+}
+
+/* one logical row of a source matrix as f32, or (MXFP4 -> MXFP4) repacked bytes directly */
+typedef struct {
+    const moe__st_tensor *w, *packed, *scale;
+} src_mat;
+
+static int find_src(const source *s, const char *hf, src_mat *out, int64_t rows, int64_t cols) {
+    char full[320];
+    memset(out, 0, sizeof *out);
+    snprintf(full, sizeof full, "%s%s", s->prefix, hf);
+    out->w = moe__model_tensor(s->m, full);
+    if (out->w) {
+        int64_t n = 1;
+        for (int i = 0; i < out->w->ndim; i++) n *= out->w->shape[i];
+        return n == rows * cols && (out->w->type == MOE_T_F32 || out->w->type == MOE_T_F16 || out->w->type == MOE_T_BF16);
+    }
+    size_t l = strlen(full);
+    if (l > 7 && !strcmp(full + l - 7, ".weight")) {
+        char pn[330], sn[330];
+        snprintf(pn, sizeof pn, "%.*s.weight_packed", (int)(l - 7), full);
+        snprintf(sn, sizeof sn, "%.*s.weight_scale", (int)(l - 7), full);
+        out->packed = moe__model_tensor(s->m, pn);
+        out->scale = moe__model_tensor(s->m, sn);
+        return out->packed && out->scale && cols % 32 == 0 && out->packed->nbytes == (uint64_t)(rows * cols / 2) &&
+               out->scale->nbytes == (uint64_t)(rows * cols / 32);
+    }
+    return 0;
+}
+
+/* writes row r of matrix src (rows x cols) in type `type` into dst */
+static void convert_row(const src_mat *sm, int64_t r, int64_t cols, int type, unsigned char *dst, float *tmp) {
+    if (sm->packed && type == MOE_T_MXFP4_GGML) { /* exact repack: same codes and scales */
+        const uint8_t *p = (const uint8_t *)sm->packed->data + r * cols / 2, *sc = (const uint8_t *)sm->scale->data + r * cols / 32;
+        moe__block_mxfp4 *o = (moe__block_mxfp4 *)dst;
+        for (int64_t b = 0; b < cols / 32; b++) {
+            uint8_t code[32];
+            for (int j = 0; j < 32; j++) {
+                uint8_t byte = p[b * 16 + j / 2];
+                code[j] = (j & 1) ? byte >> 4 : byte & 15;
+            }
+            o[b].e = sc[b];
+            for (int j = 0; j < 16; j++) o[b].qs[j] = (uint8_t)(code[j] | code[j + 16] << 4);
+        }
+        return;
+    }
+    if (sm->packed) moe__row_to_f32(MOE_T_MXFP4, (const uint8_t *)sm->packed->data + r * cols / 2,
+                                    (const uint8_t *)sm->scale->data + r * cols / 32, tmp, cols);
+    else moe__row_to_f32(sm->w->type, (const unsigned char *)sm->w->data + r * moe__row_bytes(sm->w->type, cols), NULL, tmp, cols);
+    if (type == MOE_T_F32) memcpy(dst, tmp, sizeof(float) * (size_t)cols);
+    else if (type == MOE_T_BF16) for (int64_t i = 0; i < cols; i++) ((uint16_t *)dst)[i] = moe__f32_to_bf16(tmp[i]);
+    else if (type == MOE_T_MXFP4_GGML) { /* from floats: nearest E2M1 with a shared power-of-two scale */
+        moe__block_mxfp4 *o = (moe__block_mxfp4 *)dst;
+        for (int64_t b = 0; b < cols / 32; b++) {
+            float amax = 0;
+            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(tmp[b * 32 + j]));
+            int e = amax > 0 ? (int)floorf(log2f(amax)) - 2 + 127 : 0; /* 6 = 1.5 * 2^2 is the top code */
+            e = e < 1 ? 1 : e > 254 ? 254 : e;
+            float sc = ldexpf(1.0f, e - 127);
+            uint8_t code[32];
+            for (int j = 0; j < 32; j++) {
+                float v = tmp[b * 32 + j] / sc, best = INFINITY;
+                int q = 0;
+                for (int k = 0; k < 16; k++)
+                    if (fabsf(moe__e2m1[k] - v) < best) best = fabsf(moe__e2m1[k] - v), q = k;
+                code[j] = (uint8_t)q;
+            }
+            o[b].e = (uint8_t)e;
+            for (int j = 0; j < 16; j++) o[b].qs[j] = (uint8_t)(code[j] | code[j + 16] << 4);
+        }
+    } else moe__quantize_row(type, tmp, dst, cols);
+}
+
+static void drop_pages(const moe__st_tensor *t) {
+    if (!t) return;
+    uintptr_t a = (uintptr_t)t->data & ~(uintptr_t)4095, e = (uintptr_t)t->data + t->nbytes;
+    madvise((void *)a, e - a, MADV_DONTNEED); /* a hint: keeps the resident set bounded */
+}
+
+/* produces and writes one tensor at its offset; returns 0 on success */
+static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const source *s, unsigned char *obuf, float *tmp) {
+    const int64_t rb = moe__row_bytes(t->type, t->cols);
+    const int64_t rows_per_chunk = (int64_t)CHUNK / (rb > 0 ? rb : 1) > 0 ? (int64_t)CHUNK / rb : 1;
+    uint64_t pos = data_start + t->offset;
+    for (int64_t mi = 0; mi < t->n_mats; mi++) {
+        src_mat sm = {0};
+        char hf[220];
+        if (t->kind == SRC_EXPERTS) snprintf(hf, sizeof hf, t->src, (int)mi), strcat(hf, ".weight");
+        else snprintf(hf, sizeof hf, "%s", t->src);
+        if (s->m && (t->kind == SRC_VEC || t->kind == SRC_ALOG)) {
+            char full[320]; /* checked by vec_ok before anything was written */
+            snprintf(full, sizeof full, "%s%s", s->prefix, hf);
+            sm.w = moe__model_tensor(s->m, full);
+        } else if (s->m && !find_src(s, hf, &sm, t->rows, t->cols)) {
+            return die("%s: source tensor %s%s missing or of another size", t->name, s->prefix, hf);
+        }
+        for (int64_t r0 = 0; r0 < t->rows; r0 += rows_per_chunk) {
+            const int64_t r1 = r0 + rows_per_chunk < t->rows ? r0 + rows_per_chunk : t->rows;
+            for (int64_t r = r0; r < r1; r++) {
+                unsigned char *dst = obuf + (r - r0) * rb;
+                if (!s->m) {
+                    random_row(tmp, t->cols, s->seed ^ name_hash(t->name) ^ mix64((uint64_t)(mi * t->rows + r + 1)), t->rmean, t->rstd);
+                    if (t->kind == SRC_ALOG) /* a = exp(A_log), A_log ~ log U(1, 16) */
+                        for (int64_t i = 0; i < t->cols; i++) tmp[i] = -(1.0f + 15.0f * fabsf(tmp[i]) / 2.0f);
+                    if (t->type == MOE_T_F32) memcpy(dst, tmp, sizeof(float) * (size_t)t->cols);
+                    else {
+                        src_mat fake = {0};
+                        moe__st_tensor ft = {.type = MOE_T_F32, .data = tmp};
+                        fake.w = &ft;
+                        convert_row(&fake, 0, t->cols, t->type, dst, tmp + t->cols);
+                    }
+                    continue;
+                }
+                if (t->kind == SRC_ALOG || t->kind == SRC_VEC) {
+                    /* vectors: any stored shape with the right count (A_log may be zero-padded) */
+                    moe__row_to_f32(sm.w->type, sm.w->data, NULL, tmp, t->cols);
+                    if (t->kind == SRC_ALOG) for (int64_t i = 0; i < t->cols; i++) tmp[i] = -expf(tmp[i]); /* llama.cpp: -exp(A_log) */
+                    memcpy(dst, tmp, sizeof(float) * (size_t)t->cols);
+                    continue;
+                }
+                convert_row(&sm, r, t->cols, t->type, dst, tmp);
+            }
+            const size_t n = (size_t)((r1 - r0) * rb);
+            for (size_t done = 0; done < n;) {
+                ssize_t w = pwrite(fd, obuf + done, n - done, (off_t)(pos + done));
+                if (w < 0 && errno == EINTR) continue;
+                if (w <= 0) return die("write %s: %s", t->name, w < 0 ? strerror(errno) : "no progress");
+                done += (size_t)w;
+            }
+            pos += n;
+        }
+        drop_pages(sm.w), drop_pages(sm.packed), drop_pages(sm.scale);
+    }
+    return 0;
+}
+
+/* A_log vectors may be stored longer (K3 pads to 128 with zeros): find_src wants the exact count,
+ * so vectors are looked up with a relaxed count. */
+static int vec_ok(const source *s, const out_tensor *t) {
+    char full[320];
+    snprintf(full, sizeof full, "%s%s", s->prefix, t->src);
+    const moe__st_tensor *w = moe__model_tensor(s->m, full);
+    if (!w || (w->type != MOE_T_F32 && w->type != MOE_T_F16 && w->type != MOE_T_BF16)) return 0;
+    int64_t n = 1;
+    for (int i = 0; i < w->ndim; i++) n *= w->shape[i];
+    return t->kind == SRC_ALOG ? n >= t->cols : n == t->cols;
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---- random-shape models ---------------------------------------------------------------------- */
+
+/* a moe_config from a benchmark shape file (shared/bench/kimi-linear-bench.json format) */
+static int config_from_shape(const char *path, moe_config *c, unsigned char **kinds, unsigned char **moe) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return die("%s: %s", path, strerror(errno));
+    char *text = malloc(1 << 20);
+    size_t n = text ? fread(text, 1, (1 << 20) - 1, f) : 0;
+    fclose(f);
+    moe__json *j;
+    char err[200];
+    if (!text || moe__json_parse(text, n, &j, err, sizeof err)) { free(text); return die("%s: %s", path, text ? err : "out of memory"); }
+    free(text);
+#define NUM(obj, key, def) (moe__json_get(obj, key) && moe__json_get(obj, key)->type == MOE_JSON_NUM ? (int)moe__json_get(obj, key)->num : (def))
+    const moe__json *kda = moe__json_get(j, "kda"), *mla = moe__json_get(j, "mla"), *ffn = moe__json_get(j, "ffn"), *lt = moe__json_get(j, "layer_types");
+    memset(c, 0, sizeof *c);
+    c->vocab_size = NUM(j, "n_vocab", 0);
+    c->hidden_size = NUM(j, "n_embd", 0);
+    c->n_layers = NUM(j, "n_layer", 0);
+    c->rms_norm_eps = moe__json_get(j, "rms_norm_eps") ? (float)moe__json_get(j, "rms_norm_eps")->num : 1e-5f;
+    c->hidden_act = MOE_ACT_SILU;
+    c->situ_beta = 1;
+    c->kda_heads = NUM(kda, "n_head", NUM(j, "n_head", 0));
+    c->kda_head_dim = NUM(kda, "head_dim", 128);
+    c->conv_kernel = NUM(kda, "short_conv_kernel", 4);
+    c->mla_heads = NUM(mla, "n_head", NUM(j, "n_head", 0));
+    c->q_lora_rank = NUM(mla, "q_lora_rank", 0);
+    c->kv_lora_rank = NUM(mla, "kv_lora_rank", 512);
+    c->qk_nope_dim = NUM(mla, "qk_nope_head_dim", 128);
+    c->qk_rope_dim = NUM(mla, "qk_rope_head_dim", 64);
+    c->v_head_dim = NUM(mla, "v_head_dim", 128);
+    c->intermediate_size = NUM(ffn, "dense_n_ff", 0);
+    c->n_experts = NUM(ffn, "n_expert", 0);
+    c->n_active = NUM(ffn, "n_expert_used", 0);
+    c->n_shared = NUM(ffn, "n_expert_shared", 0);
+    c->moe_intermediate_size = NUM(ffn, "n_ff_exp", 0);
+    c->renormalize = 1;
+    c->routed_scaling_factor = ffn && moe__json_get(ffn, "expert_weights_scale") ? (float)moe__json_get(ffn, "expert_weights_scale")->num : 1.0f;
+    c->n_groups = c->topk_groups = 1;
+    c->first_k_dense = NUM(ffn, "n_layer_dense_lead", 0);
+    c->moe_layer_freq = 1;
+    c->bos_token_id = 1, c->eos_token_id = 2;
+    if (c->vocab_size < 1 || c->hidden_size < 1 || c->n_layers < 1 || c->n_layers > 4096 || c->kda_heads < 1 || c->mla_heads < 1 ||
+        c->n_active > c->n_experts) {
+        moe__json_free(j);
+        return die("%s: incomplete or inconsistent shape", path);
+    }
+    *kinds = calloc((size_t)c->n_layers, 1);
+    *moe = calloc((size_t)c->n_layers, 1);
+    const moe__json *ml = moe__json_get(lt, "mla_layers");
+    for (const moe__json *e = ml ? ml->child : NULL; e; e = e->next)
+        if (e->num >= 0 && e->num < c->n_layers) (*kinds)[(int)e->num] = MOE_LAYER_MLA;
+    for (int i = 0; i < c->n_layers; i++) (*moe)[i] = c->n_experts && i >= c->first_k_dense;
+    c->layer_kind = *kinds;
+    c->layer_moe = *moe;
+    moe__json_free(j);
+#undef NUM
+    return 0;
+}
+
+/* ---- main ------------------------------------------------------------------------------------- */
+
+int main(int argc, char **argv) {
+    const char *in = NULL, *out = NULL, *shape = NULL;
+    int dense = MOE_T_BF16, experts = -1, threads = 1, ctx = 131072;
+    uint64_t seed = 42;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int more = i + 1 < argc;
+        if (!strcmp(a, "--random") && more) shape = argv[++i];
+        else if (!strcmp(a, "--dense") && more) {
+            if ((dense = parse_type(argv[++i], 0)) < 0) return usage("unknown --dense type");
+        } else if (!strcmp(a, "--experts") && more) {
+            if ((experts = parse_type(argv[++i], 1)) < -1) return usage("unknown --experts type");
+        } else if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--seed") && more) seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
+        else if (a[0] == '-') return usage("unknown or incomplete option");
+        else if (!in && !shape) in = a;
+        else if (!out) out = a;
+        else return usage("too many arguments");
+    }
+    if (!out || (!in && !shape)) return usage("need MODEL_DIR (or --random SHAPE.json) and OUT.gguf");
+    (void)threads;
+
+    source src = {NULL, "", seed, threads};
+    moe_config cfg, shape_cfg;
+    unsigned char *kinds = NULL, *moes = NULL;
+    int expert_src_type = MOE_T_BF16;
+    char name[256];
+    if (shape) {
+        if (config_from_shape(shape, &shape_cfg, &kinds, &moes)) return 1;
+        cfg = shape_cfg;
+        if (experts < 0) experts = dense;
+        snprintf(name, sizeof name, "random %s", shape);
+    } else {
+        char err[512];
+        moe_options o = moe_default_options();
+        moe_status st = moe_model_open(&src.m, in, &o, err, sizeof err);
+        if (st) return die("%s: %s", moe_status_str(st), err);
+        if (!strcmp(moe_model_get_info(src.m).format, "gguf")) return die("%s is already GGUF", in);
+        cfg = *moe_model_config(src.m);
+        src.prefix = moe__model_prefix(src.m);
+        /* experts kept as stored: MXFP4 stays MXFP4 (repacked), floats stay BF16 */
+        char probe[200];
+        for (int i = 0; i < cfg.n_layers; i++)
+            if (cfg.layer_moe[i]) {
+                snprintf(probe, sizeof probe, "%smodel.layers.%d.block_sparse_moe.experts.0.w1.weight_packed", src.prefix, i);
+                if (moe__model_tensor(src.m, probe)) expert_src_type = MOE_T_MXFP4_GGML;
+                break;
+            }
+        snprintf(name, sizeof name, "%s", in);
+    }
+    plan p = {0};
+    build_plan(&p, &cfg, dense, experts, expert_src_type);
+    for (int i = 0; src.m && i < p.n; i++)
+        if ((p.t[i].kind == SRC_VEC || p.t[i].kind == SRC_ALOG) && !vec_ok(&src, &p.t[i]))
+            return die("%s: source tensor %s%s missing or of another size", p.t[i].name, src.prefix, p.t[i].src);
+    meta mt = {0};
+    write_meta(&mt, &cfg, name, ctx, shape != NULL);
+    buf hdr = {0};
+    uint64_t data_bytes;
+    if (!build_header(&hdr, &mt, &p, &data_bytes)) return die("out of memory");
+    const uint64_t total = hdr.n + data_bytes;
+
+    /* resume: the partial file must start with exactly this header */
+    char partial[4200], donef[4300];
+    snprintf(partial, sizeof partial, "%s.partial", out);
+    snprintf(donef, sizeof donef, "%s.partial.done", out);
+    int start = 0;
+    FILE *df = fopen(donef, "r");
+    if (df) {
+        int k;
+        unsigned long long hn;
+        if (fscanf(df, "%d %llu", &k, &hn) == 2 && hn == hdr.n && k >= 0 && k <= p.n) {
+            int pfd = open(partial, O_RDONLY);
+            unsigned char *old = malloc(hdr.n);
+            if (pfd >= 0 && old && pread(pfd, old, hdr.n, 0) == (ssize_t)hdr.n && !memcmp(old, hdr.b, hdr.n)) start = k;
+            if (pfd >= 0) close(pfd);
+            free(old);
+        }
+        fclose(df);
+        if (start) fprintf(stderr, "moe-convert: resuming %s after %d of %d tensors\n", partial, start, p.n);
+    }
+    int fd = open(partial, O_WRONLY | O_CREAT | (start ? 0 : O_TRUNC), 0644);
+    if (fd < 0) return die("%s: %s", partial, strerror(errno));
+    if (!start) {
+        if (ftruncate(fd, (off_t)total)) return die("%s: cannot size to %llu bytes: %s", partial, (unsigned long long)total, strerror(errno));
+        if (pwrite(fd, hdr.b, hdr.n, 0) != (ssize_t)hdr.n) return die("%s: header write failed: %s", partial, strerror(errno));
+    }
+    int64_t maxcols = 1;
+    uint64_t maxrow = 1;
+    for (int i = 0; i < p.n; i++) {
+        if (p.t[i].cols > maxcols) maxcols = p.t[i].cols;
+        uint64_t rb = (uint64_t)moe__row_bytes(p.t[i].type, p.t[i].cols);
+        if (rb > maxrow) maxrow = rb;
+    }
+    unsigned char *obuf = malloc(CHUNK > maxrow ? CHUNK : maxrow);
+    float *tmp = malloc(sizeof(float) * (size_t)maxcols * 2);
+    if (!obuf || !tmp) return die("out of memory");
+    double t0 = now(), last = 0;
+    uint64_t done_bytes = 0, resumed_bytes = 0;
+    for (int i = 0; i < start; i++) resumed_bytes += p.t[i].nbytes;
+    for (int i = start; i < p.n; i++) {
+        if (write_tensor(fd, hdr.n, &p.t[i], &src, obuf, tmp)) return 1;
+        if (fdatasync(fd)) return die("%s: sync failed: %s", partial, strerror(errno));
+        /* record progress atomically: write a new record, then rename over the old one */
+        char tmpd[4400];
+        snprintf(tmpd, sizeof tmpd, "%s.tmp", donef);
+        FILE *w = fopen(tmpd, "w");
+        if (!w || fprintf(w, "%d %llu\n", i + 1, (unsigned long long)hdr.n) < 0 || fclose(w) || rename(tmpd, donef))
+            return die("%s: cannot record progress", donef);
+        done_bytes += p.t[i].nbytes;
+        double t = now();
+        if (t - last > 1.0 || i + 1 == p.n) {
+            double rate = done_bytes / (t - t0 + 1e-9);
+            uint64_t left = data_bytes - done_bytes - resumed_bytes;
+            fprintf(stderr, "\rmoe-convert: %d/%d tensors, %.2f/%.2f GB, %.1f MB/s, ETA %.0f s   ", i + 1, p.n,
+                    (done_bytes + resumed_bytes) / 1e9, data_bytes / 1e9, rate / 1e6, rate > 0 ? left / rate : 0.0);
+            last = t;
+        }
+    }
+    fprintf(stderr, "\n");
+    if (fsync(fd) || close(fd)) return die("%s: %s", partial, strerror(errno));
+    if (rename(partial, out)) return die("rename %s -> %s: %s", partial, out, strerror(errno));
+    remove(donef);
+    fprintf(stderr, "moe-convert: wrote %s (%.3f GB, %d tensors, %s) in %.1f s\n", out, total / 1e9, p.n, mt.arch, now() - t0);
+    free(obuf), free(tmp), free(hdr.b), free(mt.b.b), free(p.t), free(kinds), free(moes);
+    moe_model_close(src.m);
+    return 0;
+}
