@@ -1659,7 +1659,10 @@ moe_options moe_default_options(void) {
     return o;
 }
 
+/* by magic, or by name (so a damaged .gguf gets a GGUF error rather than a config.json one) */
 static int is_gguf_file(const char *path) {
+    size_t l = strlen(path);
+    if (l > 5 && !strcmp(path + l - 5, ".gguf")) return 1;
     FILE *f = fopen(path, "rb");
     char magic[4] = {0};
     if (!f) return 0;

@@ -32,7 +32,7 @@
 #define ALIGN 4096
 #define CHUNK (64u << 20) /* output bytes buffered before a write */
 
-enum { SRC_MAT, SRC_VEC, SRC_ALOG, SRC_EXPERTS };
+enum { SRC_MAT, SRC_VEC, SRC_ALOG, SRC_EXPERTS, SRC_K_B, SRC_V_B };
 
 typedef struct {
     char name[96];   /* GGUF name */
@@ -45,6 +45,7 @@ typedef struct {
     char src[200];    /* HF name (experts: base with %d for the expert id) */
     int64_t rows, cols, n_mats;
     float rmean, rstd; /* --random: mean + std * normal */
+    int64_t dn, dv;    /* SRC_K_B/SRC_V_B: head sizes inside kv_b */
 } out_tensor;
 
 typedef struct {
@@ -186,7 +187,19 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
             }
             MAT(HF("model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", i), r + c->qk_rope_dim, d, dense);
             VEC1(HF("model.layers.%d.self_attn.kv_a_layernorm.weight", i), r, 1.0f, 0.02f);
-            MAT(HF("model.layers.%d.self_attn.kv_b_proj.weight", i), H * (c->qk_nope_dim + c->v_head_dim), r, dense);
+            /* kv_b split per head as llama.cpp's MLA cache wants it: attn_k_b [H, r, d_n] holds
+             * W_UK^T, attn_v_b [H, d_v, r] holds W_UV */
+            HF("model.layers.%d.self_attn.kv_b_proj.weight", i);
+            const int64_t dn = c->qk_nope_dim, dv = c->v_head_dim;
+            for (int kb = 0; kb < 2; kb++) {
+                int type = dense;
+                int64_t cols = kb == 0 ? dn : r;
+                if ((type == MOE_T_Q8_0 || type == MOE_T_Q4_0) && cols % 32) type = MOE_T_F32;
+                snprintf(gg, sizeof gg, "blk.%d.attn_%s_b.weight", i, kb == 0 ? "k" : "v");
+                out_tensor *t = add(p, gg, type, kb == 0 ? SRC_K_B : SRC_V_B, hf);
+                t->nd = 3, t->ne[0] = cols, t->ne[1] = kb == 0 ? r : dv, t->ne[2] = H;
+                t->rows = t->ne[1], t->cols = cols, t->n_mats = H, t->dn = dn, t->dv = dv;
+            }
             if (c->mla_output_gate) MAT(HF("model.layers.%d.self_attn.g_proj.weight", i), H * c->v_head_dim, d, dense);
             MAT(HF("model.layers.%d.self_attn.o_proj.weight", i), d, H * c->v_head_dim, dense);
         }
@@ -490,7 +503,11 @@ static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const 
         char hf[220];
         if (t->kind == SRC_EXPERTS) snprintf(hf, sizeof hf, t->src, (int)mi), strcat(hf, ".weight");
         else snprintf(hf, sizeof hf, "%s", t->src);
-        if (s->m && (t->kind == SRC_VEC || t->kind == SRC_ALOG)) {
+        if (s->m && (t->kind == SRC_K_B || t->kind == SRC_V_B)) {
+            const int64_t r = t->kind == SRC_K_B ? t->rows : t->cols;
+            if (!find_src(s, hf, &sm, t->n_mats * (t->dn + t->dv), r))
+                return die("%s: source tensor %s%s missing or of another size", t->name, s->prefix, hf);
+        } else if (s->m && (t->kind == SRC_VEC || t->kind == SRC_ALOG)) {
             char full[320]; /* checked by vec_ok before anything was written */
             snprintf(full, sizeof full, "%s%s", s->prefix, hf);
             sm.w = moe__model_tensor(s->m, full);
@@ -512,6 +529,25 @@ static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const 
                         fake.w = &ft;
                         convert_row(&fake, 0, t->cols, t->type, dst, tmp + t->cols);
                     }
+                    continue;
+                }
+                if (t->kind == SRC_V_B) { /* kv_b row h*(dn+dv) + dn + r */
+                    convert_row(&sm, mi * (t->dn + t->dv) + t->dn + r, t->cols, t->type, dst, tmp);
+                    continue;
+                }
+                if (t->kind == SRC_K_B) { /* column r of head mi's d_n key rows */
+                    const int64_t R = t->rows;
+                    float *col = tmp + R;
+                    for (int64_t i = 0; i < t->cols; i++) {
+                        if (sm.packed) moe__row_to_f32(MOE_T_MXFP4, (const uint8_t *)sm.packed->data + (mi * (t->dn + t->dv) + i) * R / 2,
+                                                       (const uint8_t *)sm.scale->data + (mi * (t->dn + t->dv) + i) * R / 32, tmp, R);
+                        else moe__row_to_f32(sm.w->type, (const unsigned char *)sm.w->data + (mi * (t->dn + t->dv) + i) * moe__row_bytes(sm.w->type, R), NULL, tmp, R);
+                        col[i] = tmp[r];
+                    }
+                    src_mat fake = {0};
+                    moe__st_tensor ft = {.type = MOE_T_F32, .data = col};
+                    fake.w = &ft;
+                    convert_row(&fake, 0, t->cols, t->type, dst, col + t->cols);
                     continue;
                 }
                 if (t->kind == SRC_ALOG || t->kind == SRC_VEC) {
@@ -710,11 +746,12 @@ int main(int argc, char **argv) {
     uint64_t maxrow = 1;
     for (int i = 0; i < p.n; i++) {
         if (p.t[i].cols > maxcols) maxcols = p.t[i].cols;
+        if (p.t[i].rows > maxcols) maxcols = p.t[i].rows;
         uint64_t rb = (uint64_t)moe__row_bytes(p.t[i].type, p.t[i].cols);
         if (rb > maxrow) maxrow = rb;
     }
     unsigned char *obuf = malloc(CHUNK > maxrow ? CHUNK : maxrow);
-    float *tmp = malloc(sizeof(float) * (size_t)maxcols * 2);
+    float *tmp = malloc(sizeof(float) * (size_t)maxcols * 4);
     if (!obuf || !tmp) return die("out of memory");
     double t0 = now(), last = 0;
     uint64_t done_bytes = 0, resumed_bytes = 0;
@@ -729,6 +766,9 @@ int main(int argc, char **argv) {
         if (!w || fprintf(w, "%d %llu\n", i + 1, (unsigned long long)hdr.n) < 0 || fclose(w) || rename(tmpd, donef))
             return die("%s: cannot record progress", donef);
         done_bytes += p.t[i].nbytes;
+        /* test hook: simulate a crash after N tensors (the resume test uses it) */
+        const char *stop = getenv("MOE_CONVERT_STOP_AFTER");
+        if (stop && i + 1 == atoi(stop)) _exit(3);
         double t = now();
         if (t - last > 1.0 || i + 1 == p.n) {
             double rate = done_bytes / (t - t0 + 1e-9);

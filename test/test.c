@@ -383,11 +383,23 @@ static moe_model *open_model(const char *sub, unsigned flags, int threads) {
     return m;
 }
 
-/* every prompt: all prefill rows, argmax, routing, 16 greedy tokens and their logit rows */
-static void run_golden(const char *name, unsigned flags, int threads) {
+static moe_model *open_path(const char *path, unsigned flags, int threads) {
+    char err[512];
+    moe_options o = moe_default_options();
+    o.flags = flags;
+    o.n_threads = threads;
+    moe_model *m = NULL;
+    moe_status st = moe_model_open(&m, path, &o, err, sizeof err);
+    CHECKF(st == MOE_OK, "open %s: %s", path, err);
+    return m;
+}
+
+/* every prompt: all prefill rows, argmax, routing, 16 greedy tokens and their logit rows;
+ * model_path: the case's directory, or another file holding the same model (GGUF) */
+static void run_golden_path(const char *name, const char *model_path, unsigned flags, int threads) {
     golden g;
     if (!golden_load(&g, name)) return;
-    moe_model *m = open_model(name, flags, threads);
+    moe_model *m = model_path ? open_path(model_path, flags, threads) : open_model(name, flags, threads);
     if (!m) { golden_free(&g); return; }
     const moe_config *c = moe_model_config(m);
     const int V = c->vocab_size, L = c->n_layers, K = c->n_active;
@@ -460,6 +472,7 @@ static void run_golden(const char *name, unsigned flags, int threads) {
     golden_free(&g);
 }
 
+static void run_golden(const char *name, unsigned flags, int threads) { run_golden_path(name, NULL, flags, threads); }
 static void test_golden_kimi(void) { run_golden("kimi", 0, 1); }
 static void test_golden_seed(void) { run_golden("seed", 0, 1); }
 static void test_golden_k3mx(void) { run_golden("k3mx", 0, 1); }
@@ -1078,6 +1091,186 @@ static void test_moe_logits_cli(void) {
     }
 }
 
+/* ---- GGUF --------------------------------------------------------------------------------------- */
+
+/* runs moe-convert; prints its output when the exit status is not the expected one */
+static int convert_expect(const char *model, const char *out, const char *args, int expect) {
+    char cmd[2400], buf[4096];
+    snprintf(cmd, sizeof cmd, "%s/moe-convert %s %s %s 2>&1", exe_dir, model, out, args);
+    int rc = run_cmd(cmd, buf, sizeof buf);
+    if (rc != expect) fprintf(stderr, "  %s -> %d: %s\n", cmd, rc, buf);
+    return rc;
+}
+static int convert(const char *model, const char *out, const char *args) { return convert_expect(model, out, args, 0); }
+
+/* golden checkpoints converted to GGUF (F32 dense, experts as stored: MXFP4 repacked) pass the
+ * same golden checks as the directories */
+static void test_gguf_golden(void) {
+    const char *cases[] = {"kimi", "seed", "k3mx"};
+    for (int i = 0; i < 3; i++) {
+        char dir[600], out[600];
+        snprintf(dir, sizeof dir, "%s/%s", golden_dir(), cases[i]);
+        snprintf(out, sizeof out, "%s/%s.gguf", tmp_root, cases[i]);
+        CHECK(convert(dir, out, "--dense f32") == 0);
+        run_golden_path(cases[i], out, 0, 1);
+        moe_model *m = open_path(out, 0, 1);
+        if (m) CHECK(!strcmp(moe_model_get_info(m).format, "gguf"));
+        moe_model_close(m);
+        remove(out);
+    }
+}
+
+/* quantized GGUF files load and run; MXFP4 experts are the same values; an interrupted
+ * conversion resumes and produces the same bytes */
+static void test_gguf_quant_resume(void) {
+    char dir[600], a[600], b[600];
+    snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
+    snprintf(a, sizeof a, "%s/a.gguf", tmp_root);
+    snprintf(b, sizeof b, "%s/b.gguf", tmp_root);
+    CHECK(convert(dir, a, "--dense q8_0") == 0);
+    setenv("MOE_CONVERT_STOP_AFTER", "57", 1);
+    CHECK(convert_expect(dir, b, "--dense q8_0", 3) == 3); /* "crashed" after 57 tensors */
+    unsetenv("MOE_CONVERT_STOP_AFTER");
+    char partial[700];
+    snprintf(partial, sizeof partial, "%s.partial", b);
+    struct stat sb;
+    CHECK(stat(partial, &sb) == 0 && stat(b, &sb) != 0);
+    CHECK(convert(dir, b, "--dense q8_0") == 0);
+    size_t la, lb;
+    char *fa = read_all(a, &la), *fb = read_all(b, &lb);
+    CHECK(fa && fb && la == lb && !memcmp(fa, fb, la));
+    free(fa), free(fb);
+    /* a q8_0 file runs; on the Kimi-Linear golden model, with the reference's routing (random
+     * tiny models flip near-tie experts on any change), its KL to the original stays small */
+    moe_model *q = NULL, *ref = open_model("kimi", 0, 1);
+    snprintf(dir, sizeof dir, "%s/kimi", golden_dir());
+    if (convert(dir, a, "--dense q8_0") == 0) q = open_path(a, 0, 1);
+    if (q && ref) {
+        int n;
+        int32_t *ids = golden_ids("kimi", 3, &n);
+        const int V = moe_model_config(q)->vocab_size, L = moe_model_config(q)->n_layers, K = moe_model_config(q)->n_active;
+        float *l1 = malloc(sizeof(float) * (size_t)V * n), *l2 = malloc(sizeof(float) * (size_t)V * n);
+        int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * L * K);
+        moe_session *s1, *s2;
+        CHECK(moe_session_new(&s1, ref, n, NULL, 0) == MOE_OK && moe_session_new(&s2, q, n, NULL, 0) == MOE_OK);
+        moe_seq q1 = {.s = s1, .tokens = ids, .n = n, .logits = l1, .logits_all = 1, .routes = routes};
+        moe_seq q2 = {.s = s2, .tokens = ids, .n = n, .logits = l2, .logits_all = 1, .force_routes = routes};
+        CHECK(moe_step(ref, &q1, 1, NULL, NULL, 0) == MOE_OK && moe_step(q, &q2, 1, NULL, NULL, 0) == MOE_OK);
+        double kl = 0;
+        for (int t = 0; t < n; t++) {
+            const float *a1 = l1 + (size_t)t * V, *a2 = l2 + (size_t)t * V;
+            double m1 = a1[0], m2 = a2[0], s1 = 0, s2 = 0;
+            for (int i = 1; i < V; i++) m1 = fmax(m1, a1[i]), m2 = fmax(m2, a2[i]);
+            for (int i = 0; i < V; i++) s1 += exp(a1[i] - m1), s2 += exp(a2[i] - m2);
+            for (int i = 0; i < V; i++) {
+                double p = exp(a1[i] - m1) / s1;
+                kl += p * ((a1[i] - m1 - log(s1)) - (a2[i] - m2 - log(s2)));
+            }
+        }
+        kl /= n;
+        CHECKF(kl < 5e-3, "q8_0 GGUF vs original with the same routing: mean KL %.3g", kl);
+        if (getenv("MOE_TEST_VERBOSE")) fprintf(stderr, "  kimi q8_0 GGUF: mean KL with reference routing %.3g\n", kl);
+        moe_session_free(s1), moe_session_free(s2);
+        free(l1), free(l2), free(routes), free(ids);
+    }
+    moe_model_close(q);
+    moe_model_close(ref);
+    remove(a), remove(b);
+}
+
+/* a hand-built GGUF: every truncation and each corrupted field gives a clean error */
+typedef struct {
+    unsigned char b[8192];
+    size_t n;
+} gbuf;
+static void gb(gbuf *g, const void *p, size_t n) { memcpy(g->b + g->n, p, n), g->n += n; }
+static void gb32(gbuf *g, uint32_t v) { gb(g, &v, 4); }
+static void gb64(gbuf *g, uint64_t v) { gb(g, &v, 8); }
+static void gbs(gbuf *g, const char *s) { gb64(g, strlen(s)), gb(g, s, strlen(s)); }
+
+/* fields: [0] version, [1] n_tensors, [2] n_kv, [3] dim of t0, [4] type of t0, [5] offset of t1,
+ * [6] string length of the arch value, [7] alignment */
+static size_t build_gguf(gbuf *g, const uint64_t *f) {
+    g->n = 0;
+    gb(g, "GGUF", 4), gb32(g, (uint32_t)f[0]), gb64(g, f[1]), gb64(g, f[2]);
+    gbs(g, "general.architecture"), gb32(g, MOE_GGUF_STRING), gb64(g, f[6]), gb(g, "kimi-linear", 11);
+    gbs(g, "general.alignment"), gb32(g, MOE_GGUF_U32), gb32(g, (uint32_t)f[7]);
+    gbs(g, "kimi-linear.block_count"), gb32(g, MOE_GGUF_U32), gb32(g, 1);
+    gbs(g, "t0"), gb32(g, 2), gb64(g, f[3]), gb64(g, 2), gb32(g, (uint32_t)f[4]), gb64(g, 0);
+    gbs(g, "t1"), gb32(g, 1), gb64(g, 32), gb32(g, 0), gb64(g, f[5]);
+    while (g->n % 32) g->b[g->n++] = 0;
+    memset(g->b + g->n, 0x3c, 512), g->n += 512;
+    return g->n;
+}
+
+static void test_gguf_bad(void) {
+    const uint64_t good[8] = {3, 2, 3, 32, 0, 256, 11, 32};
+    gbuf g;
+    char path[600], err[256];
+    snprintf(path, sizeof path, "%s/t.gguf", tmp_root);
+    size_t n = build_gguf(&g, good);
+    moe__st_file f;
+    write_all(path, g.b, n);
+    CHECKF(moe__gguf_open(&f, path, err, sizeof err) == MOE_OK, "%s", err);
+    if (!g_failed_checks) {
+        CHECK(f.n_tensors == 2 && f.tensors[0].shape[0] == 2 && f.tensors[0].shape[1] == 32 && f.n_kv == 3);
+        const moe__gguf_kv *kv = moe__gguf_get(&f, "general.architecture");
+        CHECK(kv && kv->type == MOE_GGUF_STRING && kv->n == 11 && !memcmp(kv->data, "kimi-linear", 11));
+        moe__st_close(&f);
+    }
+    for (size_t cut = 0; cut < n - 512 + 300; cut += 3) { /* every truncation through the header, into the data */
+        write_all(path, g.b, cut);
+        CHECKF(moe__gguf_open(&f, path, err, sizeof err) == MOE_ERR_FORMAT, "truncated at %zu", cut);
+    }
+    const struct { int field; uint64_t value; moe_status want; const char *what; } bad[] = {
+        {0, 1, MOE_ERR_FORMAT, "version 1"},         {0, 4, MOE_ERR_FORMAT, "version 4"},
+        {1, 1ull << 40, MOE_ERR_FORMAT, "absurd tensor count"}, {2, 1ull << 40, MOE_ERR_FORMAT, "absurd key count"},
+        {2, 4, MOE_ERR_FORMAT, "one key too many"},  {3, 0, MOE_ERR_FORMAT, "zero dimension"},
+        {3, 33, MOE_ERR_FORMAT, "partial block"},    {3, 320, MOE_ERR_FORMAT, "tensor past the end"},
+        {4, 77, MOE_ERR_UNSUPPORTED, "unknown type"}, {5, 1ull << 50, MOE_ERR_FORMAT, "offset outside"},
+        {5, 100, MOE_ERR_FORMAT, "misaligned offset"}, {5, 0, MOE_ERR_FORMAT, "overlapping tensors"},
+        {6, 1ull << 62, MOE_ERR_FORMAT, "string length past the end"}, {7, 3, MOE_ERR_FORMAT, "alignment not a power of two"},
+        {3, 1ull << 62, MOE_ERR_FORMAT, "dimension overflow"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        uint64_t fl[8];
+        memcpy(fl, good, sizeof fl);
+        fl[bad[i].field] = bad[i].value;
+        n = build_gguf(&g, fl);
+        write_all(path, g.b, n);
+        moe_status st = moe__gguf_open(&f, path, err, sizeof err);
+        CHECKF(st == bad[i].want, "%s: status %d (%s)", bad[i].what, st, err);
+        if (!st) moe__st_close(&f);
+    }
+    /* bad magic through the model API */
+    n = build_gguf(&g, good);
+    g.b[3] = 'X';
+    write_all(path, g.b, n);
+    moe_model *m;
+    CHECK(moe_model_open(&m, path, NULL, err, sizeof err) != MOE_OK);
+    /* a valid container without the model's tensors: a clean error naming what is missing */
+    n = build_gguf(&g, good);
+    write_all(path, g.b, n);
+    moe_status st = moe_model_open(&m, path, NULL, err, sizeof err);
+    CHECKF(st == MOE_ERR_FORMAT && err[0], "%d %s", st, err);
+    /* truncations of a real converted model */
+    char dir[600], out[600];
+    snprintf(dir, sizeof dir, "%s/kimi", golden_dir());
+    snprintf(out, sizeof out, "%s/kimi.gguf", tmp_root);
+    CHECK(convert(dir, out, "--dense q4_0") == 0);
+    size_t len;
+    char *full = read_all(out, &len);
+    for (int i = 0; full && i < 24; i++) {
+        size_t cut = i < 12 ? (size_t)i * 997 : len / 24 * (size_t)i;
+        write_all(path, full, cut);
+        st = moe_model_open(&m, path, NULL, err, sizeof err);
+        CHECKF(st == MOE_ERR_FORMAT, "model truncated at %zu: %d (%s)", cut, st, err);
+        if (!st) moe_model_close(m);
+    }
+    free(full);
+    remove(out);
+}
+
 /* ---- memory ------------------------------------------------------------------------------------ */
 
 /* the seed model with a 600-token prompt stays under 100 MB resident (measured in a child, so
@@ -1142,6 +1335,9 @@ static const struct {
     {"bad_files", test_bad_files},
     {"bad_index", test_bad_index},
     {"moe_logits_cli", test_moe_logits_cli},
+    {"gguf_golden", test_gguf_golden},
+    {"gguf_quant_resume", test_gguf_quant_resume},
+    {"gguf_bad", test_gguf_bad},
 };
 
 static void rm_tree(const char *dir) {
