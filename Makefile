@@ -10,7 +10,7 @@ OPENMP ?= $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o 
 ALL_CFLAGS = $(CFLAGS) $(OPENMP) $(EXTRA_CFLAGS)
 
 LIB = $(BUILD)/moe.o $(BUILD)/quant.o
-EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert
+EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert $(BUILD)/moe-bench
 TESTS = $(BUILD)/moe-test
 
 .PHONY: all examples test test-scalar asan clean help
@@ -34,6 +34,9 @@ $(BUILD)/moe-perplexity: examples/perplexity.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 $(BUILD)/moe-convert: examples/convert.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+$(BUILD)/moe-bench: examples/bench.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 $(BUILD)/moe-test: test/test.c $(LIB) moe.h

@@ -1547,6 +1547,25 @@ static moe_status convert_weights(moe_model *m) {
     return st;
 }
 
+static void count_dense_bytes(moe_model *m) {
+    static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32"};
+    uint64_t per_type[MOE_T_COUNT] = {0};
+    uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
+    per_type[m->lm_head.type] += weight_bytes(&m->lm_head);
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        const layer *L = &m->layers[i];
+        const moe__weight *w[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o, &L->q_a,
+                                  &L->q_b, &L->kv_a, &L->kv_b, &L->gate, &L->up, &L->down, &L->router, &L->lat_down, &L->lat_up};
+        for (size_t k = 0; k < sizeof w / sizeof *w; k++) b += weight_bytes(w[k]), per_type[w[k]->type] += weight_bytes(w[k]);
+        for (int e = 0; L->experts && e < m->cfg.n_experts; e++) per_type[L->experts[e].w1.type] += expert_bytes(&L->experts[e]);
+    }
+    int best = 0;
+    for (int t = 1; t < MOE_T_COUNT; t++)
+        if (per_type[t] > per_type[best]) best = t;
+    m->info.dense_bytes_per_token = b;
+    m->info.weight_type = names[best];
+}
+
 static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     const moe_config *c = &m->cfg;
     binder b = {m, err, errlen, MOE_OK};
@@ -1564,6 +1583,7 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
         b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
     if (!b.st) count_params(m);
     if (!b.st && (b.st = convert_weights(m))) fail(err, errlen, b.st, "out of memory converting weights at load");
+    if (!b.st) count_dense_bytes(m);
     return b.st;
 }
 

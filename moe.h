@@ -130,8 +130,11 @@ typedef struct {
     uint64_t n_params_active; /* weights touched per token (shared + k routed experts) */
     uint64_t weight_bytes;    /* bytes of text-model weights as stored */
     uint64_t expert_bytes;    /* bytes of routed-expert weights as stored */
+    uint64_t dense_bytes_per_token; /* non-expert weight bytes one decoded token reads, in the
+                                       formats used after load (one embedding row) */
     int n_files;              /* safetensors files mapped */
-    const char *format;       /* "safetensors" */
+    const char *format;       /* "safetensors" or "gguf" */
+    const char *weight_type;  /* the format holding most weight bytes after load: "bf16", "q4_0", ... */
 } moe_model_info;
 
 /* Opens a model: a Hugging Face checkpoint directory (config.json + model.safetensors or shards
@@ -239,8 +242,9 @@ enum {
  * Q8_0: x = d * qs[i]. Q4_0: x = d * (q - 8), q = qs[i] & 15 for i < 16, qs[i-16] >> 4 after. */
 typedef struct { uint16_t d; int8_t qs[32]; } moe__block_q8_0;
 typedef struct { uint16_t d; uint8_t qs[16]; } moe__block_q4_0;
-/* activations quantized for the integer kernels: f32 scale, 32 int8 values */
-typedef struct { float d; int8_t qs[32]; } moe__block_q8a;
+/* activations quantized for the integer kernels: f32 scale, the sum of the 32 int8 values (lets
+ * Q4_0 kernels multiply unsigned nibbles and subtract 8 * sum once per block), the values */
+typedef struct { float d; int32_t sum; int8_t qs[32]; } moe__block_q8a;
 typedef struct { uint8_t e; uint8_t qs[16]; } moe__block_mxfp4;
 int moe__is_quant(int type); /* Q8_0 or Q4_0: activations go through moe__block_q8a */
 

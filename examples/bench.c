@@ -1,0 +1,203 @@
+/* moe-bench: speed as a fraction of this machine's own limits, measured in the same run.
+ *
+ *   moe-bench -m MODEL [-m MODEL...] [-t THREADS[,THREADS...]] [--depth D[,D...]] [-n TOKENS]
+ *             [--prefill N] [--reps R]
+ *
+ * First it measures the memory read bandwidth (a large buffer summed by every thread) and the
+ * int8 kernel peak (the Q8_0 dot kernel on cache-resident data: what the integer matmul can do
+ * when memory is not the limit). Then per model and thread count: decode tok/s at each depth
+ * (depth = tokens already in the context), with the bytes one decoded token reads (weights
+ * actually touched: dense matrices, the routed experts chosen, plus KDA states and the MLA
+ * latent cache) against the measured bandwidth, and prefill tok/s of N tokens against the
+ * int8 peak (2 x active parameters operations per token). One JSON line per configuration. */
+#define _POSIX_C_SOURCE 200809L
+#define MOE_INTERNAL
+#include "../moe.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static int usage(const char *msg) {
+    if (msg) fprintf(stderr, "moe-bench: %s\n", msg);
+    fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
+                    "                 [--prefill N] [--reps R]\n"
+                    "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n");
+    return 2;
+}
+
+/* read bandwidth in GB/s: each thread sums its share of a 1 GiB buffer, best of reps */
+static double membw(int threads, int reps) {
+    const size_t n = (size_t)1 << 27; /* 2^27 x 8 bytes */
+    uint64_t *a = malloc(n * sizeof *a);
+    if (!a) return 0;
+    for (size_t i = 0; i < n; i++) a[i] = i * 2654435761u;
+    double best = 0;
+    volatile uint64_t sink = 0;
+    for (int r = 0; r < reps; r++) {
+        double t0 = now();
+        uint64_t total = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) reduction(+ : total) schedule(static)
+#endif
+        for (size_t c = 0; c < n; c += 4096) {
+            uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+            for (size_t i = c; i < c + 4096; i += 4) s0 += a[i], s1 += a[i + 1], s2 += a[i + 2], s3 += a[i + 3];
+            total += s0 + s1 + s2 + s3;
+        }
+        double t = now() - t0;
+        sink += total;
+        if (n * sizeof *a / t / 1e9 > best) best = n * sizeof *a / t / 1e9;
+    }
+    (void)sink;
+    (void)threads;
+    free(a);
+    return best;
+}
+
+/* int8 peak of the best kernel level, in operations (multiply + add) per second */
+static double int8_peak(int threads) {
+    moe__kernels lv[4];
+    int nl = moe__kernel_levels(lv, 4);
+    const moe__kernels *k = &lv[nl - 1];
+    const int n = 4096, rows = 8; /* 8 x 4 KB of weights + activations stay in L1/L2 */
+    moe__block_q8_0 *w = malloc(sizeof *w * (size_t)(n / 32 * rows));
+    moe__block_q8a *x = malloc(sizeof *x * (size_t)(n / 32));
+    float *xf = malloc(sizeof(float) * n);
+    for (int i = 0; i < n; i++) xf[i] = (float)((i * 37) % 101 - 50) / 50.0f;
+    for (int r = 0; r < rows; r++) moe__quantize_row(MOE_T_Q8_0, xf, w + (size_t)r * (n / 32), n);
+    k->quant_q8a(xf, x, n);
+    const long iters = 20000;
+    double t0 = now();
+    float sink = 0;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads) reduction(+ : sink) schedule(static)
+#endif
+    for (long it = 0; it < iters; it++) sink += k->dotq[MOE_T_Q8_0](w + (size_t)(it % rows) * (n / 32), x, n);
+    double t = now() - t0;
+    (void)threads;
+    free(w), free(x), free(xf);
+    return sink == 12345.0f ? 0 : 2.0 * n * iters / t;
+}
+
+static int parse_list(const char *s, int *out, int max) {
+    int n = 0;
+    while (*s && n < max) {
+        char *end;
+        long v = strtol(s, &end, 10);
+        if (end == s || v < 0) return -1;
+        out[n++] = (int)v;
+        s = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') return -1;
+    }
+    return n;
+}
+
+int main(int argc, char **argv) {
+    const char *models[16];
+    int n_models = 0, threads[8] = {1, 2}, n_threads = 2, depths[8] = {0, 4096}, n_depths = 2;
+    int n_decode = 16, n_prefill = 512, reps = 3;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int more = i + 1 < argc;
+        if (!strcmp(a, "-m") && more && n_models < 16) models[n_models++] = argv[++i];
+        else if (!strcmp(a, "-t") && more) { if ((n_threads = parse_list(argv[++i], threads, 8)) < 1) return usage("bad -t"); }
+        else if (!strcmp(a, "--depth") && more) { if ((n_depths = parse_list(argv[++i], depths, 8)) < 1) return usage("bad --depth"); }
+        else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
+        else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
+        else if (!strcmp(a, "--reps") && more) reps = atoi(argv[++i]);
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
+        else return usage("unknown or incomplete argument");
+    }
+    if (!n_models || n_decode < 1 || n_prefill < 1 || reps < 1) return usage("need -m MODEL");
+    for (int mi = 0; mi < n_models; mi++)
+        for (int ti = 0; ti < n_threads; ti++) {
+            const int t = threads[ti] < 1 ? 1 : threads[ti];
+            double bw = membw(t, reps), peak = int8_peak(t);
+            fprintf(stderr, "moe-bench: %d thread(s): memory read %.1f GB/s, int8 kernel peak %.1f Gop/s\n", t, bw, peak / 1e9);
+            char err[512];
+            moe_options o = moe_default_options();
+            o.n_threads = t;
+            moe_model *m;
+            moe_status st = moe_model_open(&m, models[mi], &o, err, sizeof err);
+            if (st) {
+                fprintf(stderr, "moe-bench: %s: %s\n", moe_status_str(st), err);
+                return 1;
+            }
+            const moe_config *c = moe_model_config(m);
+            moe_model_info info = moe_model_get_info(m);
+            int maxd = 0;
+            for (int d = 0; d < n_depths; d++) maxd = depths[d] > maxd ? depths[d] : maxd;
+            const int ctx = (maxd > n_prefill ? maxd : n_prefill) + n_decode + 1;
+            int32_t *ids = malloc(sizeof(int32_t) * (size_t)ctx);
+            uint64_t rng = 12345;
+            for (int i = 0; i < ctx; i++) {
+                rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+                ids[i] = (int32_t)(rng % (uint64_t)c->vocab_size);
+            }
+            float *logits = malloc(sizeof(float) * (size_t)c->vocab_size);
+            moe_session *s;
+            if (moe_session_new(&s, m, ctx, err, sizeof err)) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+            /* prefill: best of reps */
+            double pf = 0;
+            for (int r = 0; r < reps; r++) {
+                moe_session_reset(s);
+                moe_seq q = {.s = s, .tokens = ids, .n = n_prefill, .logits = logits};
+                double t0 = now();
+                if ((st = moe_step(m, &q, 1, NULL, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+                double tps = n_prefill / (now() - t0);
+                pf = tps > pf ? tps : pf;
+            }
+            /* active parameters (2 ops each): everything a token touches but the embedding */
+            const double ops_per_token = 2.0 * ((double)info.n_params_active - (double)c->vocab_size * c->hidden_size);
+            int n_kda = 0, n_mla = 0;
+            for (int l = 0; l < c->n_layers; l++) {
+                if (c->layer_kind[l] == MOE_LAYER_KDA) n_kda++;
+                else n_mla++;
+            }
+            for (int di = 0; di < n_depths; di++) {
+                const int depth = depths[di];
+                moe_session_reset(s);
+                if (depth) {
+                    moe_seq q = {.s = s, .tokens = ids, .n = depth};
+                    if ((st = moe_step(m, &q, 1, NULL, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+                }
+                /* decode: n_decode single-token steps, timed after one warm-up step */
+                moe_step_stats ss;
+                uint64_t ebytes = 0;
+                double t0 = 0;
+                for (int k = 0; k <= n_decode; k++) {
+                    if (k == 1) t0 = now();
+                    moe_seq q = {.s = s, .tokens = ids + depth + k, .n = 1, .logits = logits};
+                    if ((st = moe_step(m, &q, 1, &ss, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+                    if (k) ebytes += ss.expert_bytes;
+                }
+                const double dt = (now() - t0) / n_decode;
+                const double state = (double)n_kda * c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4 * 2 +
+                                     (double)n_mla * (depth + n_decode / 2.0) * (c->kv_lora_rank + c->qk_rope_dim) * 4;
+                const double bytes = (double)info.dense_bytes_per_token + (double)ebytes / n_decode + state;
+                const double roof = bytes / (bw * 1e9);
+                const char *name = strrchr(models[mi], '/') ? strrchr(models[mi], '/') + 1 : models[mi];
+                printf("{\"model\": \"%s\", \"format\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
+                       "\"decode_tok_s\": %.3f, \"decode_bytes_per_token\": %.0f, \"decode_roofline_frac\": %.3f, "
+                       "\"prefill_tok_s\": %.2f, \"prefill_tokens\": %d, \"int8_peak_gops\": %.1f, \"prefill_peak_frac\": %.3f}\n",
+                       name, info.weight_type, t, depth, bw, 1.0 / dt, bytes, roof / dt, pf, n_prefill, peak / 1e9,
+                       pf * ops_per_token / peak);
+                fflush(stdout);
+            }
+            moe_session_free(s);
+            free(ids), free(logits);
+            moe_model_close(m);
+        }
+    return 0;
+}
