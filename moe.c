@@ -6,6 +6,7 @@
  * Sections in data-flow order: utilities, JSON, safetensors, config, model binding, matmul,
  * norms and activations, KDA, MLA, FFN and MoE, attention residuals, step, sessions, sampling. */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* madvise */
 #define MOE_INTERNAL
 #include "moe.h"
 
@@ -1529,6 +1530,57 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     return MOE_OK;
 }
 
+/* Interleaves a Q4_0/Q8_0 matrix 8 rows at a time into RAM the model owns (the layout the x8
+ * kernels want), then lets the source go: its mapped pages are dropped from our resident set, or
+ * its owned buffer freed. Rows not a multiple of 8 stay as they are. */
+static moe_status repack_weight(moe_model *m, moe__weight *w) {
+    if (!w->data || !moe__is_quant(w->type) || w->rows % 8) return MOE_OK;
+    const int to = w->type == MOE_T_Q4_0 ? MOE_T_Q4_0X8 : MOE_T_Q8_0X8;
+    const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8;
+    unsigned char *dst = malloc((size_t)(gb * ng));
+    if (!dst) return MOE_ERR_NOMEM;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1 && ng > 64)
+#endif
+    for (int64_t g = 0; g < ng; g++) moe__repack_x8(w->type, (const unsigned char *)w->data + g * 8 * rb, rb, dst + g * gb, w->cols);
+    if (own(m, dst)) { free(dst); return MOE_ERR_NOMEM; }
+    int owned = 0;
+    for (int i = 0; i < m->n_owned - 1 && !owned; i++)
+        if (m->owned[i] == w->data) {
+            free(m->owned[i]);
+            m->owned[i] = m->owned[m->n_owned - 2];
+            m->owned[m->n_owned - 2] = dst;
+            m->n_owned--;
+            owned = 1;
+        }
+    if (!owned) { /* a mapping: drop the pages we just read (a hint; they stay in the page cache) */
+        uintptr_t a = (uintptr_t)w->data & ~(uintptr_t)4095, e = (uintptr_t)w->data + (uintptr_t)(rb * w->rows);
+#ifdef MADV_DONTNEED
+        madvise((void *)a, e - a, MADV_DONTNEED); /* private read-only mapping: re-read from the file if touched */
+#else
+        posix_madvise((void *)a, e - a, POSIX_MADV_DONTNEED);
+#endif
+    }
+    *w = (moe__weight){to, w->rows, w->cols, dst, NULL};
+    return MOE_OK;
+}
+
+static moe_status repack_weights(moe_model *m) {
+    moe_status st = repack_weight(m, &m->lm_head);
+    for (int i = 0; i < m->cfg.n_layers && !st; i++) {
+        layer *L = &m->layers[i];
+        moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o, &L->q_a,
+                                &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->router, &L->lat_down, &L->lat_up};
+        for (size_t k = 0; k < sizeof dense / sizeof *dense && !st; k++) st = repack_weight(m, dense[k]);
+        for (int e = 0; L->experts && e < m->cfg.n_experts && !st; e++) {
+            st = repack_weight(m, &L->experts[e].w1);
+            if (!st) st = repack_weight(m, &L->experts[e].w2);
+            if (!st) st = repack_weight(m, &L->experts[e].w3);
+        }
+    }
+    return st;
+}
+
 static moe_status convert_weights(moe_model *m) {
     const int dt = m->opt.dense_type, et = m->opt.expert_type;
     moe_status st = MOE_OK;
@@ -1548,7 +1600,7 @@ static moe_status convert_weights(moe_model *m) {
 }
 
 static void count_dense_bytes(moe_model *m) {
-    static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32"};
+    static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0"};
     uint64_t per_type[MOE_T_COUNT] = {0};
     uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);
@@ -1583,6 +1635,8 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
         b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
     if (!b.st) count_params(m);
     if (!b.st && (b.st = convert_weights(m))) fail(err, errlen, b.st, "out of memory converting weights at load");
+    if (!b.st && !(m->opt.flags & MOE_FLAG_NO_REPACK) && (b.st = repack_weights(m)))
+        fail(err, errlen, b.st, "out of memory interleaving weights at load (MOE_FLAG_NO_REPACK keeps them mapped)");
     if (!b.st) count_dense_bytes(m);
     return b.st;
 }
@@ -1839,6 +1893,29 @@ static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_
     const int64_t sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
     const unsigned char *base = W->data;
     const int nt = m->opt.n_threads, par = nt > 1 && N * T * K > (1 << 18);
+    if (W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8) {
+        /* interleaved groups of 8 rows: one kernel call yields 8 outputs */
+        const int64_t nb = K / 32, gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
+        moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nb * T));
+        if (!xq) return MOE_ERR_NOMEM;
+        const moe__dotq8_fn dotq8 = m->k.dotq8[W->type];
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (par && T > 1)
+#endif
+        for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (par)
+#endif
+        for (int64_t g = 0; g < N / 8; g++) {
+            float o8[8];
+            for (int t = 0; t < T; t++) {
+                dotq8(base + g * gb, xq + (int64_t)t * nb, K, o8);
+                memcpy(y + (int64_t)t * N + g * 8, o8, sizeof o8);
+            }
+        }
+        free(xq);
+        return MOE_OK;
+    }
     if (moe__is_quant(W->type)) {
         /* integer formats: quantize the activation rows once, then int8 dots */
         const int64_t nb = K / 32;

@@ -61,7 +61,9 @@ enum {
     MOE_FLAG_KDA_RECURRENT = 1u << 1, /* always use the KDA recurrence (default: pick by shape) */
     MOE_FLAG_KDA_CHUNKED = 1u << 2,   /* always use the chunked KDA form for prefill */
     MOE_FLAG_MLA_ABSORBED = 1u << 3,  /* always use absorbed MLA attention */
-    MOE_FLAG_MLA_EXPANDED = 1u << 4   /* always expand MLA keys/values from the latent cache */
+    MOE_FLAG_MLA_EXPANDED = 1u << 4,  /* always expand MLA keys/values from the latent cache */
+    MOE_FLAG_NO_REPACK = 1u << 5      /* keep Q4_0/Q8_0 matrices as stored (memory-mapped) instead of
+                                         interleaving them 8 rows at a time into RAM at load */
 };
 
 typedef enum { MOE_EXPERTS_MMAP = 0 } moe_expert_mode;
@@ -235,6 +237,7 @@ enum {
     MOE_T_MXFP4,      /* compressed-tensors: packed nibbles (low = even column) + separate E8M0 */
     MOE_T_MXFP4_GGML, /* ggml block_mxfp4: {E8M0 e; qs[16]}, low nibbles = values 0..15 */
     MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_U8, MOE_T_I32,
+    MOE_T_Q8_0X8, MOE_T_Q4_0X8, /* 8 rows interleaved at load (never in files): see moe__repack_x8 */
     MOE_T_COUNT
 };
 
@@ -246,6 +249,16 @@ typedef struct { uint16_t d; uint8_t qs[16]; } moe__block_q4_0;
  * Q4_0 kernels multiply unsigned nibbles and subtract 8 * sum once per block), the values */
 typedef struct { float d; int32_t sum; int8_t qs[32]; } moe__block_q8a;
 typedef struct { uint8_t e; uint8_t qs[16]; } moe__block_mxfp4;
+/* One 32-column block of 8 rows, laid out so one broadcast of 4 activation bytes meets 4 values
+ * of each of the 8 rows in a 32-bit lane (dpbusd / maddubs): chunk c (columns 4c..4c+3) holds
+ * [row][4] bytes. Q4_0x8 packs chunk c in the low nibbles and chunk c+4 in the high nibbles of
+ * the same 32 bytes; Q8_0x8 stores values + 128 as unsigned bytes (the kernels subtract
+ * 128 * sum(x), as Q4_0's subtract 8 * sum(x)). */
+typedef struct { uint16_t d[8]; uint8_t qs[128]; } moe__block_q4_0x8;
+typedef struct { uint16_t d[8]; uint8_t qs[256]; } moe__block_q8_0x8;
+/* Interleaves 8 consecutive rows (row stride row_bytes) of a Q4_0/Q8_0 matrix with cols columns
+ * into cols/32 x8 blocks at dst. */
+void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, void *dst, int64_t cols);
 int moe__is_quant(int type); /* Q8_0 or Q4_0: activations go through moe__block_q8a */
 
 /* A weight matrix [rows, cols] (PyTorch [out, in]) in its stored format. MXFP4 rows are cols/2
@@ -261,11 +274,14 @@ typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x
 /* weight row . quantized activation row (n a multiple of 32) */
 typedef float (*moe__dotq_fn)(const void *w, const moe__block_q8a *x, int64_t n);
 typedef void (*moe__quant_fn)(const float *x, moe__block_q8a *out, int64_t n);
+/* 8 interleaved rows (one x8 row group) . one q8a row -> out[8] */
+typedef void (*moe__dotq8_fn)(const void *w, const moe__block_q8a *x, int64_t n, float *out);
 
 typedef struct {
     moe__dot_fn dot[MOE_T_COUNT];   /* weight row . f32 vector, per float weight type */
     moe__dotq_fn dotq[MOE_T_COUNT]; /* weight row . q8a row, per integer weight type */
     moe__quant_fn quant_q8a;        /* f32 row -> q8a blocks */
+    moe__dotq8_fn dotq8[MOE_T_COUNT]; /* x8 row group . q8a row, for Q4_0X8 / Q8_0X8 */
     const char *isa;              /* "scalar", "avx2", ... */
 } moe__kernels;
 
@@ -279,6 +295,7 @@ void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out
 /* Quantizes n values (a multiple of 32) to Q8_0 or Q4_0 blocks (ggml's reference rounding). */
 void moe__quantize_row(int type, const float *x, void *out, int64_t n);
 float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n);
+void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out);
 void moe__quant_q8a_ref(const float *x, moe__block_q8a *out, int64_t n);
 /* Bytes of one row of n values (MXFP4: packed bytes only). */
 int64_t moe__row_bytes(int type, int64_t n);

@@ -92,6 +92,8 @@ _Static_assert(sizeof(moe__block_q8_0) == 34, "ggml block_q8_0 is 34 bytes");
 _Static_assert(sizeof(moe__block_q4_0) == 18, "ggml block_q4_0 is 18 bytes");
 _Static_assert(sizeof(moe__block_q8a) == 40, "q8a block is 40 bytes");
 _Static_assert(sizeof(moe__block_mxfp4) == 17, "ggml block_mxfp4 is 17 bytes");
+_Static_assert(sizeof(moe__block_q4_0x8) == 144, "q4_0x8 block is 144 bytes");
+_Static_assert(sizeof(moe__block_q8_0x8) == 272, "q8_0x8 block is 272 bytes");
 
 int moe__is_quant(int type) { return type == MOE_T_Q8_0 || type == MOE_T_Q4_0; }
 
@@ -99,6 +101,8 @@ int64_t moe__row_bytes(int type, int64_t n) {
     switch (type) {
     case MOE_T_Q8_0: return n / 32 * (int64_t)sizeof(moe__block_q8_0);
     case MOE_T_MXFP4_GGML: return n / 32 * (int64_t)sizeof(moe__block_mxfp4);
+    case MOE_T_Q4_0X8: return n / 32 * (int64_t)sizeof(moe__block_q4_0x8) / 8; /* per row, on average */
+    case MOE_T_Q8_0X8: return n / 32 * (int64_t)sizeof(moe__block_q8_0x8) / 8;
     case MOE_T_Q4_0: return n / 32 * (int64_t)sizeof(moe__block_q4_0);
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
@@ -267,6 +271,59 @@ static float dotq_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n) {
         s += moe__f16_to_f32(b[i].d) * x[i].d * (float)acc;
     }
     return s;
+}
+
+void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, void *dst, int64_t cols) {
+    const unsigned char *src = rows8;
+    for (int64_t b = 0; b < cols / 32; b++) {
+        if (type == MOE_T_Q4_0) {
+            moe__block_q4_0x8 *o = (moe__block_q4_0x8 *)dst + b;
+            for (int r = 0; r < 8; r++) {
+                const moe__block_q4_0 *in = (const moe__block_q4_0 *)(src + r * row_bytes) + b;
+                uint8_t q[32];
+                for (int j = 0; j < 16; j++) q[j] = in->qs[j] & 15, q[j + 16] = in->qs[j] >> 4;
+                o->d[r] = in->d;
+                for (int c = 0; c < 4; c++)
+                    for (int k = 0; k < 4; k++) o->qs[c * 32 + r * 4 + k] = (uint8_t)(q[4 * c + k] | q[4 * (c + 4) + k] << 4);
+            }
+        } else {
+            moe__block_q8_0x8 *o = (moe__block_q8_0x8 *)dst + b;
+            for (int r = 0; r < 8; r++) {
+                const moe__block_q8_0 *in = (const moe__block_q8_0 *)(src + r * row_bytes) + b;
+                o->d[r] = in->d;
+                for (int c = 0; c < 8; c++)
+                    for (int k = 0; k < 4; k++) o->qs[c * 32 + r * 4 + k] = (uint8_t)(in->qs[4 * c + k] + 128);
+            }
+        }
+    }
+}
+
+/* out[r] = sum_b d_r d_x (sum_j q[r][j] x[j] - off * sum(x)): q unsigned, off 8 (Q4_0) or 128 */
+void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    for (int r = 0; r < 8; r++) out[r] = 0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        int acc[8] = {0};
+        const uint16_t *d;
+        if (type == MOE_T_Q4_0X8) {
+            const moe__block_q4_0x8 *o = (const moe__block_q4_0x8 *)w + b;
+            d = o->d;
+            for (int c = 0; c < 4; c++)
+                for (int r = 0; r < 8; r++)
+                    for (int k = 0; k < 4; k++) {
+                        uint8_t v = o->qs[c * 32 + r * 4 + k];
+                        acc[r] += (v & 15) * x[b].qs[4 * c + k] + (v >> 4) * x[b].qs[4 * (c + 4) + k];
+                    }
+            for (int r = 0; r < 8; r++) acc[r] -= 8 * x[b].sum;
+        } else {
+            const moe__block_q8_0x8 *o = (const moe__block_q8_0x8 *)w + b;
+            d = o->d;
+            for (int c = 0; c < 8; c++)
+                for (int r = 0; r < 8; r++)
+                    for (int k = 0; k < 4; k++) acc[r] += o->qs[c * 32 + r * 4 + k] * x[b].qs[4 * c + k];
+            for (int r = 0; r < 8; r++) acc[r] -= 128 * x[b].sum;
+        }
+        for (int r = 0; r < 8; r++) out[r] += moe__f16_to_f32(d[r]) * x[b].d * (float)acc[r];
+    }
 }
 
 float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n) {
@@ -485,6 +542,87 @@ MOE_TARGET("avx2,fma") static float dot_mxfp4g_avx2(const void *w, const uint8_t
     return hsum_avx2(acc);
 }
 
+/* x8 groups, AVX2: maddubs(unsigned weights, broadcast activation bytes) gives per row pairs,
+ * madd adds pairs into the row's 32-bit lane. Q4_0 products (<= 15 x 128 x 2) let 8 chunks add up
+ * in 16 bits first; Q8_0's (<= 255 x 128 x 2) need the 32-bit step per chunk. */
+MOE_TARGET("avx2,fma,f16c") static void dotq8_q4_0_avx2(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_q4_0x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        __m256i s16 = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c));
+            __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[c])));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[c + 4])));
+        }
+        __m256i s32 = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(8 * x[b].sum));
+        __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s32), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_q8_0x8 *o = w;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        __m256i s32 = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            /* 255 x 127 x 2 overflows int16: split the unsigned weight into (w - 128) via signs */
+            __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c)), _mm256_set1_epi8((char)0x80));
+            __m256i xb = _mm256_set1_epi32(xq[c]);
+            __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xb, v));
+            s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones));
+        }
+        __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s32), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+/* x8 groups, AVX-512 VNNI (256-bit): dpbusd does maddubs + madd + add in one instruction and
+ * cannot saturate, so both formats use the unsigned form and subtract off * sum(x) */
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_q4_0x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        __m256i s = _mm256_set1_epi32(-8 * x[b].sum);
+        for (int c = 0; c < 4; c++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c));
+            s = _mm256_dpbusd_epi32(s, _mm256_and_si256(v, m4), _mm256_set1_epi32(xq[c]));
+            s = _mm256_dpbusd_epi32(s, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_set1_epi32(xq[c + 4]));
+        }
+        __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_q8_0x8 *o = w;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        __m256i s = _mm256_set1_epi32(-128 * x[b].sum);
+        for (int c = 0; c < 8; c++)
+            s = _mm256_dpbusd_epi32(s, _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c)), _mm256_set1_epi32(xq[c]));
+        __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
+static int cpu_has_vnni(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
 static int cpu_has_avx2(void) {
     unsigned a, b, c, d;
     __builtin_cpu_init();
@@ -496,6 +634,9 @@ static int cpu_has_avx2(void) {
 
 /* ---- kernel table ---------------------------------------------------------------------- */
 
+static void dotq8_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_Q4_0X8, w, x, n, out); }
+static void dotq8_q8_0_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_Q8_0X8, w, x, n, out); }
+
 static void kernels_scalar(moe__kernels *k) {
     memset(k, 0, sizeof *k);
     k->dot[MOE_T_F32] = dot_f32_ref;
@@ -506,6 +647,8 @@ static void kernels_scalar(moe__kernels *k) {
     k->dotq[MOE_T_Q8_0] = dotq_q8_0_ref;
     k->dotq[MOE_T_Q4_0] = dotq_q4_0_ref;
     k->quant_q8a = moe__quant_q8a_ref;
+    k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_ref;
+    k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_ref;
     k->isa = "scalar";
 }
 
@@ -524,7 +667,16 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq[MOE_T_Q8_0] = dotq_q8_0_avx2;
         k->dotq[MOE_T_Q4_0] = dotq_q4_0_avx2;
         k->quant_q8a = quant_q8a_avx2;
+        k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avx2;
+        k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avx2;
         k->isa = "avx2";
+        if (n < max && cpu_has_vnni()) {
+            moe__kernels *v = &out[n++];
+            *v = *k;
+            v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
+            v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
+            v->isa = "avx512vnni";
+        }
     }
 #endif
     return n;
