@@ -2064,8 +2064,8 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
         moe__kda_head a = {n, D, HD, H, q + (size_t)h * D, k + (size_t)h * D, v + (size_t)h * D,
                            g + (size_t)h * D, beta + h, o + (size_t)h * D,
                            s->kda_state[li] + (size_t)h * D * D};
-        if (chunked) moe__kda_chunked(&a, bounded, work + wsz * (size_t)h);
-        else moe__kda_recurrent(&a);
+        if (chunked) moe__kda_chunked(&a, bounded, work + wsz * (size_t)h, &m->k);
+        else m->k.kda_recurrent(&a);
     }
     free(work);
     /* 7. output gate and per-head RMSNorm; 8. output projection (og reuses q's buffer) */
@@ -2168,26 +2168,19 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         const float *qh = q + (size_t)t * H * dq + (size_t)h * dq;
         float *yh = y + (size_t)t * H * dv + (size_t)h * dv;
         float mx = -INFINITY;
+        const moe__dot_fn fdot = m->k.dot[MOE_T_F32];
         if (use_expanded) {
             const size_t kvw = (size_t)H * (dn + dv);
             for (int j = 0; j <= last; j++) {
-                const float *kn = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
-                const float *kr = cache + (size_t)j * cw + r;
-                float a = 0;
-                for (int i = 0; i < dn; i++) a += qh[i] * kn[i];
-                for (int i = 0; i < dr; i++) a += qh[dn + i] * kr[i];
-                sc[j] = a * scale;
+                const float *kn = kv + (size_t)j * kvw + (size_t)h * (dn + dv), *kr = cache + (size_t)j * cw + r;
+                sc[j] = (fdot(qh, NULL, kn, dn) + fdot(qh + dn, NULL, kr, dr)) * scale;
                 if (sc[j] > mx) mx = sc[j];
             }
             double sum = 0;
             for (int j = 0; j <= last; j++) sum += sc[j] = expf(sc[j] - mx);
             float inv = (float)(1.0 / sum);
             for (int i = 0; i < dv; i++) yh[i] = 0;
-            for (int j = 0; j <= last; j++) {
-                const float *vv = kv + (size_t)j * kvw + (size_t)h * (dn + dv) + dn;
-                float p = sc[j] * inv;
-                for (int i = 0; i < dv; i++) yh[i] += p * vv[i];
-            }
+            for (int j = 0; j <= last; j++) m->k.axpy(yh, sc[j] * inv, kv + (size_t)j * kvw + (size_t)h * (dn + dv) + dn, dv);
         } else {
             /* absorbed: qa = W_UK,h^T qn (r values, from kv_b rows h*(dn+dv) .. +dn);
              * score_j = qa . c_j + qr . kr_j; ctx = sum_j p_j c_j; y_h = W_UV,h ctx */
@@ -2195,27 +2188,24 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
             for (int i = 0; i < r; i++) qa[i] = 0;
             for (int i = 0; i < dn; i++) {
                 const int64_t wr = (int64_t)h * (dn + dv) + i;
-                moe__row_to_f32(L->kv_b.type, (const unsigned char *)L->kv_b.data + wr * kvrow,
-                                L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
-                for (int j = 0; j < r; j++) qa[j] += qh[i] * row[j];
+                const unsigned char *wp = (const unsigned char *)L->kv_b.data + wr * kvrow;
+                const float *rw = (const float *)wp;
+                if (L->kv_b.type != MOE_T_F32) {
+                    moe__row_to_f32(L->kv_b.type, wp, L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
+                    rw = row;
+                }
+                m->k.axpy(qa, qh[i], rw, r);
             }
             for (int j = 0; j <= last; j++) {
                 const float *cj = cache + (size_t)j * cw;
-                float a = 0;
-                for (int i = 0; i < r; i++) a += qa[i] * cj[i];
-                for (int i = 0; i < dr; i++) a += qh[dn + i] * cj[r + i];
-                sc[j] = a * scale;
+                sc[j] = (fdot(qa, NULL, cj, r) + fdot(qh + dn, NULL, cj + r, dr)) * scale;
                 if (sc[j] > mx) mx = sc[j];
             }
             double sum = 0;
             for (int j = 0; j <= last; j++) sum += sc[j] = expf(sc[j] - mx);
             float inv = (float)(1.0 / sum);
             for (int i = 0; i < r; i++) ctx[i] = 0;
-            for (int j = 0; j <= last; j++) {
-                const float *cj = cache + (size_t)j * cw;
-                float p = sc[j] * inv;
-                for (int i = 0; i < r; i++) ctx[i] += p * cj[i];
-            }
+            for (int j = 0; j <= last; j++) m->k.axpy(ctx, sc[j] * inv, cache + (size_t)j * cw, r);
             for (int i = 0; i < dv; i++) {
                 const int64_t wr = (int64_t)h * (dn + dv) + dn + i;
                 yh[i] = dot((const unsigned char *)L->kv_b.data + wr * kvrow,

@@ -270,6 +270,7 @@ typedef struct {
     const uint8_t *scale; /* MXFP4 only */
 } moe__weight;
 
+struct moe__kda_head_s;
 typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x, int64_t n);
 /* weight row . quantized activation row (n a multiple of 32) */
 typedef float (*moe__dotq_fn)(const void *w, const moe__block_q8a *x, int64_t n);
@@ -282,6 +283,8 @@ typedef struct {
     moe__dotq_fn dotq[MOE_T_COUNT]; /* weight row . q8a row, per integer weight type */
     moe__quant_fn quant_q8a;        /* f32 row -> q8a blocks */
     moe__dotq8_fn dotq8[MOE_T_COUNT]; /* x8 row group . q8a row, for Q4_0X8 / Q8_0X8 */
+    void (*axpy)(float *y, float a, const float *x, int64_t n); /* y += a x */
+    void (*kda_recurrent)(const struct moe__kda_head_s *a);    /* see moe__kda_recurrent */
     const char *isa;              /* "scalar", "avx2", ... */
 } moe__kernels;
 
@@ -373,16 +376,17 @@ const moe__st_tensor *moe__st_find(const moe__st_file *f, const char *name);
 
 /* The KDA core for one head over n tokens, state S[D,D] (rows = key channels) updated in place.
  * q,k,v,g: [n, stride] rows (head offset already applied), beta[n*beta_stride], o: [n, stride]. */
-typedef struct {
+typedef struct moe__kda_head_s {
     int n, D, stride, beta_stride;
     const float *q, *k, *v, *g, *beta;
     float *o;
     float *S;
 } moe__kda_head;
-void moe__kda_recurrent(const moe__kda_head *a);
+void moe__kda_recurrent(const moe__kda_head *a); /* the scalar reference */
 /* Chunked form on 16-token chunks; bounded: gate known to be >= -5 (dense-matmul factorisation),
- * otherwise per-element decays. work: at least moe__kda_chunk_work(D) floats. */
-void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work);
+ * otherwise per-element decays. work: at least moe__kda_chunk_work(D) floats. Inner products
+ * and updates go through k's dot/axpy kernels. */
+void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const moe__kernels *k);
 size_t moe__kda_chunk_work(int D);
 
 #endif /* MOE_INTERNAL */

@@ -619,6 +619,52 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_v
     _mm256_storeu_ps(out, acc);
 }
 
+MOE_TARGET("avx2,fma") static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* The recurrence with the state rows in registers' reach: two passes over S per token (decay +
+ * prediction, then update + output), D/8 vectors per row. D % 8 != 0 goes to the reference. */
+MOE_TARGET("avx2,fma") static void kda_recurrent_avx2(const moe__kda_head *a) {
+    const int D = a->D;
+    if (D % 8 || D > 512) { moe__kda_recurrent(a); return; }
+    float *S = a->S;
+    __attribute__((aligned(32))) float pred[512], u[512], o[512];
+    for (int t = 0; t < a->n; t++) {
+        const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
+        const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
+        const float beta = a->beta[(size_t)t * a->beta_stride];
+        for (int j = 0; j < D; j += 8) _mm256_store_ps(pred + j, _mm256_setzero_ps());
+        for (int i = 0; i < D; i++) {
+            const __m256 dec = _mm256_set1_ps(expf(g[i])), ki = _mm256_set1_ps(k[i]);
+            float *row = S + (size_t)i * D;
+            for (int j = 0; j < D; j += 8) {
+                __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + j), dec);
+                _mm256_storeu_ps(row + j, r);
+                _mm256_store_ps(pred + j, _mm256_fmadd_ps(r, ki, _mm256_load_ps(pred + j)));
+            }
+        }
+        const __m256 vb = _mm256_set1_ps(beta);
+        for (int j = 0; j < D; j += 8) {
+            _mm256_store_ps(u + j, _mm256_mul_ps(vb, _mm256_sub_ps(_mm256_loadu_ps(v + j), _mm256_load_ps(pred + j))));
+            _mm256_store_ps(o + j, _mm256_setzero_ps());
+        }
+        for (int i = 0; i < D; i++) {
+            const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+            float *row = S + (size_t)i * D;
+            for (int j = 0; j < D; j += 8) {
+                __m256 r = _mm256_fmadd_ps(ki, _mm256_load_ps(u + j), _mm256_loadu_ps(row + j));
+                _mm256_storeu_ps(row + j, r);
+                _mm256_store_ps(o + j, _mm256_fmadd_ps(r, qi, _mm256_load_ps(o + j)));
+            }
+        }
+        memcpy(a->o + (size_t)t * a->stride, o, sizeof(float) * (size_t)D);
+    }
+}
+
 static int cpu_has_vnni(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
@@ -637,6 +683,10 @@ static int cpu_has_avx2(void) {
 static void dotq8_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_Q4_0X8, w, x, n, out); }
 static void dotq8_q8_0_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_Q8_0X8, w, x, n, out); }
 
+static void axpy_ref(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
 static void kernels_scalar(moe__kernels *k) {
     memset(k, 0, sizeof *k);
     k->dot[MOE_T_F32] = dot_f32_ref;
@@ -649,6 +699,8 @@ static void kernels_scalar(moe__kernels *k) {
     k->quant_q8a = moe__quant_q8a_ref;
     k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_ref;
     k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_ref;
+    k->axpy = axpy_ref;
+    k->kda_recurrent = moe__kda_recurrent;
     k->isa = "scalar";
 }
 
@@ -669,6 +721,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->quant_q8a = quant_q8a_avx2;
         k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avx2;
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avx2;
+        k->axpy = axpy_avx2;
+        k->kda_recurrent = kda_recurrent_avx2;
         k->isa = "avx2";
         if (n < max && cpu_has_vnni()) {
             moe__kernels *v = &out[n++];
@@ -734,11 +788,12 @@ size_t moe__kda_chunk_work(int D) {
  *   S_next = diag(e^{G_n}) S0 + sum_j (k_j e^{G_n-G_j}) u_j^T
  * bounded: the decays factor as e^{G_i} e^{-G_j}, making A, P and the state update plain
  * matrix products; otherwise (softplus gate, unbounded step) each factor is formed per element. */
-void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work) {
+void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const moe__kernels *kk) {
     const int D = a->D, C = KDA_C;
     float *G = work, *Kt = G + C * D, *Kh = Kt + C * D, *Qt = Kh + C * D, *U = Qt + C * D;
     float *A = U + C * D, *P = A + C * C, *gn = P + C * C;
     float *S = a->S;
+    const moe__dot_fn dot = kk->dot[MOE_T_F32];
     for (int t0 = 0; t0 < a->n; t0 += C) {
         const int n = a->n - t0 < C ? a->n - t0 : C;
 #define ROW(p, t) ((p) + (size_t)(t0 + (t)) * a->stride)
@@ -753,17 +808,15 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work) {
                 Kh[i * D + c] = bounded ? k[c] / e : 0.0f;
             }
         }
-        /* A and P */
+        /* A and P: with the bounded gate plain dot products of the factored rows */
         for (int i = 0; i < n; i++) {
             const float *qi = ROW(a->q, i), *ki = ROW(a->k, i);
             float beta = a->beta[(size_t)(t0 + i) * a->beta_stride];
             for (int j = 0; j <= i; j++) {
                 float sa = 0, sp = 0;
                 if (bounded) {
-                    for (int c = 0; c < D; c++) {
-                        sa += Kt[i * D + c] * Kh[j * D + c];
-                        sp += Qt[i * D + c] * Kh[j * D + c];
-                    }
+                    sa = dot(Kt + i * D, NULL, Kh + j * D, D);
+                    sp = dot(Qt + i * D, NULL, Kh + j * D, D);
                 } else {
                     const float *kj = ROW(a->k, j);
                     for (int c = 0; c < D; c++) {
@@ -781,32 +834,16 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work) {
             float beta = a->beta[(size_t)(t0 + i) * a->beta_stride], *u = U + i * D;
             const float *v = ROW(a->v, i);
             for (int j = 0; j < D; j++) u[j] = 0;
-            for (int c = 0; c < D; c++) {
-                float kc = Kt[i * D + c];
-                const float *row = S + (size_t)c * D;
-                for (int j = 0; j < D; j++) u[j] += kc * row[j];
-            }
+            for (int c = 0; c < D; c++) kk->axpy(u, Kt[i * D + c], S + (size_t)c * D, D);
             for (int j = 0; j < D; j++) u[j] = beta * (v[j] - u[j]);
-            for (int m = 0; m < i; m++) {
-                float aim = A[i * C + m];
-                const float *um = U + m * D;
-                for (int j = 0; j < D; j++) u[j] -= aim * um[j];
-            }
+            for (int m = 0; m < i; m++) kk->axpy(u, -A[i * C + m], U + m * D, D);
         }
         /* O = Q~ S0 + P U */
         for (int i = 0; i < n; i++) {
             float *o = ROW(a->o, i);
             for (int j = 0; j < D; j++) o[j] = 0;
-            for (int c = 0; c < D; c++) {
-                float qc = Qt[i * D + c];
-                const float *row = S + (size_t)c * D;
-                for (int j = 0; j < D; j++) o[j] += qc * row[j];
-            }
-            for (int m = 0; m <= i; m++) {
-                float p = P[i * C + m];
-                const float *um = U + m * D;
-                for (int j = 0; j < D; j++) o[j] += p * um[j];
-            }
+            for (int c = 0; c < D; c++) kk->axpy(o, Qt[i * D + c], S + (size_t)c * D, D);
+            for (int m = 0; m <= i; m++) kk->axpy(o, P[i * C + m], U + m * D, D);
         }
         /* S_next */
         for (int c = 0; c < D; c++) gn[c] = G[(n - 1) * D + c];
@@ -814,10 +851,8 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work) {
             float *row = S + (size_t)c * D, d = expf(gn[c]);
             for (int j = 0; j < D; j++) row[j] *= d;
             for (int m = 0; m < n; m++) {
-                float f = bounded ? Kh[m * D + c] * d
-                                  : ROW(a->k, m)[c] * expf(gn[c] - G[m * D + c]);
-                const float *um = U + m * D;
-                for (int j = 0; j < D; j++) row[j] += f * um[j];
+                float f = bounded ? Kh[m * D + c] * d : ROW(a->k, m)[c] * expf(gn[c] - G[m * D + c]);
+                kk->axpy(row, f, U + m * D, D);
             }
         }
 #undef ROW

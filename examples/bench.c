@@ -4,8 +4,8 @@
  *             [--prefill N] [--reps R]
  *
  * First it measures the memory read bandwidth (a large buffer summed by every thread) and the
- * int8 kernel peak (the Q8_0 dot kernel on cache-resident data: what the integer matmul can do
- * when memory is not the limit). Then per model and thread count: decode tok/s at each depth
+ * int8 kernel peak (the interleaved Q8_0 kernel on cache-resident data: what the integer matmul
+ * can do when memory is not the limit). Then per model and thread count: decode tok/s at each depth
  * (depth = tokens already in the context), with the bytes one decoded token reads (weights
  * actually touched: dense matrices, the routed experts chosen, plus KDA states and the MLA
  * latent cache) against the measured bandwidth, and prefill tok/s of N tokens against the
@@ -65,29 +65,37 @@ static double membw(int threads, int reps) {
     return best;
 }
 
-/* int8 peak of the best kernel level, in operations (multiply + add) per second */
+/* int8 peak: the best kernel level's interleaved Q8_0 kernel on cache-resident data (8 rows x
+ * 2048 columns, 17 KB), in operations (multiply + add) per second: what the integer matmul does
+ * when memory is not the limit */
 static double int8_peak(int threads) {
     moe__kernels lv[4];
     int nl = moe__kernel_levels(lv, 4);
     const moe__kernels *k = &lv[nl - 1];
-    const int n = 4096, rows = 8; /* 8 x 4 KB of weights + activations stay in L1/L2 */
-    moe__block_q8_0 *w = malloc(sizeof *w * (size_t)(n / 32 * rows));
+    const int n = 2048;
+    moe__block_q8_0 *w = malloc(sizeof *w * (size_t)(n / 32 * 8));
+    moe__block_q8_0x8 *wx = malloc(sizeof *wx * (size_t)(n / 32));
     moe__block_q8a *x = malloc(sizeof *x * (size_t)(n / 32));
     float *xf = malloc(sizeof(float) * n);
     for (int i = 0; i < n; i++) xf[i] = (float)((i * 37) % 101 - 50) / 50.0f;
-    for (int r = 0; r < rows; r++) moe__quantize_row(MOE_T_Q8_0, xf, w + (size_t)r * (n / 32), n);
+    for (int r = 0; r < 8; r++) moe__quantize_row(MOE_T_Q8_0, xf, w + (size_t)r * (n / 32), n);
+    moe__repack_x8(MOE_T_Q8_0, w, (int64_t)(n / 32 * sizeof *w), wx, n);
     k->quant_q8a(xf, x, n);
-    const long iters = 20000;
+    const long iters = 40000;
     double t0 = now();
     float sink = 0;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) reduction(+ : sink) schedule(static)
 #endif
-    for (long it = 0; it < iters; it++) sink += k->dotq[MOE_T_Q8_0](w + (size_t)(it % rows) * (n / 32), x, n);
+    for (long it = 0; it < iters; it++) {
+        float o[8];
+        k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
+        sink += o[it & 7];
+    }
     double t = now() - t0;
     (void)threads;
-    free(w), free(x), free(xf);
-    return sink == 12345.0f ? 0 : 2.0 * n * iters / t;
+    free(w), free(wx), free(x), free(xf);
+    return sink == 12345.0f ? 0 : 2.0 * 8 * n * iters / t;
 }
 
 static int parse_list(const char *s, int *out, int max) {
