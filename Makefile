@@ -13,12 +13,16 @@ LIB = $(BUILD)/moe.o $(BUILD)/quant.o
 EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert $(BUILD)/moe-bench
 TESTS = $(BUILD)/moe-test
 
-.PHONY: all examples test test-scalar asan clean help
+.PHONY: all examples test test-scalar asan bench clean help
+
+# where make bench keeps its random benchmark-shape models (about 9 GB; made once)
+BENCH_MODELS ?= bench/models
+BENCH_ARGS ?= -t 1,2 --depth 0,4096 --prefill 512
 
 # all: the library objects and every example program
 all: $(LIB) $(EXAMPLES) $(TESTS)
 
-# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert)
+# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert, moe-bench)
 examples: $(EXAMPLES)
 
 $(BUILD)/%.o: %.c moe.h | $(BUILD)
@@ -56,6 +60,13 @@ test-scalar:
 # asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/
 asan:
 	$(MAKE) BUILD=build-asan OPENMP= EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -fsanitize=address,undefined" test
+
+# bench: decode/prefill speed as fractions of this machine's measured limits (makes the models first)
+bench: all
+	@mkdir -p $(BENCH_MODELS)
+	@for t in q4_0 q8_0; do test -f $(BENCH_MODELS)/kimi-linear-bench-$$t.gguf || \
+	  ./$(BUILD)/moe-convert --random bench/shapes/kimi-linear-bench.json $(BENCH_MODELS)/kimi-linear-bench-$$t.gguf --dense $$t || exit 1; done
+	./$(BUILD)/moe-bench -m $(BENCH_MODELS)/kimi-linear-bench-q4_0.gguf -m $(BENCH_MODELS)/kimi-linear-bench-q8_0.gguf $(BENCH_ARGS)
 
 # clean: remove every build folder
 clean:

@@ -2109,6 +2109,94 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
     return MOE_OK;
 }
 
+#define MLA_KEY_BLOCK 256 /* keys scored at once: per-head online softmax across blocks */
+
+/* Absorbed attention of one query token over `len` cached latents, all heads at once: each
+ * cached row c_j is read once per block for every head (the heads share the latent, as in MQA),
+ * and the softmax runs online over key blocks, so memory does not grow with the context.
+ * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats. */
+static size_t mla_absorbed_work(const moe_config *c, int nt) {
+    return (size_t)c->mla_heads * (2 * (size_t)c->kv_lora_rank + MLA_KEY_BLOCK + 2) + (size_t)nt * c->kv_lora_rank;
+}
+
+static void mla_absorbed_token(const moe_model *m, const layer *L, const float *cache, int len, const float *q, float *y,
+                               float *w, int nt) {
+    const moe_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
+    const int dq = dn + dr, cw = r + dr, KB = MLA_KEY_BLOCK;
+    const float scale = 1.0f / sqrtf((float)dq);
+    float *QA = w, *CTX = QA + (size_t)H * r, *SC = CTX + (size_t)H * r, *M = SC + (size_t)H * KB, *LS = M + H, *ROWS = LS + H;
+    const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
+    const moe__dot_fn fdot = m->k.dot[MOE_T_F32], wdot = m->k.dot[L->kv_b.type];
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nt) if (nt > 1)
+#endif
+    {
+        const int tid = thread_id();
+#ifdef _OPENMP
+        const int nth = omp_get_num_threads();
+#else
+        const int nth = 1;
+#endif
+        const int h0 = H * tid / nth, h1 = H * (tid + 1) / nth; /* this thread's heads */
+        float *row = ROWS + (size_t)tid * r;
+        /* q^_h = W_UK,h^T qn_h from kv_b rows h*(d_n+d_v) .. +d_n */
+        for (int h = h0; h < h1; h++) {
+            float *qa = QA + (size_t)h * r;
+            memset(qa, 0, sizeof(float) * (size_t)r);
+            memset(CTX + (size_t)h * r, 0, sizeof(float) * (size_t)r);
+            M[h] = -INFINITY, LS[h] = 0;
+            for (int i = 0; i < dn; i++) {
+                const int64_t wr = (int64_t)h * (dn + dv) + i;
+                const unsigned char *wp = (const unsigned char *)L->kv_b.data + wr * kvrow;
+                const float *rw = (const float *)wp;
+                if (L->kv_b.type != MOE_T_F32) {
+                    moe__row_to_f32(L->kv_b.type, wp, L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
+                    rw = row;
+                }
+                m->k.axpy(qa, q[(size_t)h * dq + i], rw, r);
+            }
+        }
+        for (int j0 = 0; j0 < len; j0 += KB) {
+            const int jn = len - j0 < KB ? len - j0 : KB;
+#ifdef _OPENMP
+#pragma omp barrier
+#pragma omp for schedule(static)
+#endif
+            for (int jj = 0; jj < jn; jj++) {
+                const float *cj = cache + (size_t)(j0 + jj) * cw;
+                for (int h = 0; h < H; h++)
+                    SC[(size_t)h * KB + jj] = (fdot(QA + (size_t)h * r, NULL, cj, r) + fdot(q + (size_t)h * dq + dn, NULL, cj + r, dr)) * scale;
+            }
+            /* (the implicit barrier of the loop above makes every score visible) */
+            for (int h = h0; h < h1; h++) {
+                float *sc = SC + (size_t)h * KB, mx = M[h];
+                for (int jj = 0; jj < jn; jj++) mx = sc[jj] > mx ? sc[jj] : mx;
+                const float f = expf(M[h] - mx); /* 0 on the first block */
+                if (f != 1.0f) {
+                    for (int i = 0; i < r; i++) CTX[(size_t)h * r + i] *= f;
+                    LS[h] *= f;
+                }
+                for (int jj = 0; jj < jn; jj++) sc[jj] = expf(sc[jj] - mx), LS[h] += sc[jj];
+                M[h] = mx;
+            }
+            for (int jj = 0; jj < jn; jj++) { /* row j once, for every head of this thread */
+                const float *cj = cache + (size_t)(j0 + jj) * cw;
+                for (int h = h0; h < h1; h++) m->k.axpy(CTX + (size_t)h * r, SC[(size_t)h * KB + jj], cj, r);
+            }
+        }
+        for (int h = h0; h < h1; h++) {
+            const float inv = 1.0f / LS[h];
+            for (int i = 0; i < dv; i++) {
+                const int64_t wr = (int64_t)h * (dn + dv) + dn + i;
+                y[(size_t)h * dv + i] = inv * wdot((const unsigned char *)L->kv_b.data + wr * kvrow,
+                                                   L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, CTX + (size_t)h * r, r);
+            }
+        }
+    }
+}
+
 static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s, int li,
                               const float *x, int n, float *out) {
     const moe_config *c = &m->cfg;
@@ -2131,10 +2219,11 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
 #endif
     size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
     size_t kvn = use_expanded ? (size_t)S * H * (dn + dv) : 0;
-    size_t scratch = (size_t)S + 3 * (size_t)r + 16; /* scores, ctx, absorbed query, kv_b row */
+    /* scratch: per-thread scores for the expanded form, or the absorbed form's work area */
+    size_t scratch = use_expanded ? (size_t)S + 16 : 0, work = use_expanded ? scratch * (size_t)nt : mla_absorbed_work(c, nt);
     size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
     size_t gn = c->mla_output_gate ? yn : 0;
-    float *buf = malloc(sizeof(float) * (qn + yn + gn + kvn + qa + (size_t)n * cw + scratch * nt));
+    float *buf = malloc(sizeof(float) * (qn + yn + gn + kvn + qa + (size_t)n * cw + work));
     if (!buf) return MOE_ERR_NOMEM;
     float *q = buf, *y = q + qn, *gate = y + yn, *kv = gate + gn, *qa_buf = kv + kvn;
     float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
@@ -2156,21 +2245,21 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     }
     if (use_expanded && !st) st = matmul_ld(m, kv, cache, cw, S, &L->kv_b); /* [S, H*(dn+dv)] */
     const float scale = 1.0f / sqrtf((float)dq);
-    const int64_t kvrow = (int64_t)moe__row_bytes(L->kv_b.type, r);
-    const int64_t kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
-    const moe__dot_fn dot = m->k.dot[L->kv_b.type];
+    if (!use_expanded) {
+        for (int t = 0; t < n; t++)
+            mla_absorbed_token(m, L, cache, pos + t + 1, q + (size_t)t * H * dq, y + (size_t)t * H * dv, scr, nt);
+    } else {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n * H > 1)
 #endif
-    for (int th = 0; th < n * H; th++) {
-        const int t = th / H, h = th % H, last = pos + t;
-        float *sc = scr + scratch * (size_t)thread_id(), *ctx = sc + S;
-        const float *qh = q + (size_t)t * H * dq + (size_t)h * dq;
-        float *yh = y + (size_t)t * H * dv + (size_t)h * dv;
-        float mx = -INFINITY;
-        const moe__dot_fn fdot = m->k.dot[MOE_T_F32];
-        if (use_expanded) {
+        for (int th = 0; th < n * H; th++) {
+            const int t = th / H, h = th % H, last = pos + t;
+            float *sc = scr + scratch * (size_t)thread_id();
+            const float *qh = q + (size_t)t * H * dq + (size_t)h * dq;
+            float *yh = y + (size_t)t * H * dv + (size_t)h * dv;
+            const moe__dot_fn fdot = m->k.dot[MOE_T_F32];
             const size_t kvw = (size_t)H * (dn + dv);
+            float mx = -INFINITY;
             for (int j = 0; j <= last; j++) {
                 const float *kn = kv + (size_t)j * kvw + (size_t)h * (dn + dv), *kr = cache + (size_t)j * cw + r;
                 sc[j] = (fdot(qh, NULL, kn, dn) + fdot(qh + dn, NULL, kr, dr)) * scale;
@@ -2181,36 +2270,6 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
             float inv = (float)(1.0 / sum);
             for (int i = 0; i < dv; i++) yh[i] = 0;
             for (int j = 0; j <= last; j++) m->k.axpy(yh, sc[j] * inv, kv + (size_t)j * kvw + (size_t)h * (dn + dv) + dn, dv);
-        } else {
-            /* absorbed: qa = W_UK,h^T qn (r values, from kv_b rows h*(dn+dv) .. +dn);
-             * score_j = qa . c_j + qr . kr_j; ctx = sum_j p_j c_j; y_h = W_UV,h ctx */
-            float *qa = ctx + r, *row = qa + r;
-            for (int i = 0; i < r; i++) qa[i] = 0;
-            for (int i = 0; i < dn; i++) {
-                const int64_t wr = (int64_t)h * (dn + dv) + i;
-                const unsigned char *wp = (const unsigned char *)L->kv_b.data + wr * kvrow;
-                const float *rw = (const float *)wp;
-                if (L->kv_b.type != MOE_T_F32) {
-                    moe__row_to_f32(L->kv_b.type, wp, L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
-                    rw = row;
-                }
-                m->k.axpy(qa, qh[i], rw, r);
-            }
-            for (int j = 0; j <= last; j++) {
-                const float *cj = cache + (size_t)j * cw;
-                sc[j] = (fdot(qa, NULL, cj, r) + fdot(qh + dn, NULL, cj + r, dr)) * scale;
-                if (sc[j] > mx) mx = sc[j];
-            }
-            double sum = 0;
-            for (int j = 0; j <= last; j++) sum += sc[j] = expf(sc[j] - mx);
-            float inv = (float)(1.0 / sum);
-            for (int i = 0; i < r; i++) ctx[i] = 0;
-            for (int j = 0; j <= last; j++) m->k.axpy(ctx, sc[j] * inv, cache + (size_t)j * cw, r);
-            for (int i = 0; i < dv; i++) {
-                const int64_t wr = (int64_t)h * (dn + dv) + dn + i;
-                yh[i] = dot((const unsigned char *)L->kv_b.data + wr * kvrow,
-                            L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, ctx, r);
-            }
         }
     }
     /* 5. output gate; 6. output projection */
