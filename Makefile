@@ -51,11 +51,17 @@ $(BUILD):
 
 # test: build everything and run the whole suite (unit, golden, bad input); prints N passed, N failed
 test: all
-	./$(BUILD)/moe-test
+	$(RUN) ./$(BUILD)/moe-test
 
 # test-scalar: the suite built without any SIMD code (-DMOE_NO_SIMD), in build-scalar/
 test-scalar:
 	$(MAKE) BUILD=build-scalar EXTRA_CFLAGS=-DMOE_NO_SIMD test
+
+# test-neon: the suite cross-built for AArch64 (NEON, dot product) and run under qemu-user
+test-neon:
+	$(MAKE) BUILD=build-neon CC=aarch64-linux-gnu-gcc OPENMP= RUN="env MOE_TEST_RUNNER='$(QEMU_AARCH64)' $(QEMU_AARCH64)" test
+
+QEMU_AARCH64 ?= qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max
 
 # asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/
 asan:
@@ -70,7 +76,7 @@ bench: all
 
 # clean: remove every build folder
 clean:
-	rm -rf build build-scalar build-asan
+	rm -rf build build-scalar build-asan build-neon
 
 # help: list the targets
 help:

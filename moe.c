@@ -1893,6 +1893,7 @@ static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_
     const int64_t sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
     const unsigned char *base = W->data;
     const int nt = m->opt.n_threads, par = nt > 1 && N * T * K > (1 << 18);
+    (void)nt, (void)par; /* used by the OpenMP pragmas only */
     if (W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8) {
         /* interleaved groups of 8 rows: one kernel call yields 8 outputs */
         const int64_t nb = K / 32, gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));

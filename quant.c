@@ -18,6 +18,14 @@
 #define MOE_TARGET(s) __attribute__((target(s)))
 #endif
 
+#if !defined(MOE_NO_SIMD) && (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
+#define MOE_NEON 1 /* NEON is part of every AArch64 CPU; the dot-product extension is checked */
+#include <arm_neon.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
+#endif
+
 /* ---- number formats -------------------------------------------------------------------- */
 
 float moe__bf16_to_f32(uint16_t h) {
@@ -678,6 +686,213 @@ static int cpu_has_avx2(void) {
 }
 #endif /* MOE_X86 */
 
+
+/* ---- NEON (AArch64) -------------------------------------------------------------------- */
+#ifdef MOE_NEON
+
+static float dot_f32_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const float *p = w;
+    float32x4_t a0 = vdupq_n_f32(0), a1 = vdupq_n_f32(0);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        a0 = vfmaq_f32(a0, vld1q_f32(p + i), vld1q_f32(x + i));
+        a1 = vfmaq_f32(a1, vld1q_f32(p + i + 4), vld1q_f32(x + i + 4));
+    }
+    float s = vaddvq_f32(vaddq_f32(a0, a1));
+    for (; i < n; i++) s += p[i] * x[i];
+    return s;
+}
+
+static float dot_bf16_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const uint16_t *p = w;
+    float32x4_t a0 = vdupq_n_f32(0), a1 = vdupq_n_f32(0);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint16x8_t v = vld1q_u16(p + i);
+        a0 = vfmaq_f32(a0, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(v), 16)), vld1q_f32(x + i));
+        a1 = vfmaq_f32(a1, vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(v), 16)), vld1q_f32(x + i + 4));
+    }
+    float s = vaddvq_f32(vaddq_f32(a0, a1));
+    for (; i < n; i++) s += moe__bf16_to_f32(p[i]) * x[i];
+    return s;
+}
+
+static float dot_f16_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const uint16_t *p = w;
+    float32x4_t a0 = vdupq_n_f32(0);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) a0 = vfmaq_f32(a0, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + i))), vld1q_f32(x + i));
+    float s = vaddvq_f32(a0);
+    for (; i < n; i++) s += moe__f16_to_f32(p[i]) * x[i];
+    return s;
+}
+
+/* 16 int8 values (2 x E2M1) times 16 floats, added to acc */
+static inline float32x4_t fma_i8x16(float32x4_t acc, int8x16_t v, const float *x) {
+    int16x8_t lo = vmovl_s8(vget_low_s8(v)), hi = vmovl_s8(vget_high_s8(v));
+    acc = vfmaq_f32(acc, vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo))), vld1q_f32(x));
+    acc = vfmaq_f32(acc, vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo))), vld1q_f32(x + 4));
+    acc = vfmaq_f32(acc, vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi))), vld1q_f32(x + 8));
+    return vfmaq_f32(acc, vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi))), vld1q_f32(x + 12));
+}
+
+static const int8_t e2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static float dot_mxfp4_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    const uint8_t *p = w;
+    const int8x16_t lut = vld1q_s8(e2m1x2);
+    float s = 0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        uint8x16_t raw = vld1q_u8(p + b * 16);
+        int8x16_t lo = vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15))), hi = vqtbl1q_s8(lut, vshrq_n_u8(raw, 4));
+        int8x16x2_t z = vzipq_s8(lo, hi); /* column order: low nibble = even column */
+        float32x4_t acc = fma_i8x16(vdupq_n_f32(0), z.val[0], x + b * 32);
+        acc = fma_i8x16(acc, z.val[1], x + b * 32 + 16);
+        s += vaddvq_f32(acc) * 0.5f * e8m0(sc[b]);
+    }
+    return s;
+}
+
+static float dot_mxfp4g_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const moe__block_mxfp4 *b = w;
+    const int8x16_t lut = vld1q_s8(e2m1x2);
+    float s = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        uint8x16_t raw = vld1q_u8(b[i].qs);
+        float32x4_t acc = fma_i8x16(vdupq_n_f32(0), vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15))), x + i * 32);
+        acc = fma_i8x16(acc, vqtbl1q_s8(lut, vshrq_n_u8(raw, 4)), x + i * 32 + 16);
+        s += vaddvq_f32(acc) * 0.5f * e8m0(b[i].e);
+    }
+    return s;
+}
+
+static void axpy_neon(float *y, float a, const float *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_n_f32(vld1q_f32(y + i), vld1q_f32(x + i), a));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+static void kda_recurrent_neon(const moe__kda_head *a) {
+    const int D = a->D;
+    if (D % 4 || D > 512) { moe__kda_recurrent(a); return; }
+    float *S = a->S;
+    float pred[512], u[512], o[512];
+    for (int t = 0; t < a->n; t++) {
+        const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
+        const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
+        const float beta = a->beta[(size_t)t * a->beta_stride];
+        for (int j = 0; j < D; j += 4) vst1q_f32(pred + j, vdupq_n_f32(0));
+        for (int i = 0; i < D; i++) {
+            const float dec = expf(g[i]), ki = k[i];
+            float *row = S + (size_t)i * D;
+            for (int j = 0; j < D; j += 4) {
+                float32x4_t r = vmulq_n_f32(vld1q_f32(row + j), dec);
+                vst1q_f32(row + j, r);
+                vst1q_f32(pred + j, vfmaq_n_f32(vld1q_f32(pred + j), r, ki));
+            }
+        }
+        for (int j = 0; j < D; j += 4) {
+            vst1q_f32(u + j, vmulq_n_f32(vsubq_f32(vld1q_f32(v + j), vld1q_f32(pred + j)), beta));
+            vst1q_f32(o + j, vdupq_n_f32(0));
+        }
+        for (int i = 0; i < D; i++) {
+            const float ki = k[i], qi = q[i];
+            float *row = S + (size_t)i * D;
+            for (int j = 0; j < D; j += 4) {
+                float32x4_t r = vfmaq_n_f32(vld1q_f32(row + j), vld1q_f32(u + j), ki);
+                vst1q_f32(row + j, r);
+                vst1q_f32(o + j, vfmaq_n_f32(vld1q_f32(o + j), r, qi));
+            }
+        }
+        memcpy(a->o + (size_t)t * a->stride, o, sizeof(float) * (size_t)D);
+    }
+}
+
+/* integer kernels with the dot-product extension (SDOT: 4 int8 products into each int32 lane) */
+#define MOE_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+
+MOE_DOTPROD static float dotq_q8_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q8_0 *b = w;
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t i = 0; i < n / 32; i++) {
+        int32x4_t s = vdotq_s32(vdupq_n_s32(0), vld1q_s8(b[i].qs), vld1q_s8(x[i].qs));
+        s = vdotq_s32(s, vld1q_s8(b[i].qs + 16), vld1q_s8(x[i].qs + 16));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), moe__f16_to_f32(b[i].d) * x[i].d);
+    }
+    return vaddvq_f32(acc);
+}
+
+MOE_DOTPROD static float dotq_q4_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q4_0 *b = w;
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t i = 0; i < n / 32; i++) {
+        uint8x16_t raw = vld1q_u8(b[i].qs);
+        int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(15))), vdupq_n_s8(8));
+        int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), vdupq_n_s8(8));
+        int32x4_t s = vdotq_s32(vdotq_s32(vdupq_n_s32(0), lo, vld1q_s8(x[i].qs)), hi, vld1q_s8(x[i].qs + 16));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), moe__f16_to_f32(b[i].d) * x[i].d);
+    }
+    return vaddvq_f32(acc);
+}
+
+/* x8 groups: chunk c holds [row][4] bytes; rows 0-3 in the first 16 bytes, 4-7 in the next */
+MOE_DOTPROD static void dotq8_q4_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_q4_0x8 *o = w;
+    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        int32x4_t s0 = vdupq_n_s32(-8 * x[b].sum), s1 = s0;
+        for (int c = 0; c < 4; c++) {
+            uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
+            int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(xq[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(xq[c + 4]));
+            s0 = vdotq_s32(s0, vreinterpretq_s8_u8(vandq_u8(v0, vdupq_n_u8(15))), xl);
+            s1 = vdotq_s32(s1, vreinterpretq_s8_u8(vandq_u8(v1, vdupq_n_u8(15))), xl);
+            s0 = vdotq_s32(s0, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), xh);
+            s1 = vdotq_s32(s1, vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), xh);
+        }
+        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);
+        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);
+        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));
+        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));
+    }
+    vst1q_f32(out, acc0);
+    vst1q_f32(out + 4, acc1);
+}
+
+MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_q8_0x8 *o = w;
+    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
+    const uint8x16_t flip = vdupq_n_u8(0x80); /* stored as w + 128: back to signed w */
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        int32x4_t s0 = vdupq_n_s32(0), s1 = s0;
+        for (int c = 0; c < 8; c++) {
+            int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(xq[c]));
+            s0 = vdotq_s32(s0, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c), flip)), xb);
+            s1 = vdotq_s32(s1, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c + 16), flip)), xb);
+        }
+        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);
+        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);
+        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));
+        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));
+    }
+    vst1q_f32(out, acc0);
+    vst1q_f32(out + 4, acc1);
+}
+
+static int cpu_has_dotprod(void) {
+#if defined(__linux__) && defined(HWCAP_ASIMDDP)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#else
+    return 0;
+#endif
+}
+#endif /* MOE_NEON */
+
 /* ---- kernel table ---------------------------------------------------------------------- */
 
 static void dotq8_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_Q4_0X8, w, x, n, out); }
@@ -730,6 +945,29 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
             v->isa = "avx512vnni";
+        }
+    }
+#endif
+#ifdef MOE_NEON
+    if (n < max) {
+        moe__kernels *k = &out[n++];
+        kernels_scalar(k);
+        k->dot[MOE_T_F32] = dot_f32_neon;
+        k->dot[MOE_T_BF16] = dot_bf16_neon;
+        k->dot[MOE_T_F16] = dot_f16_neon;
+        k->dot[MOE_T_MXFP4] = dot_mxfp4_neon;
+        k->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_neon;
+        k->axpy = axpy_neon;
+        k->kda_recurrent = kda_recurrent_neon;
+        k->isa = "neon";
+        if (n < max && cpu_has_dotprod()) {
+            moe__kernels *v = &out[n++];
+            *v = *k;
+            v->dotq[MOE_T_Q8_0] = dotq_q8_0_dotprod;
+            v->dotq[MOE_T_Q4_0] = dotq_q4_0_dotprod;
+            v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_dotprod;
+            v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_dotprod;
+            v->isa = "neon-dotprod";
         }
     }
 #endif

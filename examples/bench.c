@@ -82,20 +82,24 @@ static double int8_peak(int threads) {
     moe__repack_x8(MOE_T_Q8_0, w, (int64_t)(n / 32 * sizeof *w), wx, n);
     k->quant_q8a(xf, x, n);
     const long iters = 40000;
-    double t0 = now();
+    double best = 0;
     float sink = 0;
+    for (int rep = 0; rep < 5; rep++) { /* best of 5: the machine is shared */
+        double t0 = now();
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) reduction(+ : sink) schedule(static)
 #endif
-    for (long it = 0; it < iters; it++) {
-        float o[8];
-        k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
-        sink += o[it & 7];
+        for (long it = 0; it < iters; it++) {
+            float o[8];
+            k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
+            sink += o[it & 7];
+        }
+        double ops = 2.0 * 8 * n * iters / (now() - t0);
+        best = ops > best ? ops : best;
     }
-    double t = now() - t0;
     (void)threads;
     free(w), free(wx), free(x), free(xf);
-    return sink == 12345.0f ? 0 : 2.0 * 8 * n * iters / t;
+    return sink == 12345.0f ? 0 : best;
 }
 
 static int parse_list(const char *s, int *out, int max) {

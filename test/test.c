@@ -1058,7 +1058,11 @@ static void test_bad_index(void) {
 
 static char exe_dir[512] = ".";
 
-static int run_cmd(const char *cmd, char *out, size_t outlen) {
+/* runs a shell command (prefixed with $MOE_TEST_RUNNER, e.g. qemu for a cross-built suite) */
+static int run_cmd(const char *cmd0, char *out, size_t outlen) {
+    char cmd[4200];
+    const char *runner = getenv("MOE_TEST_RUNNER");
+    snprintf(cmd, sizeof cmd, "%s%s%s", runner ? runner : "", runner ? " " : "", cmd0);
     FILE *p = popen(cmd, "r");
     if (!p) return -1;
     size_t n = 0, r;
