@@ -1887,13 +1887,13 @@ moe_model_info moe_model_get_info(const moe_model *m) {
 
 #define MM_ROW_TILE 16 /* weight rows per task: they stay in cache while every token passes */
 
-static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
-                            const moe__weight *W) {
+static moe_status matmul_nt(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
+                            const moe__weight *W, int nt) {
     const int64_t N = W->rows, K = W->cols, rb = moe__row_bytes(W->type, K);
     const int64_t sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
     const unsigned char *base = W->data;
-    const int nt = m->opt.n_threads, par = nt > 1 && N * T * K > (1 << 18);
-    (void)nt, (void)par; /* used by the OpenMP pragmas only */
+    const int par = nt > 1 && N * T * K > (1 << 18);
+    (void)par; /* used by the OpenMP pragmas only */
     if (W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8) {
         /* interleaved groups of 8 rows: one kernel call yields 8 outputs */
         const int64_t nb = K / 32, gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
@@ -1954,6 +1954,10 @@ static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_
 /* y[T, rows] = x[T, cols] W^T. Callers chain these through MM so that the first failure sticks
  * and is returned; later products in the same function then run on scratch values that are
  * thrown away with the step. */
+static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_t ldx, int T, const moe__weight *W) {
+    return matmul_nt(m, y, x, ldx, T, W, m->opt.n_threads);
+}
+
 static moe_status matmul(const moe_model *m, float *y, const float *x, int T, const moe__weight *W) {
     return matmul_ld(m, y, x, W->cols, T, W);
 }
@@ -2417,20 +2421,59 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
     if (c->latent_dim) MM(xe, x, n, &L->lat_down);
     else memcpy(xe, x, sizeof(float) * (size_t)n * d);
     memset(ye, 0, sizeof(float) * (size_t)n * de);
+    /* Few rows per expert (decode, lockstep decode): the experts run in parallel, one thread
+     * each, each product single-threaded; many rows (prefill): one expert at a time with its
+     * rows split across threads. Outputs are added in expert order either way, so results do
+     * not depend on the path or the thread count. */
+    int na = 0, maxce = 0;
     for (int e = 0; e < E; e++) {
+        const int ce = cnt[e + 1] - cnt[e];
+        na += ce > 0, maxce = ce > maxce ? ce : maxce;
+    }
+    const int nt = m->opt.n_threads, by_expert = nt > 1 && na > 1 && maxce <= 8;
+    float *eb = by_expert ? malloc(sizeof(float) * nk * (2 * (size_t)de + 2 * (size_t)Ie)) : NULL;
+    if (by_expert && !eb) { st = MOE_ERR_NOMEM; goto done; }
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (by_expert)
+#endif
+    for (int e = 0; e < E; e++) {
+        const int c0 = cnt[e], ce = cnt[e + 1] - c0;
+        if (!ce || !by_expert) continue;
+        const expert *ex;
+        float *bx = eb + (size_t)c0 * (2 * (size_t)de + 2 * (size_t)Ie), *ba = bx + (size_t)ce * de, *bb = ba + (size_t)ce * Ie, *bo = bb + (size_t)ce * Ie;
+        moe_status es = expert_get(m, li, e, &ex);
+        for (int i = 0; i < ce && !es; i++) memcpy(bx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
+        if (!es) es = matmul_nt(m, ba, bx, de, ce, &ex->w1, 1);
+        if (!es) es = matmul_nt(m, bb, bx, de, ce, &ex->w3, 1);
+        if (!es) glu(c, ba, bb, (int64_t)ce * Ie);
+        if (!es) es = matmul_nt(m, bo, ba, Ie, ce, &ex->w2, 1);
+        if (es) {
+#ifdef _OPENMP
+#pragma omp critical(moe_expert_status)
+#endif
+            st = st ? st : es;
+        }
+    }
+    for (int e = 0; e < E && !st; e++) {
         const int c0 = cnt[e], ce = cnt[e + 1] - c0;
         if (!ce) continue;
         const expert *ex;
-        if ((st = expert_get(m, li, e, &ex))) goto done;
-        for (int i = 0; i < ce; i++) memcpy(gx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
-        MM(ga, gx, ce, &ex->w1);
-        MM(gb, gx, ce, &ex->w3);
-        glu(c, ga, gb, (int64_t)ce * Ie);
-        MM(go, ga, ce, &ex->w2);
-        if (st) goto done;
+        if ((st = expert_get(m, li, e, &ex))) break;
+        const float *res = go;
+        if (by_expert) {
+            res = eb + (size_t)c0 * (2 * (size_t)de + 2 * (size_t)Ie) + (size_t)ce * (de + 2 * (size_t)Ie);
+        } else {
+            for (int i = 0; i < ce; i++) memcpy(gx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
+            MM(ga, gx, ce, &ex->w1);
+            MM(gb, gx, ce, &ex->w3);
+            glu(c, ga, gb, (int64_t)ce * Ie);
+            MM(go, ga, ce, &ex->w2);
+            if (st) break;
+        }
         for (int i = 0; i < ce; i++) {
             float *yr = ye + (size_t)rows[c0 + i] * de, w = rw[c0 + i];
-            const float *orow = go + (size_t)i * de;
+            const float *orow = res + (size_t)i * de;
             for (int j = 0; j < de; j++) yr[j] += w * orow[j];
         }
         if (stats) {
@@ -2439,6 +2482,8 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
             stats->expert_bytes += expert_bytes(ex);
         }
     }
+    free(eb);
+    if (st) goto done;
     if (c->latent_dim) {
         if (c->latent_norm) rmsnorm_rows(ye, ye, L->lat_norm, n, de, c->rms_norm_eps);
         MM(out, ye, n, &L->lat_up);
