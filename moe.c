@@ -2132,7 +2132,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
     const float scale = 1.0f / sqrtf((float)dq);
     float *QA = w, *CTX = QA + (size_t)H * r, *SC = CTX + (size_t)H * r, *M = SC + (size_t)H * KB, *LS = M + H, *ROWS = LS + H;
     const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
-    const moe__dot_fn fdot = m->k.dot[MOE_T_F32], wdot = m->k.dot[L->kv_b.type];
+    const moe__dot_fn wdot = m->k.dot[L->kv_b.type];
     (void)nt;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -2165,16 +2165,16 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
         }
         for (int j0 = 0; j0 < len; j0 += KB) {
             const int jn = len - j0 < KB ? len - j0 : KB;
+            moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, cache + (size_t)j0 * cw, SC, CTX};
 #ifdef _OPENMP
 #pragma omp barrier
-#pragma omp for schedule(static)
 #endif
-            for (int jj = 0; jj < jn; jj++) {
-                const float *cj = cache + (size_t)(j0 + jj) * cw;
-                for (int h = 0; h < H; h++)
-                    SC[(size_t)h * KB + jj] = (fdot(QA + (size_t)h * r, NULL, cj, r) + fdot(q + (size_t)h * dq + dn, NULL, cj + r, dr)) * scale;
-            }
-            /* (the implicit barrier of the loop above makes every score visible) */
+            /* scores: this thread's share of the block's keys, all heads */
+            blk.j0 = jn * tid / nth, blk.j1 = jn * (tid + 1) / nth;
+            m->k.mla_scores(&blk);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
             for (int h = h0; h < h1; h++) {
                 float *sc = SC + (size_t)h * KB, mx = M[h];
                 for (int jj = 0; jj < jn; jj++) mx = sc[jj] > mx ? sc[jj] : mx;
@@ -2186,10 +2186,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
                 for (int jj = 0; jj < jn; jj++) sc[jj] = expf(sc[jj] - mx), LS[h] += sc[jj];
                 M[h] = mx;
             }
-            for (int jj = 0; jj < jn; jj++) { /* row j once, for every head of this thread */
-                const float *cj = cache + (size_t)(j0 + jj) * cw;
-                for (int h = h0; h < h1; h++) m->k.axpy(CTX + (size_t)h * r, SC[(size_t)h * KB + jj], cj, r);
-            }
+            m->k.mla_ctx(&blk, h0, h1); /* this thread's heads, every key of the block */
         }
         for (int h = h0; h < h1; h++) {
             const float inv = 1.0f / LS[h];

@@ -271,6 +271,7 @@ typedef struct {
 } moe__weight;
 
 struct moe__kda_head_s;
+struct moe__mla_block_s;
 typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x, int64_t n);
 /* weight row . quantized activation row (n a multiple of 32) */
 typedef float (*moe__dotq_fn)(const void *w, const moe__block_q8a *x, int64_t n);
@@ -285,6 +286,8 @@ typedef struct {
     moe__dotq8_fn dotq8[MOE_T_COUNT]; /* x8 row group . q8a row, for Q4_0X8 / Q8_0X8 */
     void (*axpy)(float *y, float a, const float *x, int64_t n); /* y += a x */
     void (*kda_recurrent)(const struct moe__kda_head_s *a);    /* see moe__kda_recurrent */
+    void (*mla_scores)(const struct moe__mla_block_s *b);      /* see moe__mla_scores_ref */
+    void (*mla_ctx)(const struct moe__mla_block_s *b, int h0, int h1);
     const char *isa;              /* "scalar", "avx2", ... */
 } moe__kernels;
 
@@ -388,6 +391,20 @@ void moe__kda_recurrent(const moe__kda_head *a); /* the scalar reference */
  * and updates go through k's dot/axpy kernels. */
 void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const moe__kernels *k);
 size_t moe__kda_chunk_work(int D);
+
+/* Absorbed MLA attention over one block of cached latents (rows of cw = r + d_r floats: the
+ * normalised latent c, then the shared key slice kr), all heads:
+ *   scores: sc[h][j] = (qa[h] . c_j + qr[h] . kr_j) * scale        for keys j0 .. j1-1
+ *   ctx:    ctx[h] += sum_j p[h][j] c_j                              for heads h0 .. h1-1, all jn keys
+ * qa: [H, r]; qr: row h at qr + h * qr_stride; sc / p: [H, ld] (p may alias sc); ctx: [H, r]. */
+typedef struct moe__mla_block_s {
+    int H, r, dr, cw, jn, j0, j1, ld, qr_stride;
+    float scale;
+    const float *qa, *qr, *cache; /* cache points at the block's first row */
+    float *sc, *ctx;
+} moe__mla_block;
+void moe__mla_scores_ref(const moe__mla_block *b);
+void moe__mla_ctx_ref(const moe__mla_block *b, int h0, int h1);
 
 #endif /* MOE_INTERNAL */
 #endif /* MOE_H */

@@ -596,35 +596,54 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 /* x8 groups, AVX-512 VNNI (256-bit): dpbusd does maddubs + madd + add in one instruction and
  * cannot saturate, so both formats use the unsigned form and subtract off * sum(x) */
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    /* dpbusd has a latency of several cycles: four independent sums per block and two float
+     * accumulators (even and odd blocks) keep the chains short, so the loads, not the
+     * latencies, set the pace */
     const moe__block_q4_0x8 *o = w;
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const int64_t nb = n / 32;
+    for (int64_t b = 0; b < nb; b++) {
         const int32_t *xq = (const int32_t *)x[b].qs;
-        __m256i s = _mm256_set1_epi32(-8 * x[b].sum);
-        for (int c = 0; c < 4; c++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c));
-            s = _mm256_dpbusd_epi32(s, _mm256_and_si256(v, m4), _mm256_set1_epi32(xq[c]));
-            s = _mm256_dpbusd_epi32(s, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_set1_epi32(xq[c + 4]));
-        }
-        __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
+        const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
+        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-8 * x[b].sum), _mm256_and_si256(v0, m4), _mm256_set1_epi32(xq[0]));
+        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), _mm256_set1_epi32(xq[4]));
+        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(v1, m4), _mm256_set1_epi32(xq[1]));
+        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), _mm256_set1_epi32(xq[5]));
+        s0 = _mm256_dpbusd_epi32(s0, _mm256_and_si256(v2, m4), _mm256_set1_epi32(xq[2]));
+        s1 = _mm256_dpbusd_epi32(s1, _mm256_and_si256(_mm256_srli_epi16(v2, 4), m4), _mm256_set1_epi32(xq[6]));
+        s2 = _mm256_dpbusd_epi32(s2, _mm256_and_si256(v3, m4), _mm256_set1_epi32(xq[3]));
+        s3 = _mm256_dpbusd_epi32(s3, _mm256_and_si256(_mm256_srli_epi16(v3, 4), m4), _mm256_set1_epi32(xq[7]));
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
+        if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);
+        else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);
     }
-    _mm256_storeu_ps(out, acc);
+    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
 }
 
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
         const int32_t *xq = (const int32_t *)x[b].qs;
-        __m256i s = _mm256_set1_epi32(-128 * x[b].sum);
-        for (int c = 0; c < 8; c++)
-            s = _mm256_dpbusd_epi32(s, _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c)), _mm256_set1_epi32(xq[c]));
-        __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc);
+#define QV(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
+        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-128 * x[b].sum), QV(0), _mm256_set1_epi32(xq[0]));
+        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), QV(1), _mm256_set1_epi32(xq[1]));
+        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), QV(2), _mm256_set1_epi32(xq[2]));
+        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), QV(3), _mm256_set1_epi32(xq[3]));
+        s0 = _mm256_dpbusd_epi32(s0, QV(4), _mm256_set1_epi32(xq[4]));
+        s1 = _mm256_dpbusd_epi32(s1, QV(5), _mm256_set1_epi32(xq[5]));
+        s2 = _mm256_dpbusd_epi32(s2, QV(6), _mm256_set1_epi32(xq[6]));
+        s3 = _mm256_dpbusd_epi32(s3, QV(7), _mm256_set1_epi32(xq[7]));
+#undef QV
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
+        if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);
+        else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);
     }
-    _mm256_storeu_ps(out, acc);
+    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
 }
 
 MOE_TARGET("avx2,fma") static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
@@ -893,6 +912,98 @@ static int cpu_has_dotprod(void) {
 }
 #endif /* MOE_NEON */
 
+/* ---- absorbed MLA attention -------------------------------------------------------------- */
+
+void moe__mla_scores_ref(const moe__mla_block *b) {
+    for (int j = b->j0; j < b->j1; j++) {
+        const float *c = b->cache + (size_t)j * b->cw;
+        for (int h = 0; h < b->H; h++) {
+            const float *qa = b->qa + (size_t)h * b->r, *qr = b->qr + (size_t)h * b->qr_stride;
+            float s = 0, t = 0;
+            for (int i = 0; i < b->r; i++) s += qa[i] * c[i];
+            for (int i = 0; i < b->dr; i++) t += qr[i] * c[b->r + i];
+            b->sc[(size_t)h * b->ld + j] = (s + t) * b->scale;
+        }
+    }
+}
+
+void moe__mla_ctx_ref(const moe__mla_block *b, int h0, int h1) {
+    for (int j = 0; j < b->jn; j++) {
+        const float *c = b->cache + (size_t)j * b->cw;
+        for (int h = h0; h < h1; h++) {
+            const float p = b->sc[(size_t)h * b->ld + j];
+            float *ctx = b->ctx + (size_t)h * b->r;
+            for (int i = 0; i < b->r; i++) ctx[i] += p * c[i];
+        }
+    }
+}
+
+#ifdef MOE_X86
+/* scores, 4 heads at a time: each 8 floats of c_j are loaded once for four dot products */
+MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
+    const int r = b->r, dr = b->dr;
+    if (r % 8 || dr % 8) { moe__mla_scores_ref(b); return; }
+    for (int j = b->j0; j < b->j1; j++) {
+        const float *c = b->cache + (size_t)j * b->cw;
+        int h = 0;
+        for (; h + 4 <= b->H; h += 4) {
+            const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int i = 0; i < r; i += 8) {
+                __m256 cv = _mm256_loadu_ps(c + i);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + i), cv, s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a1 + i), cv, s1);
+                s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + i), cv, s2);
+                s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a3 + i), cv, s3);
+            }
+            for (int i = 0; i < dr; i += 8) {
+                __m256 cv = _mm256_loadu_ps(c + r + i);
+                const float *q0 = b->qr + (size_t)h * b->qr_stride;
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), cv, s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + b->qr_stride + i), cv, s1);
+                s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * (size_t)b->qr_stride + i), cv, s2);
+                s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * (size_t)b->qr_stride + i), cv, s3);
+            }
+            b->sc[(size_t)h * b->ld + j] = hsum_avx2(s0) * b->scale;
+            b->sc[(size_t)(h + 1) * b->ld + j] = hsum_avx2(s1) * b->scale;
+            b->sc[(size_t)(h + 2) * b->ld + j] = hsum_avx2(s2) * b->scale;
+            b->sc[(size_t)(h + 3) * b->ld + j] = hsum_avx2(s3) * b->scale;
+        }
+        for (; h < b->H; h++) {
+            __m256 s0 = _mm256_setzero_ps();
+            for (int i = 0; i < r; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b->qa + (size_t)h * r + i), _mm256_loadu_ps(c + i), s0);
+            for (int i = 0; i < dr; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b->qr + (size_t)h * b->qr_stride + i), _mm256_loadu_ps(c + r + i), s0);
+            b->sc[(size_t)h * b->ld + j] = hsum_avx2(s0) * b->scale;
+        }
+    }
+}
+
+/* ctx: 2 heads x 32 latent floats stay in 8 registers while every key of the block passes */
+MOE_TARGET("avx2,fma") static void mla_ctx_avx2(const moe__mla_block *b, int h0, int h1) {
+    const int r = b->r;
+    if (r % 32) { moe__mla_ctx_ref(b, h0, h1); return; }
+    int h = h0;
+    for (; h + 2 <= h1; h += 2) {
+        const float *p0 = b->sc + (size_t)h * b->ld, *p1 = p0 + b->ld;
+        float *c0 = b->ctx + (size_t)h * r, *c1 = c0 + r;
+        for (int i = 0; i < r; i += 32) {
+            __m256 x0 = _mm256_loadu_ps(c0 + i), x1 = _mm256_loadu_ps(c0 + i + 8), x2 = _mm256_loadu_ps(c0 + i + 16), x3 = _mm256_loadu_ps(c0 + i + 24);
+            __m256 y0 = _mm256_loadu_ps(c1 + i), y1 = _mm256_loadu_ps(c1 + i + 8), y2 = _mm256_loadu_ps(c1 + i + 16), y3 = _mm256_loadu_ps(c1 + i + 24);
+            for (int j = 0; j < b->jn; j++) {
+                const float *c = b->cache + (size_t)j * b->cw + i;
+                const __m256 a = _mm256_set1_ps(p0[j]), bb = _mm256_set1_ps(p1[j]);
+                const __m256 v0 = _mm256_loadu_ps(c), v1 = _mm256_loadu_ps(c + 8), v2 = _mm256_loadu_ps(c + 16), v3 = _mm256_loadu_ps(c + 24);
+                x0 = _mm256_fmadd_ps(a, v0, x0), x1 = _mm256_fmadd_ps(a, v1, x1), x2 = _mm256_fmadd_ps(a, v2, x2), x3 = _mm256_fmadd_ps(a, v3, x3);
+                y0 = _mm256_fmadd_ps(bb, v0, y0), y1 = _mm256_fmadd_ps(bb, v1, y1), y2 = _mm256_fmadd_ps(bb, v2, y2), y3 = _mm256_fmadd_ps(bb, v3, y3);
+            }
+            _mm256_storeu_ps(c0 + i, x0), _mm256_storeu_ps(c0 + i + 8, x1), _mm256_storeu_ps(c0 + i + 16, x2), _mm256_storeu_ps(c0 + i + 24, x3);
+            _mm256_storeu_ps(c1 + i, y0), _mm256_storeu_ps(c1 + i + 8, y1), _mm256_storeu_ps(c1 + i + 16, y2), _mm256_storeu_ps(c1 + i + 24, y3);
+        }
+    }
+    if (h < h1) moe__mla_ctx_ref(b, h, h1);
+}
+#endif
+
 /* ---- kernel table ---------------------------------------------------------------------- */
 
 static void dotq8_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_Q4_0X8, w, x, n, out); }
@@ -916,6 +1027,8 @@ static void kernels_scalar(moe__kernels *k) {
     k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_ref;
     k->axpy = axpy_ref;
     k->kda_recurrent = moe__kda_recurrent;
+    k->mla_scores = moe__mla_scores_ref;
+    k->mla_ctx = moe__mla_ctx_ref;
     k->isa = "scalar";
 }
 
@@ -938,6 +1051,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avx2;
         k->axpy = axpy_avx2;
         k->kda_recurrent = kda_recurrent_avx2;
+        k->mla_scores = mla_scores_avx2;
+        k->mla_ctx = mla_ctx_avx2;
         k->isa = "avx2";
         if (n < max && cpu_has_vnni()) {
             moe__kernels *v = &out[n++];
