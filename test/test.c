@@ -580,6 +580,42 @@ static void test_kda_chunked_vs_recurrent(void) {
     }
 }
 
+/* the absorbed-MLA block kernels of every level against their scalar references */
+static void test_mla_kernels(void) {
+    moe__kernels lv[4];
+    int nl = moe__kernel_levels(lv, 4);
+    const int shapes[][4] = {{16, 512, 64, 256}, {5, 64, 16, 37}, {4, 40, 8, 3}, {1, 32, 0, 1}}; /* H, r, d_r, keys */
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        const int H = shapes[si][0], r = shapes[si][1], dr = shapes[si][2], jn = shapes[si][3], cw = r + dr, dq = 8 + dr;
+        float *qa = malloc(sizeof(float) * (size_t)H * r), *qr = malloc(sizeof(float) * (size_t)H * dq + 1);
+        float *cache = malloc(sizeof(float) * (size_t)jn * cw), *sc = malloc(sizeof(float) * (size_t)H * jn);
+        float *sc2 = malloc(sizeof(float) * (size_t)H * jn), *ctx = malloc(sizeof(float) * (size_t)H * r), *ctx2 = malloc(sizeof(float) * (size_t)H * r);
+        for (int i = 0; i < H * r; i++) qa[i] = nrand(), ctx[i] = nrand();
+        for (int i = 0; i < H * dq; i++) qr[i] = nrand();
+        for (int i = 0; i < jn * cw; i++) cache[i] = nrand();
+        moe__mla_block b = {H, r, dr, cw, jn, 0, jn, jn, dq, 0.125f, qa, qr, cache, sc, ctx};
+        moe__mla_scores_ref(&b);
+        memcpy(ctx2, ctx, sizeof(float) * (size_t)H * r);
+        moe__mla_ctx_ref(&b, 0, H);
+        for (int l = 1; l < nl; l++) {
+            moe__mla_block b2 = b;
+            b2.sc = sc2, b2.ctx = malloc(sizeof(float) * (size_t)H * r);
+            memcpy(b2.ctx, ctx2, sizeof(float) * (size_t)H * r);
+            b2.j0 = 0, b2.j1 = jn / 2; /* two halves, as two threads would */
+            lv[l].mla_scores(&b2);
+            b2.j0 = jn / 2, b2.j1 = jn;
+            lv[l].mla_scores(&b2);
+            double ds = max_abs_diff(sc, sc2, (size_t)H * jn);
+            lv[l].mla_ctx(&b2, 0, H / 2);
+            lv[l].mla_ctx(&b2, H / 2, H);
+            double dc = max_abs_diff(ctx, b2.ctx, (size_t)H * r);
+            CHECKF(ds < 1e-4 * sqrt(r) && dc < 1e-4 * jn, "%s H %d r %d: scores %.3g, ctx %.3g", lv[l].isa, H, r, ds, dc);
+            free(b2.ctx);
+        }
+        free(qa), free(qr), free(cache), free(sc), free(sc2), free(ctx), free(ctx2);
+    }
+}
+
 /* ---- model-level equivalences --------------------------------------------------------------- */
 
 /* Token ids of golden prompt `pi` followed by its greedy continuation. Those ids were drawn so
@@ -1402,6 +1438,7 @@ static const struct {
     {"quant_blocks", test_quant_blocks},
     {"json", test_json},
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
+    {"mla_kernels", test_mla_kernels},
     {"golden_kimi", test_golden_kimi},
     {"golden_seed", test_golden_seed},
     {"golden_k3mx", test_golden_k3mx},
