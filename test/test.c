@@ -1269,7 +1269,7 @@ static void test_gguf_quant_resume(void) {
         const int V = moe_model_config(q)->vocab_size, L = moe_model_config(q)->n_layers, K = moe_model_config(q)->n_active;
         float *l1 = malloc(sizeof(float) * (size_t)V * n), *l2 = malloc(sizeof(float) * (size_t)V * n);
         int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * L * K);
-        moe_session *s1, *s2;
+        moe_session *s1 = NULL, *s2 = NULL;
         CHECK(moe_session_new(&s1, ref, n, NULL, 0) == MOE_OK && moe_session_new(&s2, q, n, NULL, 0) == MOE_OK);
         moe_seq q1 = {.s = s1, .tokens = ids, .n = n, .logits = l1, .logits_all = 1, .routes = routes};
         moe_seq q2 = {.s = s2, .tokens = ids, .n = n, .logits = l2, .logits_all = 1, .force_routes = routes};
