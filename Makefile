@@ -13,7 +13,7 @@ LIB = $(BUILD)/moe.o $(BUILD)/quant.o
 EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert $(BUILD)/moe-bench
 TESTS = $(BUILD)/moe-test
 
-.PHONY: all examples test test-scalar asan bench clean help
+.PHONY: all examples test test-scalar asan bench fuzz clean help
 
 # where make bench keeps its random benchmark-shape models (about 9 GB; made once)
 BENCH_MODELS ?= bench/models
@@ -74,9 +74,25 @@ bench: all
 	  ./$(BUILD)/moe-convert --random bench/shapes/kimi-linear-bench.json $(BENCH_MODELS)/kimi-linear-bench-$$t.gguf --dense $$t || exit 1; done
 	./$(BUILD)/moe-bench -m $(BENCH_MODELS)/kimi-linear-bench-q4_0.gguf -m $(BENCH_MODELS)/kimi-linear-bench-q8_0.gguf $(BENCH_ARGS)
 
+# fuzz: each parser (json safetensors gguf config) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
+fuzz:
+	@mkdir -p build-fuzz
+	@set -e; for t in $(FUZZ_TARGETS); do \
+	  T=$$(echo $$t | tr a-z A-Z); \
+	  $(FUZZ_CC) -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -DFUZZ_$$T \
+	    test/fuzz/fuzz.c moe.c quant.c -lm -o build-fuzz/fuzz-$$t; \
+	  mkdir -p build-fuzz/corpus-$$t; \
+	  ./build-fuzz/fuzz-$$t -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=2048 \
+	    build-fuzz/corpus-$$t test/fuzz/corpus/$$t; \
+	done
+
+FUZZ_CC ?= clang
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS = json safetensors gguf config
+
 # clean: remove every build folder
 clean:
-	rm -rf build build-scalar build-asan build-neon
+	rm -rf build build-scalar build-asan build-neon build-fuzz
 
 # help: list the targets
 help:

@@ -500,7 +500,7 @@ moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t err
 
 void moe__st_close(moe__st_file *f) {
     if (!f) return;
-    if (f->map) munmap(f->map, f->size);
+    if (f->map && !f->borrowed) munmap(f->map, f->size);
     free(f->kv);
     free(f->keys);
     free(f->tensors);
@@ -558,9 +558,9 @@ static const struct { uint32_t id; int blk, bytes, type; } ggml_types[] = {
     {39, 32, 17, MOE_T_MXFP4_GGML},
 };
 
-moe_status moe__gguf_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
-    moe_status st = map_file(f, path, err, errlen);
-    if (st) return st;
+static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
+    const char *path = f->path;
+    moe_status st = MOE_OK;
     f->is_gguf = 1;
     f->alignment = 32;
     gcur c = {f->map, f->size, 0, 0};
@@ -685,6 +685,23 @@ moe_status moe__gguf_open(moe__st_file *f, const char *path, char *err, size_t e
         }
 out:
     free(order);
+    return st;
+}
+
+moe_status moe__gguf_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
+    moe_status st = map_file(f, path, err, errlen);
+    if (st) return st;
+    if ((st = gguf_parse(f, err, errlen))) moe__st_close(f);
+    return st;
+}
+
+/* Parses a file image already in memory (fuzzing, tests): the bytes are borrowed, not mapped;
+ * release with moe__st_close as usual. */
+moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size, int gguf, char *err, size_t errlen) {
+    memset(f, 0, sizeof *f);
+    if (!(f->path = strdup("(memory)"))) return MOE_ERR_NOMEM;
+    f->map = (void *)data, f->size = size, f->borrowed = 1;
+    moe_status st = gguf ? gguf_parse(f, err, errlen) : st_parse(f, err, errlen);
     if (st) moe__st_close(f);
     return st;
 }
@@ -1121,6 +1138,20 @@ static moe_status gguf_config_json(const moe__st_file *f, moe__json **out, char 
     free(b.s);
     if (st) return fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata does not form a valid config (%s)", f->path, e2);
     return MOE_OK;
+}
+
+/* Validates a config.json text the way moe_model_open does (for fuzzing and tests). */
+moe_status moe__config_check(const char *text, size_t len, char *err, size_t errlen) {
+    moe__json *root;
+    moe_status st = moe__json_parse(text, len, &root, err, errlen);
+    if (st) return st;
+    moe_model *m = xcalloc(1, sizeof *m);
+    if (!m) st = MOE_ERR_NOMEM;
+    else if (root->type != MOE_JSON_OBJ) st = fail(err, errlen, MOE_ERR_FORMAT, "config.json: not an object");
+    else st = parse_config(m, root, err, errlen);
+    if (m) free(m->layer_kind), free(m->layer_moe), free(m);
+    moe__json_free(root);
+    return st;
 }
 
 /* ==== model binding ===========================================================================

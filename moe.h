@@ -361,12 +361,18 @@ typedef struct {
     int64_t n_kv;
     char *keys;
     uint32_t alignment;
+    int borrowed; /* map points at caller memory (moe__weights_parse_mem): not unmapped */
 } moe__st_file;
 
 moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t errlen);
 /* Opens and validates a GGUF v2/v3 file (same struct, same close). */
 moe_status moe__gguf_open(moe__st_file *f, const char *path, char *err, size_t errlen);
 const moe__gguf_kv *moe__gguf_get(const moe__st_file *f, const char *key);
+/* Parses a safetensors (gguf = 0) or GGUF (gguf = 1) image in memory; the bytes stay the
+ * caller's and must outlive f. For fuzzing and tests. */
+moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size, int gguf, char *err, size_t errlen);
+/* Validates a config.json text as moe_model_open would. */
+moe_status moe__config_check(const char *text, size_t len, char *err, size_t errlen);
 /* GGUF name of an HF tensor name ("model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight");
  * 0 when it has none (routed experts are merged per layer: blk.N.ffn_{gate,up,down}_exps). */
 int moe__hf_to_gguf(const char *hf, char *out, size_t n);

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -1389,6 +1390,44 @@ static void test_gguf_bad(void) {
     remove(out);
 }
 
+/* the fuzz seed corpora (test/fuzz/corpus) go through the fuzz targets' parsers: seeds are
+ * valid inputs, so every one is accepted (a replay of what `make fuzz` starts from) */
+static void test_fuzz_seeds(void) {
+    const char *dirs[4] = {"json", "safetensors", "gguf", "config"};
+    int total = 0;
+    for (int k = 0; k < 4; k++) {
+        char dir[600];
+        snprintf(dir, sizeof dir, "%s/../fuzz/corpus/%s", golden_dir(), dirs[k]);
+        DIR *d = opendir(dir);
+        CHECKF(d != NULL, "%s", dir);
+        struct dirent *e;
+        while (d && (e = readdir(d))) {
+            if (e->d_name[0] == '.') continue;
+            char p[1200], err[256];
+            size_t len;
+            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+            char *data = read_all(p, &len);
+            CHECK(data != NULL);
+            if (!data) continue;
+            moe_status st;
+            if (k == 0) {
+                moe__json *j;
+                if (!(st = moe__json_parse(data, len, &j, err, sizeof err))) moe__json_free(j);
+            } else if (k == 3) {
+                st = moe__config_check(data, len, err, sizeof err);
+            } else {
+                moe__st_file f;
+                if (!(st = moe__weights_parse_mem(&f, data, len, k == 2, err, sizeof err))) moe__st_close(&f);
+            }
+            CHECKF(st == MOE_OK, "%s: %s", p, err);
+            free(data);
+            total++;
+        }
+        if (d) closedir(d);
+    }
+    CHECK(total >= 9);
+}
+
 /* ---- memory ------------------------------------------------------------------------------------ */
 
 /* the seed model with a 600-token prompt stays under 100 MB resident (measured in a child, so
@@ -1457,6 +1496,7 @@ static const struct {
     {"gguf_golden", test_gguf_golden},
     {"gguf_quant_resume", test_gguf_quant_resume},
     {"gguf_bad", test_gguf_bad},
+    {"fuzz_seeds", test_fuzz_seeds},
 };
 
 static void rm_tree(const char *dir) {
