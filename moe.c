@@ -1925,46 +1925,39 @@ static moe_status matmul_nt(const moe_model *m, float *y, const float *x, int64_
     const unsigned char *base = W->data;
     const int par = nt > 1 && N * T * K > (1 << 18);
     (void)par; /* used by the OpenMP pragmas only */
-    if (W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8) {
-        /* interleaved groups of 8 rows: one kernel call yields 8 outputs */
-        const int64_t nb = K / 32, gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
-        moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nb * T));
-        if (!xq) return MOE_ERR_NOMEM;
-        const moe__dotq8_fn dotq8 = m->k.dotq8[W->type];
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (par && T > 1)
-#endif
-        for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (par)
-#endif
-        for (int64_t g = 0; g < N / 8; g++) {
-            float o8[8];
-            for (int t = 0; t < T; t++) {
-                dotq8(base + g * gb, xq + (int64_t)t * nb, K, o8);
-                memcpy(y + (int64_t)t * N + g * 8, o8, sizeof o8);
-            }
-        }
-        free(xq);
-        return MOE_OK;
-    }
-    if (moe__is_quant(W->type)) {
+    const int x8 = W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8;
+    if (x8 || moe__is_quant(W->type)) {
         /* integer formats: quantize the activation rows once, then int8 dots */
         const int64_t nb = K / 32;
         moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nb * T));
         if (!xq) return MOE_ERR_NOMEM;
-        const moe__dotq_fn dotq = m->k.dotq[W->type];
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (par && T > 1)
 #endif
         for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
+        if (x8) { /* interleaved groups of 8 rows: one kernel call yields 8 outputs */
+            const int64_t gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
+            const moe__dotq8_fn dotq8 = m->k.dotq8[W->type];
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (par)
 #endif
-        for (int64_t r0 = 0; r0 < N; r0 += MM_ROW_TILE) {
-            const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
-            for (int t = 0; t < T; t++)
-                for (int64_t n = r0; n < r1; n++) y[(int64_t)t * N + n] = dotq(base + n * rb, xq + (int64_t)t * nb, K);
+            for (int64_t g = 0; g < N / 8; g++) {
+                float o8[8];
+                for (int t = 0; t < T; t++) {
+                    dotq8(base + g * gb, xq + (int64_t)t * nb, K, o8);
+                    memcpy(y + (int64_t)t * N + g * 8, o8, sizeof o8);
+                }
+            }
+        } else {
+            const moe__dotq_fn dotq = m->k.dotq[W->type];
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (par)
+#endif
+            for (int64_t r0 = 0; r0 < N; r0 += MM_ROW_TILE) {
+                const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
+                for (int t = 0; t < T; t++)
+                    for (int64_t n = r0; n < r1; n++) y[(int64_t)t * N + n] = dotq(base + n * rb, xq + (int64_t)t * nb, K);
+            }
         }
         free(xq);
         return MOE_OK;
