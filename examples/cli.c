@@ -18,7 +18,7 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-cli: %s\n", msg);
     fprintf(stderr,
             "usage: moe-cli -m MODEL (-p \"IDS\" | -f IDS_FILE) [options]\n"
-            "  -m MODEL        checkpoint directory or .safetensors file\n"
+            "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
             "  -p \"IDS\"        prompt as space-separated token ids\n"
             "  -f FILE         prompt token ids from a file ('-' = stdin)\n"
             "  -n N            tokens to generate (default 32)\n"

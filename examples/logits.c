@@ -19,7 +19,7 @@ static int usage(const char *msg) {
     fprintf(stderr,
             "usage: moe-logits -m MODEL --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]\n"
             "                  [-t THREADS] [--scalar]\n"
-            "  -m MODEL        checkpoint directory or .safetensors file (config.json beside it)\n"
+            "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
             "  --tokens FILE   whitespace-separated token ids\n"
             "  --out FILE      write float32 little-endian logits, rows x vocab\n"
             "  --all           logits for every prompt position (default: the last one)\n"
