@@ -692,6 +692,88 @@ MOE_TARGET("avx2,fma") static void kda_recurrent_avx2(const moe__kda_head *a) {
     }
 }
 
+
+/* ---- AVX-512 (F, BW, VL): the float kernels at 16 lanes ------------------------------------ */
+#define MOE_AVX512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl"
+
+MOE_TARGET(MOE_AVX512) static float dot_f32_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const float *p = w;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(x + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    }
+    if (i + 16 <= n) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(x + i), a0), i += 16;
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    for (; i < n; i++) s += p[i] * x[i];
+    return s;
+}
+
+MOE_TARGET(MOE_AVX512) static inline __m512 load_bf16_avx512(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+MOE_TARGET(MOE_AVX512) static float dot_bf16_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const uint16_t *p = w;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm512_fmadd_ps(load_bf16_avx512(p + i), _mm512_loadu_ps(x + i), a0);
+        a1 = _mm512_fmadd_ps(load_bf16_avx512(p + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    }
+    if (i + 16 <= n) a0 = _mm512_fmadd_ps(load_bf16_avx512(p + i), _mm512_loadu_ps(x + i), a0), i += 16;
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    for (; i < n; i++) s += moe__bf16_to_f32(p[i]) * x[i];
+    return s;
+}
+
+/* MXFP4, both layouts: the 2*E2M1 codes of a block as 32 int8 (column order), widened 16 at a
+ * time; the block sum is scaled by 2^(s-127)/2 */
+MOE_TARGET(MOE_AVX512) static inline __m512 mxfp4_block_avx512(__m128i c0, __m128i c1, const float *xb, __m512 acc, float scale) {
+    __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), _mm512_loadu_ps(xb));
+    s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), _mm512_loadu_ps(xb + 16), s);
+    return _mm512_fmadd_ps(s, _mm512_set1_ps(scale), acc);
+}
+
+MOE_TARGET(MOE_AVX512) static float dot_mxfp4_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    const uint8_t *p = w;
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), m4 = _mm_set1_epi8(15);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)(p + b * 16));
+        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)), hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        acc = mxfp4_block_avx512(_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi), x + b * 32, acc, 0.5f * e8m0(sc[b]));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+MOE_TARGET(MOE_AVX512) static float dot_mxfp4g_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const moe__block_mxfp4 *b = w;
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), m4 = _mm_set1_epi8(15);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / 32; i++) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)b[i].qs);
+        acc = mxfp4_block_avx512(_mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)), _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4)),
+                                 x + i * 32, acc, 0.5f * e8m0(b[i].e));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+MOE_TARGET(MOE_AVX512) static void axpy_avx512(float *y, float a, const float *x, int64_t n) {
+    const __m512 va = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+static int cpu_has_avx512(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
 static int cpu_has_vnni(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
@@ -1054,12 +1136,20 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_scores = mla_scores_avx2;
         k->mla_ctx = mla_ctx_avx2;
         k->isa = "avx2";
-        if (n < max && cpu_has_vnni()) {
+        if (n < max && cpu_has_avx512()) {
             moe__kernels *v = &out[n++];
             *v = *k;
-            v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
-            v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
-            v->isa = "avx512vnni";
+            v->dot[MOE_T_F32] = dot_f32_avx512;
+            v->dot[MOE_T_BF16] = dot_bf16_avx512;
+            v->dot[MOE_T_MXFP4] = dot_mxfp4_avx512;
+            v->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_avx512;
+            v->axpy = axpy_avx512;
+            v->isa = "avx512";
+            if (cpu_has_vnni()) {
+                v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
+                v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
+                v->isa = "avx512vnni";
+            }
         }
     }
 #endif

@@ -59,6 +59,7 @@ static float nrand(void) { /* roughly normal */
     return (float)((urand() + urand() + urand() + urand() - 2.0) * 1.7320508);
 }
 
+static double max_abs_diff(const float *a, const float *b, size_t n);
 static char tmp_root[256];
 
 static void tmp_path(char *out, size_t n, const char *name) { snprintf(out, n, "%s/%s", tmp_root, name); }
@@ -199,6 +200,19 @@ static void test_dot_levels(void) {
                 if (n % 32 == 0) {
                     for (int i = 0; i < n / 2; i++) wq[i] = (uint8_t)(urand() * 256);
                     for (int i = 0; i < n / 32; i++) ws[i] = (uint8_t)(mode == 0 ? 110 + urand() * 20 : mode == 1 ? 200 + urand() * 50 : 1 + urand() * 50);
+                    /* the ggml layout of the same codes: one block = scale byte + 16 packed bytes */
+                    unsigned char *wg = malloc((size_t)n / 32 * 17);
+                    for (int b2 = 0; b2 < n / 32; b2++) {
+                        wg[b2 * 17] = ws[b2];
+                        memcpy(wg + b2 * 17 + 1, wq + b2 * 16, 16);
+                    }
+                    float rg = lv[0].dot[MOE_T_MXFP4_GGML](wg, NULL, x, n), sg = lv[li].dot[MOE_T_MXFP4_GGML](wg, NULL, x, n);
+                    float *rowg = malloc(sizeof(float) * (size_t)n);
+                    moe__row_to_f32(MOE_T_MXFP4_GGML, wg, NULL, rowg, n);
+                    double adg = 0;
+                    for (int i = 0; i < n; i++) adg += fabs((double)rowg[i] * x[i]);
+                    CHECKF(fabs((double)rg - sg) <= 1e-5 * adg + 1e-37, "%s mxfp4 ggml n %d: %g vs %g", lv[li].isa, n, rg, sg);
+                    free(wg), free(rowg);
                     float r = lv[0].dot[MOE_T_MXFP4](wq, ws, x, n), s = lv[li].dot[MOE_T_MXFP4](wq, ws, x, n);
                     float *row = malloc(sizeof(float) * (size_t)n);
                     moe__row_to_f32(MOE_T_MXFP4, wq, ws, row, n);
@@ -209,6 +223,15 @@ static void test_dot_levels(void) {
                 }
             }
     free(x), free(wf), free(wb), free(wh), free(wq), free(ws);
+    /* axpy, every level, ragged lengths */
+    for (int li = 1; li < nl; li++)
+        for (int n = 1; n < 100; n += 7) {
+            float y0[100], y1[100], xx[100];
+            for (int i = 0; i < n; i++) y0[i] = y1[i] = nrand(), xx[i] = nrand();
+            lv[0].axpy(y0, 0.37f, xx, n);
+            lv[li].axpy(y1, 0.37f, xx, n);
+            CHECKF(max_abs_diff(y0, y1, (size_t)n) < 1e-6, "%s axpy n %d", lv[li].isa, n);
+        }
 }
 
 /* Q8_0/Q4_0: ggml's rounding (hand-derived known answers), round-trip bounds, and every int8
