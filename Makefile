@@ -3,7 +3,7 @@
 
 CC ?= cc
 CFLAGS ?= -O2 -std=c11 -Wall -Wextra -pedantic
-LDLIBS = -lm
+LDLIBS = -lm -lpthread
 BUILD ?= build
 # OpenMP when the compiler has it; a plain serial build otherwise (OPENMP= to turn it off)
 OPENMP ?= $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)

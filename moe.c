@@ -20,6 +20,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <pthread.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef _OPENMP
@@ -758,6 +759,7 @@ struct moe_model {
     char *path;
     void **owned; /* weights converted at load */
     int n_owned, cap_owned;
+    struct expert_cache *cache; /* CACHE mode */
 };
 
 struct moe_session {
@@ -1603,7 +1605,7 @@ static moe_status repack_weights(moe_model *m) {
         moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o, &L->q_a,
                                 &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->router, &L->lat_down, &L->lat_up};
         for (size_t k = 0; k < sizeof dense / sizeof *dense && !st; k++) st = repack_weight(m, dense[k]);
-        for (int e = 0; L->experts && e < m->cfg.n_experts && !st; e++) {
+        for (int e = 0; L->experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) { /* cache mode reads experts as stored */
             st = repack_weight(m, &L->experts[e].w1);
             if (!st) st = repack_weight(m, &L->experts[e].w2);
             if (!st) st = repack_weight(m, &L->experts[e].w3);
@@ -1755,6 +1757,9 @@ static moe_status index_shards(const char *dir, const char *index_path, char ***
     return MOE_OK;
 }
 
+static moe_status cache_open(moe_model *m, char *err, size_t errlen); /* expert cache section */
+static void cache_free(moe_model *m);
+
 moe_options moe_default_options(void) {
     moe_options o;
     memset(&o, 0, sizeof o);
@@ -1861,8 +1866,13 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
     moe__kernels_init(&m->k, m->opt.flags);
     moe_status st = MOE_OK;
     if (!(m->path = strdup(path))) st = MOE_ERR_NOMEM;
+    if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)
+        st = fail(err, errlen, MOE_ERR_ARG, "unknown expert_mode %d", m->opt.expert_mode);
+    if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && m->opt.expert_type != MOE_WTYPE_ASIS)
+        st = fail(err, errlen, MOE_ERR_ARG, "expert_type conversion makes experts resident: it needs the mmap expert mode");
     if (!st) st = open_files(m, path, err, errlen);
     if (!st) st = bind_model(m, err, errlen);
+    if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && m->cfg.n_experts) st = cache_open(m, err, errlen);
     if (st) {
         if (st == MOE_ERR_NOMEM && err && errlen && !err[0]) fail(err, errlen, st, "out of memory loading %s", path);
         moe_model_close(m);
@@ -1874,6 +1884,7 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
 
 void moe_model_close(moe_model *m) {
     if (!m) return;
+    cache_free(m);
     if (m->layers)
         for (int i = 0; i < m->cfg.n_layers; i++) {
             layer *L = &m->layers[i];
@@ -2325,11 +2336,214 @@ static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const
     return st;
 }
 
-/* The one way the forward pass reaches a routed expert. With mmap experts the weights are the
- * mapping itself; the streaming expert store will make them resident here. */
-static moe_status expert_get(const moe_model *m, int li, int e, const expert **out) {
+/* ==== expert cache (CACHE mode) ===============================================================
+ * Experts are read whole with pread into buffers the cache owns, within the caller's budget;
+ * an expert in use by a step is pinned, the least recently used unpinned one is evicted to make
+ * room. One lock guards the table; reads happen under it (synchronous reading: the I/O threads and
+ * prefetch of the streaming design are not here yet). */
+
+typedef struct cache_entry {
+    int li, e, pins;
+    uint64_t last_use;
+    size_t bytes;
+    unsigned char *buf;
+    expert ex; /* the weights, pointing into buf */
+} cache_entry;
+
+struct expert_cache {
+    pthread_mutex_t lock;
+    pthread_cond_t unpinned; /* signalled when an expert's last pin goes */
+    int *fds;               /* one per file */
+    cache_entry **slot;     /* [n_layers * n_experts]: resident entry or NULL */
+    cache_entry **resident; /* the resident entries, unordered */
+    int n_resident, cap_resident;
+    size_t budget, used, peak;
+    uint64_t clock;
+    int fail_after; /* fault injection: the n-th read from now fails (0: never) */
+};
+
+static void cache_free(moe_model *m) {
+    struct expert_cache *c = m->cache;
+    if (!c) return;
+    for (int i = 0; i < c->n_resident; i++) free(c->resident[i]->buf), free(c->resident[i]);
+    for (int i = 0; c->fds && i < m->n_files; i++)
+        if (c->fds[i] >= 0) close(c->fds[i]);
+    free(c->fds), free(c->slot), free(c->resident);
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->unpinned);
+    free(c);
+    m->cache = NULL;
+}
+
+static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
+    const moe_config *c = &m->cfg;
+    uint64_t biggest = 0;
+    for (int l = 0; l < c->n_layers; l++)
+        for (int e = 0; m->layers[l].experts && e < c->n_experts; e++) {
+            uint64_t b = expert_bytes(&m->layers[l].experts[e]);
+            biggest = b > biggest ? b : biggest;
+        }
+    /* the experts of one step in flight at once: one per thread (experts run in parallel) */
+    const uint64_t need = biggest * (uint64_t)m->opt.n_threads;
+    if (m->opt.expert_budget < need)
+        return fail(err, errlen, MOE_ERR_ARG, "expert budget of %zu bytes is too small: a step needs %d expert(s) of %llu bytes at once",
+                    m->opt.expert_budget, m->opt.n_threads, (unsigned long long)biggest);
+    struct expert_cache *k = xcalloc(1, sizeof *k);
+    if (!k) return MOE_ERR_NOMEM;
+    m->cache = k;
+    pthread_mutex_init(&k->lock, NULL);
+    pthread_cond_init(&k->unpinned, NULL);
+    k->budget = m->opt.expert_budget;
+    k->fds = malloc(sizeof(int) * (size_t)m->n_files);
+    k->slot = xcalloc((size_t)c->n_layers * (size_t)(c->n_experts ? c->n_experts : 1), sizeof *k->slot);
+    if (!k->fds || !k->slot) return MOE_ERR_NOMEM;
+    for (int i = 0; i < m->n_files; i++) k->fds[i] = -1;
+    for (int i = 0; i < m->n_files; i++)
+        if ((k->fds[i] = open(m->files[i].path, O_RDONLY)) < 0)
+            return fail(err, errlen, MOE_ERR_IO, "%s: %s", m->files[i].path, strerror(errno));
+    return MOE_OK;
+}
+
+/* one stretch of a mapped file into dst, with pread (short reads continued, EINTR retried) */
+static int cache_read(const moe_model *m, struct expert_cache *k, const void *src, size_t n, unsigned char *dst) {
+    int f = -1;
+    for (int i = 0; i < m->n_files && f < 0; i++)
+        if ((const unsigned char *)src >= (const unsigned char *)m->files[i].map &&
+            (const unsigned char *)src + n <= (const unsigned char *)m->files[i].map + m->files[i].size)
+            f = i;
+    if (f < 0) return EINVAL;
+    if (k->fail_after > 0 && --k->fail_after == 0) return EIO; /* injected fault */
+    off_t off = (off_t)((const unsigned char *)src - (const unsigned char *)m->files[f].map);
+    for (size_t done = 0; done < n;) {
+        ssize_t r = pread(k->fds[f], dst + done, n - done, off + (off_t)done);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return errno;
+        if (r == 0) return EIO; /* the file shrank underneath us */
+        done += (size_t)r;
+    }
+    return 0;
+}
+
+static uint64_t weight_data_bytes(const moe__weight *w) { return (uint64_t)w->rows * (uint64_t)moe__row_bytes(w->type, w->cols); }
+
+static void cache_evict(struct expert_cache *k, cache_entry *v, int n_experts) {
+    k->slot[(size_t)v->li * (size_t)n_experts + (size_t)v->e] = NULL;
+    for (int i = 0; i < k->n_resident; i++)
+        if (k->resident[i] == v) { k->resident[i] = k->resident[--k->n_resident]; break; }
+    k->used -= v->bytes;
+    free(v->buf);
+    free(v);
+}
+
+/* makes expert (li, e) resident and pinned; *out is valid until cache_put */
+static moe_status cache_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
+    struct expert_cache *k = m->cache;
+    const int E = m->cfg.n_experts;
+    moe_status st = MOE_OK;
+    const expert *src = &m->layers[li].experts[e];
+    const moe__weight *w[3] = {&src->w1, &src->w2, &src->w3};
+    size_t bytes = 0;
+    for (int i = 0; i < 3; i++) bytes += (size_t)weight_bytes(w[i]);
+    pthread_mutex_lock(&k->lock);
+    cache_entry *v;
+    for (;;) {
+        if ((v = k->slot[(size_t)li * (size_t)E + (size_t)e])) { /* resident (perhaps read meanwhile) */
+            v->pins++;
+            v->last_use = ++k->clock;
+            if (stats) stats->cache_hits++;
+            *out = &v->ex;
+            pthread_mutex_unlock(&k->lock);
+            return MOE_OK;
+        }
+        if (k->used + bytes <= k->budget) break;
+        cache_entry *lru = NULL; /* evict the least recently used unpinned expert */
+        for (int i = 0; i < k->n_resident; i++)
+            if (!k->resident[i]->pins && (!lru || k->resident[i]->last_use < lru->last_use)) lru = k->resident[i];
+        if (lru) cache_evict(k, lru, E);
+        /* all pinned by steps running on other threads (each holds at most one while it asks
+         * for another, and the budget holds one per thread of a step): wait for one to go */
+        else pthread_cond_wait(&k->unpinned, &k->lock);
+    }
+    if (k->n_resident == k->cap_resident) {
+        int cap = k->cap_resident ? 2 * k->cap_resident : 64;
+        cache_entry **r = realloc(k->resident, sizeof *r * (size_t)cap);
+        if (!r) { pthread_mutex_unlock(&k->lock); return MOE_ERR_NOMEM; }
+        k->resident = r, k->cap_resident = cap;
+    }
+    v = xcalloc(1, sizeof *v);
+    unsigned char *buf = v ? malloc(bytes) : NULL;
+    if (!buf) {
+        free(v);
+        pthread_mutex_unlock(&k->lock);
+        return MOE_ERR_NOMEM;
+    }
+    double t0 = now_sec();
+    size_t at = 0;
+    int rc = 0;
+    moe__weight *dst[3] = {&v->ex.w1, &v->ex.w2, &v->ex.w3};
+    for (int i = 0; i < 3 && !rc; i++) {
+        *dst[i] = *w[i];
+        const size_t nd = (size_t)weight_data_bytes(w[i]);
+        rc = cache_read(m, k, w[i]->data, nd, buf + at);
+        dst[i]->data = buf + at;
+        at += nd;
+        if (!rc && w[i]->scale) {
+            const size_t ns = (size_t)(w[i]->rows * (w[i]->cols / 32));
+            rc = cache_read(m, k, w[i]->scale, ns, buf + at);
+            dst[i]->scale = buf + at;
+            at += ns;
+        }
+    }
+    if (stats) stats->io_seconds += now_sec() - t0;
+    if (rc) {
+        free(buf), free(v);
+        pthread_mutex_unlock(&k->lock);
+        return MOE_ERR_IO;
+    }
+    v->li = li, v->e = e, v->pins = 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
+    k->slot[(size_t)li * (size_t)E + (size_t)e] = v;
+    k->resident[k->n_resident++] = v;
+    k->used += bytes;
+    k->peak = k->used > k->peak ? k->used : k->peak;
+    if (stats) stats->cache_misses++, stats->bytes_read += bytes;
+    *out = &v->ex;
+    pthread_mutex_unlock(&k->lock);
+    return st;
+}
+
+static void cache_put(const moe_model *m, int li, int e) {
+    struct expert_cache *k = m->cache;
+    pthread_mutex_lock(&k->lock);
+    cache_entry *v = k->slot[(size_t)li * (size_t)m->cfg.n_experts + (size_t)e];
+    if (v && v->pins > 0 && --v->pins == 0) pthread_cond_broadcast(&k->unpinned);
+    pthread_mutex_unlock(&k->lock);
+}
+
+void moe__fail_expert_read(moe_model *m, int n) {
+    if (!m || !m->cache) return;
+    pthread_mutex_lock(&m->cache->lock);
+    m->cache->fail_after = n > 0 ? n : 0;
+    pthread_mutex_unlock(&m->cache->lock);
+}
+
+void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak) {
+    *now = *peak = 0;
+    if (!m || !m->cache) return;
+    pthread_mutex_lock(&m->cache->lock);
+    *now = m->cache->used, *peak = m->cache->peak;
+    pthread_mutex_unlock(&m->cache->lock);
+}
+
+/* The one way the forward pass reaches a routed expert: through the mapping (MMAP mode) or the
+ * cache (CACHE mode; the expert stays pinned until expert_put). */
+static moe_status expert_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
+    if (m->cache) return cache_get(m, li, e, out, stats);
     *out = &m->layers[li].experts[e];
     return MOE_OK;
+}
+
+static void expert_put(const moe_model *m, int li, int e) {
+    if (m->cache) cache_put(m, li, e);
 }
 
 /* Top-k selection per row on s' = s + bias (grouped when G > 1 and G > G_k); weights from the
@@ -2463,12 +2677,14 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
         if (!ce || !by_expert) continue;
         const expert *ex;
         float *bx = eb + (size_t)c0 * (2 * (size_t)de + 2 * (size_t)Ie), *ba = bx + (size_t)ce * de, *bb = ba + (size_t)ce * Ie, *bo = bb + (size_t)ce * Ie;
-        moe_status es = expert_get(m, li, e, &ex);
+        moe_status es = expert_get(m, li, e, &ex, stats);
+        const int got = !es;
         for (int i = 0; i < ce && !es; i++) memcpy(bx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
         if (!es) es = matmul_nt(m, ba, bx, de, ce, &ex->w1, 1);
         if (!es) es = matmul_nt(m, bb, bx, de, ce, &ex->w3, 1);
         if (!es) glu(c, ba, bb, (int64_t)ce * Ie);
         if (!es) es = matmul_nt(m, bo, ba, Ie, ce, &ex->w2, 1);
+        if (got) expert_put(m, li, e);
         if (es) {
 #ifdef _OPENMP
 #pragma omp critical(moe_expert_status)
@@ -2479,17 +2695,19 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
     for (int e = 0; e < E && !st; e++) {
         const int c0 = cnt[e], ce = cnt[e + 1] - c0;
         if (!ce) continue;
-        const expert *ex;
-        if ((st = expert_get(m, li, e, &ex))) break;
+        const expert *ex = &L->experts[e]; /* as stored: for the statistics */
         const float *res = go;
         if (by_expert) {
             res = eb + (size_t)c0 * (2 * (size_t)de + 2 * (size_t)Ie) + (size_t)ce * (de + 2 * (size_t)Ie);
         } else {
+            const expert *ux;
+            if ((st = expert_get(m, li, e, &ux, stats))) break;
             for (int i = 0; i < ce; i++) memcpy(gx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
-            MM(ga, gx, ce, &ex->w1);
-            MM(gb, gx, ce, &ex->w3);
+            MM(ga, gx, ce, &ux->w1);
+            MM(gb, gx, ce, &ux->w3);
             glu(c, ga, gb, (int64_t)ce * Ie);
-            MM(go, ga, ce, &ex->w2);
+            MM(go, ga, ce, &ux->w2);
+            expert_put(m, li, e);
             if (st) break;
         }
         for (int i = 0; i < ce; i++) {

@@ -66,7 +66,11 @@ enum {
                                          interleaving them 8 rows at a time into RAM at load */
 };
 
-typedef enum { MOE_EXPERTS_MMAP = 0 } moe_expert_mode;
+/* How routed experts reach memory. MMAP: through the files' mapping (the page cache caches).
+ * CACHE: the model reads each expert it needs with pread into a cache of at most expert_budget
+ * bytes it owns, evicting the least recently used expert not in use; the files are not touched
+ * through the mapping for experts then. */
+typedef enum { MOE_EXPERTS_MMAP = 0, MOE_EXPERTS_CACHE = 1 } moe_expert_mode;
 
 /* Weight formats a model can be converted to at load (moe_options.dense_type/expert_type). */
 typedef enum {
@@ -80,7 +84,8 @@ typedef enum {
 typedef struct {
     int n_threads;          /* worker threads per call; <= 0 means 1 */
     int n_batch;            /* rows per internal forward chunk (bounds activation memory) */
-    size_t expert_budget;   /* RAM for the expert cache in bytes; 0 = unlimited (reserved) */
+    size_t expert_budget;   /* CACHE mode: RAM for routed experts in bytes; it must hold n_threads
+                               experts (checked at open) */
     int expert_mode;        /* moe_expert_mode */
     int dense_type;         /* moe_wtype for the attention, dense FFN, shared expert and LM-head
                                matrices, converted at load into RAM the model owns */
@@ -194,6 +199,9 @@ typedef struct {
     uint64_t expert_rows;  /* (token, expert) pairs computed */
     uint64_t expert_loads; /* distinct experts reached per chunk and layer, summed */
     uint64_t expert_bytes; /* bytes of expert weights those loads touched */
+    uint64_t cache_hits, cache_misses; /* CACHE mode: experts found resident / read from disk */
+    uint64_t bytes_read;   /* CACHE mode: bytes read from the files */
+    double io_seconds;     /* CACHE mode: time spent reading (the step waited for it) */
     double seconds;        /* wall time of the step */
 } moe_step_stats;
 
@@ -371,6 +379,11 @@ const moe__gguf_kv *moe__gguf_get(const moe__st_file *f, const char *key);
 /* Parses a safetensors (gguf = 0) or GGUF (gguf = 1) image in memory; the bytes stay the
  * caller's and must outlive f. For fuzzing and tests. */
 moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size, int gguf, char *err, size_t errlen);
+/* Test hook (fault injection): the n-th expert read from now on fails as with EIO (n >= 1;
+ * 0 disables). CACHE mode only. */
+void moe__fail_expert_read(moe_model *m, int n);
+/* CACHE mode: bytes the expert cache holds now, and the most it ever held. */
+void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak);
 /* Validates a config.json text as moe_model_open would. */
 moe_status moe__config_check(const char *text, size_t len, char *err, size_t errlen);
 /* GGUF name of an HF tensor name ("model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight");

@@ -30,7 +30,10 @@ static int usage(const char *msg) {
             "  --min-p P       drop tokens below P x the top probability (default 0.05)\n"
             "  -s SEED         sampling seed (default: time)\n"
             "  --batch N       rows per internal forward chunk (default 512)\n"
-            "  --ignore-eos    keep generating after the end-of-sequence token\n");
+            "  --ignore-eos    keep generating after the end-of-sequence token\n"
+            "  --load-mode M   routed experts through the file mapping (mmap, default) or read into a\n"
+            "                  cache of --expert-budget bytes (cache)\n"
+            "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode)\n");
     return 2;
 }
 
@@ -93,6 +96,18 @@ static int num_arg(const char *s, double lo, double hi, double *out) {
     return 1;
 }
 
+/* "8G", "512M", "65536": bytes */
+static int parse_size(const char *s, size_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
+               : *end == 'T' || *end == 't' ? 1099511627776.0 : 1.0;
+    if (mul != 1.0) end++;
+    if (*end || !(v > 0) || v * mul > 1e18) return 0;
+    *out = (size_t)(v * mul);
+    return 1;
+}
+
 int main(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *file = NULL;
     int n_gen = 32, n_ctx = 0, ignore_eos = 0;
@@ -116,6 +131,14 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-s") && more && num_arg(argv[++i], 0, 1.8e19, &v)) seed = (uint64_t)v;
         else if (!strcmp(a, "--batch") && more && num_arg(argv[++i], 1, 1e6, &v)) opt.n_batch = (int)v;
         else if (!strcmp(a, "--ignore-eos")) ignore_eos = 1;
+        else if (!strcmp(a, "--load-mode") && more) {
+            const char *v = argv[++i];
+            if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
+            else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
+            else return usage("--load-mode is mmap or cache");
+        } else if (!strcmp(a, "--expert-budget") && more) {
+            if (!parse_size(argv[++i], &opt.expert_budget)) return usage("--expert-budget needs a size such as 8G");
+        }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown, incomplete or out-of-range argument");
     }
@@ -165,6 +188,7 @@ int main(int argc, char **argv) {
         moe_seq d = {.s = s, .tokens = &tok, .n = 1, .logits = logits};
         if ((st = moe_step(m, &d, 1, &ds, err, sizeof err))) { fprintf(stderr, "\nmoe-cli: %s\n", err); goto out; }
         tot.expert_rows += ds.expert_rows, tot.expert_loads += ds.expert_loads, tot.expert_bytes += ds.expert_bytes;
+        tot.cache_hits += ds.cache_hits, tot.cache_misses += ds.cache_misses, tot.bytes_read += ds.bytes_read, tot.io_seconds += ds.io_seconds;
     }
     td = now() - td;
     printf("\n");
@@ -173,6 +197,13 @@ int main(int argc, char **argv) {
     fprintf(stderr, "moe-cli: experts: prefill %llu loads, %.1f MB; decode %llu loads, %.1f MB (%.2f MB/token)\n",
             (unsigned long long)ps.expert_loads, ps.expert_bytes / 1e6, (unsigned long long)tot.expert_loads,
             tot.expert_bytes / 1e6, gen > 1 ? tot.expert_bytes / 1e6 / (gen - 1) : 0.0);
+    if (opt.expert_mode == MOE_EXPERTS_CACHE) {
+        const uint64_t lk = ps.cache_hits + ps.cache_misses + tot.cache_hits + tot.cache_misses;
+        fprintf(stderr, "moe-cli: expert cache: %llu hits, %llu misses (hit rate %.1f%%), %.1f MB read in %.3f s (%.0f MB/s)\n",
+                (unsigned long long)(ps.cache_hits + tot.cache_hits), (unsigned long long)(ps.cache_misses + tot.cache_misses),
+                lk ? 100.0 * (ps.cache_hits + tot.cache_hits) / lk : 0.0, (ps.bytes_read + tot.bytes_read) / 1e6,
+                ps.io_seconds + tot.io_seconds, (ps.io_seconds + tot.io_seconds) > 0 ? (ps.bytes_read + tot.bytes_read) / 1e6 / (ps.io_seconds + tot.io_seconds) : 0.0);
+    }
     rc = 0;
 out:
     free(logits);

@@ -18,14 +18,16 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-logits: %s\n", msg);
     fprintf(stderr,
             "usage: moe-logits -m MODEL --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]\n"
-            "                  [-t THREADS] [--scalar]\n"
+            "                  [-t THREADS] [--scalar] [--load-mode mmap|cache] [--expert-budget SIZE]\n"
             "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
             "  --tokens FILE   whitespace-separated token ids\n"
             "  --out FILE      write float32 little-endian logits, rows x vocab\n"
             "  --all           logits for every prompt position (default: the last one)\n"
             "  --greedy N      then decode N tokens greedily; ids printed on the last stdout line\n"
             "  -t THREADS      worker threads (default 1)\n"
-            "  --scalar        use the scalar reference kernels\n");
+            "  --scalar        use the scalar reference kernels\n"
+            "  --load-mode M   mmap (default) or cache: routed experts read into a cache of\n"
+            "  --expert-budget SIZE bytes (e.g. 512M)\n");
     return 2;
 }
 
@@ -88,6 +90,18 @@ static int write_floats(FILE *f, const float *x, size_t n) {
     return 1;
 }
 
+/* "8G", "512M", "65536": bytes */
+static int parse_size(const char *s, size_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
+               : *end == 'T' || *end == 't' ? 1099511627776.0 : 1.0;
+    if (mul != 1.0) end++;
+    if (*end || !(v > 0) || v * mul > 1e18) return 0;
+    *out = (size_t)(v * mul);
+    return 1;
+}
+
 int main(int argc, char **argv) {
     const char *model = NULL, *tokens = NULL, *outp = NULL;
     int all = 0, greedy = 0;
@@ -110,6 +124,14 @@ int main(int argc, char **argv) {
             if (*end || v < 1 || v > 1024) return usage("-t needs a thread count >= 1");
             opt.n_threads = (int)v;
         } else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
+        else if (!strcmp(a, "--load-mode") && more) {
+            const char *v = argv[++i];
+            if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
+            else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
+            else return usage("--load-mode is mmap or cache");
+        } else if (!strcmp(a, "--expert-budget") && more) {
+            if (!parse_size(argv[++i], &opt.expert_budget)) return usage("--expert-budget needs a size such as 8G");
+        }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <pthread.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -428,10 +429,11 @@ static double max_abs_diff(const float *a, const float *b, size_t n) {
     return m;
 }
 
+static moe_options *golden_opts;
 static moe_model *open_model(const char *sub, unsigned flags, int threads) {
     char path[600], err[512];
     snprintf(path, sizeof path, "%s/%s", golden_dir(), sub);
-    moe_options o = moe_default_options();
+    moe_options o = golden_opts ? *golden_opts : moe_default_options();
     o.flags = flags;
     o.n_threads = threads;
     moe_model *m = NULL;
@@ -530,6 +532,16 @@ static void run_golden_path(const char *name, const char *model_path, unsigned f
 }
 
 static void run_golden(const char *name, unsigned flags, int threads) { run_golden_path(name, NULL, flags, threads); }
+
+/* the whole golden check of a case with experts read through a two-expert cache */
+static void run_golden_path_cache(const char *name) {
+    moe_options o = moe_default_options();
+    o.expert_mode = MOE_EXPERTS_CACHE;
+    o.expert_budget = 2 * 3264; /* k3mx: MXFP4 experts of 3264 bytes */
+    golden_opts = &o;
+    run_golden_path(name, NULL, 0, 1);
+    golden_opts = NULL;
+}
 static void test_golden_kimi(void) { run_golden("kimi", 0, 1); }
 static void test_golden_seed(void) { run_golden("seed", 0, 1); }
 static void test_golden_k3mx(void) { run_golden("k3mx", 0, 1); }
@@ -1451,6 +1463,131 @@ static void test_fuzz_seeds(void) {
     CHECK(total >= 9);
 }
 
+/* ---- expert cache (CACHE mode) -------------------------------------------------------------------- */
+
+static moe_model *open_cache(const char *name, size_t budget, int threads) {
+    char path[600], err[512];
+    snprintf(path, sizeof path, "%s/%s", golden_dir(), name);
+    moe_options o = moe_default_options();
+    o.expert_mode = MOE_EXPERTS_CACHE;
+    o.expert_budget = budget;
+    o.n_threads = threads;
+    moe_model *m = NULL;
+    moe_status st = moe_model_open(&m, path, &o, err, sizeof err);
+    CHECKF(st == MOE_OK, "open %s: %s", path, err);
+    return m;
+}
+
+/* a tiny budget (two experts) gives the same logits as the mapping, in every golden case, and
+ * the cache never holds more than its budget */
+static void test_cache_equivalence(void) {
+    const char *cases[] = {"kimi", "seed", "k3mx"};
+    for (int ci = 0; ci < 3; ci++) {
+        moe_model *ref = open_model(cases[ci], 0, 2);
+        if (!ref) return;
+        uint64_t eb = moe_model_get_info(ref).expert_bytes;
+        const moe_config *c = moe_model_config(ref);
+        int moe_layers = 0;
+        for (int l = 0; l < c->n_layers; l++) moe_layers += c->layer_moe[l];
+        const size_t one = (size_t)(eb / ((uint64_t)moe_layers * c->n_experts)), budget = 2 * one;
+        moe_model *m = open_cache(cases[ci], budget, 2);
+        if (!m) { moe_model_close(ref); return; }
+        int n;
+        int32_t *ids = golden_ids(cases[ci], 2, &n);
+        float *a = logits_in_pieces(ref, ids, n, NULL), *b = logits_in_pieces(m, ids, n, NULL);
+        CHECKF(a && b && max_abs_diff(a, b, (size_t)n * c->vocab_size) == 0, "%s: cache vs mmap %.3g", cases[ci],
+               a && b ? max_abs_diff(a, b, (size_t)n * c->vocab_size) : -1.0);
+        size_t now, peak;
+        moe__expert_cache_usage(m, &now, &peak);
+        CHECKF(peak <= budget && peak > 0, "%s: peak %zu, budget %zu", cases[ci], peak, budget);
+        free(a), free(b), free(ids);
+        moe_model_close(m), moe_model_close(ref);
+    }
+    run_golden_path_cache("k3mx");
+}
+
+/* statistics, a budget too small, and reads that fail: an error from the step, a usable model */
+static void test_cache_faults(void) {
+    char path[600], err[512];
+    snprintf(path, sizeof path, "%s/k3mx", golden_dir());
+    moe_options o = moe_default_options();
+    o.expert_mode = MOE_EXPERTS_CACHE;
+    o.expert_budget = 1000; /* a k3mx expert is 3 x (1024 + 64) = 3264 bytes */
+    moe_model *m = NULL;
+    CHECK(moe_model_open(&m, path, &o, err, sizeof err) == MOE_ERR_ARG && m == NULL && strstr(err, "too small"));
+    o.expert_type = MOE_WTYPE_Q8_0;
+    o.expert_budget = 1 << 30;
+    CHECK(moe_model_open(&m, path, &o, err, sizeof err) == MOE_ERR_ARG && m == NULL);
+    m = open_cache("k3mx", 4 << 20, 1); /* room for all 7 x 64 experts */
+    if (!m) return;
+    const int V = moe_model_config(m)->vocab_size;
+    int n;
+    int32_t *ids = golden_ids("k3mx", 1, &n);
+    float *ref = logits_in_pieces(m, ids, n, NULL), *lg = malloc(sizeof(float) * (size_t)V * n);
+    moe_session *s;
+    CHECK(moe_session_new(&s, m, 64, NULL, 0) == MOE_OK);
+    moe_step_stats st1, st2;
+    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = lg, .logits_all = 1};
+    CHECK(moe_step(m, &q, 1, &st1, NULL, 0) == MOE_OK); /* everything resident by now: all hits */
+    CHECKF(st1.cache_hits > 0 && st1.cache_misses == 0 && st1.bytes_read == 0, "hits %llu misses %llu", (unsigned long long)st1.cache_hits,
+           (unsigned long long)st1.cache_misses);
+    moe_model_close(m);
+    m = open_cache("k3mx", 3 * 3264, 1); /* three experts: misses on every layer */
+    moe_session_free(s);
+    CHECK(moe_session_new(&s, m, 64, NULL, 0) == MOE_OK);
+    q.s = s;
+    CHECK(moe_step(m, &q, 1, &st2, NULL, 0) == MOE_OK);
+    CHECK(st2.cache_misses > 0 && st2.bytes_read == st2.cache_misses * 3264 && max_abs_diff(ref, lg, (size_t)V * n) == 0);
+    /* the 5th read from now fails: the step reports an I/O error, the sessions are reset, and the
+     * model works again afterwards */
+    moe_session_reset(s);
+    moe__fail_expert_read(m, 5);
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_IO && moe_session_pos(s) == 0);
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK && max_abs_diff(ref, lg, (size_t)V * n) == 0);
+    moe_session_free(s);
+    free(ids), free(ref), free(lg);
+    moe_model_close(m);
+}
+
+/* several sessions stepping at once from their own threads, one shared model and cache */
+typedef struct {
+    moe_model *m;
+    const int32_t *ids;
+    int n;
+    float *out;
+    int ok;
+} worker;
+
+static void *run_worker(void *p) {
+    worker *w = p;
+    float *x = logits_in_pieces(w->m, w->ids, w->n, NULL);
+    if (x) memcpy(w->out, x, sizeof(float) * (size_t)w->n * moe_model_config(w->m)->vocab_size), w->ok = 1;
+    free(x);
+    return NULL;
+}
+
+static void test_concurrent_sessions(void) {
+    moe_model *m = open_cache("seed", 4 * 6 * 32 * 64 * 2 * 3, 1), *ref = open_model("seed", 0, 1);
+    if (!m || !ref) { moe_model_close(m); moe_model_close(ref); return; }
+    const int V = moe_model_config(m)->vocab_size;
+    int n[3];
+    int32_t *ids[3] = {golden_ids("seed", 1, &n[0]), golden_ids("seed", 2, &n[1]), golden_ids("seed", 3, &n[2])};
+    n[2] = 100;
+    pthread_t th[3];
+    worker w[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = (worker){m, ids[i], n[i], malloc(sizeof(float) * (size_t)V * n[i]), 0};
+        CHECK(pthread_create(&th[i], NULL, run_worker, &w[i]) == 0);
+    }
+    for (int i = 0; i < 3; i++) {
+        pthread_join(th[i], NULL);
+        float *want = logits_in_pieces(ref, ids[i], n[i], NULL);
+        CHECKF(w[i].ok && want && max_abs_diff(want, w[i].out, (size_t)V * n[i]) == 0, "thread %d", i);
+        free(want), free(w[i].out), free(ids[i]);
+    }
+    moe_model_close(m), moe_model_close(ref);
+}
+
 /* ---- memory ------------------------------------------------------------------------------------ */
 
 /* the seed model with a 600-token prompt stays under 100 MB resident (measured in a child, so
@@ -1520,6 +1657,9 @@ static const struct {
     {"gguf_quant_resume", test_gguf_quant_resume},
     {"gguf_bad", test_gguf_bad},
     {"fuzz_seeds", test_fuzz_seeds},
+    {"cache_equivalence", test_cache_equivalence},
+    {"cache_faults", test_cache_faults},
+    {"concurrent_sessions", test_concurrent_sessions},
 };
 
 static void rm_tree(const char *dir) {
