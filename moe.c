@@ -2534,6 +2534,34 @@ void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak) {
     pthread_mutex_unlock(&m->cache->lock);
 }
 
+/* MMAP mode: tell the kernel which experts this step is about to use, so that their pages are
+ * read ahead while earlier experts compute (a hint; experts interleaved into RAM at load are
+ * skipped: they are not in a mapping). */
+static void advise_willneed(const void *p, size_t n) {
+    uintptr_t a = (uintptr_t)p & ~(uintptr_t)4095;
+#ifdef MADV_WILLNEED
+    madvise((void *)a, (uintptr_t)p + n - a, MADV_WILLNEED);
+#else
+    posix_madvise((void *)a, (uintptr_t)p + n - a, POSIX_MADV_WILLNEED);
+#endif
+}
+
+static void expert_advise(const moe_model *m, int li, int e) {
+    if (m->cache) return;
+    const expert *x = &m->layers[li].experts[e];
+    const moe__weight *w[3] = {&x->w1, &x->w2, &x->w3};
+    for (int i = 0; i < 3; i++) {
+        const unsigned char *p = w[i]->data;
+        const size_t n = (size_t)weight_data_bytes(w[i]);
+        int mapped = 0;
+        for (int f = 0; f < m->n_files && !mapped; f++)
+            mapped = p >= (const unsigned char *)m->files[f].map && p + n <= (const unsigned char *)m->files[f].map + m->files[f].size;
+        if (!mapped) return;
+        advise_willneed(p, n);
+        if (w[i]->scale) advise_willneed(w[i]->scale, (size_t)(w[i]->rows * (w[i]->cols / 32)));
+    }
+}
+
 /* The one way the forward pass reaches a routed expert: through the mapping (MMAP mode) or the
  * cache (CACHE mode; the expert stays pinned until expert_put). */
 static moe_status expert_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
@@ -2664,6 +2692,7 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
     for (int e = 0; e < E; e++) {
         const int ce = cnt[e + 1] - cnt[e];
         na += ce > 0, maxce = ce > maxce ? ce : maxce;
+        if (ce) expert_advise(m, li, e);
     }
     const int nt = m->opt.n_threads, by_expert = nt > 1 && na > 1 && maxce <= 8;
     float *eb = by_expert ? malloc(sizeof(float) * nk * (2 * (size_t)de + 2 * (size_t)Ie)) : NULL;

@@ -159,7 +159,8 @@ MOE_API moe_model_info moe_model_get_info(const moe_model *m);
 /* ---- sessions --------------------------------------------------------------------------- */
 
 /* A new empty sequence of at most n_ctx tokens. Memory for the MLA latent cache grows with the
- * sequence; the KDA states are allocated here. */
+ * sequence; the KDA states are allocated here. A session refers to its model: free every session
+ * before closing the model. */
 MOE_API moe_status moe_session_new(moe_session **out, moe_model *m, int n_ctx, char *err,
                                    size_t errlen);
 MOE_API void moe_session_free(moe_session *s);

@@ -1531,9 +1531,9 @@ static void test_cache_faults(void) {
     CHECK(moe_step(m, &q, 1, &st1, NULL, 0) == MOE_OK); /* everything resident by now: all hits */
     CHECKF(st1.cache_hits > 0 && st1.cache_misses == 0 && st1.bytes_read == 0, "hits %llu misses %llu", (unsigned long long)st1.cache_hits,
            (unsigned long long)st1.cache_misses);
+    moe_session_free(s); /* sessions go before their model */
     moe_model_close(m);
     m = open_cache("k3mx", 3 * 3264, 1); /* three experts: misses on every layer */
-    moe_session_free(s);
     CHECK(moe_session_new(&s, m, 64, NULL, 0) == MOE_OK);
     q.s = s;
     CHECK(moe_step(m, &q, 1, &st2, NULL, 0) == MOE_OK);
