@@ -55,17 +55,17 @@ test: all
 
 # test-scalar: the suite built without any SIMD code (-DMOE_NO_SIMD), in build-scalar/
 test-scalar:
-	$(MAKE) BUILD=build-scalar EXTRA_CFLAGS=-DMOE_NO_SIMD test
+	$(MAKE) --no-print-directory BUILD=build-scalar EXTRA_CFLAGS=-DMOE_NO_SIMD test
 
 # test-neon: the suite cross-built for AArch64 (NEON, dot product) and run under qemu-user
 test-neon:
-	$(MAKE) BUILD=build-neon CC=aarch64-linux-gnu-gcc OPENMP= RUN="env MOE_TEST_RUNNER='$(QEMU_AARCH64)' $(QEMU_AARCH64)" test
+	$(MAKE) --no-print-directory BUILD=build-neon CC=aarch64-linux-gnu-gcc OPENMP= RUN="env MOE_TEST_RUNNER='$(QEMU_AARCH64)' $(QEMU_AARCH64)" test
 
 QEMU_AARCH64 ?= qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max
 
 # asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/
 asan:
-	$(MAKE) BUILD=build-asan OPENMP= EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -fsanitize=address,undefined" test
+	$(MAKE) --no-print-directory BUILD=build-asan OPENMP= EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -fsanitize=address,undefined" test
 
 # bench: decode/prefill speed as fractions of this machine's measured limits (makes the models first)
 bench: all
