@@ -65,7 +65,7 @@ QEMU_AARCH64 ?= qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max
 
 # asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/
 asan:
-	$(MAKE) --no-print-directory BUILD=build-asan OPENMP= EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -fsanitize=address,undefined" test
+	$(MAKE) --no-print-directory BUILD=build-asan OPENMP= EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -lpthread -fsanitize=address,undefined" test
 
 # bench: decode/prefill speed as fractions of this machine's measured limits (makes the models first)
 bench: all
