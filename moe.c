@@ -2343,7 +2343,7 @@ static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const
  * prefetch of the streaming design are not here yet). */
 
 typedef struct cache_entry {
-    int li, e, pins;
+    int li, e, pins, loading; /* loading: being read by one thread; the others wait */
     uint64_t last_use;
     size_t bytes;
     unsigned char *buf;
@@ -2352,7 +2352,7 @@ typedef struct cache_entry {
 
 struct expert_cache {
     pthread_mutex_t lock;
-    pthread_cond_t unpinned; /* signalled when an expert's last pin goes */
+    pthread_cond_t unpinned; /* signalled when an expert's last pin goes, or a read ends */
     int *fds;               /* one per file */
     cache_entry **slot;     /* [n_layers * n_experts]: resident entry or NULL */
     cache_entry **resident; /* the resident entries, unordered */
@@ -2412,7 +2412,6 @@ static int cache_read(const moe_model *m, struct expert_cache *k, const void *sr
             (const unsigned char *)src + n <= (const unsigned char *)m->files[i].map + m->files[i].size)
             f = i;
     if (f < 0) return EINVAL;
-    if (k->fail_after > 0 && --k->fail_after == 0) return EIO; /* injected fault */
     off_t off = (off_t)((const unsigned char *)src - (const unsigned char *)m->files[f].map);
     for (size_t done = 0; done < n;) {
         ssize_t r = pread(k->fds[f], dst + done, n - done, off + (off_t)done);
@@ -2439,7 +2438,7 @@ static void cache_evict(struct expert_cache *k, cache_entry *v, int n_experts) {
 static moe_status cache_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
     struct expert_cache *k = m->cache;
     const int E = m->cfg.n_experts;
-    moe_status st = MOE_OK;
+    const size_t id = (size_t)li * (size_t)E + (size_t)e;
     const expert *src = &m->layers[li].experts[e];
     const moe__weight *w[3] = {&src->w1, &src->w2, &src->w3};
     size_t bytes = 0;
@@ -2447,7 +2446,11 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
     pthread_mutex_lock(&k->lock);
     cache_entry *v;
     for (;;) {
-        if ((v = k->slot[(size_t)li * (size_t)E + (size_t)e])) { /* resident (perhaps read meanwhile) */
+        if ((v = k->slot[id])) {
+            if (v->loading) { /* another thread is reading it: wait for the outcome */
+                pthread_cond_wait(&k->unpinned, &k->lock);
+                continue;
+            }
             v->pins++;
             v->last_use = ++k->clock;
             if (stats) stats->cache_hits++;
@@ -2477,9 +2480,19 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
         pthread_mutex_unlock(&k->lock);
         return MOE_ERR_NOMEM;
     }
+    /* reserve the slot and the bytes, then read without the lock: other threads read other
+     * experts at the same time, and wait for this one if they want it too */
+    v->li = li, v->e = e, v->pins = 1, v->loading = 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
+    k->slot[id] = v;
+    k->resident[k->n_resident++] = v;
+    k->used += bytes;
+    k->peak = k->used > k->peak ? k->used : k->peak;
+    const int inject = k->fail_after > 0 && --k->fail_after == 0;
+    pthread_mutex_unlock(&k->lock);
+
     double t0 = now_sec();
     size_t at = 0;
-    int rc = 0;
+    int rc = inject ? EIO : 0;
     moe__weight *dst[3] = {&v->ex.w1, &v->ex.w2, &v->ex.w3};
     for (int i = 0; i < 3 && !rc; i++) {
         *dst[i] = *w[i];
@@ -2494,21 +2507,22 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
             at += ns;
         }
     }
-    if (stats) stats->io_seconds += now_sec() - t0;
-    if (rc) {
-        free(buf), free(v);
+    const double dt = now_sec() - t0;
+
+    pthread_mutex_lock(&k->lock);
+    if (stats) stats->io_seconds += dt;
+    if (rc) { /* a failed read leaves nothing behind: the slot is free for a later try */
+        cache_evict(k, v, E);
+        pthread_cond_broadcast(&k->unpinned);
         pthread_mutex_unlock(&k->lock);
         return MOE_ERR_IO;
     }
-    v->li = li, v->e = e, v->pins = 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
-    k->slot[(size_t)li * (size_t)E + (size_t)e] = v;
-    k->resident[k->n_resident++] = v;
-    k->used += bytes;
-    k->peak = k->used > k->peak ? k->used : k->peak;
+    v->loading = 0;
     if (stats) stats->cache_misses++, stats->bytes_read += bytes;
+    pthread_cond_broadcast(&k->unpinned);
     *out = &v->ex;
     pthread_mutex_unlock(&k->lock);
-    return st;
+    return MOE_OK;
 }
 
 static void cache_put(const moe_model *m, int li, int e) {

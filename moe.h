@@ -380,7 +380,7 @@ const moe__gguf_kv *moe__gguf_get(const moe__st_file *f, const char *key);
 /* Parses a safetensors (gguf = 0) or GGUF (gguf = 1) image in memory; the bytes stay the
  * caller's and must outlive f. For fuzzing and tests. */
 moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size, int gguf, char *err, size_t errlen);
-/* Test hook (fault injection): the n-th expert read from now on fails as with EIO (n >= 1;
+/* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);
 /* CACHE mode: bytes the expert cache holds now, and the most it ever held. */
