@@ -3116,6 +3116,8 @@ typedef struct {
     int32_t id;
 } cand;
 
+static int32_t sample_from(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng);
+
 static int cand_desc(const void *a, const void *b) {
     const cand *x = a, *y = b;
     if (x->p != y->p) return x->p > y->p ? -1 : 1;
@@ -3124,6 +3126,32 @@ static int cand_desc(const void *a, const void *b) {
 
 int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng) {
     if (!logits || n_vocab <= 0) return -1;
+    float *pen = NULL; /* penalised copy of the logits, when a penalty applies */
+    if (sp && sp->recent && sp->n_recent > 0 &&
+        ((sp->repeat_penalty != 0 && sp->repeat_penalty != 1) || sp->presence_penalty != 0 || sp->frequency_penalty != 0) &&
+        (pen = malloc(sizeof *pen * (size_t)n_vocab))) {
+        memcpy(pen, logits, sizeof *pen * (size_t)n_vocab);
+        for (int i = 0; i < sp->n_recent; i++) {
+            const int32_t t = sp->recent[i];
+            int seen = 0, count = 0;
+            if (t < 0 || t >= n_vocab) continue;
+            for (int j = 0; j < sp->n_recent; j++) {
+                seen |= j < i && sp->recent[j] == t;
+                count += sp->recent[j] == t;
+            }
+            if (seen) continue; /* each distinct token once */
+            float *l = &pen[t];
+            if (sp->repeat_penalty != 0 && sp->repeat_penalty != 1) *l = *l > 0 ? *l / sp->repeat_penalty : *l * sp->repeat_penalty;
+            *l -= sp->presence_penalty + sp->frequency_penalty * (float)count;
+        }
+        logits = pen;
+    }
+    int32_t r = sample_from(logits, n_vocab, sp, rng);
+    free(pen);
+    return r;
+}
+
+static int32_t sample_from(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng) {
     int32_t best = 0;
     for (int i = 1; i < n_vocab; i++)
         if (logits[i] > logits[best]) best = i;

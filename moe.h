@@ -221,10 +221,18 @@ typedef struct {
     int top_k;         /* <= 0: off */
     float top_p;       /* >= 1: off */
     float min_p;       /* <= 0: off */
+    /* penalties on the tokens of recent[0..n_recent) (the caller's window, e.g. the last 64),
+     * applied before everything else, greedy included: */
+    float repeat_penalty;    /* 0 or 1: off; p > 1: logit / p if positive, logit * p if not */
+    float presence_penalty;  /* subtracted once from each token present */
+    float frequency_penalty; /* subtracted once per occurrence */
+    const int32_t *recent;   /* may be NULL; ids outside [0, n_vocab) are ignored */
+    int n_recent;
 } moe_sampler;
 
-/* Picks a token from logits[n_vocab]. *rng is the caller's generator state (any seed != 0 works;
- * 0 is replaced by a fixed constant); it advances. Deterministic for a given state. */
+/* Picks a token from logits[n_vocab] (not modified). *rng is the caller's generator state (any
+ * seed != 0 works; 0 is replaced by a fixed constant); it advances. Deterministic for a given
+ * state. Temperature <= 0 (or sp or rng NULL) is greedy. Returns -1 only for bad arguments. */
 MOE_API int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *sp,
                            uint64_t *rng);
 

@@ -30,6 +30,10 @@ static int usage(const char *msg) {
             "  --min-p P       drop tokens below P x the top probability (default 0.05)\n"
             "  -s SEED         sampling seed (default: time)\n"
             "  --batch N       rows per internal forward chunk (default 512)\n"
+            "  --repeat-penalty P     divide/multiply the logits of recent tokens by P (default 1 = off)\n"
+            "  --presence-penalty P   subtract P from recent tokens' logits (default 0)\n"
+            "  --frequency-penalty P  subtract P per occurrence among recent tokens (default 0)\n"
+            "  --repeat-last-n N      how many recent tokens the penalties look at (default 64)\n"
             "  --ignore-eos    keep generating after the end-of-sequence token\n"
             "  --load-mode M   routed experts through the file mapping (mmap, default) or read into a\n"
             "                  cache of --expert-budget bytes (cache)\n"
@@ -112,7 +116,8 @@ int main(int argc, char **argv) {
     const char *model = NULL, *prompt = NULL, *file = NULL;
     int n_gen = 32, n_ctx = 0, ignore_eos = 0;
     uint64_t seed = (uint64_t)time(NULL);
-    moe_sampler sp = {0.8f, 40, 0.95f, 0.05f};
+    moe_sampler sp = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f, .repeat_penalty = 1.0f};
+    int repeat_last_n = 64;
     moe_options opt = moe_default_options();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -130,6 +135,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--min-p") && more && num_arg(argv[++i], 0, 1, &v)) sp.min_p = (float)v;
         else if (!strcmp(a, "-s") && more && num_arg(argv[++i], 0, 1.8e19, &v)) seed = (uint64_t)v;
         else if (!strcmp(a, "--batch") && more && num_arg(argv[++i], 1, 1e6, &v)) opt.n_batch = (int)v;
+        else if (!strcmp(a, "--repeat-penalty") && more && num_arg(argv[++i], 0, 10, &v)) sp.repeat_penalty = (float)v;
+        else if (!strcmp(a, "--presence-penalty") && more && num_arg(argv[++i], -10, 10, &v)) sp.presence_penalty = (float)v;
+        else if (!strcmp(a, "--frequency-penalty") && more && num_arg(argv[++i], -10, 10, &v)) sp.frequency_penalty = (float)v;
+        else if (!strcmp(a, "--repeat-last-n") && more && num_arg(argv[++i], 0, 1e6, &v)) repeat_last_n = (int)v;
         else if (!strcmp(a, "--ignore-eos")) ignore_eos = 1;
         else if (!strcmp(a, "--load-mode") && more) {
             const char *v = argv[++i];
@@ -160,6 +169,7 @@ int main(int argc, char **argv) {
     moe_model *m = NULL;
     moe_session *s = NULL;
     float *logits = NULL;
+    int32_t *hist = NULL;
     int rc = 1;
     double t0 = now();
     moe_status st = moe_model_open(&m, model, &opt, err, sizeof err);
@@ -178,8 +188,15 @@ int main(int argc, char **argv) {
     tp = now() - tp;
     int gen = 0;
     double td = now();
+    hist = malloc(sizeof(int32_t) * (size_t)(n + n_gen + 1)); /* prompt + generated, for penalties */
+    if (!hist) { fprintf(stderr, "moe-cli: out of memory\n"); goto out; }
+    memcpy(hist, ids, sizeof(int32_t) * (size_t)n);
+    int nh = n;
     for (; gen < n_gen; gen++) {
+        sp.recent = hist + (nh > repeat_last_n ? nh - repeat_last_n : 0);
+        sp.n_recent = nh < repeat_last_n ? nh : repeat_last_n;
         int32_t tok = moe_sample(logits, c->vocab_size, &sp, &seed);
+        hist[nh++] = tok;
         printf(gen ? " %d" : "%d", (int)tok);
         fflush(stdout);
         if (!ignore_eos && tok == c->eos_token_id) { gen++; break; }
@@ -206,6 +223,7 @@ int main(int argc, char **argv) {
     }
     rc = 0;
 out:
+    free(hist);
     free(logits);
     free(ids);
     moe_session_free(s);

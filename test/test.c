@@ -897,7 +897,7 @@ static void test_model_info(void) {
 
 static void test_sampling(void) {
     float logits[6] = {0.1f, 2.0f, -1.0f, 1.9f, 0.0f, 1.0f};
-    moe_sampler greedy = {0, 0, 1, 0}, topk1 = {1.0f, 1, 1, 0}, hot = {1.0f, 0, 1, 0};
+    moe_sampler greedy = {.top_p = 1}, topk1 = {.temperature = 1.0f, .top_k = 1, .top_p = 1}, hot = {.temperature = 1.0f, .top_p = 1};
     uint64_t r = 42;
     CHECK(moe_sample(logits, 6, &greedy, &r) == 1);
     CHECK(moe_sample(logits, 6, NULL, NULL) == 1);
@@ -911,9 +911,18 @@ static void test_sampling(void) {
     }
     /* p(1)/p(3) = e^0.1 = 1.105; both far more frequent than token 2 */
     CHECK(counts[1] > counts[3] * 0.9 && counts[3] > counts[2] * 5 && counts[2] > 0);
-    moe_sampler nucleus = {1.0f, 0, 0.3f, 0};
+    moe_sampler nucleus = {.temperature = 1.0f, .top_p = 0.3f};
     for (int i = 0; i < 100; i++) CHECK(moe_sample(logits, 6, &nucleus, &r) == 1);
-    moe_sampler minp = {1.0f, 0, 1.0f, 0.5f};
+    /* penalties: token 1 seen twice, token 3 once */
+    const int32_t recent[4] = {1, 1, 3, 99999};
+    moe_sampler rep = {0, 0, 1, 0, 1.5f, 0, 0, recent, 4};
+    CHECK(moe_sample(logits, 6, &rep, &r) == 5 - 4); /* 2.0/1.5 = 1.33, 1.9/1.5 = 1.27: token 1 still leads */
+    moe_sampler pres = {0, 0, 1, 0, 0, 1.05f, 0, recent, 4};
+    CHECK(moe_sample(logits, 6, &pres, &r) == 5); /* 0.95, 0.85 against token 5's 1.0 */
+    moe_sampler freq = {0, 0, 1, 0, 0, 0, 0.6f, recent, 4};
+    CHECK(moe_sample(logits, 6, &freq, &r) == 3); /* 2.0 - 1.2 = 0.8 < 1.9 - 0.6 = 1.3 */
+    CHECK(logits[1] == 2.0f); /* the caller's logits are not modified */
+    moe_sampler minp = {.temperature = 1.0f, .top_p = 1.0f, .min_p = 0.5f};
     for (int i = 0; i < 200; i++) {
         int t = moe_sample(logits, 6, &minp, &r);
         CHECK(t == 1 || t == 3); /* e^-1 = 0.37 < 0.5 removes token 5 */
