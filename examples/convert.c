@@ -74,6 +74,7 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-convert: %s\n", msg);
     fprintf(stderr, "usage: moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [-t THREADS]\n"
                     "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
+                    "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N]   (random, released K3 layout)\n"
                     "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0 (bf16)\n"
                     "  --experts TYPE  routed experts: asis f32 bf16 q8_0 q4_0 mxfp4 (asis)\n");
     return 2;
@@ -651,16 +652,311 @@ static int config_from_shape(const char *path, moe_config *c, unsigned char **ki
     return 0;
 }
 
+
+/* ---- --k3-slice: a random checkpoint in the released Kimi K3 layout ------------------------------
+ * From a shape file's k3_dims and layer list (bench/shapes/k3slice.json): config.json with the
+ * text model under text_config, one safetensors shard per layer plus a head shard, tensors named
+ * language_model.*, F32 then BF16 then U8 (MXFP4 experts as weight_packed + weight_scale), each
+ * group sorted by name as the safetensors writer orders them (so an expert's six tensors are
+ * adjacent and experts come in string order of their ids), and model.safetensors.index.json.
+ * Shard sizes are checked against the shape file's data_bytes where it gives them. */
+
+typedef struct {
+    char name[200];
+    int dtype; /* 0 F32, 1 BF16, 2 U8 */
+    int nd;
+    int64_t shape[3];
+} kt;
+
+typedef struct {
+    kt *t;
+    int n, cap;
+} klist;
+
+static void kadd(klist *l, int dtype, int nd, int64_t a, int64_t b, int64_t c, const char *fmt, ...) {
+    if (l->n == l->cap) {
+        l->cap = l->cap ? 2 * l->cap : 512;
+        kt *p = realloc(l->t, sizeof *p * (size_t)l->cap);
+        if (!p) { fprintf(stderr, "moe-convert: out of memory\n"); exit(1); }
+        l->t = p;
+    }
+    kt *t = &l->t[l->n++];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->name, sizeof t->name, fmt, ap);
+    va_end(ap);
+    t->dtype = dtype, t->nd = nd, t->shape[0] = a, t->shape[1] = b, t->shape[2] = c;
+}
+
+static int kcmp(const void *a, const void *b) {
+    const kt *x = a, *y = b;
+    return x->dtype != y->dtype ? x->dtype - y->dtype : strcmp(x->name, y->name);
+}
+
+static uint64_t kbytes(const kt *t) {
+    uint64_t n = 1;
+    for (int i = 0; i < t->nd; i++) n *= (uint64_t)t->shape[i];
+    return n * (t->dtype == 0 ? 4 : t->dtype == 1 ? 2 : 1);
+}
+
+typedef struct {
+    int64_t d, V, I, H, ql, kvr, dn, dr, dv, kh, kd, W, alog, E, k, Ie, dl, S, dense, B;
+    double eps;
+} k3dims;
+
+static void k3_layer(klist *l, const k3dims *k, int i, int kda, int moe) {
+    const char *p = "language_model.model.layers";
+    const int64_t HD = k->kh * k->kd;
+    kadd(l, 1, 1, k->d, 0, 0, "%s.%d.input_layernorm.weight", p, i);
+    kadd(l, 1, 1, k->d, 0, 0, "%s.%d.post_attention_layernorm.weight", p, i);
+    kadd(l, 1, 1, k->d, 0, 0, "%s.%d.self_attention_res_norm.weight", p, i);
+    kadd(l, 1, 2, 1, k->d, 0, "%s.%d.self_attention_res_proj.weight", p, i);
+    kadd(l, 1, 1, k->d, 0, 0, "%s.%d.mlp_res_norm.weight", p, i);
+    kadd(l, 1, 2, 1, k->d, 0, "%s.%d.mlp_res_proj.weight", p, i);
+    if (kda) {
+        kadd(l, 0, 1, k->alog, 0, 0, "%s.%d.self_attn.A_log", p, i);
+        kadd(l, 0, 1, HD, 0, 0, "%s.%d.self_attn.dt_bias", p, i);
+        const char *cv[3] = {"q", "k", "v"};
+        for (int a = 0; a < 3; a++) {
+            kadd(l, 0, 3, HD, 1, k->W, "%s.%d.self_attn.%s_conv1d.weight", p, i, cv[a]);
+            kadd(l, 1, 2, HD, k->d, 0, "%s.%d.self_attn.%s_proj.weight", p, i, cv[a]);
+        }
+        kadd(l, 0, 1, k->kd, 0, 0, "%s.%d.self_attn.o_norm.weight", p, i);
+        kadd(l, 1, 2, k->kh, k->d, 0, "%s.%d.self_attn.b_proj.weight", p, i);
+        kadd(l, 1, 2, k->kd, k->d, 0, "%s.%d.self_attn.f_a_proj.weight", p, i);
+        kadd(l, 1, 2, HD, k->kd, 0, "%s.%d.self_attn.f_b_proj.weight", p, i);
+        kadd(l, 1, 2, HD, k->d, 0, "%s.%d.self_attn.g_proj.weight", p, i);
+        kadd(l, 1, 2, k->d, HD, 0, "%s.%d.self_attn.o_proj.weight", p, i);
+    } else {
+        kadd(l, 1, 2, k->H * k->dv, k->d, 0, "%s.%d.self_attn.g_proj.weight", p, i);
+        kadd(l, 1, 1, k->kvr, 0, 0, "%s.%d.self_attn.kv_a_layernorm.weight", p, i);
+        kadd(l, 1, 2, k->kvr + k->dr, k->d, 0, "%s.%d.self_attn.kv_a_proj_with_mqa.weight", p, i);
+        kadd(l, 1, 2, k->H * (k->dn + k->dv), k->kvr, 0, "%s.%d.self_attn.kv_b_proj.weight", p, i);
+        kadd(l, 1, 2, k->d, k->H * k->dv, 0, "%s.%d.self_attn.o_proj.weight", p, i);
+        kadd(l, 1, 1, k->ql, 0, 0, "%s.%d.self_attn.q_a_layernorm.weight", p, i);
+        kadd(l, 1, 2, k->ql, k->d, 0, "%s.%d.self_attn.q_a_proj.weight", p, i);
+        kadd(l, 1, 2, k->H * (k->dn + k->dr), k->ql, 0, "%s.%d.self_attn.q_b_proj.weight", p, i);
+    }
+    if (!moe) {
+        kadd(l, 1, 2, k->d, k->I, 0, "%s.%d.mlp.down_proj.weight", p, i);
+        kadd(l, 1, 2, k->I, k->d, 0, "%s.%d.mlp.gate_proj.weight", p, i);
+        kadd(l, 1, 2, k->I, k->d, 0, "%s.%d.mlp.up_proj.weight", p, i);
+        return;
+    }
+    kadd(l, 0, 1, k->E, 0, 0, "%s.%d.block_sparse_moe.gate.e_score_correction_bias", p, i);
+    kadd(l, 1, 2, k->E, k->d, 0, "%s.%d.block_sparse_moe.gate.weight", p, i);
+    kadd(l, 1, 2, k->dl, k->d, 0, "%s.%d.block_sparse_moe.routed_expert_down_proj.weight", p, i);
+    kadd(l, 1, 1, k->dl, 0, 0, "%s.%d.block_sparse_moe.routed_expert_norm.weight", p, i);
+    kadd(l, 1, 2, k->d, k->dl, 0, "%s.%d.block_sparse_moe.routed_expert_up_proj.weight", p, i);
+    kadd(l, 1, 2, k->d, k->S * k->Ie, 0, "%s.%d.block_sparse_moe.shared_experts.down_proj.weight", p, i);
+    kadd(l, 1, 2, k->S * k->Ie, k->d, 0, "%s.%d.block_sparse_moe.shared_experts.gate_proj.weight", p, i);
+    kadd(l, 1, 2, k->S * k->Ie, k->d, 0, "%s.%d.block_sparse_moe.shared_experts.up_proj.weight", p, i);
+    for (int64_t e = 0; e < k->E; e++) {
+        const char *wn[3] = {"w1", "w2", "w3"};
+        for (int w = 0; w < 3; w++) {
+            const int64_t rows = w == 1 ? k->dl : k->Ie, cols = w == 1 ? k->Ie : k->dl;
+            kadd(l, 2, 2, rows, cols / 2, 0, "%s.%d.block_sparse_moe.experts.%lld.%s.weight_packed", p, i, (long long)e, wn[w]);
+            kadd(l, 2, 2, rows, cols / 32, 0, "%s.%d.block_sparse_moe.experts.%lld.%s.weight_scale", p, i, (long long)e, wn[w]);
+        }
+    }
+}
+
+/* random contents by name: norms near 1, A_log = log U(1,16) then zero padding, MXFP4 codes any
+ * nibble with scale bytes 118..123 (real K3 uses 110..123), the rest normal x std */
+static void k3_fill(const kt *t, unsigned char *out, uint64_t n_el, uint64_t first, uint64_t seed, int64_t kda_heads) {
+    const char *nm = t->name;
+    uint64_t s = mix64(seed ^ name_hash(nm) ^ mix64(first + 1)) | 1;
+    const int is_norm = strstr(nm, "norm.weight") != NULL, is_scale = strstr(nm, "weight_scale") != NULL;
+    const int is_alog = strstr(nm, "A_log") != NULL;
+    const float std = strstr(nm, "dt_bias") ? 0.5f : strstr(nm, "conv1d") ? 0.3f : strstr(nm, "correction_bias") ? 0.01f : 0.02f;
+    for (uint64_t i = 0; i < n_el; i++) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        if (t->dtype == 2) { out[i] = is_scale ? (unsigned char)(118 + (s >> 32) % 6) : (unsigned char)(s >> 24); continue; }
+        float u = ((float)((s >> 40) & 0xffff) + (float)((s >> 16) & 0xffff)) / 65536.0f - 1.0f; /* triangular, mean 0 */
+        float v = is_norm ? 1.0f + 0.05f * u : std * 2.4f * u;
+        if (is_alog) v = first + i < (uint64_t)kda_heads ? logf(1.0f + 7.5f * (u + 1.0f)) : 0.0f;
+        if (v == 0.0f && !is_alog) v = std;
+        if (t->dtype == 0) memcpy(out + 4 * i, &v, 4);
+        else { uint16_t b = moe__f32_to_bf16(v); memcpy(out + 2 * i, &b, 2); }
+    }
+}
+
+static int k3_write_shard(const char *dir, const char *file, kt *t, int n, uint64_t seed, int64_t kda_heads, uint64_t *data_bytes) {
+    qsort(t, (size_t)n, sizeof *t, kcmp);
+    buf h = {0};
+    const char *dn[3] = {"F32", "BF16", "U8"};
+    char tmp[512];
+    put(&h, "{\"__metadata__\":{\"format\":\"pt\"}", 31);
+    uint64_t off = 0;
+    for (int i = 0; i < n; i++) {
+        int k = snprintf(tmp, sizeof tmp, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", t[i].name, dn[t[i].dtype]);
+        for (int d = 0; d < t[i].nd; d++) k += snprintf(tmp + k, sizeof tmp - (size_t)k, d ? ",%lld" : "%lld", (long long)t[i].shape[d]);
+        k += snprintf(tmp + k, sizeof tmp - (size_t)k, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off, (unsigned long long)(off + kbytes(&t[i])));
+        put(&h, tmp, (size_t)k);
+        off += kbytes(&t[i]);
+    }
+    put(&h, "}", 1);
+    while (h.n % 8) put(&h, " ", 1);
+    if (h.oom) return die("out of memory");
+    *data_bytes = off;
+    char path[4400];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    FILE *f = fopen(path, "wb");
+    if (!f) return die("%s: %s", path, strerror(errno));
+    uint64_t hl = h.n;
+    int ok = fwrite(&hl, 8, 1, f) == 1 && fwrite(h.b, 1, h.n, f) == h.n;
+    unsigned char *chunk = malloc(CHUNK);
+    for (int i = 0; ok && chunk && i < n; i++) {
+        const uint64_t es = t[i].dtype == 0 ? 4 : t[i].dtype == 1 ? 2 : 1, total = kbytes(&t[i]) / es;
+        for (uint64_t at = 0; ok && at < total; at += CHUNK / es) {
+            const uint64_t m = total - at < CHUNK / es ? total - at : CHUNK / es;
+            k3_fill(&t[i], chunk, m, at, seed, kda_heads);
+            ok = fwrite(chunk, es, m, f) == m;
+        }
+    }
+    free(chunk);
+    free(h.b);
+    if (fclose(f) || !ok) return die("%s: write failed: %s", path, strerror(errno));
+    fprintf(stderr, "moe-convert: wrote %s (%d tensors, %.2f GB)\n", path, n, (8 + hl + off) / 1e9);
+    return 0;
+}
+
+static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
+    FILE *f = fopen(shape, "rb");
+    if (!f) return die("%s: %s", shape, strerror(errno));
+    char *text = malloc(1 << 22);
+    size_t n = text ? fread(text, 1, (1 << 22) - 1, f) : 0;
+    fclose(f);
+    moe__json *j;
+    char err[200];
+    if (!text || moe__json_parse(text, n, &j, err, sizeof err)) { free(text); return die("%s: %s", shape, text ? err : "out of memory"); }
+    free(text);
+    const moe__json *kd = moe__json_get(j, "k3_dims"), *layers = moe__json_get(j, "layers"), *shards = moe__json_get(j, "shards");
+#define D(key, def) (moe__json_get(kd, key) && moe__json_get(kd, key)->type == MOE_JSON_NUM ? (int64_t)moe__json_get(kd, key)->num : (def))
+    k3dims k = {D("hidden_size", 0), D("vocab_size", 0), D("intermediate_size", 0), D("num_attention_heads", 0), D("q_lora_rank", 0),
+                D("kv_lora_rank", 0), D("qk_nope_head_dim", 0), D("qk_rope_head_dim", 0), D("v_head_dim", 0), D("kda_heads", 0),
+                D("kda_head_dim", 0), D("short_conv_kernel_size", 4), D("kda_a_log_len", 0), D("num_experts", 0),
+                D("num_experts_per_token", 0), D("moe_intermediate_size", 0), D("routed_expert_hidden_size", 0),
+                D("num_shared_experts", 0), D("first_k_dense_replace", 1), D("attn_res_block_size", 0), 1e-5};
+#undef D
+    if (!kd || !layers || layers->type != MOE_JSON_ARR || layers->n < 1 || k.d < 32 || k.d % 32 || k.dl % 32 || k.Ie % 32 || k.E < k.k ||
+        k.k < 1 || k.alog < k.kh || k.ql < 1) {
+        moe__json_free(j);
+        return die("%s: k3_dims and layers incomplete or inconsistent", shape);
+    }
+    if (mkdir(dir, 0755) && errno != EEXIST) return die("%s: %s", dir, strerror(errno));
+    const int L = layers->n;
+    char **files = calloc((size_t)L + 1, sizeof *files);
+    klist all = {0};
+    buf idx = {0};
+    put(&idx, "{\n  \"weight_map\": {", strlen("{\n  \"weight_map\": {"));
+    uint64_t total = 0;
+    int li = 0, first_entry = 1, rc = 0;
+    char kda_list[4096] = "", mla_list[4096] = "";
+    for (const moe__json *ly = layers->child; ly && !rc; ly = ly->next, li++) {
+        const moe__json *att = moe__json_get(ly, "attention"), *ffn = moe__json_get(ly, "ffn");
+        const int kda = att && att->str && !strcmp(att->str, "kda"), moe = ffn && ffn->str && !strcmp(ffn->str, "moe");
+        char *lst = kda ? kda_list : mla_list;
+        snprintf(lst + strlen(lst), 4096 - strlen(lst), "%s%d", lst[0] ? ", " : "", li + 1);
+        klist l = {0};
+        k3_layer(&l, &k, li, kda, moe);
+        files[li] = malloc(64);
+        snprintf(files[li], 64, "model-%05d-of-%06d.safetensors", li + 1, L + 1);
+        uint64_t db;
+        if ((rc = k3_write_shard(dir, files[li], l.t, l.n, seed, k.kh, &db))) break;
+        for (const moe__json *sh = shards ? shards->child : NULL; sh; sh = sh->next) {
+            const moe__json *fn = moe__json_get(sh, "file"), *by = moe__json_get(sh, "data_bytes");
+            if (fn && fn->str && by && !strcmp(fn->str, files[li]) && (uint64_t)by->num != db) {
+                rc = die("%s: %llu data bytes, the shape file says %llu", files[li], (unsigned long long)db, (unsigned long long)by->num);
+            }
+        }
+        for (int i = 0; i < l.n; i++) {
+            char e[512];
+            int m = snprintf(e, sizeof e, "%s\n    \"%s\": \"%s\"", first_entry ? "" : ",", l.t[i].name, files[li]);
+            put(&idx, e, (size_t)m);
+            first_entry = 0;
+        }
+        total += db;
+        free(l.t);
+    }
+    if (!rc) { /* the head shard: embedding, LM head, final norm and aggregation */
+        klist h = {0};
+        kadd(&h, 1, 2, k.V, k.d, 0, "language_model.lm_head.weight");
+        kadd(&h, 1, 2, k.V, k.d, 0, "language_model.model.embed_tokens.weight");
+        kadd(&h, 1, 1, k.d, 0, 0, "language_model.model.norm.weight");
+        kadd(&h, 1, 1, k.d, 0, 0, "language_model.model.output_attn_res_norm.weight");
+        kadd(&h, 1, 2, 1, k.d, 0, "language_model.model.output_attn_res_proj.weight");
+        files[L] = malloc(64);
+        snprintf(files[L], 64, "model-%05d-of-%06d.safetensors", L + 1, L + 1);
+        uint64_t db;
+        rc = k3_write_shard(dir, files[L], h.t, h.n, seed, k.kh, &db);
+        for (int i = 0; !rc && i < h.n; i++) {
+            char e[512];
+            int m = snprintf(e, sizeof e, ",\n    \"%s\": \"%s\"", h.t[i].name, files[L]);
+            put(&idx, e, (size_t)m);
+        }
+        total += db;
+        free(h.t);
+    }
+    if (!rc) {
+        char e[256];
+        int m = snprintf(e, sizeof e, "\n  },\n  \"metadata\": {\"total_size\": %llu}\n}\n", (unsigned long long)total);
+        put(&idx, e, (size_t)m);
+        char path[4400];
+        snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+        FILE *o = fopen(path, "wb");
+        if (!o || fwrite(idx.b, 1, idx.n, o) != idx.n || fclose(o)) rc = die("%s: write failed", path);
+        snprintf(path, sizeof path, "%s/config.json", dir);
+        o = fopen(path, "wb");
+        if (!rc && o) {
+            fprintf(o, "{\n  \"architectures\": [\"KimiK3ForConditionalGeneration\"],\n  \"model_type\": \"kimi_k3\",\n"
+                       "  \"bos_token_id\": 1, \"eos_token_id\": 2, \"pad_token_id\": 0, \"tie_word_embeddings\": false,\n"
+                       "  \"text_config\": {\n    \"model_type\": \"kimi_linear\", \"architectures\": [\"KimiLinearForCausalLM\"],\n"
+                       "    \"vocab_size\": %lld, \"hidden_size\": %lld, \"intermediate_size\": %lld, \"num_hidden_layers\": %d,\n"
+                       "    \"rms_norm_eps\": %g, \"hidden_act\": \"situ\", \"activation_situ_beta\": 4.0, \"activation_situ_linear_beta\": 25.0,\n"
+                       "    \"num_attention_heads\": %lld, \"num_key_value_heads\": %lld, \"q_lora_rank\": %lld, \"kv_lora_rank\": %lld,\n"
+                       "    \"qk_nope_head_dim\": %lld, \"qk_rope_head_dim\": %lld, \"v_head_dim\": %lld, \"mla_use_nope\": true, \"mla_use_output_gate\": true,\n"
+                       "    \"linear_attn_config\": {\"kda_layers\": [%s], \"full_attn_layers\": [%s], \"num_heads\": %lld, \"head_dim\": %lld,\n"
+                       "      \"short_conv_kernel_size\": %lld, \"gate_lower_bound\": -5.0, \"use_full_rank_gate\": true},\n"
+                       "    \"num_experts\": %lld, \"num_experts_per_token\": %lld, \"num_shared_experts\": %lld, \"moe_intermediate_size\": %lld,\n"
+                       "    \"routed_expert_hidden_size\": %lld, \"latent_moe_use_norm\": true, \"moe_router_activation_func\": \"sigmoid\",\n"
+                       "    \"moe_renormalize\": true, \"routed_scaling_factor\": 2.5, \"num_expert_group\": 1, \"topk_group\": 1,\n"
+                       "    \"first_k_dense_replace\": %lld, \"moe_layer_freq\": 1, \"attn_res_block_size\": %lld,\n"
+                       "    \"bos_token_id\": 1, \"eos_token_id\": 2, \"tie_word_embeddings\": false,\n"
+                       "    \"quantization_config\": {\"quant_method\": \"compressed-tensors\", \"format\": \"mxfp4-pack-quantized\",\n"
+                       "      \"quantization_status\": \"compressed\", \"config_groups\": {\"group_0\": {\"format\": \"mxfp4-pack-quantized\",\n"
+                       "        \"targets\": [\"Linear\"], \"input_activations\": null, \"output_activations\": null, \"weights\": {\"num_bits\": 4,\n"
+                       "        \"type\": \"float\", \"group_size\": 32, \"strategy\": \"group\", \"symmetric\": true, \"scale_dtype\": \"torch.uint8\",\n"
+                       "        \"dynamic\": false, \"observer\": \"minmax\"}}},\n"
+                       "      \"ignore\": [\"re:.*self_attn.*\", \"re:.*shared_experts.*\", \"re:.*mlp\\\\.(gate|up|gate_up|down)_proj.*\",\n"
+                       "        \"re:.*lm_head.*\", \"re:.*vision_tower.*\", \"re:.*mm_projector.*\"]}\n  }\n}\n",
+                    (long long)k.V, (long long)k.d, (long long)k.I, L, k.eps, (long long)k.H, (long long)k.H, (long long)k.ql,
+                    (long long)k.kvr, (long long)k.dn, (long long)k.dr, (long long)k.dv, kda_list, mla_list, (long long)k.kh,
+                    (long long)k.kd, (long long)k.W, (long long)k.E, (long long)k.k, (long long)k.S, (long long)k.Ie,
+                    (long long)k.dl, (long long)k.dense, (long long)k.B);
+            if (fclose(o)) rc = die("%s: write failed", path);
+        } else if (!rc) {
+            rc = die("%s: %s", path, strerror(errno));
+        }
+    }
+    for (int i = 0; i <= L; i++) free(files[i]);
+    free(files), free(idx.b), free(all.t);
+    moe__json_free(j);
+    if (!rc) fprintf(stderr, "moe-convert: K3-layout slice in %s: %d layers, %.2f GB of tensor data\n", dir, L, total / 1e9);
+    return rc;
+}
+
 /* ---- main ------------------------------------------------------------------------------------- */
 
 int main(int argc, char **argv) {
-    const char *in = NULL, *out = NULL, *shape = NULL;
+    const char *in = NULL, *out = NULL, *shape = NULL, *k3shape = NULL;
     int dense = MOE_T_BF16, experts = -1, threads = 1, ctx = 131072;
     uint64_t seed = 42;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
         if (!strcmp(a, "--random") && more) shape = argv[++i];
+        else if (!strcmp(a, "--k3-slice") && more) k3shape = argv[++i];
         else if (!strcmp(a, "--dense") && more) {
             if ((dense = parse_type(argv[++i], 0)) < 0) return usage("unknown --dense type");
         } else if (!strcmp(a, "--experts") && more) {
@@ -670,10 +966,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else if (a[0] == '-') return usage("unknown or incomplete option");
-        else if (!in && !shape) in = a;
+        else if (!in && !shape && !k3shape) in = a;
         else if (!out) out = a;
         else return usage("too many arguments");
     }
+    if (k3shape) return out ? k3_slice(k3shape, out, seed) : usage("--k3-slice SHAPE.json needs OUT_DIR");
     if (!out || (!in && !shape)) return usage("need MODEL_DIR (or --random SHAPE.json) and OUT.gguf");
     (void)threads;
 
