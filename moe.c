@@ -356,6 +356,16 @@ static int cmp_tensor_offset(const void *a, const void *b) {
     return x->data < y->data ? -1 : x->data > y->data;
 }
 
+/* Tensors may not overlap: a hostile file could alias one region under two names. order: the
+ * f->n_tensors tensors, sorted here by offset. */
+static moe_status check_overlaps(const moe__st_file *f, moe__st_tensor **order, char *err, size_t errlen) {
+    qsort(order, (size_t)f->n_tensors, sizeof *order, cmp_tensor_offset);
+    for (int i = 1; i < f->n_tensors; i++)
+        if ((const unsigned char *)order[i]->data < (const unsigned char *)order[i - 1]->data + order[i - 1]->nbytes)
+            return fail(err, errlen, MOE_ERR_FORMAT, "%s: tensors %s and %s overlap", f->path, order[i - 1]->name, order[i]->name);
+    return MOE_OK;
+}
+
 static int st_elem_size(const char *dtype, int *type) {
     for (size_t i = 0; i < sizeof st_dtypes / sizeof *st_dtypes; i++)
         if (!strcmp(dtype, st_dtypes[i].name)) {
@@ -447,15 +457,7 @@ static moe_status st_parse(moe__st_file *f, char *err, size_t errlen) {
         order[f->n_tensors] = t;
         f->n_tensors++;
     }
-    /* tensors may not overlap (a hostile file could alias one region under two names) */
-    qsort(order, (size_t)f->n_tensors, sizeof *order, cmp_tensor_offset);
-    for (int i = 1; i < f->n_tensors; i++)
-        if ((const unsigned char *)order[i]->data <
-            (const unsigned char *)order[i - 1]->data + order[i - 1]->nbytes) {
-            st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensors %s and %s overlap", f->path,
-                      order[i - 1]->name, order[i]->name);
-            goto done;
-        }
+    st = check_overlaps(f, order, err, errlen);
 done:
     free(order);
     moe__json_free(root);
@@ -492,11 +494,18 @@ static moe_status map_file(moe__st_file *f, const char *path, char *err, size_t 
     return MOE_OK;
 }
 
-moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
+static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen);
+
+/* maps a file and parses it as safetensors or GGUF; nothing stays open on failure */
+static moe_status open_weights(moe__st_file *f, const char *path, int gguf, char *err, size_t errlen) {
     moe_status st = map_file(f, path, err, errlen);
     if (st) return st;
-    if ((st = st_parse(f, err, errlen))) moe__st_close(f);
+    if ((st = gguf ? gguf_parse(f, err, errlen) : st_parse(f, err, errlen))) moe__st_close(f);
     return st;
+}
+
+moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
+    return open_weights(f, path, 0, err, errlen);
 }
 
 void moe__st_close(moe__st_file *f) {
@@ -678,22 +687,14 @@ static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
         t->data = (const unsigned char *)f->map + data_start + off;
     }
     f->n_tensors = (int)n_tensors;
-    qsort(order, (size_t)n_tensors, sizeof *order, cmp_tensor_offset);
-    for (uint64_t i = 1; i < n_tensors; i++)
-        if ((const unsigned char *)order[i]->data < (const unsigned char *)order[i - 1]->data + order[i - 1]->nbytes) {
-            st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensors %s and %s overlap", path, order[i - 1]->name, order[i]->name);
-            goto out;
-        }
+    st = check_overlaps(f, order, err, errlen);
 out:
     free(order);
     return st;
 }
 
 moe_status moe__gguf_open(moe__st_file *f, const char *path, char *err, size_t errlen) {
-    moe_status st = map_file(f, path, err, errlen);
-    if (st) return st;
-    if ((st = gguf_parse(f, err, errlen))) moe__st_close(f);
-    return st;
+    return open_weights(f, path, 1, err, errlen);
 }
 
 /* Parses a file image already in memory (fuzzing, tests): the bytes are borrowed, not mapped;
