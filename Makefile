@@ -13,7 +13,7 @@ LIB = $(BUILD)/moe.o $(BUILD)/quant.o
 EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert $(BUILD)/moe-bench
 TESTS = $(BUILD)/moe-test
 
-.PHONY: all examples test test-scalar asan bench fuzz clean help
+.PHONY: all examples test test-scalar asan tsan bench fuzz clean help
 
 # where make bench keeps its random benchmark-shape models (about 9 GB; made once)
 BENCH_MODELS ?= bench/models
@@ -74,6 +74,12 @@ bench: all
 	  ./$(BUILD)/moe-convert --random bench/shapes/kimi-linear-bench.json $(BENCH_MODELS)/kimi-linear-bench-$$t.gguf --dense $$t || exit 1; done
 	./$(BUILD)/moe-bench -m $(BENCH_MODELS)/kimi-linear-bench-q4_0.gguf -m $(BENCH_MODELS)/kimi-linear-bench-q8_0.gguf $(BENCH_ARGS)
 
+# tsan: the expert-cache and concurrency tests under ThreadSanitizer (clang), in build-tsan/
+tsan:
+	@mkdir -p build-tsan
+	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 test/test.c moe.c quant.c -lm -lpthread -o build-tsan/moe-test
+	./build-tsan/moe-test cache_equivalence cache_faults concurrent_sessions
+
 # fuzz: each parser (json safetensors gguf config) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
 fuzz:
 	@mkdir -p build-fuzz
@@ -92,7 +98,7 @@ FUZZ_TARGETS = json safetensors gguf config
 
 # clean: remove every build folder
 clean:
-	rm -rf build build-scalar build-asan build-neon build-fuzz
+	rm -rf build build-scalar build-asan build-neon build-fuzz build-tsan
 
 # help: list the targets
 help:
