@@ -1143,8 +1143,10 @@ static moe_status gguf_config_json(const moe__st_file *f, moe__json **out, char 
     return MOE_OK;
 }
 
-/* Validates a config.json text the way moe_model_open does (for fuzzing and tests). */
-moe_status moe__config_check(const char *text, size_t len, char *err, size_t errlen) {
+/* Parses and validates a config.json text the way moe_model_open does; with out non-NULL the
+ * result is copied there, its layer arrays into kinds/moe ([4096] each, the layer limit). */
+moe_status moe__config_parse(const char *text, size_t len, moe_config *out, unsigned char *kinds, unsigned char *moe, char *err,
+                             size_t errlen) {
     moe__json *root;
     moe_status st = moe__json_parse(text, len, &root, err, errlen);
     if (st) return st;
@@ -1152,9 +1154,19 @@ moe_status moe__config_check(const char *text, size_t len, char *err, size_t err
     if (!m) st = MOE_ERR_NOMEM;
     else if (root->type != MOE_JSON_OBJ) st = fail(err, errlen, MOE_ERR_FORMAT, "config.json: not an object");
     else st = parse_config(m, root, err, errlen);
+    if (!st && out) {
+        *out = m->cfg;
+        memcpy(kinds, m->layer_kind, (size_t)m->cfg.n_layers);
+        memcpy(moe, m->layer_moe, (size_t)m->cfg.n_layers);
+        out->layer_kind = kinds, out->layer_moe = moe;
+    }
     if (m) free(m->layer_kind), free(m->layer_moe), free(m);
     moe__json_free(root);
     return st;
+}
+
+moe_status moe__config_check(const char *text, size_t len, char *err, size_t errlen) {
+    return moe__config_parse(text, len, NULL, NULL, NULL, err, errlen);
 }
 
 /* ==== model binding ===========================================================================

@@ -395,6 +395,9 @@ void moe__fail_expert_read(moe_model *m, int n);
 void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak);
 /* Validates a config.json text as moe_model_open would. */
 moe_status moe__config_check(const char *text, size_t len, char *err, size_t errlen);
+/* The same, keeping the result: layer arrays go to kinds/moe ([4096] each). */
+moe_status moe__config_parse(const char *text, size_t len, moe_config *out, unsigned char *kinds, unsigned char *moe, char *err,
+                             size_t errlen);
 /* GGUF name of an HF tensor name ("model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight");
  * 0 when it has none (routed experts are merged per layer: blk.N.ffn_{gate,up,down}_exps). */
 int moe__hf_to_gguf(const char *hf, char *out, size_t n);

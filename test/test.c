@@ -1634,6 +1634,25 @@ static void test_k3_slice(void) {
     moe_model_close(m);
 }
 
+/* moe-plan from a config alone: the full Kimi K3 (no weights) comes out at its published size
+ * (2.8 T parameters, ~104 B active, 17.55 MB MXFP4 experts, 25.8 GB of experts per token), and
+ * a checkpoint's exact byte counts agree with its config's estimate */
+static void test_plan(void) {
+    char cmd[2400], out[8192];
+    snprintf(cmd, sizeof cmd, "%s/moe-plan --config %s/../../bench/shapes/kimi-k3-config.json --ram 64G --disk-gbps 7 2>&1", exe_dir, golden_dir());
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    CHECKF(strstr(out, "2779.5 B parameters") && strstr(out, "105.36 B active") && strstr(out, "(17.55 MB each)") &&
+           strstr(out, "decode, 1 sequence: 25.") , "%s", out);
+    char a[8192];
+    snprintf(cmd, sizeof cmd, "%s/moe-plan -m %s/k3mx --ram 1G 2>&1 | head -2", exe_dir, golden_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-plan --config %s/k3mx/config.json --ram 1G 2>&1 | head -2", exe_dir, golden_dir());
+    CHECK(run_cmd(cmd, out, sizeof out) == 0);
+    CHECKF(!strcmp(a, out), "from files:\n%s\nfrom config:\n%s", a, out);
+    snprintf(cmd, sizeof cmd, "%s/moe-plan 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+}
+
 /* ---- memory ------------------------------------------------------------------------------------ */
 
 /* the seed model with a 600-token prompt stays under 100 MB resident (measured in a child, so
@@ -1707,6 +1726,7 @@ static const struct {
     {"cache_faults", test_cache_faults},
     {"concurrent_sessions", test_concurrent_sessions},
     {"k3_slice", test_k3_slice},
+    {"plan", test_plan},
 };
 
 static void rm_tree(const char *dir) {

@@ -1,0 +1,164 @@
+/* moe-plan: what fits where, and what speed to expect, before anything is downloaded or run.
+ *
+ *   moe-plan (-m MODEL | --config CONFIG.json) [--ram SIZE] [--disk-gbps X] [--membw-gbps Y]
+ *            [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]
+ *            [--dense-bytes-per-value B]
+ *
+ * With -m the byte counts come from the files (exact); with --config only from the configuration
+ * (BF16 dense weights, and MXFP4 experts when the config carries an MXFP4 quantization_config,
+ * else BF16: the released checkpoints' formats), so a plan for full Kimi K3 needs no weights.
+ * The machine: RAM (default: this machine's), disk read bandwidth, memory bandwidth and matmul
+ * throughput (defaults: 2 GB/s, 20 GB/s, 50 GFLOP/s per thread; measure yours with moe-bench).
+ *
+ * The model of the run: dense weights, per-sequence state and working buffers stay resident; the
+ * rest of RAM (less a reserve) caches experts; with routing spread evenly, a cache holding a
+ * fraction f of the experts hits with probability f. A decode step of N sequences needs, per MoE
+ * layer, E (1 - (1 - k/E)^N) distinct experts; the misses are read from disk. Time = reading
+ * (misses / disk bandwidth) + compute (bytes touched / memory bandwidth, or 2 x parameters /
+ * throughput for prefill), reported both as the sum (reads not overlapped, as the expert cache
+ * does today) and as the larger of the two (fully overlapped). */
+#define _POSIX_C_SOURCE 200809L
+#define MOE_INTERNAL
+#include "../moe.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int usage(const char *msg) {
+    if (msg) fprintf(stderr, "moe-plan: %s\n", msg);
+    fprintf(stderr, "usage: moe-plan (-m MODEL | --config CONFIG.json) [--ram SIZE] [--disk-gbps X] [--membw-gbps Y]\n"
+                    "                [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]\n"
+                    "                [--dense-bytes-per-value B]   (--config only: 2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n");
+    return 2;
+}
+
+static int parse_size(const char *s, double *out) {
+    char *end;
+    double v = strtod(s, &end);
+    double mul = *end == 'K' ? 1024.0 : *end == 'M' ? 1048576.0 : *end == 'G' ? 1073741824.0 : *end == 'T' ? 1099511627776.0 : 1.0;
+    if (mul != 1.0) end++;
+    if (*end || !(v > 0)) return 0;
+    *out = v * mul;
+    return 1;
+}
+
+int main(int argc, char **argv) {
+    const char *model = NULL, *config = NULL;
+    double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE), disk = 2.0, membw = 20.0, gflops = 0, ebv = 0, dbv = 2.0;
+    int threads = 1, ctx = 4096, seqs = 16;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int more = i + 1 < argc;
+        if (!strcmp(a, "-m") && more) model = argv[++i];
+        else if (!strcmp(a, "--config") && more) config = argv[++i];
+        else if (!strcmp(a, "--ram") && more) { if (!parse_size(argv[++i], &ram)) return usage("bad --ram"); }
+        else if (!strcmp(a, "--disk-gbps") && more) disk = atof(argv[++i]);
+        else if (!strcmp(a, "--membw-gbps") && more) membw = atof(argv[++i]);
+        else if (!strcmp(a, "--gflops") && more) gflops = atof(argv[++i]);
+        else if (!strcmp(a, "--expert-bytes-per-value") && more) ebv = atof(argv[++i]);
+        else if (!strcmp(a, "--dense-bytes-per-value") && more) dbv = atof(argv[++i]);
+        else if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
+        else if (!strcmp(a, "--seqs") && more) seqs = atoi(argv[++i]);
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
+        else return usage("unknown or incomplete argument");
+    }
+    if (!!model == !!config) return usage("give exactly one of -m and --config");
+    if (!(disk > 0) || !(membw > 0) || threads < 1 || ctx < 1 || seqs < 1) return usage("bad machine description");
+    if (!(gflops > 0)) gflops = 50.0 * threads;
+
+    moe_config c;
+    static unsigned char kinds[4096], moes[4096];
+    double dense_bytes, expert_total, n_params, n_active;
+    moe_model *m = NULL;
+    char err[512];
+    if (model) {
+        moe_options o = moe_default_options();
+        o.flags |= MOE_FLAG_NO_REPACK; /* planning reads no weights */
+        moe_status st = moe_model_open(&m, model, &o, err, sizeof err);
+        if (st) { fprintf(stderr, "moe-plan: %s: %s\n", moe_status_str(st), err); return 1; }
+        c = *moe_model_config(m);
+        moe_model_info info = moe_model_get_info(m);
+        expert_total = (double)info.expert_bytes;
+        dense_bytes = (double)info.weight_bytes - expert_total;
+        n_params = (double)info.n_params, n_active = (double)info.n_params_active;
+    } else {
+        FILE *f = fopen(config, "rb");
+        if (!f) { fprintf(stderr, "moe-plan: %s: %s\n", config, strerror(errno)); return 1; }
+        char *text = malloc(1 << 22);
+        size_t n = text ? fread(text, 1, (1 << 22) - 1, f) : 0;
+        fclose(f);
+        moe_status st = text ? moe__config_parse(text, n, &c, kinds, moes, err, sizeof err) : MOE_ERR_NOMEM;
+        int mxfp4 = text && strstr(text, "mxfp4") != NULL;
+        free(text);
+        if (st) { fprintf(stderr, "moe-plan: %s: %s\n", config, err); return 1; }
+        /* parameter counts from the shapes of spec/MODEL.md section 2 */
+        const double d = c.hidden_size, V = c.vocab_size, HD = (double)c.kda_heads * c.kda_head_dim, D = c.kda_head_dim;
+        const double de = c.latent_dim ? c.latent_dim : d, Ie = c.moe_intermediate_size, E = c.n_experts;
+        double dense = 2 * V * d + d, experts = 0;
+        for (int l = 0; l < c.n_layers; l++) {
+            dense += 2 * d + (c.attn_res_block ? 4 * d : 0);
+            if (c.layer_kind[l] == MOE_LAYER_KDA)
+                dense += 3 * HD * d + 3 * HD * c.conv_kernel + D * d + HD * D + c.kda_heads * d + 2 * HD + D + d * HD +
+                         (c.kda_full_rank_gate ? HD * d : D * d + HD * D);
+            else {
+                const double H = c.mla_heads, dq = c.qk_nope_dim + c.qk_rope_dim;
+                dense += (c.q_lora_rank ? c.q_lora_rank * d + c.q_lora_rank + H * dq * c.q_lora_rank : H * dq * d) +
+                         (c.kv_lora_rank + c.qk_rope_dim) * d + c.kv_lora_rank + H * (c.qk_nope_dim + c.v_head_dim) * c.kv_lora_rank +
+                         (c.mla_output_gate ? H * c.v_head_dim * d : 0) + d * H * c.v_head_dim;
+            }
+            if (!c.layer_moe[l]) { dense += 3.0 * c.intermediate_size * d; continue; }
+            dense += E * d + E + (c.latent_dim ? 2 * de * d + de : 0) + 3.0 * c.n_shared * Ie * d;
+            experts += E * 3 * Ie * de;
+        }
+        if (!(ebv > 0)) ebv = mxfp4 ? 17.0 / 32.0 : 2.0;
+        n_params = dense + experts;
+        double moe_layers = 0;
+        for (int l = 0; l < c.n_layers; l++) moe_layers += c.layer_moe[l];
+        n_active = dense + (E ? experts / E * c.n_active : 0);
+        (void)moe_layers;
+        dense_bytes = dense * dbv;
+        expert_total = experts * ebv;
+    }
+    int n_moe = 0, n_kda = 0, n_mla = 0;
+    for (int l = 0; l < c.n_layers; l++) n_moe += c.layer_moe[l], n_kda += c.layer_kind[l] == MOE_LAYER_KDA, n_mla += c.layer_kind[l] != MOE_LAYER_KDA;
+    const double E = c.n_experts, k = c.n_active, one_expert = n_moe && E ? expert_total / (n_moe * E) : 0;
+    const double state_per_seq = (double)n_kda * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4 +
+                                 (double)n_kda * (c.conv_kernel - 1) * 3.0 * c.kda_heads * c.kda_head_dim * 4 +
+                                 (double)n_mla * (c.kv_lora_rank + c.qk_rope_dim) * 4.0 * ctx;
+    const double working = 512.0 * c.hidden_size * 4 * 16 + 512.0 * c.vocab_size * 4; /* one 512-row chunk */
+    const double reserve = 1073741824.0 + 0.05 * ram;
+    const double resident = dense_bytes + state_per_seq * seqs + working;
+    const double cache = ram - reserve - resident > 0 ? ram - reserve - resident : 0;
+    const double f = expert_total > 0 ? (cache < expert_total ? cache / expert_total : 1.0) : 1.0;
+
+    printf("model: %d layers (%d KDA, %d MLA), %d MoE layers, %d experts top-%d; %.1f B parameters, %.2f B active per token\n",
+           c.n_layers, n_kda, n_mla, n_moe, c.n_experts, c.n_active, n_params / 1e9, n_active / 1e9);
+    printf("bytes: dense %.2f GB, experts %.2f GB (%.2f MB each), state %.3f GB per sequence at %d tokens\n", dense_bytes / 1e9,
+           expert_total / 1e9, one_expert / 1e6, state_per_seq / 1e9, ctx);
+    printf("machine: RAM %.1f GB, disk %.2f GB/s, memory %.1f GB/s, %.0f GFLOP/s (%d threads)\n", ram / 1e9, disk, membw, gflops, threads);
+    if (resident + reserve > ram)
+        printf("plan: the dense weights and state (%.1f GB) do not fit in RAM: they would be paged too (not planned)\n", (resident) / 1e9);
+    printf("plan: resident %.2f GB (dense weights, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
+           resident / 1e9, seqs, reserve / 1e9, cache / 1e9, 100 * f);
+    const int ns[2] = {1, seqs};
+    for (int i = 0; i < 2; i++) {
+        const double N = ns[i], distinct = E ? E * (1 - pow(1 - k / E, N)) : 0;
+        const double read = n_moe * distinct * one_expert * (1 - f), touched = dense_bytes + n_moe * distinct * one_expert;
+        const double io = read / (disk * 1e9), comp = touched / (membw * 1e9);
+        printf("decode, %d sequence%s: %.2f GB read per step (%.0f experts per MoE layer), io %.3f s + compute %.3f s: "
+               "%.3f s/token serial, %.3f s/token overlapped (%.2f / %.2f tok/s aggregate)\n",
+               ns[i], N > 1 ? "s in lockstep" : "", read / 1e9, distinct, io, comp, (io + comp) / N, (io > comp ? io : comp) / N,
+               N / (io + comp), N / (io > comp ? io : comp));
+    }
+    const double T = 512, dT = E ? E * (1 - pow(1 - k / E, T)) : 0;
+    const double pio = n_moe * dT * one_expert * (1 - f) / (disk * 1e9), pcomp = 2 * n_active * T / (gflops * 1e9);
+    printf("prefill, 512-token chunk: %.2f GB read (%.0f experts per MoE layer), io %.2f s + compute %.2f s: %.1f tok/s serial, %.1f overlapped\n",
+           n_moe * dT * one_expert * (1 - f) / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
+    moe_model_close(m);
+    return 0;
+}
