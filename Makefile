@@ -81,7 +81,7 @@ bench: all
 tsan:
 	@mkdir -p build-tsan
 	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 test/test.c moe.c quant.c -lm -lpthread -o build-tsan/moe-test
-	./build-tsan/moe-test cache_equivalence cache_faults concurrent_sessions
+	./build-tsan/moe-test cache_equivalence cache_faults cache_prefetch concurrent_sessions
 
 # fuzz: each parser (json safetensors gguf config) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
 fuzz:

@@ -1779,6 +1779,7 @@ moe_options moe_default_options(void) {
     o.n_threads = 1;
     o.n_batch = 512;
     o.expert_mode = MOE_EXPERTS_MMAP;
+    o.prefetch = 1;
     return o;
 }
 
@@ -2357,6 +2358,7 @@ static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const
 
 typedef struct cache_entry {
     int li, e, pins, loading; /* loading: being read by one thread; the others wait */
+    int prefetched;           /* read by the I/O thread and not used yet */
     uint64_t last_use;
     size_t bytes;
     unsigned char *buf;
@@ -2373,11 +2375,25 @@ struct expert_cache {
     size_t budget, used, peak;
     uint64_t clock;
     int fail_after; /* fault injection: the n-th read from now fails (0: never) */
+    /* prefetch: one I/O thread reads queued experts into free or evictable room */
+    pthread_t io;
+    pthread_cond_t work;
+    int io_running, io_stop;
+    int *queue, qn, qcap; /* expert ids (layer * E + e), oldest first */
 };
 
 static void cache_free(moe_model *m) {
     struct expert_cache *c = m->cache;
     if (!c) return;
+    if (c->io_running) {
+        pthread_mutex_lock(&c->lock);
+        c->io_stop = 1;
+        pthread_cond_signal(&c->work);
+        pthread_mutex_unlock(&c->lock);
+        pthread_join(c->io, NULL);
+    }
+    free(c->queue);
+    pthread_cond_destroy(&c->work);
     for (int i = 0; i < c->n_resident; i++) free(c->resident[i]->buf), free(c->resident[i]);
     for (int i = 0; c->fds && i < m->n_files; i++)
         if (c->fds[i] >= 0) close(c->fds[i]);
@@ -2387,6 +2403,8 @@ static void cache_free(moe_model *m) {
     free(c);
     m->cache = NULL;
 }
+
+static void *cache_io_main(void *arg);
 
 static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     const moe_config *c = &m->cfg;
@@ -2406,6 +2424,7 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     m->cache = k;
     pthread_mutex_init(&k->lock, NULL);
     pthread_cond_init(&k->unpinned, NULL);
+    pthread_cond_init(&k->work, NULL);
     k->budget = m->opt.expert_budget;
     k->fds = malloc(sizeof(int) * (size_t)m->n_files);
     k->slot = xcalloc((size_t)c->n_layers * (size_t)(c->n_experts ? c->n_experts : 1), sizeof *k->slot);
@@ -2414,6 +2433,12 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     for (int i = 0; i < m->n_files; i++)
         if ((k->fds[i] = open(m->files[i].path, O_RDONLY)) < 0)
             return fail(err, errlen, MOE_ERR_IO, "%s: %s", m->files[i].path, strerror(errno));
+    if (m->opt.prefetch) {
+        k->qcap = 4 * c->n_experts;
+        if (!(k->queue = malloc(sizeof(int) * (size_t)k->qcap))) return MOE_ERR_NOMEM;
+        if (pthread_create(&k->io, NULL, cache_io_main, m)) return fail(err, errlen, MOE_ERR_NOMEM, "cannot start the I/O thread");
+        k->io_running = 1;
+    }
     return MOE_OK;
 }
 
@@ -2447,6 +2472,46 @@ static void cache_evict(struct expert_cache *k, cache_entry *v, int n_experts) {
     free(v);
 }
 
+static int cache_room(struct expert_cache *k) { /* one more resident entry; 0 on success */
+    if (k->n_resident < k->cap_resident) return 0;
+    int cap = k->cap_resident ? 2 * k->cap_resident : 64;
+    cache_entry **r = realloc(k->resident, sizeof *r * (size_t)cap);
+    if (!r) return 1;
+    k->resident = r, k->cap_resident = cap;
+    return 0;
+}
+
+static cache_entry *cache_lru(struct expert_cache *k) {
+    cache_entry *lru = NULL;
+    for (int i = 0; i < k->n_resident; i++) {
+        cache_entry *v = k->resident[i];
+        if (!v->pins && !v->loading && (!lru || v->last_use < lru->last_use)) lru = v;
+    }
+    return lru;
+}
+
+/* reads the tensors of expert src into buf (laid out as in the entry's weights) */
+static int cache_fill(const moe_model *m, struct expert_cache *k, const expert *src, cache_entry *v) {
+    const moe__weight *w[3] = {&src->w1, &src->w2, &src->w3};
+    moe__weight *dst[3] = {&v->ex.w1, &v->ex.w2, &v->ex.w3};
+    size_t at = 0;
+    int rc = 0;
+    for (int i = 0; i < 3 && !rc; i++) {
+        *dst[i] = *w[i];
+        const size_t nd = (size_t)weight_data_bytes(w[i]);
+        rc = cache_read(m, k, w[i]->data, nd, v->buf + at);
+        dst[i]->data = v->buf + at;
+        at += nd;
+        if (!rc && w[i]->scale) {
+            const size_t ns = (size_t)(w[i]->rows * (w[i]->cols / 32));
+            rc = cache_read(m, k, w[i]->scale, ns, v->buf + at);
+            dst[i]->scale = v->buf + at;
+            at += ns;
+        }
+    }
+    return rc;
+}
+
 /* makes expert (li, e) resident and pinned; *out is valid until cache_put */
 static moe_status cache_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
     struct expert_cache *k = m->cache;
@@ -2466,26 +2531,20 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
             }
             v->pins++;
             v->last_use = ++k->clock;
+            v->prefetched = 0;
             if (stats) stats->cache_hits++;
             *out = &v->ex;
             pthread_mutex_unlock(&k->lock);
             return MOE_OK;
         }
         if (k->used + bytes <= k->budget) break;
-        cache_entry *lru = NULL; /* evict the least recently used unpinned expert */
-        for (int i = 0; i < k->n_resident; i++)
-            if (!k->resident[i]->pins && (!lru || k->resident[i]->last_use < lru->last_use)) lru = k->resident[i];
+        cache_entry *lru = cache_lru(k); /* evict the least recently used unpinned expert */
         if (lru) cache_evict(k, lru, E);
         /* all pinned by steps running on other threads (each holds at most one while it asks
          * for another, and the budget holds one per thread of a step): wait for one to go */
         else pthread_cond_wait(&k->unpinned, &k->lock);
     }
-    if (k->n_resident == k->cap_resident) {
-        int cap = k->cap_resident ? 2 * k->cap_resident : 64;
-        cache_entry **r = realloc(k->resident, sizeof *r * (size_t)cap);
-        if (!r) { pthread_mutex_unlock(&k->lock); return MOE_ERR_NOMEM; }
-        k->resident = r, k->cap_resident = cap;
-    }
+    if (cache_room(k)) { pthread_mutex_unlock(&k->lock); return MOE_ERR_NOMEM; }
     v = xcalloc(1, sizeof *v);
     unsigned char *buf = v ? malloc(bytes) : NULL;
     if (!buf) {
@@ -2504,22 +2563,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
     pthread_mutex_unlock(&k->lock);
 
     double t0 = now_sec();
-    size_t at = 0;
-    int rc = inject ? EIO : 0;
-    moe__weight *dst[3] = {&v->ex.w1, &v->ex.w2, &v->ex.w3};
-    for (int i = 0; i < 3 && !rc; i++) {
-        *dst[i] = *w[i];
-        const size_t nd = (size_t)weight_data_bytes(w[i]);
-        rc = cache_read(m, k, w[i]->data, nd, buf + at);
-        dst[i]->data = buf + at;
-        at += nd;
-        if (!rc && w[i]->scale) {
-            const size_t ns = (size_t)(w[i]->rows * (w[i]->cols / 32));
-            rc = cache_read(m, k, w[i]->scale, ns, buf + at);
-            dst[i]->scale = buf + at;
-            at += ns;
-        }
-    }
+    int rc = inject ? EIO : cache_fill(m, k, src, v);
     const double dt = now_sec() - t0;
 
     pthread_mutex_lock(&k->lock);
@@ -2559,6 +2603,65 @@ void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak) {
     pthread_mutex_lock(&m->cache->lock);
     *now = m->cache->used, *peak = m->cache->peak;
     pthread_mutex_unlock(&m->cache->lock);
+}
+
+
+/* The I/O thread: takes queued expert ids and reads each into room that is free or can be made
+ * by evicting an unused expert (never by waiting: a prefetch that does not fit is dropped). */
+static void *cache_io_main(void *arg) {
+    const moe_model *m = arg;
+    struct expert_cache *k = m->cache;
+    const int E = m->cfg.n_experts;
+    pthread_mutex_lock(&k->lock);
+    for (;;) {
+        while (!k->io_stop && !k->qn) pthread_cond_wait(&k->work, &k->lock);
+        if (k->io_stop) break;
+        const int id = k->queue[0];
+        memmove(k->queue, k->queue + 1, sizeof(int) * (size_t)--k->qn);
+        if (k->slot[id]) continue;
+        const int li = id / E, e = id % E;
+        const expert *src = &m->layers[li].experts[e];
+        const size_t bytes = (size_t)expert_bytes(src);
+        cache_entry *lru;
+        while (k->used + bytes > k->budget && (lru = cache_lru(k))) cache_evict(k, lru, E);
+        if (k->used + bytes > k->budget || cache_room(k)) continue;
+        cache_entry *v = xcalloc(1, sizeof *v);
+        unsigned char *buf = v ? malloc(bytes) : NULL;
+        if (!buf) { free(v); continue; }
+        v->li = li, v->e = e, v->loading = 1, v->prefetched = 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
+        k->slot[id] = v;
+        k->resident[k->n_resident++] = v;
+        k->used += bytes;
+        k->peak = k->used > k->peak ? k->used : k->peak;
+        pthread_mutex_unlock(&k->lock);
+        int rc = cache_fill(m, k, src, v);
+        pthread_mutex_lock(&k->lock);
+        if (rc) cache_evict(k, v, E); /* a failed prefetch leaves nothing: the step reads it itself */
+        else v->loading = 0;
+        pthread_cond_broadcast(&k->unpinned);
+    }
+    pthread_mutex_unlock(&k->lock);
+    return NULL;
+}
+
+/* queues experts of layer li for the I/O thread; returns how many were queued */
+static int cache_prefetch(const moe_model *m, int li, const unsigned char *want) {
+    struct expert_cache *k = m->cache;
+    const int E = m->cfg.n_experts;
+    int queued = 0;
+    pthread_mutex_lock(&k->lock);
+    for (int e = 0; e < E; e++) {
+        const int id = li * E + e;
+        if (!want[e] || k->slot[id]) continue;
+        int dup = 0;
+        for (int i = 0; i < k->qn && !dup; i++) dup = k->queue[i] == id;
+        if (dup || k->qn == k->qcap) continue;
+        k->queue[k->qn++] = id;
+        queued++;
+    }
+    if (queued) pthread_cond_signal(&k->work);
+    pthread_mutex_unlock(&k->lock);
+    return queued;
 }
 
 /* MMAP mode: tell the kernel which experts this step is about to use, so that their pages are
@@ -2675,8 +2778,12 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
     }
 }
 
+/* pred/pred_layer: the experts predicted for layer *pred_layer by the previous MoE layer (CACHE
+ * mode prefetch); checked against this layer's routing, then replaced by this layer's guess for
+ * the next MoE layer. */
 static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, int n, float *out,
-                                  const int32_t *const *forced, int32_t *ids, moe_step_stats *stats) {
+                                  const int32_t *const *forced, int32_t *ids, moe_step_stats *stats,
+                                  unsigned char *pred, int *pred_layer) {
     const moe_config *c = &m->cfg;
     const layer *L = &m->layers[li];
     const int d = c->hidden_size, E = c->n_experts, K = c->n_active, Ie = c->moe_intermediate_size;
@@ -2694,6 +2801,26 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
     /* 1-4. router in f32, selection, weights */
     if ((st = matmul(m, logits, x, n, &L->router))) goto done;
     route_rows(c, logits, L->router_bias, n, forced, ids, wts, work);
+    if (pred && *pred_layer == li && stats) /* how good was the previous layer's guess */
+        for (size_t i = 0; i < nk; i++) stats->prefetch_routed++, stats->prefetch_predicted += pred[ids[i]];
+    if (pred && m->cache && m->opt.prefetch) {
+        /* guess the next MoE layer's experts with its router on this hidden state, and have the
+         * I/O thread read them while this layer and the next attention compute */
+        int nl = li + 1;
+        while (nl < c->n_layers && !m->layer_moe[nl]) nl++;
+        int32_t *pids = nl < c->n_layers ? malloc(sizeof(int32_t) * nk) : NULL;
+        float *pw = pids ? malloc(sizeof(float) * nk) : NULL;
+        *pred_layer = -1;
+        if (pw && !matmul(m, logits, x, n, &m->layers[nl].router)) {
+            route_rows(c, logits, m->layers[nl].router_bias, n, NULL, pids, pw, work);
+            memset(pred, 0, (size_t)E);
+            for (size_t i = 0; i < nk; i++) pred[pids[i]] = 1;
+            *pred_layer = nl;
+            const int q = cache_prefetch(m, nl, pred);
+            if (stats) stats->prefetch_issued += (uint64_t)q;
+        }
+        free(pids), free(pw);
+    }
     /* 5. group the rows by expert (counting sort: experts in id order, rows in row order) */
     for (size_t i = 0; i < nk; i++) cnt[ids[i] + 1]++;
     for (int e = 0; e < E; e++) cnt[e + 1] += cnt[e];
@@ -2853,6 +2980,8 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     float *h = malloc(sizeof(float) * Rd * (4 + (size_t)nbmax));
     int32_t *ids = c->n_experts ? malloc(sizeof(int32_t) * (size_t)R * K) : NULL;
     const int32_t **frc = NULL;
+    unsigned char *pred = c->n_experts ? calloc((size_t)c->n_experts, 1) : NULL;
+    int pred_layer = -1;
     for (int i = 0; i < nsg; i++)
         if (sg[i].q->force_routes && !frc && !(frc = malloc(sizeof *frc * (size_t)R))) st = MOE_ERR_NOMEM;
     float *blocks[MAX_SOURCES];
@@ -2899,7 +3028,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
             for (int i = 0; frc && i < nsg; i++)
                 for (int t = 0; t < sg[i].n; t++)
                     frc[sg[i].row0 + t] = sg[i].q->force_routes ? sg[i].q->force_routes + ((size_t)(sg[i].start + t) * Lc + li) * K : NULL;
-            st = moe_ffn_forward(m, li, x, R, out, frc, ids, stats);
+            st = moe_ffn_forward(m, li, x, R, out, frc, ids, stats, pred, &pred_layer);
         }
         else st = ffn_forward(m, &L->gate, &L->up, &L->down, x, R, out);
         if (st) goto done;
@@ -2939,6 +3068,7 @@ done:
     free(h);
     free(ids);
     free(frc);
+    free(pred);
     return st;
 }
 

@@ -87,6 +87,9 @@ typedef struct {
     size_t expert_budget;   /* CACHE mode: RAM for routed experts in bytes; it must hold n_threads
                                experts (checked at open) */
     int expert_mode;        /* moe_expert_mode */
+    int prefetch;           /* CACHE mode: predict the next MoE layer's experts with its router on
+                               the current hidden state and read them on the model's I/O thread
+                               while the current layer computes (default 1) */
     int dense_type;         /* moe_wtype for the attention, dense FFN, shared expert and LM-head
                                matrices, converted at load into RAM the model owns */
     int expert_type;        /* moe_wtype for the routed experts (makes them resident) */
@@ -202,7 +205,10 @@ typedef struct {
     uint64_t expert_bytes; /* bytes of expert weights those loads touched */
     uint64_t cache_hits, cache_misses; /* CACHE mode: experts found resident / read from disk */
     uint64_t bytes_read;   /* CACHE mode: bytes read from the files */
-    double io_seconds;     /* CACHE mode: time spent reading (the step waited for it) */
+    double io_seconds;     /* CACHE mode: time the step's own threads spent reading */
+    uint64_t prefetch_issued;  /* CACHE mode: expert reads queued for the I/O thread */
+    uint64_t prefetch_predicted, prefetch_routed; /* routed experts that had been predicted /
+                                                     all routed experts (recall = ratio) */
     double seconds;        /* wall time of the step */
 } moe_step_stats;
 

@@ -1474,11 +1474,13 @@ static void test_fuzz_seeds(void) {
 
 /* ---- expert cache (CACHE mode) -------------------------------------------------------------------- */
 
-static moe_model *open_cache(const char *name, size_t budget, int threads) {
+/* prefetch off: the counts some tests check would otherwise depend on the I/O thread's timing */
+static moe_model *open_cache_pf(const char *name, size_t budget, int threads, int prefetch) {
     char path[600], err[512];
     snprintf(path, sizeof path, "%s/%s", golden_dir(), name);
     moe_options o = moe_default_options();
     o.expert_mode = MOE_EXPERTS_CACHE;
+    o.prefetch = prefetch;
     o.expert_budget = budget;
     o.n_threads = threads;
     moe_model *m = NULL;
@@ -1486,6 +1488,7 @@ static moe_model *open_cache(const char *name, size_t budget, int threads) {
     CHECKF(st == MOE_OK, "open %s: %s", path, err);
     return m;
 }
+static moe_model *open_cache(const char *name, size_t budget, int threads) { return open_cache_pf(name, budget, threads, 0); }
 
 /* a tiny budget (two experts) gives the same logits as the mapping, in every golden case, and
  * the cache never holds more than its budget */
@@ -1516,6 +1519,34 @@ static void test_cache_equivalence(void) {
 }
 
 /* statistics, a budget too small, and reads that fail: an error from the step, a usable model */
+/* prefetch on the I/O thread: same logits; the guesses are counted and mostly right on a model
+ * whose consecutive routers see similar inputs (here: recall is only checked to be a ratio) */
+static void test_cache_prefetch(void) {
+    moe_model *ref = open_model("seed", 0, 1), *m = open_cache_pf("seed", 40 * 12288, 2, 1);
+    if (!ref || !m) { moe_model_close(ref), moe_model_close(m); return; }
+    int n;
+    int32_t *ids = golden_ids("seed", 2, &n);
+    const int V = moe_model_config(m)->vocab_size;
+    float *a = logits_in_pieces(ref, ids, n, NULL), *b = malloc(sizeof(float) * (size_t)V * n);
+    moe_session *s;
+    CHECK(moe_session_new(&s, m, n, NULL, 0) == MOE_OK);
+    moe_step_stats st;
+    uint64_t issued = 0, pred = 0, routed = 0;
+    for (int t = 0; t < n; t++) { /* token by token, as decoding does */
+        moe_seq q = {.s = s, .tokens = ids + t, .n = 1, .logits = b + (size_t)t * V};
+        CHECK(moe_step(m, &q, 1, &st, NULL, 0) == MOE_OK);
+        issued += st.prefetch_issued, pred += st.prefetch_predicted, routed += st.prefetch_routed;
+    }
+    CHECK(max_abs_diff(a, b, (size_t)V * n) < 1e-3);
+    CHECKF(issued > 0 && routed == (uint64_t)n * 6 * 6 && pred <= routed, "issued %llu, predicted %llu of %llu",
+           (unsigned long long)issued, (unsigned long long)pred, (unsigned long long)routed);
+    if (getenv("MOE_TEST_VERBOSE")) fprintf(stderr, "  prefetch recall %.2f (%llu of %llu)\n", (double)pred / routed,
+                                            (unsigned long long)pred, (unsigned long long)routed);
+    moe_session_free(s);
+    free(a), free(b), free(ids);
+    moe_model_close(m), moe_model_close(ref);
+}
+
 static void test_cache_faults(void) {
     char path[600], err[512];
     snprintf(path, sizeof path, "%s/k3mx", golden_dir());
@@ -1724,6 +1755,7 @@ static const struct {
     {"fuzz_seeds", test_fuzz_seeds},
     {"cache_equivalence", test_cache_equivalence},
     {"cache_faults", test_cache_faults},
+    {"cache_prefetch", test_cache_prefetch},
     {"concurrent_sessions", test_concurrent_sessions},
     {"k3_slice", test_k3_slice},
     {"plan", test_plan},
