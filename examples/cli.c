@@ -37,7 +37,8 @@ static int usage(const char *msg) {
             "  --ignore-eos    keep generating after the end-of-sequence token\n"
             "  --load-mode M   routed experts through the file mapping (mmap, default) or read into a\n"
             "                  cache of --expert-budget bytes (cache)\n"
-            "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode)\n");
+            "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode)\n"
+            "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n");
     return 2;
 }
 
@@ -145,6 +146,11 @@ int main(int argc, char **argv) {
             if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
             else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
             else return usage("--load-mode is mmap or cache");
+        } else if (!strcmp(a, "--prefetch") && more) {
+            const char *v = argv[++i];
+            if (!strcmp(v, "on")) opt.prefetch = 1;
+            else if (!strcmp(v, "off")) opt.prefetch = 0;
+            else return usage("--prefetch is on or off");
         } else if (!strcmp(a, "--expert-budget") && more) {
             if (!parse_size(argv[++i], &opt.expert_budget)) return usage("--expert-budget needs a size such as 8G");
         }
@@ -206,6 +212,7 @@ int main(int argc, char **argv) {
         if ((st = moe_step(m, &d, 1, &ds, err, sizeof err))) { fprintf(stderr, "\nmoe-cli: %s\n", err); goto out; }
         tot.expert_rows += ds.expert_rows, tot.expert_loads += ds.expert_loads, tot.expert_bytes += ds.expert_bytes;
         tot.cache_hits += ds.cache_hits, tot.cache_misses += ds.cache_misses, tot.bytes_read += ds.bytes_read, tot.io_seconds += ds.io_seconds;
+        tot.prefetch_issued += ds.prefetch_issued, tot.prefetch_predicted += ds.prefetch_predicted, tot.prefetch_routed += ds.prefetch_routed;
     }
     td = now() - td;
     printf("\n");
@@ -220,6 +227,10 @@ int main(int argc, char **argv) {
                 (unsigned long long)(ps.cache_hits + tot.cache_hits), (unsigned long long)(ps.cache_misses + tot.cache_misses),
                 lk ? 100.0 * (ps.cache_hits + tot.cache_hits) / lk : 0.0, (ps.bytes_read + tot.bytes_read) / 1e6,
                 ps.io_seconds + tot.io_seconds, (ps.io_seconds + tot.io_seconds) > 0 ? (ps.bytes_read + tot.bytes_read) / 1e6 / (ps.io_seconds + tot.io_seconds) : 0.0);
+        const uint64_t routed = ps.prefetch_routed + tot.prefetch_routed;
+        if (opt.prefetch && routed)
+            fprintf(stderr, "moe-cli: prefetch: %llu reads queued, recall %.1f%% of routed experts\n",
+                    (unsigned long long)(ps.prefetch_issued + tot.prefetch_issued), 100.0 * (ps.prefetch_predicted + tot.prefetch_predicted) / routed);
     }
     rc = 0;
 out:
