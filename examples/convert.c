@@ -1,6 +1,6 @@
 /* moe-convert: a Hugging Face checkpoint directory (or a benchmark shape) to one GGUF file.
  *
- *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [-t THREADS]
+ *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE]
  *   moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]
  *
  * TYPE: f32, bf16, q8_0, q4_0 (dense default: bf16); experts also "mxfp4" and "asis" (default:
@@ -57,7 +57,6 @@ typedef struct {
     moe_model *m; /* checkpoint mode */
     const char *prefix;
     uint64_t seed; /* random mode when m is NULL */
-    int threads;
 } source;
 
 static int die(const char *fmt, ...) {
@@ -72,7 +71,7 @@ static int die(const char *fmt, ...) {
 
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-convert: %s\n", msg);
-    fprintf(stderr, "usage: moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [-t THREADS]\n"
+    fprintf(stderr, "usage: moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE]\n"
                     "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
                     "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N]   (random, released K3 layout)\n"
                     "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0 (bf16)\n"
@@ -847,7 +846,6 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
     if (mkdir(dir, 0755) && errno != EEXIST) return die("%s: %s", dir, strerror(errno));
     const int L = layers->n;
     char **files = calloc((size_t)L + 1, sizeof *files);
-    klist all = {0};
     buf idx = {0};
     put(&idx, "{\n  \"weight_map\": {", strlen("{\n  \"weight_map\": {"));
     uint64_t total = 0;
@@ -940,7 +938,7 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
         }
     }
     for (int i = 0; i <= L; i++) free(files[i]);
-    free(files), free(idx.b), free(all.t);
+    free(files), free(idx.b);
     moe__json_free(j);
     if (!rc) fprintf(stderr, "moe-convert: K3-layout slice in %s: %d layers, %.2f GB of tensor data\n", dir, L, total / 1e9);
     return rc;
@@ -950,7 +948,7 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
 
 int main(int argc, char **argv) {
     const char *in = NULL, *out = NULL, *shape = NULL, *k3shape = NULL;
-    int dense = MOE_T_BF16, experts = -1, threads = 1, ctx = 131072;
+    int dense = MOE_T_BF16, experts = -1, ctx = 131072;
     uint64_t seed = 42;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -961,8 +959,7 @@ int main(int argc, char **argv) {
             if ((dense = parse_type(argv[++i], 0)) < 0) return usage("unknown --dense type");
         } else if (!strcmp(a, "--experts") && more) {
             if ((experts = parse_type(argv[++i], 1)) < -1) return usage("unknown --experts type");
-        } else if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
-        else if (!strcmp(a, "--seed") && more) seed = strtoull(argv[++i], NULL, 10);
+        } else if (!strcmp(a, "--seed") && more) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else if (a[0] == '-') return usage("unknown or incomplete option");
@@ -972,9 +969,8 @@ int main(int argc, char **argv) {
     }
     if (k3shape) return out ? k3_slice(k3shape, out, seed) : usage("--k3-slice SHAPE.json needs OUT_DIR");
     if (!out || (!in && !shape)) return usage("need MODEL_DIR (or --random SHAPE.json) and OUT.gguf");
-    (void)threads;
 
-    source src = {NULL, "", seed, threads};
+    source src = {NULL, "", seed};
     moe_config cfg, shape_cfg;
     unsigned char *kinds = NULL, *moes = NULL;
     int expert_src_type = MOE_T_BF16;

@@ -117,10 +117,7 @@ int main(int argc, char **argv) {
         }
         if (!(ebv > 0)) ebv = mxfp4 ? 17.0 / 32.0 : 2.0;
         n_params = dense + experts;
-        double moe_layers = 0;
-        for (int l = 0; l < c.n_layers; l++) moe_layers += c.layer_moe[l];
         n_active = dense + (E ? experts / E * c.n_active : 0);
-        (void)moe_layers;
         dense_bytes = dense * dbv;
         expert_total = experts * ebv;
     }

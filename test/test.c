@@ -429,10 +429,10 @@ static double max_abs_diff(const float *a, const float *b, size_t n) {
     return m;
 }
 
-static moe_options *golden_opts;
-static moe_model *open_model(const char *sub, unsigned flags, int threads) {
-    char path[600], err[512];
-    snprintf(path, sizeof path, "%s/%s", golden_dir(), sub);
+static moe_options *golden_opts; /* run_golden_path_cache's options; NULL: defaults */
+
+static moe_model *open_path(const char *path, unsigned flags, int threads) {
+    char err[512];
     moe_options o = golden_opts ? *golden_opts : moe_default_options();
     o.flags = flags;
     o.n_threads = threads;
@@ -442,15 +442,10 @@ static moe_model *open_model(const char *sub, unsigned flags, int threads) {
     return m;
 }
 
-static moe_model *open_path(const char *path, unsigned flags, int threads) {
-    char err[512];
-    moe_options o = moe_default_options();
-    o.flags = flags;
-    o.n_threads = threads;
-    moe_model *m = NULL;
-    moe_status st = moe_model_open(&m, path, &o, err, sizeof err);
-    CHECKF(st == MOE_OK, "open %s: %s", path, err);
-    return m;
+static moe_model *open_model(const char *sub, unsigned flags, int threads) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/%s", golden_dir(), sub);
+    return open_path(path, flags, threads);
 }
 
 /* every prompt: all prefill rows, argmax, routing, 16 greedy tokens and their logit rows;
