@@ -48,7 +48,8 @@ typedef enum {
     MOE_ERR_UNSUPPORTED, /* valid, but a feature this build does not implement */
     MOE_ERR_NOMEM,       /* allocation failed */
     MOE_ERR_ARG,         /* a bad argument: NULL, token id out of range, wrong model, ... */
-    MOE_ERR_CTX_FULL     /* the step would exceed the session's context size */
+    MOE_ERR_CTX_FULL,    /* the step would exceed the session's context size */
+    MOE_ERR_RANGE        /* an output buffer is too small (the size needed is reported) */
 } moe_status;
 
 /* Static string describing a status; never NULL. */
@@ -219,6 +220,56 @@ typedef struct {
  * stats may be NULL. */
 MOE_API moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *stats,
                             char *err, size_t errlen);
+
+/* ---- tokenizer (spec/TOKENIZER.md) ------------------------------------------------------
+ * tiktoken's rank BPE: a rank file ("base64-bytes rank" per line; a token's id is its rank),
+ * special tokens after the ranks, and a pre-tokenizer that cuts text into pieces first. Kimi's
+ * pre-tokenizer adds Han runs and the vendor's 400,000 / 25,000 chunking; o200k_base and
+ * cl100k_base are OpenAI's (for testing against their public rank files). Text is UTF-8. */
+
+typedef struct moe_tokenizer moe_tokenizer;
+typedef enum { MOE_PRETOK_KIMI = 0, MOE_PRETOK_O200K, MOE_PRETOK_CL100K } moe_pretok;
+
+/* Loads a rank file. Kimi: n_special ids follow the ranks (0: 256 when tokenizer_config.json
+ * names "<|open|>", i.e. K3, else 258 as Kimi-Linear/K2 do), named from the config's
+ * added_tokens_decoder (config_path may be NULL) or "<|reserved_token_ID|>". o200k/cl100k:
+ * OpenAI's specials (<|endoftext|>, ...); config_path and n_special are ignored. */
+MOE_API moe_status moe_tokenizer_load(moe_tokenizer **out, const char *ranks_path, int pretok,
+                                      const char *config_path, int n_special, char *err,
+                                      size_t errlen);
+/* The tokenizer a model ships: tiktoken.model + tokenizer_config.json beside its config.json,
+ * or the vocabulary inside its GGUF (tokenizer.ggml.tokens, rank = id, merges ignored). Ids at
+ * or past the model's vocab_size are then refused by moe_tokenize and moe_detokenize. */
+MOE_API moe_status moe_tokenizer_for_model(moe_tokenizer **out, const moe_model *m, char *err,
+                                           size_t errlen);
+MOE_API void moe_tokenizer_free(moe_tokenizer *t);
+
+enum {
+    MOE_TOK_SPECIAL = 1u << 0,  /* special-token names in the text become their ids (otherwise
+                                   they are ordinary text) */
+    MOE_TOK_RAW_BYTES = 1u << 1 /* accept bytes that are not valid UTF-8 (each one a symbol of
+                                   its own), so any byte string round-trips; otherwise invalid
+                                   UTF-8 is MOE_ERR_ARG */
+};
+/* Encodes text[0..len) into ids[0..cap). *n_ids gets the number of ids; when that exceeds cap
+ * the first cap are written and MOE_ERR_RANGE returned. cap = len is always enough. */
+MOE_API moe_status moe_tokenize(const moe_tokenizer *t, const char *text, size_t len,
+                                unsigned flags, int32_t *ids, size_t cap, size_t *n_ids,
+                                char *err, size_t errlen);
+/* The bytes of one id (a special's name for specials), not NUL-terminated for mergeable
+ * tokens; NULL for an id that has none. Valid until moe_tokenizer_free. */
+MOE_API const char *moe_token_bytes(const moe_tokenizer *t, int32_t id, size_t *len);
+/* Concatenated bytes of ids into buf[0..cap); *len = bytes needed (MOE_ERR_RANGE if > cap). */
+MOE_API moe_status moe_detokenize(const moe_tokenizer *t, const int32_t *ids, size_t n,
+                                  char *buf, size_t cap, size_t *len, char *err, size_t errlen);
+/* The id of a special token by name, or -1. */
+MOE_API int32_t moe_token_id(const moe_tokenizer *t, const char *name);
+MOE_API int moe_token_is_special(const moe_tokenizer *t, int32_t id);
+/* One past the largest id. */
+MOE_API int32_t moe_tokenizer_n_ids(const moe_tokenizer *t);
+/* Length of the longest prefix of s[0..n) that is whole, valid UTF-8 (for streaming output:
+ * hold back the rest until the next token completes it). */
+MOE_API size_t moe_utf8_valid_prefix(const char *s, size_t n);
 
 /* ---- sampling --------------------------------------------------------------------------- */
 
@@ -412,6 +463,9 @@ const moe__st_tensor *moe__model_tensor(const moe_model *m, const char *name);
 /* The stored-name prefix of the text model ("language_model." for K3's wrapper, else ""). */
 const char *moe__model_prefix(const moe_model *m);
 void moe__st_close(moe__st_file *f);
+/* The pre-tokenizer alone (no chunking, no specials) over valid UTF-8: the byte offset where
+ * each piece ends goes to ends[0..cap); returns the number of pieces, -1 on bad input. */
+long moe__pretokenize(int pretok, const char *text, size_t len, size_t *ends, size_t cap);
 const moe__st_tensor *moe__st_find(const moe__st_file *f, const char *name);
 
 /* The KDA core for one head over n tokens, state S[D,D] (rows = key channels) updated in place.

@@ -1213,6 +1213,348 @@ static void test_moe_logits_cli(void) {
     }
 }
 
+/* ---- tokenizer ------------------------------------------------------------------------------ */
+
+static const char *tok_dir(void) {
+    const char *d = getenv("MOE_TOKENIZER_DATA");
+    return d ? d : "test/tokenizer";
+}
+
+/* checks the pre-tokenizer's pieces of text against a NULL-terminated list */
+static void check_pieces(int pretok, const char *text, const char *const *want) {
+    size_t ends[128], len = strlen(text);
+    long n = moe__pretokenize(pretok, text, len, ends, 128);
+    int nw = 0;
+    while (want[nw]) nw++;
+    int ok = n == nw;
+    for (long i = 0, s = 0; ok && i < n; s = (long)ends[i++])
+        ok = strlen(want[i]) == ends[i] - (size_t)s && !memcmp(text + s, want[i], ends[i] - (size_t)s);
+    if (!ok) {
+        fprintf(stderr, "  pretok %d of \"%s\": got", pretok, text);
+        for (long i = 0, s = 0; i < n && i < 128; s = (long)ends[i++]) fprintf(stderr, " [%.*s]", (int)(ends[i] - (size_t)s), text + s);
+        fprintf(stderr, "\n");
+    }
+    CHECK(ok);
+}
+
+/* spec/TOKENIZER.md 6.1 (Kimi) and 6.2 (o200k, cl100k): verified there against tiktoken */
+static void test_tokenizer_spec_pieces(void) {
+    enum { K = MOE_PRETOK_KIMI, O = MOE_PRETOK_O200K, C = MOE_PRETOK_CL100K };
+#define P(pre, text, ...) do { const char *w_[] = {__VA_ARGS__, NULL}; check_pieces(pre, text, w_); } while (0)
+    P(K, "Hello  world\n\n", "Hello", " ", " world", "\n\n");
+    P(K, "東京タワーabc", "東京", "タワーabc");
+    P(K, "I'M fine", "I'M", " fine");
+    P(K, "x   \ny", "x", "   \n", "y");
+    P(K, "Hello, world!", "Hello", ",", " world", "!");
+    P(K, "getUserName", "get", "User", "Name");
+    P(K, "HTMLParser", "HTMLParser");
+    P(K, "iPhone 15 Pro", "i", "Phone", " ", "15", " Pro");
+    P(K, "don't DON'T we'LL I'mm", "don't", " DON'T", " we'LL", " I'm", "m");
+    P(K, "itſs it'ſ", "itſs", " it'ſ");
+    P(K, "1234567", "123", "456", "7");
+    P(K, "12.5% of $100", "12", ".", "5", "%", " of", " $", "100");
+    P(K, "你好世界，欢迎使用Kimi K3！", "你好世界", "，", "欢迎使用", "Kimi", " K", "3", "！");
+    P(K, "こんにちは、世界", "こんにちは", "、", "世界");
+    P(K, "日本語テスト", "日本語", "テスト");
+    P(K, "今日は良い天気ですね。", "今日", "は", "良", "い", "天気", "ですね", "。");
+    P(K, "漢字かな交じり文", "漢字", "かな", "交", "じり", "文");
+    P(K, "Kimi是月之暗面的助手", "Kimi", "是月之暗面的助手");
+    P(K, "中文abc中文", "中文", "abc", "中文");
+    P(K, "々y", "々", "y");
+    P(K, "〇一二三", "〇一二三");
+    P(K, "⺀一x", "⺀一", "x");
+    P(K, "!⺀", "!⺀");
+    P(K, "(東京)", "(", "東京", ")");
+    P(K, "한국어 텍스트", "한국어", " 텍스트");
+    P(K, "café naïve", "café", " naïve");
+    P(K, "cafe\xcc\x81", "cafe\xcc\x81");
+    P(K, "\xcc\x81" "abc", "\xcc\x81" "abc");
+    P(K, "ＡＢＣｄｅｆ", "ＡＢＣｄｅｆ");
+    P(K, "ǅungla", "ǅungla");
+    P(K, "end   ", "end", "   ");
+    P(K, "a  b\n\n\nc", "a", " ", " b", "\n\n\n", "c");
+    P(K, "foo\n  bar", "foo", "\n", " ", " bar");
+    P(K, "\r\n\r\nfoo", "\r\n\r\n", "foo");
+    P(K, "x \ty", "x", " ", "\ty");
+    P(K, " 123", " ", "123");
+    P(K, "\tfoo", "\tfoo");
+    P(K, "\xe3\x80\x80" "foo", "\xe3\x80\x80" "foo");
+    P(K, "😀😀 hi", "😀😀", " hi");
+    P(K, "<|im_end|>", "<|", "im", "_end", "|>");
+    P(K, "def foo(x: int) -> bool:\n    return x > 0  # comment", "def", " foo", "(x", ":", " int", ")", " ->", " bool", ":\n", "   ",
+      " return", " x", " >", " ", "0", " ", " #", " comment");
+    P(K, "a/b//c", "a", "/b", "//", "c");
+    P(K, "\xc2\xa0\xc2\xa0x", "\xc2\xa0", "\xc2\xa0x");
+    /* 6.2: where the three patterns differ */
+    P(O, "東京タワーabc", "東京タワーabc");
+    P(C, "東京タワーabc", "東京タワーabc");
+    P(C, "I'M fine", "I", "'M", " fine");
+    P(C, "getUserName", "getUserName");
+    P(O, "getUserName", "get", "User", "Name");
+    P(C, "iPhone 15 Pro", "iPhone", " ", "15", " Pro");
+    P(C, "don't DON'T we'LL I'mm", "don", "'t", " DON", "'T", " we", "'LL", " I", "'m", "m");
+    P(O, "don't DON'T we'LL I'mm", "don't", " DON'T", " we'LL", " I'm", "m");
+    P(C, "itſs it'ſ", "itſs", " it", "'ſ");
+    P(O, "你好世界，欢迎使用Kimi K3！", "你好世界", "，欢迎使用Kimi", " K", "3", "！");
+    P(C, "你好世界，欢迎使用Kimi K3！", "你好世界", "，欢迎使用Kimi", " K", "3", "！");
+    P(O, "こんにちは、世界", "こんにちは", "、世界");
+    P(O, "今日は良い天気ですね。", "今日は良い天気ですね", "。");
+    P(O, "〇一二三", "〇", "一二三");
+    P(C, "〇一二三", "〇", "一二三");
+    P(O, "(東京)", "(東京", ")");
+    P(O, "cafe\xcc\x81", "cafe\xcc\x81");
+    P(C, "cafe\xcc\x81", "cafe", "\xcc\x81");
+    P(O, ".\n/x", ".\n/", "x"); /* o200k's punctuation run may end in '/' after line breaks */
+    P(K, ".\n/x", ".\n", "/x");
+#undef P
+    CHECK(moe__pretokenize(K, "\xff", 1, NULL, 0) == -1); /* the hook takes valid UTF-8 only */
+}
+
+/* Kimi pieces of 3000 random strings against a regex translation run in Node
+ * (scripts/tokenizer-reference.mjs kimi-pieces) */
+static void test_tokenizer_random_pieces(void) {
+    char path[600];
+    snprintf(path, sizeof path, "%s/random.jsonl", tok_dir());
+    size_t la = 0, lb = 0;
+    char *in = read_all(path, &la);
+    snprintf(path, sizeof path, "%s/random.kimi.pieces", tok_dir());
+    char *want = read_all(path, &lb);
+    CHECK(in && want);
+    int lines = 0, bad = 0;
+    for (char *a = in, *b = want; in && want && *a && *b; lines++) {
+        char *ae = strchr(a, '\n'), *be = strchr(b, '\n');
+        if (!ae || !be) break;
+        moe__json *s = NULL, *w = NULL;
+        CHECK(moe__json_parse(a, (size_t)(ae - a), &s, NULL, 0) == MOE_OK && moe__json_parse(b, (size_t)(be - b), &w, NULL, 0) == MOE_OK);
+        if (s && w) {
+            size_t ends[64], len = strlen(s->str);
+            long n = moe__pretokenize(MOE_PRETOK_KIMI, s->str, len, ends, 64);
+            int ok = n == w->n;
+            const moe__json *p = w->child;
+            for (long i = 0, st = 0; ok && i < n; st = (long)ends[i++], p = p->next)
+                ok = strlen(p->str) == ends[i] - (size_t)st && !memcmp(s->str + st, p->str, ends[i] - (size_t)st);
+            if (!ok && bad++ < 5) fprintf(stderr, "  random line %d: %.*s: pieces differ from %.*s\n", lines + 1, (int)(ae - a), a, (int)(be - b), b);
+        }
+        moe__json_free(s), moe__json_free(w);
+        a = ae + 1, b = be + 1;
+    }
+    CHECKF(bad == 0, "%d of %d lines differ", bad, lines);
+    CHECK(lines == 3000);
+    free(in), free(want);
+}
+
+/* compares ids with a whitespace-separated id line; returns 1 when equal */
+static int ids_equal(const int32_t *ids, size_t n, const char *line, const char *end) {
+    size_t i = 0;
+    for (const char *p = line; p < end;) {
+        char *q;
+        long v = strtol(p, &q, 10);
+        if (q == p) break;
+        if (i >= n || ids[i] != v) return 0;
+        i++, p = q;
+    }
+    return i == n;
+}
+
+static moe_tokenizer *load_openai(const char *name, int pretok) {
+    char path[600], err[300];
+    snprintf(path, sizeof path, "%s/%s_base.tiktoken", tok_dir(), name);
+    moe_tokenizer *t = NULL;
+    moe_status st = moe_tokenizer_load(&t, path, pretok, NULL, 0, err, sizeof err);
+    CHECKF(st == MOE_OK, "%s", err);
+    return t;
+}
+
+/* o200k_base and cl100k_base ids against npm js-tiktoken 1.0.21 on a multilingual corpus (KJV
+ * chapters from Debian's bible-kjv, CJK, Arabic, Devanagari, Cyrillic, emoji sequences, combining
+ * marks, CRLF, long whitespace runs, code) and on 3000 random strings, line by line */
+static void test_tokenizer_openai_ids(void) {
+    const char *names[2] = {"o200k", "cl100k"};
+    char path[600], err[300];
+    size_t tl = 0;
+    snprintf(path, sizeof path, "%s/corpus.txt", tok_dir());
+    char *text = read_all(path, &tl);
+    snprintf(path, sizeof path, "%s/random.jsonl", tok_dir());
+    size_t rl = 0;
+    char *rnd = read_all(path, &rl);
+    CHECK(text && rnd);
+    for (int k = 0; k < 2 && text && rnd; k++) {
+        moe_tokenizer *t = load_openai(names[k], k ? MOE_PRETOK_CL100K : MOE_PRETOK_O200K);
+        if (!t) continue;
+        CHECK(moe_tokenizer_n_ids(t) == (k ? 100277 : 200019));
+        CHECK(moe_token_id(t, "<|endoftext|>") == (k ? 100257 : 199999));
+        int32_t *ids = malloc((tl + 1) * sizeof *ids);
+        size_t n = 0, wl = 0;
+        CHECK(moe_tokenize(t, text, tl, 0, ids, tl + 1, &n, err, sizeof err) == MOE_OK);
+        snprintf(path, sizeof path, "%s/corpus.%s.ids", tok_dir(), names[k]);
+        char *want = read_all(path, &wl);
+        CHECKF(want && ids_equal(ids, n, want, want + wl), "%s: corpus ids differ from js-tiktoken", names[k]);
+        free(want);
+        /* decoding gives the text back */
+        char *back = malloc(tl + 1);
+        size_t bl = 0;
+        CHECK(moe_detokenize(t, ids, n, back, tl + 1, &bl, err, sizeof err) == MOE_OK && bl == tl && !memcmp(back, text, tl));
+        free(back), free(ids);
+        snprintf(path, sizeof path, "%s/random.%s.ids", tok_dir(), names[k]);
+        want = read_all(path, &wl);
+        CHECK(want != NULL);
+        int lines = 0, bad = 0;
+        for (char *a = rnd, *b = want; want && *a && *b; lines++) {
+            char *ae = strchr(a, '\n'), *be = strchr(b, '\n');
+            if (!ae || !be) break;
+            moe__json *s = NULL;
+            int32_t lid[128];
+            size_t ln = 0;
+            if (moe__json_parse(a, (size_t)(ae - a), &s, NULL, 0) != MOE_OK ||
+                moe_tokenize(t, s->str, strlen(s->str), 0, lid, 128, &ln, err, sizeof err) != MOE_OK || !ids_equal(lid, ln, b, be)) {
+                if (bad++ < 5) fprintf(stderr, "  %s random line %d: %.*s: ids differ from %.*s\n", names[k], lines + 1, (int)(ae - a), a, (int)(be - b), b);
+            }
+            moe__json_free(s);
+            a = ae + 1, b = be + 1;
+        }
+        CHECKF(bad == 0 && lines == 3000, "%s: %d of %d random lines differ", names[k], bad, lines);
+        free(want);
+        moe_tokenizer_free(t);
+    }
+    free(text), free(rnd);
+}
+
+/* decode(encode(x)) == x for arbitrary bytes (with MOE_TOK_RAW_BYTES); strict mode refuses
+ * invalid UTF-8; the output-size contract */
+static void test_tokenizer_roundtrip(void) {
+    moe_tokenizer *t = load_openai("o200k", MOE_PRETOK_O200K);
+    if (!t) return;
+    char err[300], buf[700], back[800];
+    int32_t ids[700];
+    int bad = 0;
+    for (int iter = 0; iter < 2000; iter++) {
+        size_t len = (size_t)(urand() * 600);
+        for (size_t i = 0; i < len; i++) {
+            double u = urand();
+            buf[i] = (char)(u < 0.3 ? 0x80 + (int)(urand() * 128) : u < 0.4 ? 0xC0 + (int)(urand() * 64) : u < 0.5 ? ' ' : (int)(urand() * 128));
+        }
+        size_t n = 0, bl = 0;
+        moe_status st = moe_tokenize(t, buf, len, MOE_TOK_RAW_BYTES | (iter & 1 ? MOE_TOK_SPECIAL : 0), ids, 700, &n, err, sizeof err);
+        if (st || moe_detokenize(t, ids, n, back, sizeof back, &bl, err, sizeof err) || bl != len || memcmp(back, buf, len)) bad++;
+    }
+    CHECKF(bad == 0, "%d of 2000 random byte strings did not round-trip", bad);
+    size_t n = 0;
+    CHECK(moe_tokenize(t, "ab\xff", 3, 0, ids, 10, &n, err, sizeof err) == MOE_ERR_ARG && strstr(err, "UTF-8"));
+    CHECK(moe_tokenize(t, "\xed\xa0\x80", 3, 0, ids, 10, &n, err, sizeof err) == MOE_ERR_ARG); /* a surrogate */
+    CHECK(moe_tokenize(t, "\xc0\xaf", 2, 0, ids, 10, &n, err, sizeof err) == MOE_ERR_ARG);     /* overlong */
+    const char *s = "Hello, world! Hello, world!";
+    CHECK(moe_tokenize(t, s, strlen(s), 0, ids, 2, &n, err, sizeof err) == MOE_ERR_RANGE && n == 8);
+    CHECK(moe_tokenize(t, s, strlen(s), 0, ids, 8, &n, err, sizeof err) == MOE_OK && n == 8 && ids[0] == 13225);
+    CHECK(moe_tokenize(t, "", 0, 0, NULL, 0, &n, err, sizeof err) == MOE_OK && n == 0);
+    CHECK(moe_tokenize(t, "<|endoftext|>", 13, MOE_TOK_SPECIAL, ids, 10, &n, err, sizeof err) == MOE_OK && n == 1 && ids[0] == 199999);
+    CHECK(moe_tokenize(t, "<|endoftext|>", 13, 0, ids, 10, &n, err, sizeof err) == MOE_OK && n > 1);
+    CHECK(moe_token_bytes(t, 300000, NULL) == NULL && moe_token_bytes(t, -1, NULL) == NULL);
+    CHECK(moe_detokenize(t, (int32_t[]){199998}, 1, back, sizeof back, &n, err, sizeof err) == MOE_ERR_ARG); /* a hole */
+    CHECK(moe_utf8_valid_prefix("ab\xe6\x9d", 4) == 2 && moe_utf8_valid_prefix("\xe6\x9d\xb1", 3) == 3);
+    moe_tokenizer_free(t);
+}
+
+/* A tiny Kimi-style vocabulary: the 256 bytes, then "aa" and "aaa"; specials named by a
+ * tokenizer_config.json. Checks the special-token modes, K2's 258 vs K3's 256 reserved ids, the
+ * vendor's 25,000-run chunking, and bad rank files. */
+static void write_tiny_ranks(const char *path, const char *extra) {
+    static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    FILE *f = fopen(path, "w");
+    for (int b = 0; b < 256; b++) fprintf(f, "%c%c== %d\n", b64[b >> 2], b64[(b & 3) << 4], b);
+    fputs(extra, f);
+    fclose(f);
+}
+
+static void test_tokenizer_kimi_specials(void) {
+    char ranks[600], cfg[600], err[300];
+    tmp_path(ranks, sizeof ranks, "tiny.tiktoken");
+    tmp_path(cfg, sizeof cfg, "tokenizer_config.json");
+    write_tiny_ranks(ranks, "YWE= 256\nYWFh 257\n"); /* "aa", "aaa" */
+    const char *k2 = "{\"added_tokens_decoder\": {\"258\": {\"content\": \"[BOS]\", \"special\": true},"
+                     " \"260\": {\"content\": \"<|im_end|>\", \"special\": true}, \"261\": {\"content\": \"<|im_user|>\"}}}";
+    CHECK(write_all(cfg, k2, strlen(k2)));
+    moe_tokenizer *t = NULL;
+    CHECKF(moe_tokenizer_load(&t, ranks, MOE_PRETOK_KIMI, cfg, 0, err, sizeof err) == MOE_OK, "%s", err);
+    if (!t) return;
+    CHECK(moe_tokenizer_n_ids(t) == 258 + 258); /* K2 / Kimi-Linear: 256 + 2 reserved */
+    CHECK(moe_token_id(t, "<|im_end|>") == 260 && moe_token_id(t, "[BOS]") == 258 && moe_token_id(t, "<|reserved_token_259|>") == 259);
+    CHECK(moe_token_id(t, "<|reserved_token_515|>") == 515 && moe_token_is_special(t, 260) && !moe_token_is_special(t, 97));
+    int32_t ids[30000];
+    size_t n = 0;
+    CHECK(moe_tokenize(t, "x<|im_end|>y", 12, MOE_TOK_SPECIAL, ids, 100, &n, err, sizeof err) == MOE_OK && n == 3 && ids[0] == 'x' &&
+          ids[1] == 260 && ids[2] == 'y');
+    CHECK(moe_tokenize(t, "x<|im_end|>y", 12, 0, ids, 100, &n, err, sizeof err) == MOE_OK && n == 12 && ids[1] == '<');
+    CHECK(moe_tokenize(t, "[BOS]aaa<|reserved_token_300|>", 30, MOE_TOK_SPECIAL, ids, 100, &n, err, sizeof err) == MOE_OK && n == 3 &&
+          ids[0] == 258 && ids[1] == 257 && ids[2] == 300);
+    CHECK(moe_tokenize(t, "aaaaa", 5, 0, ids, 100, &n, err, sizeof err) == MOE_OK && n == 2 && ids[0] == 256 && ids[1] == 257);
+    /* chunking: 25,001 letters are cut after 25,000 (12,500 "aa" then "a"); one piece would end "aaa" */
+    char *run = malloc(25002);
+    memset(run, 'a', 25001);
+    CHECK(moe_tokenize(t, run, 25001, 0, ids, 30000, &n, err, sizeof err) == MOE_OK && n == 12501 && ids[12499] == 256 && ids[12500] == 'a');
+    CHECK(moe_tokenize(t, run, 25000, 0, ids, 30000, &n, err, sizeof err) == MOE_OK && n == 12500);
+    free(run);
+    moe_tokenizer_free(t);
+    /* K3: "<|open|>" among the names -> 256 reserved ids */
+    const char *k3 = "{\"added_tokens_decoder\": {\"259\": {\"content\": \"<|open|>\", \"special\": false}}}";
+    CHECK(write_all(cfg, k3, strlen(k3)));
+    CHECK(moe_tokenizer_load(&t, ranks, MOE_PRETOK_KIMI, cfg, 0, err, sizeof err) == MOE_OK && moe_tokenizer_n_ids(t) == 258 + 256);
+    moe_tokenizer_free(t);
+    t = NULL;
+    /* bad inputs: each a clear error */
+    const struct { const char *ranks_extra, *config, *what; } bad[] = {
+        {"YWE= 256\nYWE= 257\n", NULL, "same bytes"},
+        {"YWE= 256\nYWFh 256\n", NULL, "repeated"},
+        {"YWE= 256\nYWFh 258\n", NULL, "missing"},
+        {"YWE 256\n", NULL, "base64"},
+        {"YW!= 256\n", NULL, "base64"},
+        {"YWE=256\n", NULL, "BASE64 RANK"},
+        {"YWE= 256 7\n", NULL, "BASE64 RANK"},
+        {"YWE= -1\n", NULL, "BASE64 RANK"},
+        {"", "{\"added_tokens_decoder\": {\"100\": {\"content\": \"x\"}}}", "outside"},
+        {"", "{\"added_tokens_decoder\": {\"258\": {\"content\": 5}}}", "content"},
+        {"", "{\"added_tokens_decoder\": {\"258\": {\"content\": \"<|a|>\"}, \"259\": {\"content\": \"<|a|>\"}}}", "twice"},
+        {"", "{\"added_tokens_decoder\": [1]}", "not an object"},
+        {"", "{\"added_tokens_decoder\": {\"258\": {\"content\": \"\"}}}", "empty"},
+        {"", "{\"added_tokens_decoder\":", "JSON"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        write_tiny_ranks(ranks, bad[i].ranks_extra);
+        if (bad[i].config) CHECK(write_all(cfg, bad[i].config, strlen(bad[i].config)));
+        err[0] = 0;
+        moe_status st = moe_tokenizer_load(&t, ranks, MOE_PRETOK_KIMI, bad[i].config ? cfg : NULL, 0, err, sizeof err);
+        CHECKF(st == MOE_ERR_FORMAT && t == NULL && strstr(err, bad[i].what), "case %zu: status %d, '%s'", i, (int)st, err);
+    }
+    FILE *f = fopen(ranks, "w"); /* byte 0x41 missing */
+    for (int b = 0; b < 10; b++) fprintf(f, "%c== %d\n", 'A' + b, b);
+    fclose(f);
+    CHECK(moe_tokenizer_load(&t, ranks, MOE_PRETOK_KIMI, NULL, 0, err, sizeof err) == MOE_ERR_FORMAT);
+    CHECK(moe_tokenizer_load(&t, "/nonexistent/x", MOE_PRETOK_KIMI, NULL, 0, err, sizeof err) == MOE_ERR_IO && t == NULL);
+    CHECK(moe_tokenizer_load(&t, ranks, 7, NULL, 0, err, sizeof err) == MOE_ERR_ARG);
+}
+
+/* moe-tokenize: the interface the checks use */
+static void test_moe_tokenize_cli(void) {
+    char cmd[2400], out[65536], in[600];
+    tmp_path(in, sizeof in, "tok-in.txt");
+    CHECK(write_all(in, "Hello, world!", 13));
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/cl100k_base.tiktoken --pre cl100k %s", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0 && !strcmp(out, "9906 11 1917 0\n"));
+    snprintf(cmd, sizeof cmd, "printf 'Hello, world!' | %s/moe-tokenize --ranks %s/o200k_base.tiktoken --pre o200k", exe_dir, tok_dir());
+    CHECK(run_cmd(cmd, out, sizeof out) == 0 && !strcmp(out, "13225 11 2375 0\n"));
+    CHECK(write_all(in, "13225 11 2375 0", 15));
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/o200k_base.tiktoken --pre o200k --decode %s", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0 && !strcmp(out, "Hello, world!"));
+    CHECK(write_all(in, "a\xff", 2));
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/o200k_base.tiktoken --pre o200k %s 2>&1", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "UTF-8"));
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/o200k_base.tiktoken --pre o200k --raw-bytes %s", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks x --pre nope 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize -m %s/kimi 2>&1", exe_dir, golden_dir());
+    CHECK(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "tiktoken.model"));
+}
+
 /* ---- GGUF --------------------------------------------------------------------------------------- */
 
 /* runs moe-convert; prints its output when the exit status is not the expected one */
@@ -1727,6 +2069,12 @@ static const struct {
     {"dot_levels", test_dot_levels},
     {"quant_blocks", test_quant_blocks},
     {"json", test_json},
+    {"tokenizer_spec_pieces", test_tokenizer_spec_pieces},
+    {"tokenizer_random_pieces", test_tokenizer_random_pieces},
+    {"tokenizer_openai_ids", test_tokenizer_openai_ids},
+    {"tokenizer_roundtrip", test_tokenizer_roundtrip},
+    {"tokenizer_kimi_specials", test_tokenizer_kimi_specials},
+    {"moe_tokenize_cli", test_moe_tokenize_cli},
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
     {"mla_kernels", test_mla_kernels},
     {"golden_kimi", test_golden_kimi},
