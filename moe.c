@@ -270,7 +270,10 @@ static moe__json *jnumber(jparser *p) {
     memcpy(buf, p->s + s, i - s);
     buf[i - s] = 0;
     moe__json *j = jnode(p, MOE_JSON_NUM);
-    if (!j) return NULL;
+    char *lit = jalloc(p, i - s + 1);
+    if (!j || !lit) return NULL;
+    memcpy(lit, buf, i - s + 1);
+    j->str = lit; /* the literal, for re-serialising it as Python would */
     j->num = strtod(buf, NULL);
     p->pos = i;
     return j;
@@ -1043,10 +1046,12 @@ static const moe__st_tensor *gguf_tensor(const moe__st_file *f, const char *fmt,
 typedef struct {
     char *s;
     size_t n, cap;
+    int oom; /* an append failed: the text is incomplete */
 } sbuf;
 
 static void sb_printf(sbuf *b, const char *fmt, ...) {
     va_list ap;
+    if (b->oom) return;
     for (;;) {
         va_start(ap, fmt);
         int k = vsnprintf(b->s ? b->s + b->n : NULL, b->s ? b->cap - b->n : 0, fmt, ap);
@@ -1055,7 +1060,7 @@ static void sb_printf(sbuf *b, const char *fmt, ...) {
         if (b->s && b->n + (size_t)k < b->cap) { b->n += (size_t)k; return; }
         size_t cap = (b->cap + (size_t)k + 1) * 2;
         char *p = realloc(b->s, cap);
-        if (!p) { free(b->s); b->s = NULL; b->cap = b->n = 0; return; }
+        if (!p) { free(b->s); b->s = NULL; b->cap = b->n = 0; b->oom = 1; return; }
         b->s = p, b->cap = cap;
     }
 }
@@ -4528,6 +4533,667 @@ moe_status moe_detokenize(const moe_tokenizer *t, const int32_t *ids, size_t n, 
     *len = o;
     if (o > cap) return fail(err, errlen, MOE_ERR_RANGE, "moe_detokenize: %zu bytes, room for %zu", o, cap);
     return MOE_OK;
+}
+
+/* ==== chat formats =============================================================================
+ * OpenAI-style requests ({"messages": [...], "tools": [...], ...}) rendered as the vendor
+ * templates do (spec/TOKENIZER.md section 5): Kimi-Linear/K2 (the K2-Instruct-0905 template,
+ * "T1") and K3's XTML (encoding_k3.py's build_chat_segments). A prompt is a list of segments,
+ * each encoded on its own: control markers with specials allowed, text with specials as plain
+ * text. JSON inside prompts is written as Python's json.dumps writes it. */
+
+typedef struct {
+    char *text;
+    size_t len;
+    int control; /* a marker: encoded with specials allowed */
+} chat_seg;
+
+typedef struct {
+    chat_seg *seg;
+    int n, cap;
+    sbuf sb; /* scratch for building one text */
+    moe_status st;
+    char *err;
+    size_t errlen;
+} chat_out;
+
+static void seg_add(chat_out *o, const char *text, size_t len, int control) {
+    if (o->st || !len) return; /* empty texts are dropped (vendor) */
+    if (o->n == o->cap) {
+        int cap = o->cap ? 2 * o->cap : 64;
+        chat_seg *ns = realloc(o->seg, (size_t)cap * sizeof *ns);
+        if (!ns) { o->st = MOE_ERR_NOMEM; return; }
+        o->seg = ns, o->cap = cap;
+    }
+    char *t = malloc(len + 1);
+    if (!t) { o->st = MOE_ERR_NOMEM; return; }
+    memcpy(t, text, len);
+    t[len] = 0;
+    o->seg[o->n++] = (chat_seg){t, len, control};
+}
+static void seg_text(chat_out *o, const char *s) {
+    if (s) seg_add(o, s, strlen(s), 0);
+    else if (!o->st) o->st = MOE_ERR_NOMEM;
+}
+static void seg_mark(chat_out *o, const char *s) { seg_add(o, s, strlen(s), 1); }
+
+static moe_status chat_fail(chat_out *o, const char *fmt, ...) {
+    if (!o->st) {
+        o->st = MOE_ERR_ARG;
+        if (o->err && o->errlen) {
+            va_list ap;
+            va_start(ap, fmt);
+            int k = snprintf(o->err, o->errlen, "chat: ");
+            vsnprintf(o->err + k, o->errlen - (size_t)k, fmt, ap);
+            va_end(ap);
+        }
+    }
+    return o->st;
+}
+
+/* ---- JSON output as Python's json.dumps(x, ensure_ascii=False[, separators], sort_keys) ---- */
+
+static void py_str(sbuf *b, const char *s) {
+    sb_printf(b, "\"");
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        switch (c) {
+        case '"': sb_printf(b, "\\\""); break;
+        case '\\': sb_printf(b, "\\\\"); break;
+        case '\n': sb_printf(b, "\\n"); break;
+        case '\r': sb_printf(b, "\\r"); break;
+        case '\t': sb_printf(b, "\\t"); break;
+        case '\b': sb_printf(b, "\\b"); break;
+        case '\f': sb_printf(b, "\\f"); break;
+        default:
+            if (c < 0x20) sb_printf(b, "\\u%04x", c);
+            else sb_printf(b, "%c", c);
+        }
+    }
+    sb_printf(b, "\"");
+}
+
+/* A number as Python prints what json.loads made of the literal: integers keep their digits,
+ * other literals become floats printed with repr() (shortest round trip; exponent form below
+ * 1e-4 and from 1e16). */
+static void py_num(sbuf *b, const char *lit, double v) {
+    if (!strpbrk(lit, ".eE")) {
+        sb_printf(b, "%s", strcmp(lit, "-0") ? lit : "0");
+        return;
+    }
+    if (isinf(v)) { sb_printf(b, v > 0 ? "Infinity" : "-Infinity"); return; }
+    char e[40];
+    for (int p = 1; p <= 17; p++) {
+        snprintf(e, sizeof e, "%.*e", p - 1, v);
+        if (strtod(e, NULL) == v) break;
+    }
+    /* e = [-]d[.ddd]e[+-]XX: split into digits and exponent */
+    char digits[24], *o = digits;
+    const char *q = e;
+    int neg = *q == '-';
+    if (neg) q++;
+    for (; *q != 'e'; q++)
+        if (*q != '.') *o++ = *q;
+    *o = 0;
+    int ex = atoi(q + 1), nd = (int)strlen(digits);
+    while (nd > 1 && digits[nd - 1] == '0') digits[--nd] = 0;
+    if (neg) sb_printf(b, "-");
+    if (ex >= -5 + 1 && ex < 16) { /* repr uses fixed notation for 1e-4 <= |v| < 1e16 */
+        if (ex < 0) {
+            sb_printf(b, "0.");
+            for (int i = 0; i < -ex - 1; i++) sb_printf(b, "0");
+            sb_printf(b, "%s", digits);
+        } else if (nd <= ex + 1) {
+            sb_printf(b, "%s", digits);
+            for (int i = nd; i < ex + 1; i++) sb_printf(b, "0");
+            sb_printf(b, ".0");
+        } else {
+            sb_printf(b, "%.*s.%s", ex + 1, digits, digits + ex + 1);
+        }
+    } else {
+        sb_printf(b, "%c", digits[0]);
+        if (nd > 1) sb_printf(b, ".%s", digits + 1);
+        sb_printf(b, "e%c%02d", ex < 0 ? '-' : '+', ex < 0 ? -ex : ex);
+    }
+}
+
+static int cmp_json_key(const void *a, const void *b) {
+    return strcmp((*(const moe__json *const *)a)->key, (*(const moe__json *const *)b)->key);
+}
+
+/* compact: separators (",", ":"), else (", ", ": "); sorted: keys of every object sorted */
+static int py_json(sbuf *b, const moe__json *j, int compact, int sorted) {
+    switch (j->type) {
+    case MOE_JSON_NULL: sb_printf(b, "null"); return 1;
+    case MOE_JSON_BOOL: sb_printf(b, j->num != 0 ? "true" : "false"); return 1;
+    case MOE_JSON_NUM: py_num(b, j->str ? j->str : "0", j->num); return 1;
+    case MOE_JSON_STR: py_str(b, j->str); return 1;
+    case MOE_JSON_ARR:
+        sb_printf(b, "[");
+        for (const moe__json *c = j->child; c; c = c->next) {
+            if (c != j->child) sb_printf(b, compact ? "," : ", ");
+            if (!py_json(b, c, compact, sorted)) return 0;
+        }
+        sb_printf(b, "]");
+        return 1;
+    default: {
+        const moe__json **kids = malloc(((size_t)j->n + 1) * sizeof *kids);
+        if (!kids) return 0;
+        int n = 0;
+        for (const moe__json *c = j->child; c; c = c->next) kids[n++] = c;
+        if (sorted) qsort(kids, (size_t)n, sizeof *kids, cmp_json_key);
+        sb_printf(b, "{");
+        int ok = 1;
+        for (int i = 0; i < n && ok; i++) {
+            if (i) sb_printf(b, compact ? "," : ", ");
+            py_str(b, kids[i]->key);
+            sb_printf(b, compact ? ":" : ": ");
+            ok = py_json(b, kids[i], compact, sorted);
+        }
+        sb_printf(b, "}");
+        free(kids);
+        return ok;
+    }
+    }
+}
+
+/* sb's text, taken (the buffer is reset); NULL when it ran out of memory */
+static char *sb_take(sbuf *b) {
+    char *s = b->oom ? NULL : b->s ? b->s : calloc(1, 1);
+    if (b->oom) free(b->s);
+    b->s = NULL, b->n = b->cap = 0, b->oom = 0;
+    return s;
+}
+
+static char *chat_take(chat_out *o) {
+    char *s = sb_take(&o->sb);
+    if (!s && !o->st) o->st = MOE_ERR_NOMEM;
+    return s;
+}
+
+static const char *jstr(const moe__json *obj, const char *key) {
+    const moe__json *v = obj ? moe__json_get(obj, key) : NULL;
+    return v && v->type == MOE_JSON_STR ? v->str : NULL;
+}
+
+/* A message's content: a string, null/absent (empty), or a list of parts whose text parts are
+ * concatenated; anything else (images) is refused by this text-only runtime. */
+static char *chat_content(chat_out *o, const moe__json *msg, const char *key, int idx) {
+    const moe__json *c = moe__json_get(msg, key);
+    sbuf *b = &o->sb;
+    if (!c || c->type == MOE_JSON_NULL) {
+        char *r = calloc(1, 1);
+        if (!r) o->st = MOE_ERR_NOMEM;
+        return r;
+    }
+    if (c->type == MOE_JSON_STR) {
+        char *r = strdup(c->str);
+        if (!r) o->st = MOE_ERR_NOMEM;
+        return r;
+    }
+    if (c->type != MOE_JSON_ARR) { chat_fail(o, "message %d: %s must be a string or a list of parts", idx, key); return NULL; }
+    for (const moe__json *p = c->child; p; p = p->next) {
+        const char *type = jstr(p, "type"), *text = jstr(p, "text");
+        if (!type || strcmp(type, "text") || !text) {
+            chat_fail(o, "message %d: only text parts are supported (got %s)", idx, type ? type : "a part without a type");
+            free(sb_take(b));
+            return NULL;
+        }
+        sb_printf(b, "%s", text);
+    }
+    return chat_take(o);
+}
+
+/* Python str.strip() */
+static void py_strip(const char *s, size_t *a, size_t *e) {
+    size_t i = 0, n = strlen(s);
+    uint32_t cp;
+    for (;;) {
+        int k = i < n ? utf8_decode((const unsigned char *)s + i, n - i, &cp) : 0;
+        if (!k || !py_isspace(cp)) break;
+        i += (size_t)k;
+    }
+    size_t j = n;
+    while (j > i) {
+        size_t k = j - 1;
+        while (k > i && ((unsigned char)s[k] & 0xC0) == 0x80) k--;
+        if (utf8_decode((const unsigned char *)s + k, j - k, &cp) != (int)(j - k) || !py_isspace(cp)) break;
+        j = k;
+    }
+    *a = i, *e = j;
+}
+
+/* ---- Kimi-Linear / K2 (spec 5.1, template T1) ---- */
+
+static void k2_render(chat_out *o, const moe__json *req, const moe__json *msgs, int add_gen) {
+    const moe__json *tools = moe__json_get(req, "tools");
+    sbuf *b = &o->sb;
+    if (tools && tools->type == MOE_JSON_ARR && tools->n > 0) {
+        seg_mark(o, "<|im_system|>");
+        seg_text(o, "tool_declare");
+        seg_mark(o, "<|im_middle|>");
+        sb_printf(b, "\n  # Tools\n  ");
+        if (!py_json(b, tools, 0, 1)) o->st = MOE_ERR_NOMEM;
+        char *t = chat_take(o);
+        seg_text(o, t);
+        free(t);
+        seg_mark(o, "<|im_end|>");
+    }
+    const char *first = msgs->child ? jstr(msgs->child, "role") : NULL;
+    if (!first || strcmp(first, "system")) {
+        seg_mark(o, "<|im_system|>");
+        seg_text(o, "system");
+        seg_mark(o, "<|im_middle|>");
+        seg_text(o, "You are Kimi, an AI assistant created by Moonshot AI.");
+        seg_mark(o, "<|im_end|>");
+    }
+    int idx = 0;
+    for (const moe__json *m = msgs->child; m && !o->st; m = m->next, idx++) {
+        const char *role = jstr(m, "role"), *name = jstr(m, "name");
+        if (!role) { chat_fail(o, "message %d has no role", idx); return; }
+        seg_mark(o, !strcmp(role, "user") ? "<|im_user|>" : !strcmp(role, "assistant") ? "<|im_assistant|>" : "<|im_system|>");
+        seg_text(o, name && *name ? name : role);
+        seg_mark(o, "<|im_middle|>");
+        const moe__json *calls = moe__json_get(m, "tool_calls");
+        char *content = chat_content(o, m, "content", idx);
+        if (!content) return;
+        if (!strcmp(role, "assistant") && calls && calls->type == MOE_JSON_ARR && calls->n > 0) {
+            seg_text(o, content);
+            seg_mark(o, "<|tool_calls_section_begin|>");
+            for (const moe__json *c = calls->child; c; c = c->next) {
+                const moe__json *fn = moe__json_get(c, "function"), *args = fn ? moe__json_get(fn, "arguments") : NULL;
+                const char *id = jstr(c, "id");
+                if (!id || !args) { free(content); chat_fail(o, "message %d: a tool call needs an id and function.arguments", idx); return; }
+                seg_mark(o, "<|tool_call_begin|>");
+                seg_text(o, id);
+                seg_mark(o, "<|tool_call_argument_begin|>");
+                if (args->type == MOE_JSON_STR) seg_text(o, args->str);
+                else {
+                    if (!py_json(b, args, 0, 0)) o->st = MOE_ERR_NOMEM;
+                    char *t = chat_take(o);
+                    seg_text(o, t);
+                    free(t);
+                }
+                seg_mark(o, "<|tool_call_end|>");
+            }
+            seg_mark(o, "<|tool_calls_section_end|>");
+        } else if (!strcmp(role, "tool")) {
+            const char *id = jstr(m, "tool_call_id");
+            sb_printf(b, "## Return of %s\n    %s", id ? id : "", content);
+            char *t = chat_take(o);
+            seg_text(o, t);
+            free(t);
+        } else {
+            seg_text(o, content);
+        }
+        free(content);
+        if (add_gen || m->next) seg_mark(o, "<|im_end|>"); /* T1 leaves the last turn open */
+    }
+    if (add_gen) {
+        seg_mark(o, "<|im_assistant|>");
+        seg_text(o, "assistant");
+        seg_mark(o, "<|im_middle|>");
+    }
+}
+
+/* ---- K3 XTML (spec 5.3) ---- */
+
+typedef struct {
+    const char *key, *value;
+} xattr;
+
+static void x_open(chat_out *o, const char *tag, const xattr *a, int na) {
+    seg_mark(o, "<|open|>");
+    seg_text(o, tag);
+    for (int i = 0; i < na; i++) {
+        if (!a[i].value) continue;
+        sbuf *b = &o->sb;
+        sb_printf(b, " %s", a[i].key);
+        char *k = chat_take(o);
+        seg_text(o, k);
+        free(k);
+        seg_text(o, "=\"");
+        for (const char *v = a[i].value; *v; v++) /* & first, then " */
+            sb_printf(b, "%s", *v == '&' ? "&amp;" : *v == '"' ? "&quot;" : (char[2]){*v, 0});
+        char *v = chat_take(o);
+        seg_text(o, v);
+        free(v);
+        seg_text(o, "\"");
+    }
+    seg_mark(o, "<|sep|>");
+}
+
+static void x_close(chat_out *o, const char *tag) {
+    seg_mark(o, "<|close|>");
+    seg_text(o, tag);
+    seg_mark(o, "<|sep|>");
+}
+
+static void x_message(chat_out *o, const xattr *a, int na, const char *body) {
+    x_open(o, "message", a, na);
+    seg_text(o, body);
+    x_close(o, "message");
+    seg_mark(o, "<|end_of_msg|>");
+}
+
+static void x_note(chat_out *o, const char *type, const char *body) {
+    size_t s, e;
+    if (!body) return;
+    py_strip(body, &s, &e);
+    char *t = strndup(body + s, e - s);
+    if (!t) { o->st = MOE_ERR_NOMEM; return; }
+    x_message(o, (xattr[]){{"role", "system"}, {"type", type}}, 2, t);
+    free(t);
+}
+
+#define K3_TOOLS_HEAD "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n"
+#define K3_DYN_TOOLS_HEAD                                                                                                    \
+    "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\nYou have access to all existing " \
+    "and extended tools.\nHere are the specs for the extended tools.\n\n```json\n"
+#define K3_TOOLS_TAIL "\n```"
+#define K3_EFFORT_HEAD                                                                                                      \
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), "       \
+    "supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort="
+#define K3_EFFORT_TAIL "`."
+#define K3_RF_HEAD                                                                                                           \
+    "The system is invoked with `response_format=json_object`.\nYour response must be raw JSON data without markdown code " \
+    "blocks (```json) or any additional formatting."
+#define K3_RF_SCHEMA_HEAD                                                                                                   \
+    "The system is invoked with `response_format=json_schema`.\nYour response must be raw JSON data without markdown code " \
+    "blocks (```json) or any additional formatting.\nThe JSON data must match the following schema:\n```json\n"
+
+static void x_tools_message(chat_out *o, const char *head, const moe__json *tools) {
+    sbuf *b = &o->sb;
+    sb_printf(b, "%s", head);
+    if (!py_json(b, tools, 1, 1)) o->st = MOE_ERR_NOMEM;
+    sb_printf(b, K3_TOOLS_TAIL);
+    char *t = chat_take(o);
+    x_message(o, (xattr[]){{"role", "system"}, {"type", "tool-declare"}}, 2, t);
+    free(t);
+}
+
+/* Name of the k-th (0-based) call of an assistant message, or NULL. */
+static const char *call_name(const moe__json *calls, int k) {
+    for (const moe__json *c = calls ? calls->child : NULL; c; c = c->next, k--)
+        if (!k) return jstr(moe__json_get(c, "function"), "name");
+    return NULL;
+}
+
+static int call_position(const moe__json *calls, const char *id) {
+    int k = 0;
+    for (const moe__json *c = calls ? calls->child : NULL; c; c = c->next, k++) {
+        const char *cid = jstr(c, "id");
+        if (id && cid && !strcmp(cid, id)) return k;
+    }
+    return -1;
+}
+
+static void x_assistant(chat_out *o, const moe__json *m, int idx, int thinking) {
+    const char *name = jstr(m, "name");
+    x_open(o, "message", (xattr[]){{"role", "assistant"}, {"name", name && *name ? name : NULL}}, 2);
+    if (thinking) {
+        x_open(o, "think", NULL, 0);
+        const char *r = jstr(m, "reasoning_content");
+        if (!r) r = jstr(m, "reasoning");
+        size_t s = 0, e = 0;
+        if (r) py_strip(r, &s, &e);
+        if (r && e > s) seg_text(o, r); /* whitespace-only reasoning is omitted */
+        x_close(o, "think");
+    }
+    char *content = chat_content(o, m, "content", idx);
+    if (!content) return;
+    x_open(o, "response", NULL, 0);
+    seg_text(o, content);
+    x_close(o, "response");
+    free(content);
+    const moe__json *calls = moe__json_get(m, "tool_calls");
+    if (calls && calls->type == MOE_JSON_ARR && calls->n > 0) {
+        x_open(o, "tools", NULL, 0);
+        int k = 1;
+        for (const moe__json *c = calls->child; c && !o->st; c = c->next, k++) {
+            const moe__json *fn = moe__json_get(c, "function"), *args = fn ? moe__json_get(fn, "arguments") : NULL;
+            const char *fname = jstr(fn, "name");
+            if (!fname) { chat_fail(o, "message %d: tool call %d has no function.name", idx, k); return; }
+            char index[16];
+            snprintf(index, sizeof index, "%d", k);
+            x_open(o, "call", (xattr[]){{"tool", fname}, {"index", index}}, 2);
+            moe__json *parsed = NULL;
+            const moe__json *obj = args;
+            if (args && args->type == MOE_JSON_STR) {
+                obj = NULL;
+                if (moe__json_parse(args->str, strlen(args->str), &parsed, NULL, 0) == MOE_OK) obj = parsed;
+            }
+            if (args && !obj) { /* unparseable argument text is kept raw */
+                x_open(o, "json", (xattr[]){{"type", "object"}}, 1);
+                seg_text(o, args->str);
+                x_close(o, "json");
+            } else if (obj && obj->type != MOE_JSON_OBJ) {
+                chat_fail(o, "message %d: tool call %d: arguments must be a JSON object", idx, k);
+            } else {
+                for (const moe__json *a = obj ? obj->child : NULL; a; a = a->next) {
+                    static const char *types[] = {"null", "boolean", "number", "string", "array", "object"};
+                    x_open(o, "argument", (xattr[]){{"key", a->key}, {"type", types[a->type]}}, 2);
+                    if (a->type == MOE_JSON_STR) seg_text(o, a->str);
+                    else {
+                        if (!py_json(&o->sb, a, 0, 0)) o->st = MOE_ERR_NOMEM;
+                        char *t = chat_take(o);
+                        seg_text(o, t);
+                        free(t);
+                    }
+                    x_close(o, "argument");
+                }
+            }
+            moe__json_free(parsed);
+            x_close(o, "call");
+        }
+        x_close(o, "tools");
+    }
+    x_close(o, "message");
+    seg_mark(o, "<|end_of_msg|>");
+}
+
+static void k3_render(chat_out *o, const moe__json *req, const moe__json *msgs, const moe_chat_options *opt) {
+    const moe__json *tools = moe__json_get(req, "tools");
+    if (tools && tools->type == MOE_JSON_ARR && tools->n > 0) x_tools_message(o, K3_TOOLS_HEAD, tools);
+    if (opt->thinking) {
+        const char *effort = opt->thinking_effort ? opt->thinking_effort : "max";
+        if (strcmp(effort, "low") && strcmp(effort, "high") && strcmp(effort, "max")) {
+            chat_fail(o, "thinking_effort must be low, high or max (got %s)", effort);
+            return;
+        }
+        sb_printf(&o->sb, K3_EFFORT_HEAD "%s" K3_EFFORT_TAIL, effort);
+        char *t = chat_take(o);
+        x_note(o, "thinking-effort", t);
+        free(t);
+    }
+    /* each run of tool messages answers the assistant message before it */
+    const moe__json *calls = NULL, *m = msgs->child;
+    int idx = 0;
+    while (m && !o->st) {
+        const char *role = jstr(m, "role");
+        if (!role) { chat_fail(o, "message %d has no role", idx); return; }
+        if (!strcmp(role, "tool")) {
+            /* the run: reorder into call order when every tool_call_id matches a call */
+            const moe__json *run[256];
+            int nr = 0, matched = 1;
+            for (const moe__json *r = m; r; r = r->next) {
+                const char *rr = jstr(r, "role");
+                if (!rr || strcmp(rr, "tool")) break;
+                if (nr == 256) { chat_fail(o, "message %d: more than 256 tool results in a row", idx); return; }
+                run[nr++] = r;
+                matched &= call_position(calls, jstr(r, "tool_call_id")) >= 0;
+            }
+            if (matched)
+                for (int i = 1; i < nr; i++) /* insertion sort by call position: stable, tiny */
+                    for (int j = i; j > 0 && call_position(calls, jstr(run[j], "tool_call_id")) <
+                                                  call_position(calls, jstr(run[j - 1], "tool_call_id")); j--) {
+                        const moe__json *t = run[j];
+                        run[j] = run[j - 1], run[j - 1] = t;
+                    }
+            for (int i = 0; i < nr && !o->st; i++) {
+                const moe__json *r = run[i];
+                const char *tool = jstr(r, "tool");
+                if (!tool && matched) tool = call_name(calls, call_position(calls, jstr(r, "tool_call_id")));
+                if (!tool) tool = jstr(r, "name");
+                if (!tool) tool = call_name(calls, i);
+                char index[16];
+                snprintf(index, sizeof index, "%d", i + 1);
+                char *content = chat_content(o, r, "content", idx + i);
+                if (!content) return;
+                x_message(o, (xattr[]){{"role", "tool"}, {"tool", tool}, {"index", index}}, 3, content);
+                free(content);
+            }
+            for (int i = 0; i < nr; i++) m = m->next, idx++;
+            continue;
+        }
+        if (!strcmp(role, "assistant")) {
+            x_assistant(o, m, idx, opt->thinking);
+            calls = moe__json_get(m, "tool_calls");
+        } else if (!strcmp(role, "user") || !strcmp(role, "system")) {
+            const moe__json *mt = moe__json_get(m, "tools");
+            if (!strcmp(role, "system") && mt) {
+                if (mt->type != MOE_JSON_ARR) { chat_fail(o, "message %d: tools must be a list", idx); return; }
+                x_tools_message(o, K3_DYN_TOOLS_HEAD, mt);
+            } else {
+                const char *name = jstr(m, "name");
+                char *content = chat_content(o, m, "content", idx);
+                if (!content) return;
+                x_message(o, (xattr[]){{"role", role}, {"name", name && *name ? name : NULL}}, 2, content);
+                free(content);
+            }
+        } else {
+            chat_fail(o, "message %d: unknown role %s", idx, role);
+            return;
+        }
+        m = m->next, idx++;
+    }
+    const moe__json *tc = moe__json_get(req, "tool_choice");
+    if (tc && tc->type == MOE_JSON_STR && !strcmp(tc->str, "required"))
+        x_note(o, "tool-choice", "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.");
+    else if (tc && tc->type == MOE_JSON_STR && !strcmp(tc->str, "none"))
+        x_note(o, "tool-choice", "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.");
+    const moe__json *rf = moe__json_get(req, "response_format");
+    const char *rft = jstr(rf, "type");
+    if (rft && !strcmp(rft, "json_object")) x_note(o, "response-format", K3_RF_HEAD);
+    else if (rft && !strcmp(rft, "json_schema")) {
+        const moe__json *js = moe__json_get(rf, "json_schema"), *schema = moe__json_get(req, "response_schema");
+        if (!schema && js) schema = moe__json_get(js, "schema");
+        if (!schema && js) schema = moe__json_get(js, "json_schema");
+        if (!schema) schema = js;
+        if (!schema) { chat_fail(o, "response_format json_schema without a schema"); return; }
+        sb_printf(&o->sb, K3_RF_SCHEMA_HEAD);
+        if (!py_json(&o->sb, schema, 1, 1)) o->st = MOE_ERR_NOMEM;
+        sb_printf(&o->sb, K3_TOOLS_TAIL);
+        char *t = chat_take(o);
+        x_note(o, "response-format", t);
+        free(t);
+    }
+    if (opt->add_generation_prompt) {
+        x_open(o, "message", (xattr[]){{"role", "assistant"}}, 1);
+        x_open(o, opt->thinking ? "think" : "response", NULL, 0);
+    }
+}
+
+moe_chat_options moe_chat_default_options(void) {
+    moe_chat_options o = {0};
+    o.add_generation_prompt = 1;
+    o.thinking = 1;
+    return o;
+}
+
+int moe_chat_format_of(const moe_tokenizer *t) {
+    if (moe_token_id(t, "<|open|>") >= 0 && moe_token_id(t, "<|end_of_msg|>") >= 0) return MOE_CHAT_K3;
+    if (moe_token_id(t, "<|im_user|>") >= 0 && moe_token_id(t, "<|im_end|>") >= 0) return MOE_CHAT_K2;
+    return -1;
+}
+
+static void chat_free(chat_out *o) {
+    for (int i = 0; i < o->n; i++) free(o->seg[i].text);
+    free(o->seg);
+    free(o->sb.s);
+}
+
+/* Parses the request and builds the segments. */
+static moe_status chat_build(chat_out *o, const moe_tokenizer *t, const char *json, size_t len, const moe_chat_options *opt, int *format) {
+    moe_chat_options d = moe_chat_default_options();
+    if (!opt) opt = &d;
+    if (!t || !json) return chat_fail(o, "bad argument");
+    int f = opt->format ? opt->format : moe_chat_format_of(t);
+    if (f != MOE_CHAT_K2 && f != MOE_CHAT_K3) return chat_fail(o, "the vocabulary has no chat markers (<|im_user|> or <|open|>)");
+    *format = f;
+    moe__json *req = NULL;
+    char e2[200];
+    if (moe__json_parse(json, len, &req, e2, sizeof e2)) return chat_fail(o, "request: %s", e2);
+    if (len != moe_utf8_valid_prefix(json, len)) chat_fail(o, "request is not valid UTF-8");
+    const moe__json *msgs = req->type == MOE_JSON_OBJ ? moe__json_get(req, "messages") : req->type == MOE_JSON_ARR ? req : NULL;
+    if (!o->st && (!msgs || msgs->type != MOE_JSON_ARR)) chat_fail(o, "request needs a \"messages\" list");
+    for (const moe__json *m = msgs ? msgs->child : NULL; m && !o->st; m = m->next)
+        if (m->type != MOE_JSON_OBJ) chat_fail(o, "every message must be an object");
+    if (!o->st) {
+        if (f == MOE_CHAT_K2) k2_render(o, req->type == MOE_JSON_OBJ ? req : NULL, msgs, opt->add_generation_prompt);
+        else k3_render(o, req->type == MOE_JSON_OBJ ? req : NULL, msgs, opt);
+    }
+    moe__json_free(req);
+    return o->st;
+}
+
+moe_status moe_chat_render(const moe_tokenizer *t, const char *json, size_t len, const moe_chat_options *opt, char *text, size_t cap,
+                           size_t *text_len, char *err, size_t errlen) {
+    chat_out o = {0};
+    o.err = err, o.errlen = errlen;
+    int format;
+    if (text_len) *text_len = 0;
+    if ((!text && cap) || !text_len) return fail(err, errlen, MOE_ERR_ARG, "moe_chat_render: bad argument");
+    moe_status st = chat_build(&o, t, json, len, opt, &format);
+    size_t n = 0;
+    for (int i = 0; !st && i < o.n; i++) {
+        if (n + o.seg[i].len < cap) memcpy(text + n, o.seg[i].text, o.seg[i].len);
+        n += o.seg[i].len;
+    }
+    if (!st) {
+        *text_len = n;
+        if (n < cap) text[n] = 0;
+        else st = fail(err, errlen, MOE_ERR_RANGE, "moe_chat_render: %zu bytes, room for %zu", n + 1, cap);
+    }
+    if (st == MOE_ERR_NOMEM) fail(err, errlen, st, "chat: out of memory");
+    chat_free(&o);
+    return st;
+}
+
+moe_status moe_chat_encode(const moe_tokenizer *t, const char *json, size_t len, const moe_chat_options *opt, int32_t *ids, size_t cap,
+                           size_t *n_ids, char *err, size_t errlen) {
+    chat_out o = {0};
+    o.err = err, o.errlen = errlen;
+    int format;
+    if (n_ids) *n_ids = 0;
+    if ((!ids && cap) || !n_ids) return fail(err, errlen, MOE_ERR_ARG, "moe_chat_encode: bad argument");
+    moe_status st = chat_build(&o, t, json, len, opt, &format);
+    size_t n = 0;
+    if (!st && format == MOE_CHAT_K2 && !(opt && opt->safe)) {
+        /* the vendor path: the rendered string encoded as a whole, specials allowed */
+        size_t total = 0, k = 0;
+        for (int i = 0; i < o.n; i++) total += o.seg[i].len;
+        char *all = malloc(total + 1);
+        if (!all) st = MOE_ERR_NOMEM;
+        for (int i = 0; all && i < o.n; i++) memcpy(all + k, o.seg[i].text, o.seg[i].len), k += o.seg[i].len;
+        if (all) st = moe_tokenize(t, all, total, MOE_TOK_SPECIAL, ids, cap, &n, err, errlen);
+        free(all);
+    } else {
+        for (int i = 0; !st && i < o.n; i++) {
+            size_t got = 0;
+            st = moe_tokenize(t, o.seg[i].text, o.seg[i].len, o.seg[i].control ? MOE_TOK_SPECIAL : 0, ids ? ids + (n < cap ? n : cap) : NULL,
+                              n < cap ? cap - n : 0, &got, err, errlen);
+            if (st == MOE_ERR_RANGE) st = MOE_OK; /* keep counting */
+            if (!st && o.seg[i].control && (got != 1 || !moe_token_is_special(t, ids && n < cap ? ids[n] : -1)) && n < cap)
+                st = fail(err, errlen, MOE_ERR_FORMAT, "chat: the vocabulary has no token %s", o.seg[i].text);
+            n += got;
+        }
+        if (!st && n > cap) st = fail(err, errlen, MOE_ERR_RANGE, "moe_chat_encode: %zu ids, room for %zu", n, cap);
+    }
+    *n_ids = n;
+    if (st == MOE_ERR_NOMEM) fail(err, errlen, st, "chat: out of memory");
+    chat_free(&o);
+    return st;
 }
 
 /* ==== sampling ================================================================================= */

@@ -271,6 +271,38 @@ MOE_API int32_t moe_tokenizer_n_ids(const moe_tokenizer *t);
  * hold back the rest until the next token completes it). */
 MOE_API size_t moe_utf8_valid_prefix(const char *s, size_t n);
 
+/* ---- chat formats (spec/TOKENIZER.md section 5) ---------------------------------------
+ * An OpenAI-style request, {"messages": [...], "tools": [...], "tool_choice": ...,
+ * "response_format": ...} (or a bare messages list), rendered as the vendor templates do:
+ * Kimi-Linear/K2 (<|im_user|>user<|im_middle|>...<|im_end|>) or K3's XTML (<|open|>message
+ * role="user"<|sep|>...). Messages: role system/user/assistant/tool, content a string or a
+ * list of text parts, optional name, assistant tool_calls and reasoning_content, tool
+ * tool_call_id. Images are refused. */
+enum { MOE_CHAT_AUTO = 0, MOE_CHAT_K2 = 1, MOE_CHAT_K3 = 2 };
+typedef struct {
+    int format;                  /* MOE_CHAT_*; AUTO: K3 when the vocabulary has <|open|> */
+    int add_generation_prompt;   /* open the assistant's turn (default 1) */
+    int thinking;                /* K3: the think channel (default 1) */
+    const char *thinking_effort; /* K3: "low", "high" or "max" (NULL: "max", the vendor default) */
+    int safe;                    /* K2: encode message texts with special names as plain text
+                                    (the vendor turns "<|im_end|>" typed by a user into the
+                                    control token; K3 never does) */
+} moe_chat_options;
+MOE_API moe_chat_options moe_chat_default_options(void);
+/* MOE_CHAT_K3 or MOE_CHAT_K2 from the vocabulary's markers, or -1 when it has neither. */
+MOE_API int moe_chat_format_of(const moe_tokenizer *t);
+/* The rendered prompt as text (NUL-terminated; *text_len excludes the NUL; MOE_ERR_RANGE when
+ * cap is too small, with *text_len the length needed). */
+MOE_API moe_status moe_chat_render(const moe_tokenizer *t, const char *request_json, size_t len,
+                                   const moe_chat_options *opt, char *text, size_t cap,
+                                   size_t *text_len, char *err, size_t errlen);
+/* The prompt's ids: each segment encoded on its own (markers as specials, texts with specials
+ * as plain text); K2 without safe: the rendered string encoded whole with specials allowed,
+ * as transformers does. Same size contract as moe_tokenize. */
+MOE_API moe_status moe_chat_encode(const moe_tokenizer *t, const char *request_json, size_t len,
+                                   const moe_chat_options *opt, int32_t *ids, size_t cap,
+                                   size_t *n_ids, char *err, size_t errlen);
+
 /* ---- sampling --------------------------------------------------------------------------- */
 
 typedef struct {
@@ -391,7 +423,7 @@ struct moe__json {
     int type;
     int n;            /* children (array/object) */
     double num;       /* number; bool as 0/1 */
-    const char *str;  /* string value (NUL-terminated, unescaped) */
+    const char *str;  /* string value (NUL-terminated, unescaped); a number's literal text */
     const char *key;  /* key when inside an object */
     moe__json *child; /* first child */
     moe__json *next;  /* next sibling */
