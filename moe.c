@@ -1619,10 +1619,15 @@ static moe_status repack_weight(moe_model *m, moe__weight *w) {
     return MOE_OK;
 }
 
+static void progress(const moe_model *m, const char *stage, int i, int n) {
+    if (m->opt.progress) m->opt.progress(m->opt.progress_ud, stage, n > 0 ? (float)i / (float)n : 1.0f);
+}
+
 static moe_status repack_weights(moe_model *m) {
     moe_status st = repack_weight(m, &m->lm_head);
     for (int i = 0; i < m->cfg.n_layers && !st; i++) {
         layer *L = &m->layers[i];
+        progress(m, "interleaving", i, m->cfg.n_layers);
         moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o, &L->q_a,
                                 &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->router, &L->lat_down, &L->lat_up};
         for (size_t k = 0; k < sizeof dense / sizeof *dense && !st; k++) st = repack_weight(m, dense[k]);
@@ -1639,8 +1644,9 @@ static moe_status convert_weights(moe_model *m) {
     const int dt = m->opt.dense_type, et = m->opt.expert_type;
     moe_status st = MOE_OK;
     if (dt) st = convert_weight(m, &m->lm_head, dt);
-    for (int i = 0; i < m->cfg.n_layers && !st; i++) {
+    for (int i = 0; i < m->cfg.n_layers && !st && (dt || et); i++) {
         layer *L = &m->layers[i];
+        progress(m, "converting", i, m->cfg.n_layers);
         moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o,
                                 &L->q_a, &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->lat_down, &L->lat_up};
         for (size_t k = 0; k < sizeof dense / sizeof *dense && !st && dt; k++) st = convert_weight(m, dense[k], dt);
@@ -5194,6 +5200,54 @@ moe_status moe_chat_encode(const moe_tokenizer *t, const char *json, size_t len,
     if (st == MOE_ERR_NOMEM) fail(err, errlen, st, "chat: out of memory");
     chat_free(&o);
     return st;
+}
+
+
+/* ---- model replies: which channel each generated token belongs to (spec 5.3.4) ---- */
+
+void moe_chat_reply_init(moe_chat_reply *r, const moe_tokenizer *t, const moe_chat_options *opt) {
+    memset(r, 0, sizeof *r);
+    moe_chat_options d = moe_chat_default_options();
+    if (!opt) opt = &d;
+    r->format = opt->format ? opt->format : t ? moe_chat_format_of(t) : -1;
+    r->channel = r->format == MOE_CHAT_K3 && opt->thinking ? MOE_REPLY_REASONING : MOE_REPLY_CONTENT;
+    r->open = moe_token_id(t, "<|open|>"), r->close = moe_token_id(t, "<|close|>"), r->sep = moe_token_id(t, "<|sep|>");
+    r->tools = moe_token_id(t, "<|tool_calls_section_begin|>");
+    r->end[0] = moe_token_id(t, r->format == MOE_CHAT_K3 ? "<|end_of_msg|>" : "<|im_end|>");
+    r->end[1] = moe_token_id(t, "[EOS]");
+}
+
+int moe_chat_reply_token(moe_chat_reply *r, const moe_tokenizer *t, int32_t id) {
+    if (r->ended || id == r->end[0] || id == r->end[1]) {
+        r->ended = 1;
+        return MOE_REPLY_END;
+    }
+    if (r->format == MOE_CHAT_K3) {
+        if (id == r->open || id == r->close) {
+            r->in_tag = 1, r->closing = id == r->close, r->tag_len = 0;
+            return MOE_REPLY_HIDDEN;
+        }
+        if (r->in_tag) {
+            size_t n;
+            const char *b = id == r->sep ? NULL : moe_token_bytes(t, id, &n);
+            if (id != r->sep) {
+                for (size_t i = 0; b && i < n && r->tag_len + 1 < sizeof r->tag; i++) r->tag[r->tag_len++] = b[i];
+                return MOE_REPLY_HIDDEN;
+            }
+            r->tag[r->tag_len] = 0, r->in_tag = 0;
+            /* the tag name is the first word of the header */
+            char *sp = strchr(r->tag, ' ');
+            if (sp) *sp = 0;
+            if (!strcmp(r->tag, "think")) r->channel = r->closing ? MOE_REPLY_HIDDEN : MOE_REPLY_REASONING;
+            else if (!strcmp(r->tag, "response")) r->channel = r->closing ? MOE_REPLY_HIDDEN : MOE_REPLY_CONTENT;
+            else if (!r->closing) r->channel = MOE_REPLY_HIDDEN; /* tools, calls, arguments: not shown as text */
+            return MOE_REPLY_HIDDEN;
+        }
+    } else if (id == r->tools) {
+        r->channel = MOE_REPLY_HIDDEN; /* a K2 tool-call section runs to the end of the turn */
+    }
+    if (moe_token_is_special(t, id)) return MOE_REPLY_HIDDEN;
+    return r->channel;
 }
 
 /* ==== sampling ================================================================================= */

@@ -95,6 +95,10 @@ typedef struct {
                                matrices, converted at load into RAM the model owns */
     int expert_type;        /* moe_wtype for the routed experts (makes them resident) */
     unsigned flags;         /* MOE_FLAG_* */
+    /* called from moe_model_open while weights are converted or interleaved (the slow part of a
+     * load): stage names the work, frac runs from 0 to 1; may be NULL */
+    void (*progress)(void *ud, const char *stage, float frac);
+    void *progress_ud;
 } moe_options;
 
 /* Defaults: 1 thread, n_batch 512, mmap experts, weights as stored, no flags. The router,
@@ -302,6 +306,20 @@ MOE_API moe_status moe_chat_render(const moe_tokenizer *t, const char *request_j
 MOE_API moe_status moe_chat_encode(const moe_tokenizer *t, const char *request_json, size_t len,
                                    const moe_chat_options *opt, int32_t *ids, size_t cap,
                                    size_t *n_ids, char *err, size_t errlen);
+
+/* Reading a reply as it is generated: each token's bytes belong to the answer (CONTENT), to
+ * K3's think channel (REASONING), or to markup that is not shown (HIDDEN: XTML tags, special
+ * tokens, tool-call sections); END is the end-of-turn token. Start with the options the prompt
+ * was rendered with (thinking decides where a K3 reply starts). */
+enum { MOE_REPLY_CONTENT = 0, MOE_REPLY_REASONING, MOE_REPLY_HIDDEN, MOE_REPLY_END };
+typedef struct {
+    int format, channel, in_tag, closing, ended;
+    int32_t open, close, sep, tools, end[2];
+    char tag[64];
+    size_t tag_len;
+} moe_chat_reply;
+MOE_API void moe_chat_reply_init(moe_chat_reply *r, const moe_tokenizer *t, const moe_chat_options *opt);
+MOE_API int moe_chat_reply_token(moe_chat_reply *r, const moe_tokenizer *t, int32_t id);
 
 /* ---- sampling --------------------------------------------------------------------------- */
 
