@@ -5119,26 +5119,31 @@ static void chat_free(chat_out *o) {
     free(o->sb.s);
 }
 
-/* Parses the request and builds the segments. */
-static moe_status chat_build(chat_out *o, const moe_tokenizer *t, const char *json, size_t len, const moe_chat_options *opt, int *format) {
+/* Builds the segments of a parsed request. */
+static moe_status chat_build_tree(chat_out *o, const moe_tokenizer *t, const moe__json *req, const moe_chat_options *opt, int *format) {
     moe_chat_options d = moe_chat_default_options();
     if (!opt) opt = &d;
-    if (!t || !json) return chat_fail(o, "bad argument");
+    if (!t || !req) return chat_fail(o, "bad argument");
     int f = opt->format ? opt->format : moe_chat_format_of(t);
     if (f != MOE_CHAT_K2 && f != MOE_CHAT_K3) return chat_fail(o, "the vocabulary has no chat markers (<|im_user|> or <|open|>)");
     *format = f;
+    const moe__json *msgs = req->type == MOE_JSON_OBJ ? moe__json_get(req, "messages") : req->type == MOE_JSON_ARR ? req : NULL;
+    if (!msgs || msgs->type != MOE_JSON_ARR) return chat_fail(o, "request needs a \"messages\" list");
+    for (const moe__json *m = msgs->child; m; m = m->next)
+        if (m->type != MOE_JSON_OBJ) return chat_fail(o, "every message must be an object");
+    if (f == MOE_CHAT_K2) k2_render(o, req->type == MOE_JSON_OBJ ? req : NULL, msgs, opt->add_generation_prompt);
+    else k3_render(o, req->type == MOE_JSON_OBJ ? req : NULL, msgs, opt);
+    return o->st;
+}
+
+/* Parses the request text and builds the segments. */
+static moe_status chat_build(chat_out *o, const moe_tokenizer *t, const char *json, size_t len, const moe_chat_options *opt, int *format) {
+    if (!t || !json) return chat_fail(o, "bad argument");
+    if (len != moe_utf8_valid_prefix(json, len)) return chat_fail(o, "request is not valid UTF-8");
     moe__json *req = NULL;
     char e2[200];
     if (moe__json_parse(json, len, &req, e2, sizeof e2)) return chat_fail(o, "request: %s", e2);
-    if (len != moe_utf8_valid_prefix(json, len)) chat_fail(o, "request is not valid UTF-8");
-    const moe__json *msgs = req->type == MOE_JSON_OBJ ? moe__json_get(req, "messages") : req->type == MOE_JSON_ARR ? req : NULL;
-    if (!o->st && (!msgs || msgs->type != MOE_JSON_ARR)) chat_fail(o, "request needs a \"messages\" list");
-    for (const moe__json *m = msgs ? msgs->child : NULL; m && !o->st; m = m->next)
-        if (m->type != MOE_JSON_OBJ) chat_fail(o, "every message must be an object");
-    if (!o->st) {
-        if (f == MOE_CHAT_K2) k2_render(o, req->type == MOE_JSON_OBJ ? req : NULL, msgs, opt->add_generation_prompt);
-        else k3_render(o, req->type == MOE_JSON_OBJ ? req : NULL, msgs, opt);
-    }
+    chat_build_tree(o, t, req, opt, format);
     moe__json_free(req);
     return o->st;
 }
@@ -5166,42 +5171,58 @@ moe_status moe_chat_render(const moe_tokenizer *t, const char *json, size_t len,
     return st;
 }
 
-moe_status moe_chat_encode(const moe_tokenizer *t, const char *json, size_t len, const moe_chat_options *opt, int32_t *ids, size_t cap,
-                           size_t *n_ids, char *err, size_t errlen) {
-    chat_out o = {0};
-    o.err = err, o.errlen = errlen;
-    int format;
-    if (n_ids) *n_ids = 0;
-    if ((!ids && cap) || !n_ids) return fail(err, errlen, MOE_ERR_ARG, "moe_chat_encode: bad argument");
-    moe_status st = chat_build(&o, t, json, len, opt, &format);
+/* Encodes built segments (see moe_chat_encode); frees them. */
+static moe_status chat_encode_segments(chat_out *o, moe_status st, int format, const moe_tokenizer *t, const moe_chat_options *opt,
+                                       int32_t *ids, size_t cap, size_t *n_ids, char *err, size_t errlen) {
     size_t n = 0;
     if (!st && format == MOE_CHAT_K2 && !(opt && opt->safe)) {
         /* the vendor path: the rendered string encoded as a whole, specials allowed */
         size_t total = 0, k = 0;
-        for (int i = 0; i < o.n; i++) total += o.seg[i].len;
+        for (int i = 0; i < o->n; i++) total += o->seg[i].len;
         char *all = malloc(total + 1);
         if (!all) st = MOE_ERR_NOMEM;
-        for (int i = 0; all && i < o.n; i++) memcpy(all + k, o.seg[i].text, o.seg[i].len), k += o.seg[i].len;
+        for (int i = 0; all && i < o->n; i++) memcpy(all + k, o->seg[i].text, o->seg[i].len), k += o->seg[i].len;
         if (all) st = moe_tokenize(t, all, total, MOE_TOK_SPECIAL, ids, cap, &n, err, errlen);
         free(all);
     } else {
-        for (int i = 0; !st && i < o.n; i++) {
+        for (int i = 0; !st && i < o->n; i++) {
             size_t got = 0;
-            st = moe_tokenize(t, o.seg[i].text, o.seg[i].len, o.seg[i].control ? MOE_TOK_SPECIAL : 0, ids ? ids + (n < cap ? n : cap) : NULL,
+            st = moe_tokenize(t, o->seg[i].text, o->seg[i].len, o->seg[i].control ? MOE_TOK_SPECIAL : 0, ids ? ids + (n < cap ? n : cap) : NULL,
                               n < cap ? cap - n : 0, &got, err, errlen);
             if (st == MOE_ERR_RANGE) st = MOE_OK; /* keep counting */
-            if (!st && o.seg[i].control && (got != 1 || !moe_token_is_special(t, ids && n < cap ? ids[n] : -1)) && n < cap)
-                st = fail(err, errlen, MOE_ERR_FORMAT, "chat: the vocabulary has no token %s", o.seg[i].text);
+            if (!st && o->seg[i].control && (got != 1 || !moe_token_is_special(t, ids && n < cap ? ids[n] : -1)) && n < cap)
+                st = fail(err, errlen, MOE_ERR_FORMAT, "chat: the vocabulary has no token %s", o->seg[i].text);
             n += got;
         }
         if (!st && n > cap) st = fail(err, errlen, MOE_ERR_RANGE, "moe_chat_encode: %zu ids, room for %zu", n, cap);
     }
     *n_ids = n;
     if (st == MOE_ERR_NOMEM) fail(err, errlen, st, "chat: out of memory");
-    chat_free(&o);
+    chat_free(o);
     return st;
 }
 
+moe_status moe_chat_encode(const moe_tokenizer *t, const char *json, size_t len, const moe_chat_options *opt, int32_t *ids, size_t cap,
+                           size_t *n_ids, char *err, size_t errlen) {
+    chat_out o = {0};
+    o.err = err, o.errlen = errlen;
+    int format = 0;
+    if (n_ids) *n_ids = 0;
+    if ((!ids && cap) || !n_ids) return fail(err, errlen, MOE_ERR_ARG, "moe_chat_encode: bad argument");
+    moe_status st = chat_build(&o, t, json, len, opt, &format);
+    return chat_encode_segments(&o, st, format, t, opt, ids, cap, n_ids, err, errlen);
+}
+
+moe_status moe__chat_encode_tree(const moe_tokenizer *t, const moe__json *req, const moe_chat_options *opt, int32_t *ids, size_t cap,
+                                 size_t *n_ids, char *err, size_t errlen) {
+    chat_out o = {0};
+    o.err = err, o.errlen = errlen;
+    int format = 0;
+    if (n_ids) *n_ids = 0;
+    if ((!ids && cap) || !n_ids) return fail(err, errlen, MOE_ERR_ARG, "moe_chat_encode: bad argument");
+    moe_status st = chat_build_tree(&o, t, req, opt, &format);
+    return chat_encode_segments(&o, st, format, t, opt, ids, cap, n_ids, err, errlen);
+}
 
 /* ---- model replies: which channel each generated token belongs to (spec 5.3.4) ---- */
 

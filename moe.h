@@ -513,6 +513,9 @@ const moe__st_tensor *moe__model_tensor(const moe_model *m, const char *name);
 /* The stored-name prefix of the text model ("language_model." for K3's wrapper, else ""). */
 const char *moe__model_prefix(const moe_model *m);
 void moe__st_close(moe__st_file *f);
+/* moe_chat_encode on an already parsed request (moe-batch: the body of a batch line). */
+moe_status moe__chat_encode_tree(const moe_tokenizer *t, const moe__json *req, const moe_chat_options *opt, int32_t *ids, size_t cap,
+                                 size_t *n_ids, char *err, size_t errlen);
 /* The pre-tokenizer alone (no chunking, no specials) over valid UTF-8: the byte offset where
  * each piece ends goes to ends[0..cap); returns the number of pieces, -1 on bad input. */
 long moe__pretokenize(int pretok, const char *text, size_t len, size_t *ends, size_t cap);

@@ -18,6 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <time.h>
 #include <pthread.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -1737,6 +1740,181 @@ static void test_chat_json_dumps(void) {
     moe_tokenizer_free(k3);
 }
 
+/* ---- moe-batch ------------------------------------------------------------------------------- */
+
+/* n completion requests with token-id prompts (the golden models ship no tokenizer), plus the
+ * given extra lines */
+static void write_batch_input(const char *path, int n, const char *extra) {
+    FILE *f = fopen(path, "w");
+    for (int i = 0; i < n; i++)
+        fprintf(f, "{\"custom_id\": \"req-%d\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, %d, 546, 1030, 1074], "
+                   "\"max_tokens\": %d, \"temperature\": %s, \"seed\": %d}}\n", i, i ? 10 + i : 806, 4 + i % 9, i % 3 ? "0.8" : "0", i);
+    if (extra) fputs(extra, f);
+    fclose(f);
+}
+
+/* checks OUT: every line whole JSON, keys (custom_id or input_line) unique; returns the number of
+ * lines, or -1 when a check fails; the answer to want_id goes to text when asked */
+static int check_batch_output(const char *path, const char *want_id, char *text, size_t tn) {
+    size_t len = 0;
+    char *all = read_all(path, &len);
+    if (!all) return 0;
+    int n = 0, bad = 0;
+    char seen[256][48];
+    for (char *p = all; *p;) {
+        char *e = strchr(p, '\n');
+        if (!e) { fprintf(stderr, "  %s: torn last line\n", path); bad = 1; break; }
+        moe__json *j = NULL;
+        if (moe__json_parse(p, (size_t)(e - p), &j, NULL, 0) != MOE_OK) { fprintf(stderr, "  %s: line %d is not JSON\n", path, n + 1); bad = 1; }
+        else {
+            const moe__json *cid = moe__json_get(j, "custom_id"), *ln = moe__json_get(j, "input_line");
+            char key[48];
+            snprintf(key, sizeof key, "%s", cid && cid->type == MOE_JSON_STR ? cid->str : "");
+            if (ln) snprintf(key, sizeof key, "#%d", (int)ln->num);
+            for (int i = 0; i < n && i < 256; i++)
+                if (!strcmp(seen[i], key)) { fprintf(stderr, "  %s: %s answered twice\n", path, key); bad = 1; }
+            if (n < 256) snprintf(seen[n], sizeof seen[n], "%s", key);
+            if (want_id && !strcmp(key, want_id) && text) {
+                const moe__json *r = moe__json_get(j, "response"), *b = r ? moe__json_get(r, "body") : NULL, *c = b ? moe__json_get(b, "choices") : NULL;
+                const moe__json *t = c && c->child ? moe__json_get(c->child, "text") : NULL;
+                snprintf(text, tn, "%s", t && t->type == MOE_JSON_STR ? t->str : "?");
+            }
+        }
+        moe__json_free(j);
+        n++;
+        p = e + 1;
+    }
+    free(all);
+    return bad ? -1 : n;
+}
+
+/* answers, errors for bad lines, rerun skips what is done, a torn last line is repaired,
+ * duplicate custom_ids are refused, shards split the work */
+static void test_batch_basic(void) {
+    char in[600], out[600], cmd[2400], buf[8192], text[512];
+    tmp_path(in, sizeof in, "batch-in.jsonl");
+    tmp_path(out, sizeof out, "batch-out.jsonl");
+    write_batch_input(in, 12,
+                      "not json\n"
+                      "{\"custom_id\": \"bad-url\", \"method\": \"POST\", \"url\": \"/v1/embeddings\", \"body\": {}}\n"
+                      "{\"custom_id\": \"bad-utf8\", \"body\": \"\xff\"}\n"
+                      "{\"custom_id\": \"too-long\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1, 2], \"max_tokens\": 100000}}\n"
+                      "{\"custom_id\": \"bad-id\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1, 99999]}}\n"
+                      "{\"custom_id\": \"chat\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}}\n"
+                      "\n"
+                      "{\"method\": \"POST\"}\n");
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 2>&1", exe_dir, golden_dir(), in, out);
+    int rc = run_cmd(cmd, buf, sizeof buf);
+    CHECKF(rc == 0, "%s: %d %s", cmd, rc, buf);
+    int n = check_batch_output(out, "req-0", text, sizeof text);
+    CHECKF(n == 12 + 7, "%d lines", n);
+    /* req-0 is greedy on a golden prompt: the golden continuation, decoded among other sequences */
+    CHECKF(!strcmp(text, "555 1114 583 989"), "req-0: %s", text);
+    size_t len = 0;
+    char *all = read_all(out, &len);
+    CHECK(all && strstr(all, "\"input_line\": 13") && strstr(all, "/v1/embeddings") == NULL && strstr(all, "not valid UTF-8") &&
+          strstr(all, "do not fit the context") && strstr(all, "outside the vocabulary") && strstr(all, "no tokenizer") &&
+          strstr(all, "\"finish_reason\": \"length\"") && strstr(all, "\"usage\": {\"prompt_tokens\": 7"));
+    free(all);
+    /* a rerun has nothing to do; a torn tail is cut off and that request answered again */
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, "0 to run"));
+    all = read_all(out, &len);
+    FILE *f = fopen(out, "w");
+    fwrite(all, 1, len - 40, f); /* the last line loses its end */
+    fclose(f);
+    free(all);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, "torn"));
+    CHECK(check_batch_output(out, NULL, NULL, 0) == 12 + 7);
+    /* shards: disjoint, together everything */
+    char o0[600], o1[600];
+    tmp_path(o0, sizeof o0, "batch-s0.jsonl");
+    tmp_path(o1, sizeof o1, "batch-s1.jsonl");
+    remove(o0), remove(o1);
+    for (int s = 0; s < 2; s++) {
+        snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --shard %d/2 2>&1", exe_dir, golden_dir(), in, s ? o1 : o0, s);
+        CHECK(run_cmd(cmd, buf, sizeof buf) == 0);
+    }
+    int a = check_batch_output(o0, NULL, NULL, 0), b = check_batch_output(o1, NULL, NULL, 0);
+    CHECKF(a > 0 && b > 0 && a + b == 12 + 7, "shards %d + %d", a, b);
+    /* duplicate custom_ids: refused before anything is written */
+    write_batch_input(in, 3, "{\"custom_id\": \"req-1\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1]}}\n");
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s 2>&1", exe_dir, golden_dir(), in, out);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 1 && strstr(buf, "appears twice"));
+    struct stat sb;
+    CHECK(stat(out, &sb) != 0 || sb.st_size == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i /nonexistent -o %s 2>/dev/null", exe_dir, golden_dir(), out);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 1);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m x -i y 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 2);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m x -i y -o z --shard 2/2 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 2);
+}
+
+/* runs moe-batch in a child; kill_after_us > 0: SIGKILL it then; fsize > 0: RLIMIT_FSIZE with
+ * SIGXFSZ ignored (the disk "fills up"). Returns the exit status, or -9 when killed. */
+static int batch_child(const char *in, const char *out, long kill_after_us, long fsize) {
+    char model[600];
+    snprintf(model, sizeof model, "%s/k3mx", golden_dir());
+    char exe[700];
+    snprintf(exe, sizeof exe, "%s/moe-batch", exe_dir);
+    pid_t pid = fork();
+    if (pid == 0) {
+        int devnull = open("/dev/null", O_WRONLY);
+        if (devnull >= 0) dup2(devnull, 2);
+        if (fsize > 0) {
+            signal(SIGXFSZ, SIG_IGN);
+            struct rlimit rl = {(rlim_t)fsize, (rlim_t)fsize};
+            setrlimit(RLIMIT_FSIZE, &rl);
+        }
+        execl(exe, exe, "-m", model, "-i", in, "-o", out, "--parallel", "3", (char *)NULL);
+        _exit(127);
+    }
+    if (kill_after_us > 0) {
+        struct timespec ts = {kill_after_us / 1000000, (kill_after_us % 1000000) * 1000};
+        nanosleep(&ts, NULL);
+        kill(pid, SIGKILL);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFSIGNALED(st) ? -WTERMSIG(st) : WEXITSTATUS(st);
+}
+
+/* SIGKILL at random moments, then reruns: every request answered exactly once, no torn line;
+ * a full disk (RLIMIT_FSIZE) stops the job with an error and no torn line, and a rerun
+ * completes it */
+static void test_batch_faults(void) {
+    if (getenv("MOE_TEST_RUNNER")) return; /* forks the binary directly: not under qemu */
+    char in[600], out[600];
+    tmp_path(in, sizeof in, "batch-kill-in.jsonl");
+    tmp_path(out, sizeof out, "batch-kill-out.jsonl");
+    const int N = 40;
+    write_batch_input(in, N, NULL);
+    int kills = 0, runs = 0, rc = -1;
+    for (int round = 0; round < 4; round++) {
+        remove(out);
+        for (runs = 0; runs < 200; runs++) {
+            long delay = 2000 + (long)(urand() * 30000);
+            rc = batch_child(in, out, runs < 12 ? delay : 0, 0);
+            if (rc == -SIGKILL) kills++;
+            CHECK(check_batch_output(out, NULL, NULL, 0) >= 0); /* after every kill: whole lines, no duplicates */
+            if (rc == 0) break;
+        }
+        CHECKF(rc == 0 && check_batch_output(out, NULL, NULL, 0) == N, "round %d: rc %d, %d lines", round, rc, check_batch_output(out, NULL, NULL, 0));
+    }
+    CHECKF(kills > 0, "no run was killed: %d", kills);
+    /* the output "disk" holds only about 3 answers */
+    remove(out);
+    rc = batch_child(in, out, 0, 1200);
+    int n = check_batch_output(out, NULL, NULL, 0);
+    CHECKF(rc == 1 && n >= 0 && n < N, "full disk: rc %d, %d lines", rc, n);
+    struct stat sb;
+    CHECK(stat(out, &sb) == 0 && sb.st_size <= 1200);
+    rc = batch_child(in, out, 0, 0);
+    CHECK(rc == 0 && check_batch_output(out, NULL, NULL, 0) == N);
+}
+
 /* ---- GGUF --------------------------------------------------------------------------------------- */
 
 /* runs moe-convert; prints its output when the exit status is not the expected one */
@@ -2260,6 +2438,8 @@ static const struct {
     {"chat_spec_cases", test_chat_spec_cases},
     {"chat_ids", test_chat_ids},
     {"chat_json_dumps", test_chat_json_dumps},
+    {"batch_basic", test_batch_basic},
+    {"batch_faults", test_batch_faults},
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
     {"mla_kernels", test_mla_kernels},
     {"golden_kimi", test_golden_kimi},

@@ -1,0 +1,762 @@
+/* moe-batch: offline batch inference over OpenAI Batch JSONL files.
+ *
+ *   moe-batch -m MODEL -i IN.jsonl -o OUT.jsonl [--shard I/N] [-t THREADS] [--parallel P]
+ *             [-c CTX] [--max-tokens N]
+ *
+ * Each input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
+ * "/v1/completions", "body": {"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed",
+ * "stop", ...}}. Each answer is one output line {"id", "custom_id", "response": {"status_code",
+ * "request_id", "body"}, "error"}, appended whole. A malformed line or a failing request gets an
+ * error line and the rest go on. Rerunning with the same output file skips the requests already
+ * answered (a torn last line left by a crash is cut off first), so a job killed at any moment and
+ * rerun answers every request exactly once. --shard I/N keeps the requests whose custom_id hashes
+ * to I of N, so N machines can share one job.
+ *
+ * Up to P requests decode at once in lockstep through one batched step (their rows share every
+ * expert loaded for that step), new requests join as others finish, and a prompt prefix shared
+ * by all requests is computed once and copied into each sequence. Sampling is seeded from the
+ * request's seed, or its custom_id, so reruns give the same text.
+ *
+ * Exit 0 when every request of the shard has an answer, 1 on errors (input unreadable, output
+ * not writable, a failed step: rerun to finish), 2 on usage errors. Uses the library's internal
+ * JSON reader (MOE_INTERNAL). */
+#define _POSIX_C_SOURCE 200809L
+#define MOE_INTERNAL
+#include "../moe.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+static int usage(const char *msg) {
+    if (msg) fprintf(stderr, "moe-batch: %s\n", msg);
+    fprintf(msg ? stderr : stdout,
+            "usage: moe-batch -m MODEL -i IN.jsonl -o OUT.jsonl [options]\n"
+            "  -m MODEL         checkpoint directory, .safetensors file or .gguf (with its tokenizer)\n"
+            "  -i IN.jsonl      OpenAI Batch input: one request per line\n"
+            "  -o OUT.jsonl     answers are appended here; rerun to finish an interrupted job\n"
+            "  --shard I/N      answer only the requests whose custom_id falls in shard I of N (0 <= I < N)\n"
+            "  -t THREADS       worker threads (default 1)\n"
+            "  --parallel P     requests decoded at once in lockstep (default 8)\n"
+            "  -c CTX           context per request: prompt + max_tokens must fit (default 4096)\n"
+            "  --max-tokens N   for requests without max_tokens (default 256)\n"
+            "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
+            "  --load-mode M, --expert-budget SIZE, --prefetch on|off   as in moe-cli\n");
+    return msg ? 2 : 0;
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t fnv(const char *s, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
+    return h;
+}
+
+/* ---- growable text ---- */
+
+typedef struct {
+    char *s;
+    size_t n, cap;
+    int oom;
+} buf;
+
+static void bput(buf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->s, cap);
+        if (!p) { b->oom = 1; return; }
+        b->s = p, b->cap = cap;
+    }
+    memcpy(b->s + b->n, s, n);
+    b->n += n;
+    b->s[b->n] = 0;
+}
+
+static void bprintf(buf *b, const char *fmt, ...) {
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (k > 0) bput(b, tmp, (size_t)k < sizeof tmp ? (size_t)k : sizeof tmp - 1);
+}
+
+/* a JSON string; bytes that are not valid UTF-8 become U+FFFD (as the vendor's decode does) */
+static void bjson_str(buf *b, const char *s, size_t n) {
+    bput(b, "\"", 1);
+    for (size_t i = 0; i < n;) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= 0x80) {
+            size_t v = moe_utf8_valid_prefix(s + i, n - i < 4 ? n - i : 4);
+            size_t len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+            if (v >= len) bput(b, s + i, len), i += len;
+            else bput(b, "\xEF\xBF\xBD", 3), i++;
+            continue;
+        }
+        if (c == '"') bput(b, "\\\"", 2);
+        else if (c == '\\') bput(b, "\\\\", 2);
+        else if (c == '\n') bput(b, "\\n", 2);
+        else if (c == '\r') bput(b, "\\r", 2);
+        else if (c == '\t') bput(b, "\\t", 2);
+        else if (c < 0x20 || c == 0x7F) bprintf(b, "\\u%04x", c);
+        else bput(b, (const char *)&c, 1);
+        i++;
+    }
+    bput(b, "\"", 1);
+}
+
+/* ---- the output file: whole lines, appended; a failed write is cut back off ---- */
+
+static int out_fd = -1;
+
+static int append_line(const buf *line) {
+    off_t at = lseek(out_fd, 0, SEEK_END);
+    if (at < 0) return -1;
+    for (size_t done = 0; done < line->n;) {
+        ssize_t w = write(out_fd, line->s + done, line->n - done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            int e = w < 0 ? errno : ENOSPC;
+            if (ftruncate(out_fd, at) != 0) { /* keep the file free of a torn line if at all possible */ }
+            errno = e;
+            return -1;
+        }
+        done += (size_t)w;
+    }
+    if (fdatasync(out_fd) != 0 && errno != EINVAL) {
+        int e = errno;
+        if (ftruncate(out_fd, at) != 0) { /* as above */ }
+        errno = e;
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- the set of answered keys (custom_ids, or "#line N" for lines that have none) ---- */
+
+typedef struct {
+    char **keys;
+    size_t cap, n;
+} keyset;
+
+static int ks_has(const keyset *k, const char *s) {
+    if (!k->cap) return 0;
+    for (size_t i = fnv(s, strlen(s)) & (k->cap - 1);; i = (i + 1) & (k->cap - 1)) {
+        if (!k->keys[i]) return 0;
+        if (!strcmp(k->keys[i], s)) return 1;
+    }
+}
+
+static int ks_add(keyset *k, const char *s) {
+    if (2 * (k->n + 1) > k->cap) {
+        size_t cap = k->cap ? 2 * k->cap : 1024;
+        char **nk = calloc(cap, sizeof *nk);
+        if (!nk) return 0;
+        for (size_t i = 0; i < k->cap; i++)
+            if (k->keys[i]) {
+                size_t j = fnv(k->keys[i], strlen(k->keys[i])) & (cap - 1);
+                while (nk[j]) j = (j + 1) & (cap - 1);
+                nk[j] = k->keys[i];
+            }
+        free(k->keys);
+        k->keys = nk, k->cap = cap;
+    }
+    size_t i = fnv(s, strlen(s)) & (k->cap - 1);
+    while (k->keys[i]) {
+        if (!strcmp(k->keys[i], s)) return 1;
+        i = (i + 1) & (k->cap - 1);
+    }
+    if (!(k->keys[i] = strdup(s))) return 0;
+    k->n++;
+    return 1;
+}
+
+static void ks_free(keyset *k) {
+    for (size_t i = 0; i < k->cap; i++) free(k->keys[i]);
+    free(k->keys);
+}
+
+/* the key of one input line: its custom_id, else its line number */
+static void line_key(char *out, size_t n, const char *custom_id, long lineno) {
+    if (custom_id) snprintf(out, n, "%s", custom_id);
+    else snprintf(out, n, "#line %ld", lineno);
+}
+
+/* Reads the answers already in OUT: cuts a torn last line off, and collects their keys. */
+static int load_answers(const char *path, keyset *done) {
+    struct stat sb;
+    if (fstat(out_fd, &sb) != 0) return -1;
+    if (sb.st_size == 0) return 0;
+    char *text = malloc((size_t)sb.st_size + 1);
+    if (!text) return -1;
+    size_t got = 0;
+    while (got < (size_t)sb.st_size) {
+        ssize_t r = pread(out_fd, text + got, (size_t)sb.st_size - got, (off_t)got);
+        if (r <= 0) { free(text); return -1; }
+        got += (size_t)r;
+    }
+    text[got] = 0;
+    size_t keep = got;
+    while (keep > 0 && text[keep - 1] != '\n') keep--;
+    if (keep < got) {
+        fprintf(stderr, "moe-batch: %s: removing a torn last line (%zu bytes) left by an interrupted run\n", path, got - keep);
+        if (ftruncate(out_fd, (off_t)keep) != 0) { free(text); return -1; }
+    }
+    long lineno = 0;
+    for (size_t i = 0; i < keep;) {
+        char *e = memchr(text + i, '\n', keep - i);
+        size_t len = (size_t)(e - (text + i));
+        lineno++;
+        moe__json *j = NULL;
+        if (moe__json_parse(text + i, len, &j, NULL, 0) == MOE_OK && j->type == MOE_JSON_OBJ) {
+            const moe__json *cid = moe__json_get(j, "custom_id"), *ln = moe__json_get(j, "input_line");
+            char key[1100];
+            if (cid && cid->type == MOE_JSON_STR) line_key(key, sizeof key, cid->str, 0);
+            else if (ln && ln->type == MOE_JSON_NUM) line_key(key, sizeof key, NULL, (long)ln->num);
+            else key[0] = 0;
+            if (key[0] && !ks_add(done, key)) { moe__json_free(j); free(text); return -1; }
+        } else {
+            fprintf(stderr, "moe-batch: %s:%ld: not an answer line; left as it is\n", path, lineno);
+        }
+        moe__json_free(j);
+        i += len + 1;
+    }
+    free(text);
+    return 0;
+}
+
+/* ---- requests ---- */
+
+typedef struct {
+    char *custom_id; /* NULL when the line has none */
+    long lineno;
+    int chat;
+    int32_t *prompt;
+    int n_prompt;
+    int max_tokens;
+    moe_sampler sp;
+    uint64_t rng;
+    char *stop[4];
+    int n_stop;
+    moe_chat_options co;
+} request;
+
+static void request_free(request *r) {
+    free(r->custom_id);
+    free(r->prompt);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free((char *)r->co.thinking_effort);
+}
+
+static const char *model_name;
+static long g_created;
+
+/* {"id", "custom_id", "input_line"?, "response", "error"} for a request that failed */
+static void error_line(buf *b, const char *custom_id, long lineno, int status, const char *type, const char *msg) {
+    char rid[32];
+    snprintf(rid, sizeof rid, "%016llx", (unsigned long long)fnv(custom_id ? custom_id : "", custom_id ? strlen(custom_id) : 0) ^ (unsigned long long)lineno);
+    bprintf(b, "{\"id\": \"batch_req_%s\", \"custom_id\": ", rid);
+    if (custom_id) bjson_str(b, custom_id, strlen(custom_id));
+    else bprintf(b, "null, \"input_line\": %ld", lineno);
+    if (status) {
+        bprintf(b, ", \"response\": {\"status_code\": %d, \"request_id\": \"req_%s\", \"body\": {\"error\": {\"message\": ", status, rid);
+        bjson_str(b, msg, strlen(msg));
+        bprintf(b, ", \"type\": \"%s\"}}}, \"error\": null}\n", type);
+    } else {
+        bprintf(b, ", \"response\": null, \"error\": {\"code\": \"%s\", \"message\": ", type);
+        bjson_str(b, msg, strlen(msg));
+        bprintf(b, "}}\n");
+    }
+}
+
+static int num_field(const moe__json *body, const char *key, double lo, double hi, double *out, char *why, size_t wn) {
+    const moe__json *v = moe__json_get(body, key);
+    if (!v || v->type == MOE_JSON_NULL) return 1;
+    if (v->type != MOE_JSON_NUM || !(v->num >= lo && v->num <= hi)) {
+        snprintf(why, wn, "%s must be a number in [%g, %g]", key, lo, hi);
+        return 0;
+    }
+    *out = v->num;
+    return 1;
+}
+
+/* Turns one parsed line into a request; 0 with a message in why when it is not a valid one. */
+static int parse_request(request *r, const moe__json *j, const moe_tokenizer *tok, int ctx, int default_max, char *why, size_t wn) {
+    const moe__json *method = moe__json_get(j, "method"), *url = moe__json_get(j, "url"), *body = moe__json_get(j, "body");
+    if (method && (method->type != MOE_JSON_STR || strcmp(method->str, "POST"))) return snprintf(why, wn, "method must be POST"), 0;
+    if (!url || url->type != MOE_JSON_STR) return snprintf(why, wn, "url is missing"), 0;
+    if (!strcmp(url->str, "/v1/chat/completions")) r->chat = 1;
+    else if (strcmp(url->str, "/v1/completions")) return snprintf(why, wn, "url must be /v1/chat/completions or /v1/completions"), 0;
+    if (!body || body->type != MOE_JSON_OBJ) return snprintf(why, wn, "body must be an object"), 0;
+    double v;
+    r->max_tokens = default_max;
+    if (!num_field(body, "max_completion_tokens", 1, 1e9, &v, why, wn) || !num_field(body, "max_tokens", 1, 1e9, &v, why, wn)) return 0;
+    if (moe__json_get(body, "max_tokens") || moe__json_get(body, "max_completion_tokens")) r->max_tokens = (int)v;
+    r->sp = (moe_sampler){.temperature = 1.0f, .top_p = 1.0f, .repeat_penalty = 1.0f};
+    v = 1.0;
+    if (!num_field(body, "temperature", 0, 2, &v, why, wn)) return 0;
+    r->sp.temperature = (float)v;
+    v = 1.0;
+    if (!num_field(body, "top_p", 0, 1, &v, why, wn)) return 0;
+    r->sp.top_p = (float)v;
+    v = 0;
+    if (!num_field(body, "top_k", 0, 1e9, &v, why, wn)) return 0;
+    r->sp.top_k = (int)v;
+    v = 0;
+    if (!num_field(body, "min_p", 0, 1, &v, why, wn)) return 0;
+    r->sp.min_p = (float)v;
+    v = 0;
+    if (!num_field(body, "presence_penalty", -2, 2, &v, why, wn)) return 0;
+    r->sp.presence_penalty = (float)v;
+    v = 0;
+    if (!num_field(body, "frequency_penalty", -2, 2, &v, why, wn)) return 0;
+    r->sp.frequency_penalty = (float)v;
+    v = 1;
+    if (!num_field(body, "n", 1, 1, &v, why, wn)) return snprintf(why, wn, "n must be 1"), 0;
+    const moe__json *seed = moe__json_get(body, "seed");
+    if (seed && seed->type == MOE_JSON_NUM) r->rng = (uint64_t)(int64_t)seed->num * 0x9E3779B97F4A7C15ull + 1;
+    else if (seed && seed->type != MOE_JSON_NULL) return snprintf(why, wn, "seed must be an integer"), 0;
+    else r->rng = fnv(r->custom_id, strlen(r->custom_id)) | 1;
+    const moe__json *stop = moe__json_get(body, "stop");
+    if (stop && stop->type == MOE_JSON_STR) {
+        if (*stop->str) r->stop[r->n_stop++] = strdup(stop->str);
+    } else if (stop && stop->type == MOE_JSON_ARR) {
+        if (stop->n > 4) return snprintf(why, wn, "stop: at most 4 strings"), 0;
+        for (const moe__json *s = stop->child; s; s = s->next) {
+            if (s->type != MOE_JSON_STR) return snprintf(why, wn, "stop must be a string or a list of strings"), 0;
+            if (*s->str) r->stop[r->n_stop++] = strdup(s->str);
+        }
+    } else if (stop && stop->type != MOE_JSON_NULL) {
+        return snprintf(why, wn, "stop must be a string or a list of strings"), 0;
+    }
+    for (int i = 0; i < r->n_stop; i++)
+        if (!r->stop[i]) return snprintf(why, wn, "out of memory"), 0;
+    /* the prompt */
+    char err[512];
+    size_t n = 0, cap = (size_t)ctx + 1;
+    if (!(r->prompt = malloc(cap * sizeof *r->prompt))) return snprintf(why, wn, "out of memory"), 0;
+    moe_status st;
+    if (r->chat) {
+        if (!moe__json_get(body, "messages")) return snprintf(why, wn, "a chat request needs body.messages"), 0;
+        if (!tok) return snprintf(why, wn, "the model ships no tokenizer, so chat requests cannot be encoded"), 0;
+        r->co = moe_chat_default_options();
+        const moe__json *eff = moe__json_get(body, "reasoning_effort");
+        if (eff && eff->type == MOE_JSON_STR) {
+            if (!strcmp(eff->str, "none")) r->co.thinking = 0;
+            else if (!(r->co.thinking_effort = strdup(eff->str))) return snprintf(why, wn, "out of memory"), 0;
+        }
+        st = moe__chat_encode_tree(tok, body, &r->co, r->prompt, cap, &n, err, sizeof err);
+    } else {
+        const moe__json *p = moe__json_get(body, "prompt");
+        if (p && p->type == MOE_JSON_ARR) { /* token ids */
+            st = MOE_OK;
+            for (const moe__json *e = p->child; e && !st; e = e->next) {
+                if (e->type != MOE_JSON_NUM || e->num < 0 || e->num > 2147483647.0 || e->num != (double)(int32_t)e->num)
+                    return snprintf(why, wn, "prompt: a list of prompts is not supported; give a string or one list of token ids"), 0;
+                if (n < cap) r->prompt[n] = (int32_t)e->num;
+                n++;
+            }
+            if (n > cap) st = MOE_ERR_RANGE;
+        } else if (p && p->type == MOE_JSON_STR) {
+            if (!tok) return snprintf(why, wn, "the model ships no tokenizer; give the prompt as token ids"), 0;
+            st = moe_tokenize(tok, p->str, strlen(p->str), 0, r->prompt, cap, &n, err, sizeof err);
+        } else {
+            return snprintf(why, wn, "a completion request needs body.prompt (a string or a list of token ids)"), 0;
+        }
+    }
+    if (st == MOE_ERR_RANGE || (!st && (int)n + r->max_tokens > ctx)) {
+        snprintf(why, wn, "the prompt (%zu tokens) and max_tokens (%d) do not fit the context of %d tokens", n, r->max_tokens, ctx);
+        return 0;
+    }
+    if (st) return snprintf(why, wn, "%s", err), 0;
+    if (n == 0) return snprintf(why, wn, "the prompt is empty"), 0;
+    r->n_prompt = (int)n;
+    return 1;
+}
+
+/* ---- decoding slots ---- */
+
+typedef struct {
+    request *r;
+    moe_session *s;
+    int fed;            /* prompt tokens already in the session */
+    int gen;            /* tokens sampled */
+    int32_t last;       /* the token to feed next */
+    int32_t *hist;      /* prompt + generated, for penalties */
+    buf content, reasoning;
+    moe_chat_reply rep;
+    const char *finish; /* set when done */
+} slot;
+
+static int slot_check_stop(slot *sl) {
+    for (int i = 0; i < sl->r->n_stop; i++) {
+        char *hit = sl->content.s ? strstr(sl->content.s, sl->r->stop[i]) : NULL;
+        if (hit) {
+            sl->content.n = (size_t)(hit - sl->content.s);
+            sl->content.s[sl->content.n] = 0;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static void answer_line(buf *b, const slot *sl) {
+    const request *r = sl->r;
+    char rid[32];
+    snprintf(rid, sizeof rid, "%016llx", (unsigned long long)fnv(r->custom_id, strlen(r->custom_id)));
+    bprintf(b, "{\"id\": \"batch_req_%s\", \"custom_id\": ", rid);
+    bjson_str(b, r->custom_id, strlen(r->custom_id));
+    bprintf(b, ", \"response\": {\"status_code\": 200, \"request_id\": \"req_%s\", \"body\": {\"id\": \"%s-%s\", \"object\": \"%s\", "
+               "\"created\": %ld, \"model\": ", rid, r->chat ? "chatcmpl" : "cmpl", rid, r->chat ? "chat.completion" : "text_completion", g_created);
+    bjson_str(b, model_name, strlen(model_name));
+    bprintf(b, ", \"choices\": [{\"index\": 0, ");
+    if (r->chat) {
+        bprintf(b, "\"message\": {\"role\": \"assistant\", \"content\": ");
+        bjson_str(b, sl->content.s ? sl->content.s : "", sl->content.n);
+        if (sl->reasoning.n) {
+            bprintf(b, ", \"reasoning_content\": ");
+            bjson_str(b, sl->reasoning.s, sl->reasoning.n);
+        }
+        bprintf(b, "}, ");
+    } else {
+        bprintf(b, "\"text\": ");
+        bjson_str(b, sl->content.s ? sl->content.s : "", sl->content.n);
+        bprintf(b, ", \"logprobs\": null, ");
+    }
+    bprintf(b, "\"finish_reason\": \"%s\"}], \"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %d, \"total_tokens\": %d}}}, "
+               "\"error\": null}\n", sl->finish, r->n_prompt, sl->gen, r->n_prompt + sl->gen);
+}
+
+static int parse_shard(const char *s, int *i, int *n) {
+    char *e;
+    long a = strtol(s, &e, 10);
+    if (e == s || *e != '/') return 0;
+    long b = strtol(e + 1, &e, 10);
+    if (*e || b < 1 || b > 1000000 || a < 0 || a >= b) return 0;
+    *i = (int)a, *n = (int)b;
+    return 1;
+}
+
+static int parse_size(const char *s, size_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
+               : *end == 'T' || *end == 't' ? 1099511627776.0 : 1.0;
+    if (mul != 1.0) end++;
+    if (*end || !(v > 0) || v * mul > 1e18) return 0;
+    *out = (size_t)(v * mul);
+    return 1;
+}
+
+int main(int argc, char **argv) {
+    const char *model = NULL, *in_path = NULL, *out_path = NULL;
+    int shard_i = 0, shard_n = 1, parallel = 8, ctx = 4096, default_max = 256;
+    moe_options opt = moe_default_options();
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int more = i + 1 < argc;
+        char *e;
+        if (!strcmp(a, "-m") && more) model = argv[++i];
+        else if (!strcmp(a, "-i") && more) in_path = argv[++i];
+        else if (!strcmp(a, "-o") && more) out_path = argv[++i];
+        else if (!strcmp(a, "--shard") && more) { if (!parse_shard(argv[++i], &shard_i, &shard_n)) return usage("--shard is I/N with 0 <= I < N"); }
+        else if (!strcmp(a, "-t") && more) { opt.n_threads = (int)strtol(argv[++i], &e, 10); if (*e || opt.n_threads < 1 || opt.n_threads > 1024) return usage("bad -t"); }
+        else if (!strcmp(a, "--parallel") && more) { parallel = (int)strtol(argv[++i], &e, 10); if (*e || parallel < 1 || parallel > 1024) return usage("bad --parallel"); }
+        else if (!strcmp(a, "-c") && more) { ctx = (int)strtol(argv[++i], &e, 10); if (*e || ctx < 2 || ctx > 100000000) return usage("bad -c"); }
+        else if (!strcmp(a, "--max-tokens") && more) { default_max = (int)strtol(argv[++i], &e, 10); if (*e || default_max < 1) return usage("bad --max-tokens"); }
+        else if (!strcmp(a, "--model-name") && more) model_name = argv[++i];
+        else if (!strcmp(a, "--load-mode") && more) {
+            const char *v = argv[++i];
+            if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
+            else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
+            else return usage("--load-mode is mmap or cache");
+        } else if (!strcmp(a, "--prefetch") && more) {
+            const char *v = argv[++i];
+            if (strcmp(v, "on") && strcmp(v, "off")) return usage("--prefetch is on or off");
+            opt.prefetch = !strcmp(v, "on");
+        } else if (!strcmp(a, "--expert-budget") && more) {
+            if (!parse_size(argv[++i], &opt.expert_budget)) return usage("--expert-budget needs a size such as 8G");
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
+        else return usage("unknown, incomplete or out-of-range argument");
+    }
+    if (!model || !in_path || !out_path) return usage("-m, -i and -o are required");
+    if (!model_name) {
+        const char *sl = strrchr(model, '/');
+        model_name = sl && sl[1] ? sl + 1 : model;
+    }
+    g_created = (long)time(NULL);
+
+    int rc = 1;
+    char err[512];
+    moe_model *m = NULL;
+    moe_tokenizer *tok = NULL;
+    keyset done = {0}, seen = {0};
+    request *reqs = NULL;
+    slot *slots = NULL;
+    moe_session *prefix = NULL;
+    float *logits = NULL;
+    moe_seq *seqs = NULL;
+    char *input = NULL;
+    buf line = {0};
+    size_t n_reqs = 0, cap_reqs = 0;
+
+    /* the input, read whole and checked before anything is written */
+    FILE *f = fopen(in_path, "rb");
+    if (!f) { fprintf(stderr, "moe-batch: %s: %s\n", in_path, strerror(errno)); return 1; }
+    buf inb = {0};
+    char chunk[1 << 16];
+    size_t r;
+    while ((r = fread(chunk, 1, sizeof chunk, f)) > 0) bput(&inb, chunk, r);
+    int bad_read = ferror(f) || inb.oom;
+    fclose(f);
+    input = inb.s;
+    if (bad_read) { fprintf(stderr, "moe-batch: %s: read error\n", in_path); goto out; }
+
+    out_fd = open(out_path, O_RDWR | O_CREAT | O_APPEND, 0644);
+    if (out_fd < 0) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, strerror(errno)); goto out; }
+    if (load_answers(out_path, &done)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, strerror(errno)); goto out; }
+
+    moe_status st = moe_model_open(&m, model, &opt, err, sizeof err);
+    if (st) { fprintf(stderr, "moe-batch: %s: %s\n", moe_status_str(st), err); goto out; }
+    if (moe_tokenizer_for_model(&tok, m, err, sizeof err)) {
+        fprintf(stderr, "moe-batch: %s: only completion requests with token-id prompts can be answered\n", err);
+        tok = NULL;
+    }
+    const moe_config *c = moe_model_config(m);
+
+    /* pass 1: duplicate custom_ids anywhere in the input are refused before any work */
+    long lineno = 0, n_lines = 0, n_before = 0, n_errors = 0;
+    for (char *p = input; p && *p;) {
+        char *e = strchr(p, '\n');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        lineno++;
+        moe__json *j = NULL;
+        if (len && moe_utf8_valid_prefix(p, len) == len && moe__json_parse(p, len, &j, NULL, 0) == MOE_OK && j->type == MOE_JSON_OBJ) {
+            const moe__json *cid = moe__json_get(j, "custom_id");
+            if (cid && cid->type == MOE_JSON_STR) {
+                if (ks_has(&seen, cid->str)) {
+                    fprintf(stderr, "moe-batch: %s:%ld: custom_id \"%.200s\" appears twice; every request needs its own custom_id\n", in_path,
+                            lineno, cid->str);
+                    moe__json_free(j);
+                    goto out;
+                }
+                if (!ks_add(&seen, cid->str)) { moe__json_free(j); fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
+            }
+        }
+        moe__json_free(j);
+        p = e ? e + 1 : p + len;
+    }
+
+    /* pass 2: this shard's requests not yet answered; bad ones are answered with an error now */
+    lineno = 0;
+    for (char *p = input; p && *p;) {
+        char *e = strchr(p, '\n');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        char *text = p;
+        p = e ? e + 1 : p + len;
+        lineno++;
+        while (len && (text[len - 1] == '\r' || text[len - 1] == ' ' || text[len - 1] == '\t')) len--;
+        if (!len) continue; /* blank lines are not requests */
+        moe__json *j = NULL;
+        char why[600] = "", key[1100];
+        const char *custom_id = NULL;
+        int valid_utf8 = moe_utf8_valid_prefix(text, len) == len;
+        if (valid_utf8 && moe__json_parse(text, len, &j, why, sizeof why) == MOE_OK) {
+            const moe__json *cid = j->type == MOE_JSON_OBJ ? moe__json_get(j, "custom_id") : NULL;
+            if (cid && cid->type == MOE_JSON_STR && *cid->str) custom_id = cid->str;
+            else snprintf(why, sizeof why, "the line has no custom_id string");
+        } else if (!valid_utf8) {
+            snprintf(why, sizeof why, "the line is not valid UTF-8");
+        }
+        line_key(key, sizeof key, custom_id, lineno);
+        const int mine = (int)(fnv(key, strlen(key)) % (uint64_t)shard_n) == shard_i;
+        if (mine) n_lines++;
+        if (!mine || ks_has(&done, key)) {
+            if (mine) n_before++;
+            moe__json_free(j);
+            continue;
+        }
+        request rq = {0};
+        rq.lineno = lineno;
+        int ok = custom_id != NULL;
+        if (ok) {
+            rq.custom_id = strdup(custom_id);
+            ok = rq.custom_id && parse_request(&rq, j, tok, ctx, default_max, why, sizeof why);
+            for (int i = 0; ok && i < rq.n_prompt; i++)
+                if (rq.prompt[i] < 0 || rq.prompt[i] >= c->vocab_size) {
+                    snprintf(why, sizeof why, "prompt token %d is outside the vocabulary (%d)", (int)rq.prompt[i], c->vocab_size);
+                    ok = 0;
+                }
+        }
+        moe__json_free(j);
+        if (!ok) {
+            line.n = 0;
+            if (custom_id) error_line(&line, rq.custom_id ? rq.custom_id : custom_id, lineno, 400, "invalid_request_error", why);
+            else error_line(&line, NULL, lineno, 0, "invalid_line", why);
+            request_free(&rq);
+            if (line.oom || append_line(&line)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, line.oom ? "out of memory" : strerror(errno)); goto out; }
+            n_errors++;
+            continue;
+        }
+        if (n_reqs == cap_reqs) {
+            size_t nc = cap_reqs ? 2 * cap_reqs : 64;
+            request *nr = realloc(reqs, nc * sizeof *nr);
+            if (!nr) { request_free(&rq); fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
+            reqs = nr, cap_reqs = nc;
+        }
+        reqs[n_reqs++] = rq;
+    }
+    fprintf(stderr, "moe-batch: shard %d/%d: %ld requests: %ld answered before, %ld refused now, %zu to run, %d at a time\n", shard_i,
+            shard_n, n_lines, n_before, n_errors, n_reqs, parallel);
+
+    /* a prefix every prompt shares (a common system prompt) is computed once */
+    int lcp = 0;
+    if (n_reqs >= 2) {
+        lcp = reqs[0].n_prompt - 1;
+        for (size_t i = 1; i < n_reqs && lcp > 0; i++) {
+            int k = 0;
+            const int lim = reqs[i].n_prompt - 1 < lcp ? reqs[i].n_prompt - 1 : lcp;
+            while (k < lim && reqs[i].prompt[k] == reqs[0].prompt[k]) k++;
+            lcp = k;
+        }
+        if (lcp < 8) lcp = 0;
+    }
+    if (!(logits = malloc(sizeof(float) * (size_t)c->vocab_size * (size_t)parallel)) || !(seqs = calloc((size_t)parallel, sizeof *seqs)) ||
+        !(slots = calloc((size_t)parallel, sizeof *slots))) {
+        fprintf(stderr, "moe-batch: out of memory\n");
+        goto out;
+    }
+    moe_step_stats stats;
+    if (lcp) {
+        if ((st = moe_session_new(&prefix, m, ctx, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
+        moe_seq q = {.s = prefix, .tokens = reqs[0].prompt, .n = lcp};
+        if ((st = moe_step(m, &q, 1, &stats, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
+        fprintf(stderr, "moe-batch: the %d-token prefix all prompts share is computed once\n", lcp);
+    }
+    for (int i = 0; i < parallel; i++)
+        if ((st = moe_session_new(&slots[i].s, m, ctx, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
+
+    /* lockstep decoding; requests join as slots free up */
+    size_t next = 0, finished = 0;
+    uint64_t tokens = 0;
+    double t0 = now(), last_report = t0;
+    for (;;) {
+        for (int i = 0; i < parallel && next < n_reqs; i++) {
+            slot *sl = &slots[i];
+            if (sl->r) continue;
+            request *rq = &reqs[next++];
+            int32_t *h = realloc(sl->hist, sizeof *h * (size_t)(rq->n_prompt + rq->max_tokens + 1));
+            if (!h) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
+            sl->hist = h;
+            memcpy(h, rq->prompt, sizeof *h * (size_t)rq->n_prompt);
+            sl->r = rq, sl->gen = 0, sl->finish = NULL, sl->content.n = 0, sl->reasoning.n = 0;
+            if (sl->content.s) sl->content.s[0] = 0;
+            if (sl->reasoning.s) sl->reasoning.s[0] = 0;
+            sl->fed = 0;
+            moe_session_reset(sl->s);
+            if (lcp) {
+                if ((st = moe_session_restore(sl->s, prefix, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
+                sl->fed = lcp;
+            }
+            if (rq->chat && tok) moe_chat_reply_init(&sl->rep, tok, &rq->co);
+        }
+        int ns = 0;
+        for (int i = 0; i < parallel; i++) {
+            slot *sl = &slots[i];
+            if (!sl->r) continue;
+            moe_seq *q = &seqs[ns++];
+            memset(q, 0, sizeof *q);
+            q->s = sl->s;
+            q->logits = logits + (size_t)(ns - 1) * (size_t)c->vocab_size;
+            if (sl->fed < sl->r->n_prompt) q->tokens = sl->r->prompt + sl->fed, q->n = sl->r->n_prompt - sl->fed;
+            else q->tokens = &sl->last, q->n = 1;
+        }
+        if (!ns) break;
+        if ((st = moe_step(m, seqs, ns, &stats, err, sizeof err))) {
+            fprintf(stderr, "moe-batch: %s (the requests in flight get no answer; rerun to finish)\n", err);
+            goto out;
+        }
+        for (int i = 0, k = 0; i < parallel; i++) {
+            slot *sl = &slots[i];
+            if (!sl->r) continue;
+            const float *lg = logits + (size_t)(k++) * (size_t)c->vocab_size;
+            request *rq = sl->r;
+            sl->fed = rq->n_prompt;
+            rq->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
+            rq->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
+            int32_t t = moe_sample(lg, c->vocab_size, &rq->sp, &rq->rng);
+            sl->hist[rq->n_prompt + sl->gen++] = t;
+            sl->last = t;
+            tokens++;
+            int end = t == c->eos_token_id;
+            if (tok) {
+                size_t bl = 0;
+                const char *b = moe_token_bytes(tok, t, &bl);
+                int ch = rq->chat ? moe_chat_reply_token(&sl->rep, tok, t)
+                       : moe_token_is_special(tok, t) ? MOE_REPLY_HIDDEN : MOE_REPLY_CONTENT;
+                if (ch == MOE_REPLY_END) end = 1;
+                else if (ch == MOE_REPLY_CONTENT && b) bput(&sl->content, b, bl);
+                else if (ch == MOE_REPLY_REASONING && b) bput(&sl->reasoning, b, bl);
+                if (!rq->chat && (t == moe_token_id(tok, "[EOS]"))) end = 1;
+            } else {
+                bprintf(&sl->content, sl->gen > 1 ? " %d" : "%d", (int)t); /* no tokenizer: the ids */
+            }
+            if (sl->content.oom || sl->reasoning.oom) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
+            if (end || slot_check_stop(sl)) sl->finish = "stop";
+            else if (sl->gen >= rq->max_tokens) sl->finish = "length";
+            if (!sl->finish) continue;
+            line.n = 0;
+            answer_line(&line, sl);
+            if (line.oom || append_line(&line)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, line.oom ? "out of memory" : strerror(errno)); goto out; }
+            finished++;
+            sl->r = NULL;
+        }
+        double tn = now();
+        if (tn - last_report >= 1.0 || finished == n_reqs) {
+            double rate = tokens / (tn - t0 > 1e-9 ? tn - t0 : 1e-9), per_req = finished ? (tn - t0) / finished : 0;
+            fprintf(stderr, "\rmoe-batch: %zu/%zu done, %.1f tok/s, ETA %.0f s   ", finished, n_reqs, rate,
+                    finished ? per_req * (double)(n_reqs - finished) : 0.0);
+            last_report = tn;
+        }
+    }
+    fprintf(stderr, "\nmoe-batch: %zu requests answered by the model, %ld refused, %llu tokens in %.2f s\n", finished, n_errors,
+            (unsigned long long)tokens, now() - t0);
+    rc = 0;
+out:
+    if (out_fd >= 0 && close(out_fd) != 0 && !rc) {
+        fprintf(stderr, "moe-batch: %s: %s\n", out_path, strerror(errno));
+        rc = 1;
+    }
+    for (int i = 0; slots && i < parallel; i++) {
+        moe_session_free(slots[i].s);
+        free(slots[i].hist);
+        free(slots[i].content.s);
+        free(slots[i].reasoning.s);
+    }
+    for (size_t i = 0; i < n_reqs; i++) request_free(&reqs[i]);
+    free(reqs);
+    free(slots);
+    free(seqs);
+    free(logits);
+    free(line.s);
+    free(input);
+    moe_session_free(prefix);
+    ks_free(&done);
+    ks_free(&seen);
+    moe_tokenizer_free(tok);
+    moe_model_close(m);
+    return rc;
+}
