@@ -365,7 +365,7 @@ int main(int argc, char **argv) {
     moe_step_stats tot = {0};
     double t_prompt = 0, t_gen = 0;
     int n_prompt = 0, n_out = 0, nh = 0;
-    size_t hist_cap = 0;
+    size_t hist_cap = 0, line_cap = 0;
     for (int turn = 0;; turn++) {
         /* the user's text for this turn */
         size_t ulen = 0;
@@ -373,8 +373,7 @@ int main(int argc, char **argv) {
         if (chat) {
             fprintf(stderr, "\n> ");
             fflush(stderr);
-            size_t lcap = 0;
-            ssize_t r = getline(&line, &lcap, stdin);
+            ssize_t r = getline(&line, &line_cap, stdin);
             if (r <= 0) break;
             while (r > 0 && (line[r - 1] == '\n' || line[r - 1] == '\r')) line[--r] = 0;
             if (!r) break;

@@ -280,7 +280,56 @@ typedef struct {
 
 #define K(suffix) (snprintf(key, sizeof key, "%s." suffix, mt->arch), mt->n_kv++, key)
 
-static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx, int random_vocab) {
+/* GPT-2's byte-level alphabet (what GGUF vocabularies store): printable bytes stand for
+ * themselves, the other 68 for U+0100 + k in byte order; appends the UTF-8 of byte b's symbol */
+static size_t gpt2_symbol(unsigned char b, char *out) {
+    int printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
+    unsigned cp = b;
+    if (!printable) {
+        unsigned k = 0;
+        for (unsigned x = 0; x < b; x++) k += !((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || (x >= 0xAE));
+        cp = 0x100 + k;
+    }
+    if (cp < 0x80) { out[0] = (char)cp; return 1; }
+    out[0] = (char)(0xC0 | cp >> 6), out[1] = (char)(0x80 | (cp & 63));
+    return 2;
+}
+
+/* The model's tiktoken vocabulary as llama.cpp stores one: tokenizer.ggml.tokens (byte-level
+ * strings for the ranks, names for the specials; id = rank), token_type (1 normal, 3 control,
+ * 5 unused), pre "kimi-k2". No merges list: moe rebuilds bytes -> rank from the tokens (merges
+ * reconstructed from ranks are lossy), so llama.cpp itself cannot use this vocabulary. */
+static void write_vocab(meta *mt, const moe_config *c, const moe_tokenizer *tok) {
+    buf *b = &mt->b;
+    kv_str(b, "tokenizer.ggml.model", "gpt2"), mt->n_kv++;
+    kv_str(b, "tokenizer.ggml.pre", "kimi-k2"), mt->n_kv++;
+    put_str(b, "tokenizer.ggml.tokens"), mt->n_kv++;
+    put_u32(b, MOE_GGUF_ARRAY), put_u32(b, MOE_GGUF_STRING), put_u64(b, (uint64_t)c->vocab_size);
+    for (int32_t i = 0; i < c->vocab_size; i++) {
+        size_t n = 0;
+        const char *t = moe_token_bytes(tok, i, &n);
+        char tmp[64];
+        if (!t) {
+            snprintf(tmp, sizeof tmp, "<|unused_%d|>", (int)i);
+            put_str(b, tmp);
+        } else if (moe_token_is_special(tok, i)) {
+            put_u64(b, n), put(b, t, n);
+        } else {
+            size_t len = 0;
+            for (size_t j = 0; j < n; j++) len += gpt2_symbol((unsigned char)t[j], tmp);
+            put_u64(b, len);
+            for (size_t j = 0; j < n; j++) put(b, tmp, gpt2_symbol((unsigned char)t[j], tmp));
+        }
+    }
+    put_str(b, "tokenizer.ggml.token_type"), mt->n_kv++;
+    put_u32(b, MOE_GGUF_ARRAY), put_u32(b, MOE_GGUF_I32), put_u64(b, (uint64_t)c->vocab_size);
+    for (int32_t i = 0; i < c->vocab_size; i++) {
+        int32_t ty = !moe_token_bytes(tok, i, NULL) ? 5 : moe_token_is_special(tok, i) ? 3 : 1;
+        put(b, &ty, 4);
+    }
+}
+
+static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx, int random_vocab, const moe_tokenizer *tok) {
     char key[128];
     buf *b = &mt->b;
     const int k3 = c->attn_res_block || c->latent_dim || c->hidden_act == MOE_ACT_SITU || c->kda_full_rank_gate || c->mla_output_gate;
@@ -333,7 +382,8 @@ static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx,
     if (c->attn_res_block) kv_u32(b, K("attn_res_block_size"), (uint32_t)c->attn_res_block);
     if (c->bos_token_id >= 0) kv_u32(b, "tokenizer.ggml.bos_token_id", (uint32_t)c->bos_token_id), mt->n_kv++;
     if (c->eos_token_id >= 0) kv_u32(b, "tokenizer.ggml.eos_token_id", (uint32_t)c->eos_token_id), mt->n_kv++;
-    if (random_vocab) {
+    if (tok) write_vocab(mt, c, tok);
+    else if (random_vocab) {
         /* a placeholder SPM ("llama") vocabulary, so other engines can load the benchmark file:
          * <unk>, <s>, </s>, 256 byte tokens, then filler pieces */
         kv_str(b, "tokenizer.ggml.model", "llama"), mt->n_kv++;
@@ -1004,7 +1054,12 @@ int main(int argc, char **argv) {
         if ((p.t[i].kind == SRC_VEC || p.t[i].kind == SRC_ALOG) && !vec_ok(&src, &p.t[i]))
             return die("%s: source tensor %s%s missing or of another size", p.t[i].name, src.prefix, p.t[i].src);
     meta mt = {0};
-    write_meta(&mt, &cfg, name, ctx, shape != NULL);
+    moe_tokenizer *tok = NULL;
+    char terr[300];
+    if (src.m && moe_tokenizer_for_model(&tok, src.m, terr, sizeof terr) == MOE_OK)
+        fprintf(stderr, "moe-convert: writing the vocabulary (%d ids) into the GGUF\n", (int)moe_tokenizer_n_ids(tok));
+    write_meta(&mt, &cfg, name, ctx, shape != NULL, tok);
+    moe_tokenizer_free(tok);
     buf hdr = {0};
     uint64_t data_bytes;
     if (!build_header(&hdr, &mt, &p, &data_bytes)) return die("out of memory");

@@ -1915,6 +1915,151 @@ static void test_batch_faults(void) {
     CHECK(rc == 0 && check_batch_output(out, NULL, NULL, 0) == N);
 }
 
+/* ---- the shipped model (models/kimi-k3-tiny, trained by scripts/train.py) ------------------------ */
+
+static const char *shipped_dir(void) {
+    const char *d = getenv("MOE_SHIPPED_MODEL");
+    return d ? d : "models/kimi-k3-tiny";
+}
+
+/* our logits against the PyTorch reference of the exported checkpoint (bf16 dense, MXFP4
+ * experts), written by scripts/train.py into test/shipped */
+static void test_shipped_reference(void) {
+    size_t li = 0, ll = 0;
+    char *ids = read_all("test/shipped/ref_ids.bin", &li), *want = read_all("test/shipped/ref_logits.bin", &ll);
+    moe_model *m = NULL;
+    char err[400];
+    moe_options o = moe_default_options();
+    CHECKF(moe_model_open(&m, shipped_dir(), &o, err, sizeof err) == MOE_OK, "%s", err);
+    CHECK(ids && want);
+    if (!m || !ids || !want) { free(ids), free(want), moe_model_close(m); return; }
+    const int n = (int)(li / 4), V = moe_model_config(m)->vocab_size;
+    CHECK(ll == (size_t)n * V * 4);
+    float *lg = malloc(sizeof(float) * (size_t)n * V);
+    moe_session *s = NULL;
+    CHECK(moe_session_new(&s, m, n, err, sizeof err) == MOE_OK);
+    moe_seq q = {.s = s, .tokens = (const int32_t *)ids, .n = n, .logits = lg, .logits_all = 1};
+    CHECKF(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
+    double d = max_abs_diff(lg, (const float *)want, (size_t)n * V);
+    int same = 1;
+    for (int t = 0; t < n; t++) {
+        int a = 0, b = 0;
+        for (int j = 1; j < V; j++) {
+            if (lg[(size_t)t * V + j] > lg[(size_t)t * V + a]) a = j;
+            if (((const float *)want)[(size_t)t * V + j] > ((const float *)want)[(size_t)t * V + b]) b = j;
+        }
+        same &= a == b;
+    }
+    if (getenv("MOE_TEST_VERBOSE")) fprintf(stderr, "  shipped model: max |dlogit| %.3g over %d positions\n", d, n);
+    CHECKF(d < 1e-3 && same, "max |dlogit| %.3g, argmax %s", d, same ? "equal" : "differs");
+    moe_session_free(s);
+    free(lg), free(ids), free(want);
+    /* its tokenizer: K3 markers, text round trip */
+    moe_tokenizer *t = NULL;
+    CHECKF(moe_tokenizer_for_model(&t, m, err, sizeof err) == MOE_OK, "%s", err);
+    if (t) {
+        CHECK(moe_chat_format_of(t) == MOE_CHAT_K3 && moe_tokenizer_n_ids(t) == V);
+        const char *text = "In the beginning God created the heaven and the earth. 東京 ünïcödé";
+        int32_t tid[256];
+        size_t nt = 0, bl = 0;
+        char back[256];
+        CHECK(moe_tokenize(t, text, strlen(text), 0, tid, 256, &nt, err, sizeof err) == MOE_OK && nt < strlen(text) / 2);
+        CHECK(moe_detokenize(t, tid, nt, back, sizeof back, &bl, err, sizeof err) == MOE_OK && bl == strlen(text) && !memcmp(back, text, bl));
+        moe_tokenizer_free(t);
+    }
+    moe_model_close(m);
+}
+
+/* moe-cli on text: the same seed gives the same text, output is valid UTF-8, stop strings end
+ * it without being printed, chat mode runs a turn from stdin */
+static void test_shipped_cli(void) {
+    char cmd[2400], a[8192], b[8192];
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'In the beginning' -n 40 -s 7 --temp 0.9 --top-k 40 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 0 && run_cmd(cmd, b, sizeof b) == 0);
+    CHECKF(!strcmp(a, b) && !strncmp(a, "In the beginning", 16) && strlen(a) > 60, "'%s' vs '%s'", a, b);
+    CHECK(moe_utf8_valid_prefix(a, strlen(a)) == strlen(a));
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'In the beginning' -n 40 -s 8 --temp 0.9 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, b, sizeof b) == 0 && strcmp(a, b)); /* another seed, another text */
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'And God said' -n 60 --temp 0 --no-display-prompt --stop ' the' 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 0 && !strstr(a, " the") && strlen(a) < 200);
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'And God said' -n 60 --temp 0 --no-display-prompt 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, b, sizeof b) == 0 && strstr(b, " the") && !strncmp(a, b, strlen(a) - 1));
+    snprintf(cmd, sizeof cmd, "printf 'Hello there\\n' | %s/moe-cli -m %s -cnv -n 8 --temp 0 -sys 'Be brief.' 2>&1", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "generated"));
+    snprintf(cmd, sizeof cmd, "printf 'x\\377y' | %s/moe-cli -m %s -n 4 2>&1", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 1 && strstr(a, "UTF-8"));
+    snprintf(cmd, sizeof cmd, "%s/moe-cli --help", exe_dir);
+    CHECK(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "--chat-template") && strstr(a, "--stop"));
+}
+
+/* moe-batch with text and chat requests through the model's tokenizer */
+static void test_shipped_batch(void) {
+    char in[600], out[600], cmd[2400], buf[8192];
+    tmp_path(in, sizeof in, "shipped-in.jsonl");
+    tmp_path(out, sizeof out, "shipped-out.jsonl");
+    const char *lines =
+        "{\"custom_id\": \"c1\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": \"In the beginning\", \"max_tokens\": 12, \"temperature\": 0}}\n"
+        "{\"custom_id\": \"c2\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
+        "{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16, \"seed\": 1}}\n"
+        "{\"custom_id\": \"c3\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+        "\"max_tokens\": 16, \"reasoning_effort\": \"none\", \"stop\": [\"\\n\"]}}\n"
+        "{\"custom_id\": \"c4\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+        "\"reasoning_effort\": \"medium\"}}\n";
+    CHECK(write_all(in, lines, strlen(lines)));
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s -i %s -o %s 2>&1", exe_dir, shipped_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s", buf);
+    char text[512];
+    CHECK(check_batch_output(out, "c1", text, sizeof text) == 4);
+    /* greedy completion = greedy moe-cli continuation */
+    char cli[2400], want[4096];
+    snprintf(cli, sizeof cli, "%s/moe-cli -m %s -p 'In the beginning' -n 12 --temp 0 --no-display-prompt 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cli, want, sizeof want) == 0);
+    size_t wl = strlen(want);
+    if (wl && want[wl - 1] == '\n') want[--wl] = 0;
+    CHECKF(!strcmp(text, want), "batch '%s' vs cli '%s'", text, want);
+    size_t len;
+    char *all = read_all(out, &len);
+    CHECK(all && strstr(all, "\"object\": \"chat.completion\"") && strstr(all, "\"role\": \"assistant\"") && strstr(all, "low, high or max"));
+    free(all);
+}
+
+/* the shipped model converted to GGUF carries its vocabulary: same ids, same greedy text */
+static void test_shipped_gguf_vocab(void) {
+    char out[600], cmd[2400], a[4096], b[4096], err[300];
+    tmp_path(out, sizeof out, "shipped.gguf");
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-convert %s %s 2>&1", exe_dir, shipped_dir(), out);
+    CHECKF(run_cmd(cmd, a, sizeof a) == 0, "%s", a);
+    moe_model *m1 = NULL, *m2 = NULL;
+    moe_tokenizer *t1 = NULL, *t2 = NULL;
+    moe_options o = moe_default_options();
+    CHECK(moe_model_open(&m1, shipped_dir(), &o, err, sizeof err) == MOE_OK && moe_model_open(&m2, out, &o, err, sizeof err) == MOE_OK);
+    if (m1 && m2) {
+        CHECK(moe_tokenizer_for_model(&t1, m1, err, sizeof err) == MOE_OK);
+        CHECKF(moe_tokenizer_for_model(&t2, m2, err, sizeof err) == MOE_OK, "%s", err);
+    }
+    size_t len = 0;
+    char *text = read_all("test/tokenizer/corpus.txt", &len);
+    if (t1 && t2 && text) {
+        CHECK(moe_tokenizer_n_ids(t1) == moe_tokenizer_n_ids(t2) && moe_chat_format_of(t2) == MOE_CHAT_K3);
+        int32_t *i1 = malloc(len * sizeof *i1), *i2 = malloc(len * sizeof *i2);
+        size_t n1 = 0, n2 = 0;
+        CHECK(moe_tokenize(t1, text, len, MOE_TOK_SPECIAL, i1, len, &n1, err, sizeof err) == MOE_OK);
+        CHECK(moe_tokenize(t2, text, len, MOE_TOK_SPECIAL, i2, len, &n2, err, sizeof err) == MOE_OK);
+        CHECK(n1 == n2 && !memcmp(i1, i2, n1 * sizeof *i1));
+        free(i1), free(i2);
+    }
+    free(text);
+    moe_tokenizer_free(t1), moe_tokenizer_free(t2);
+    moe_model_close(m1), moe_model_close(m2);
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'In the beginning' -n 16 --temp 0 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'In the beginning' -n 16 --temp 0 2>/dev/null", exe_dir, out);
+    CHECK(run_cmd(cmd, b, sizeof b) == 0 && !strcmp(a, b));
+    remove(out);
+}
+
 /* ---- GGUF --------------------------------------------------------------------------------------- */
 
 /* runs moe-convert; prints its output when the exit status is not the expected one */
@@ -2440,6 +2585,10 @@ static const struct {
     {"chat_json_dumps", test_chat_json_dumps},
     {"batch_basic", test_batch_basic},
     {"batch_faults", test_batch_faults},
+    {"shipped_reference", test_shipped_reference},
+    {"shipped_cli", test_shipped_cli},
+    {"shipped_batch", test_shipped_batch},
+    {"shipped_gguf_vocab", test_shipped_gguf_vocab},
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
     {"mla_kernels", test_mla_kernels},
     {"golden_kimi", test_golden_kimi},
