@@ -89,7 +89,7 @@ tsan:
 	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 test/test.c moe.c quant.c -lm -lpthread -o build-tsan/moe-test
 	./build-tsan/moe-test cache_equivalence cache_faults cache_prefetch concurrent_sessions
 
-# fuzz: each parser (json safetensors gguf config) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
+# fuzz: each parser (json safetensors gguf config ranks tokenize chat batch) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
 fuzz:
 	@mkdir -p build-fuzz
 	@set -e; for t in $(FUZZ_TARGETS); do \
@@ -98,12 +98,14 @@ fuzz:
 	    test/fuzz/fuzz.c moe.c quant.c -lm -o build-fuzz/fuzz-$$t; \
 	  mkdir -p build-fuzz/corpus-$$t; \
 	  ./build-fuzz/fuzz-$$t -max_total_time=$(FUZZ_SECONDS) -max_len=65536 -rss_limit_mb=2048 \
-	    build-fuzz/corpus-$$t test/fuzz/corpus/$$t; \
+	    -artifact_prefix=build-fuzz/crash-$$t- build-fuzz/corpus-$$t test/fuzz/corpus/$$t \
+	    > build-fuzz/log-$$t.txt 2>&1 || { tail -60 build-fuzz/log-$$t.txt; echo "fuzz-$$t: FAILED (log build-fuzz/log-$$t.txt)"; exit 1; }; \
+	  echo "fuzz-$$t: $$(grep -E '^Done' build-fuzz/log-$$t.txt), no crash"; \
 	done
 
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS = json safetensors gguf config
+FUZZ_TARGETS = json safetensors gguf config ranks tokenize chat batch
 
 # clean: remove every build folder
 clean:

@@ -3886,7 +3886,8 @@ static moe_status tok_parse_ranks(moe_tokenizer *t, const char *text, size_t len
             st = fail(err, errlen, MOE_ERR_FORMAT, "%s:%zu: expected \"BASE64 RANK\"", path, lineno);
             goto done;
         }
-        long rank = strtol(text + c, NULL, 10);
+        long rank = 0;
+        for (size_t k = c; k < d; k++) rank = rank * 10 + (text[k] - '0'); /* at most 9 digits: the text need not end in NUL */
         long k = b64_decode(text + a, b - a, t->pool + used);
         if (k <= 0) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s:%zu: bad base64", path, lineno); goto done; }
         if (rank >= (long)lines || tlen[rank]) {
@@ -4012,33 +4013,56 @@ void moe_tokenizer_free(moe_tokenizer *t) {
     free(t);
 }
 
-moe_status moe_tokenizer_load(moe_tokenizer **out, const char *ranks_path, int pretok, const char *config_path, int n_special,
-                              char *err, size_t errlen) {
-    if (!out || !ranks_path || pretok < MOE_PRETOK_KIMI || pretok > MOE_PRETOK_CL100K || n_special < 0 || n_special > 65536)
-        return fail(err, errlen, MOE_ERR_ARG, "moe_tokenizer_load: bad argument");
+/* The loader on texts already in memory (config_json may be NULL); what is names the source in
+ * messages. */
+static moe_status tok_build(moe_tokenizer **out, const char *ranks, size_t len, int pretok, const moe__json *cfg, int n_special,
+                            const char *what, char *err, size_t errlen) {
     *out = NULL;
     moe_tokenizer *t = calloc(1, sizeof *t);
     if (!t) return MOE_ERR_NOMEM;
     t->pretok = pretok;
-    char *text = NULL;
-    size_t len = 0;
-    moe__json *cfg = NULL;
-    moe_status st = read_file(ranks_path, &text, &len, 64u << 20, err, errlen);
-    if (!st) st = tok_parse_ranks(t, text, len, ranks_path, err, errlen);
-    free(text);
-    if (!st && config_path) st = parse_json_file(config_path, &cfg, err, errlen);
+    moe_status st = tok_parse_ranks(t, ranks, len, what, err, errlen);
     if (!st) {
         if (pretok == MOE_PRETOK_KIMI) st = tok_kimi_specials(t, cfg ? moe__json_get(cfg, "added_tokens_decoder") : NULL, n_special, err, errlen);
         else st = tok_openai_specials(t);
     }
-    moe__json_free(cfg);
     if (st) {
-        if (st == MOE_ERR_NOMEM) fail(err, errlen, st, "%s: out of memory", ranks_path);
+        if (st == MOE_ERR_NOMEM) fail(err, errlen, st, "%s: out of memory", what);
         moe_tokenizer_free(t);
         return st;
     }
     *out = t;
     return MOE_OK;
+}
+
+moe_status moe_tokenizer_load(moe_tokenizer **out, const char *ranks_path, int pretok, const char *config_path, int n_special,
+                              char *err, size_t errlen) {
+    if (!out || !ranks_path || pretok < MOE_PRETOK_KIMI || pretok > MOE_PRETOK_CL100K || n_special < 0 || n_special > 65536)
+        return fail(err, errlen, MOE_ERR_ARG, "moe_tokenizer_load: bad argument");
+    *out = NULL;
+    char *text = NULL;
+    size_t len = 0;
+    moe__json *cfg = NULL;
+    moe_status st = read_file(ranks_path, &text, &len, 64u << 20, err, errlen);
+    if (!st && config_path) st = parse_json_file(config_path, &cfg, err, errlen);
+    if (!st && cfg && cfg->type != MOE_JSON_OBJ) st = fail(err, errlen, MOE_ERR_FORMAT, "%s: not a JSON object", config_path);
+    if (!st) st = tok_build(out, text, len, pretok, cfg, n_special, ranks_path, err, errlen);
+    free(text);
+    moe__json_free(cfg);
+    return st;
+}
+
+moe_status moe__tokenizer_from_mem(moe_tokenizer **out, const char *ranks, size_t len, int pretok, const char *config_json, size_t clen,
+                                   char *err, size_t errlen) {
+    moe__json *cfg = NULL;
+    if (config_json) {
+        moe_status st = moe__json_parse(config_json, clen, &cfg, err, errlen);
+        if (st) return st;
+        if (cfg->type != MOE_JSON_OBJ) { moe__json_free(cfg); return fail(err, errlen, MOE_ERR_FORMAT, "tokenizer config: not an object"); }
+    }
+    moe_status st = tok_build(out, ranks, len, pretok, cfg, 0, "ranks", err, errlen);
+    moe__json_free(cfg);
+    return st;
 }
 
 /* GPT-2's byte-level alphabet, which GGUF vocabularies use: printable bytes stand for themselves,

@@ -513,6 +513,9 @@ const moe__st_tensor *moe__model_tensor(const moe_model *m, const char *name);
 /* The stored-name prefix of the text model ("language_model." for K3's wrapper, else ""). */
 const char *moe__model_prefix(const moe_model *m);
 void moe__st_close(moe__st_file *f);
+/* moe_tokenizer_load on texts in memory (config_json may be NULL): for fuzzing and tests. */
+moe_status moe__tokenizer_from_mem(moe_tokenizer **out, const char *ranks, size_t len, int pretok, const char *config_json, size_t clen,
+                                   char *err, size_t errlen);
 /* moe_chat_encode on an already parsed request (moe-batch: the body of a batch line). */
 moe_status moe__chat_encode_tree(const moe_tokenizer *t, const moe__json *req, const moe_chat_options *opt, int32_t *ids, size_t cap,
                                  size_t *n_ids, char *err, size_t errlen);

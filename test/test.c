@@ -1532,6 +1532,16 @@ static void test_tokenizer_kimi_specials(void) {
     fclose(f);
     CHECK(moe_tokenizer_load(&t, ranks, MOE_PRETOK_KIMI, NULL, 0, err, sizeof err) == MOE_ERR_FORMAT);
     CHECK(moe_tokenizer_load(&t, "/nonexistent/x", MOE_PRETOK_KIMI, NULL, 0, err, sizeof err) == MOE_ERR_IO && t == NULL);
+    /* found by the ranks fuzz target: a rank at the very end of a buffer with no NUL after it was
+     * read past the end (strtol); the buffer here is exactly the text */
+    write_tiny_ranks(ranks, "YWE= 256");
+    size_t rl = 0;
+    char *rt = read_all(ranks, &rl), *exact = malloc(rl);
+    memcpy(exact, rt, rl);
+    CHECK(moe__tokenizer_from_mem(&t, exact, rl, MOE_PRETOK_KIMI, NULL, 0, err, sizeof err) == MOE_OK && moe_tokenizer_n_ids(t) == 257 + 258);
+    moe_tokenizer_free(t);
+    t = NULL;
+    free(rt), free(exact);
     CHECK(moe_tokenizer_load(&t, ranks, 7, NULL, 0, err, sizeof err) == MOE_ERR_ARG);
 }
 
@@ -1904,6 +1914,8 @@ static void test_batch_faults(void) {
         CHECKF(rc == 0 && check_batch_output(out, NULL, NULL, 0) == N, "round %d: rc %d, %d lines", round, rc, check_batch_output(out, NULL, NULL, 0));
     }
     CHECKF(kills > 0, "no run was killed: %d", kills);
+    if (getenv("MOE_TEST_VERBOSE"))
+        fprintf(stderr, "  batch faults: 4 jobs of %d requests, %d runs killed by SIGKILL, every request answered exactly once\n", N, kills);
     /* the output "disk" holds only about 3 answers */
     remove(out);
     rc = batch_child(in, out, 0, 1200);
@@ -2279,9 +2291,9 @@ static void test_gguf_bad(void) {
 /* the fuzz seed corpora (test/fuzz/corpus) go through the fuzz targets' parsers: seeds are
  * valid inputs, so every one is accepted (a replay of what `make fuzz` starts from) */
 static void test_fuzz_seeds(void) {
-    const char *dirs[4] = {"json", "safetensors", "gguf", "config"};
+    const char *dirs[8] = {"json", "safetensors", "gguf", "config", "ranks", "tokenize", "chat", "batch"};
     int total = 0;
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < 8; k++) {
         char dir[600];
         snprintf(dir, sizeof dir, "%s/../fuzz/corpus/%s", golden_dir(), dirs[k]);
         DIR *d = opendir(dir);
@@ -2301,6 +2313,16 @@ static void test_fuzz_seeds(void) {
                 if (!(st = moe__json_parse(data, len, &j, err, sizeof err))) moe__json_free(j);
             } else if (k == 3) {
                 st = moe__config_check(data, len, err, sizeof err);
+            } else if (k == 4) { /* a rank file, then NUL and a tokenizer_config.json */
+                const char *nul = memchr(data, 0, len);
+                moe_tokenizer *t = NULL;
+                st = moe__tokenizer_from_mem(&t, data, nul ? (size_t)(nul - data) : len, MOE_PRETOK_KIMI, nul ? nul + 1 : NULL,
+                                             nul ? len - (size_t)(nul - data) - 1 : 0, err, sizeof err);
+                moe_tokenizer_free(t);
+            } else if (k >= 5) { /* mode byte + text / chat request / one batch line: all valid here */
+                moe__json *j = NULL;
+                st = k == 5 ? MOE_OK : moe__json_parse(data + (k == 6), len - (k == 6), &j, err, sizeof err);
+                moe__json_free(j);
             } else {
                 moe__st_file f;
                 if (!(st = moe__weights_parse_mem(&f, data, len, k == 2, err, sizeof err))) moe__st_close(&f);
@@ -2311,7 +2333,7 @@ static void test_fuzz_seeds(void) {
         }
         if (d) closedir(d);
     }
-    CHECK(total >= 9);
+    CHECK(total >= 30);
 }
 
 /* ---- expert cache (CACHE mode) -------------------------------------------------------------------- */
