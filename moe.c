@@ -3767,6 +3767,42 @@ size_t moe_utf8_valid_prefix(const char *s, size_t n) {
     return i;
 }
 
+size_t moe_text_ready(const char *buf, size_t n, const char *const *stops, int n_stops, int final, int *stopped) {
+    size_t cut = n;
+    if (stopped) *stopped = 0;
+    for (int i = 0; i < n_stops; i++) { /* the earliest stop string ends the text before it */
+        size_t ls = stops[i] ? strlen(stops[i]) : 0;
+        for (size_t p = 0; ls && p + ls <= cut; p++)
+            if (!memcmp(buf + p, stops[i], ls)) {
+                cut = p;
+                if (stopped) *stopped = 1;
+                break;
+            }
+    }
+    if ((stopped && *stopped) || final) return cut;
+    for (int i = 0; i < n_stops; i++) { /* a tail that may begin a stop string waits */
+        size_t ls = stops[i] ? strlen(stops[i]) : 0;
+        for (size_t k = ls ? ls - 1 : 0; k > 0; k--)
+            if (k <= n && !memcmp(buf + n - k, stops[i], k)) {
+                if (n - k < cut) cut = n - k;
+                break;
+            }
+    }
+    /* an incomplete character at the end waits; invalid bytes (never completed) do not */
+    size_t v = moe_utf8_valid_prefix(buf, cut);
+    while (v < cut) {
+        size_t tail = cut - v;
+        unsigned char c = (unsigned char)buf[v];
+        size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC2 ? 2 : 0;
+        int could_complete = need > tail;
+        for (size_t j = 1; could_complete && j < tail; j++) could_complete = ((unsigned char)buf[v + j] & 0xC0) == 0x80;
+        if (could_complete && c <= 0xF4) return v; /* a character cut short by the end of the text */
+        v += 1;                                   /* a stray byte: pass it on */
+        v += moe_utf8_valid_prefix(buf + v, cut - v);
+    }
+    return cut;
+}
+
 typedef struct {
     char *name;
     size_t len;

@@ -274,6 +274,11 @@ MOE_API int32_t moe_tokenizer_n_ids(const moe_tokenizer *t);
 /* Length of the longest prefix of s[0..n) that is whole, valid UTF-8 (for streaming output:
  * hold back the rest until the next token completes it). */
 MOE_API size_t moe_utf8_valid_prefix(const char *s, size_t n);
+/* Streaming output: how many bytes of buf[0..n) (text generated and not yet shown) can be shown
+ * now. A stop string ends the text before it (*stopped set); a tail that may be the beginning of a
+ * stop string, or of a UTF-8 character, waits for more; final: no more text will come. */
+MOE_API size_t moe_text_ready(const char *buf, size_t n, const char *const *stops, int n_stops,
+                              int final, int *stopped);
 
 /* ---- chat formats (spec/TOKENIZER.md section 5) ---------------------------------------
  * An OpenAI-style request, {"messages": [...], "tools": [...], "tool_choice": ...,

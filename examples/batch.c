@@ -402,15 +402,11 @@ typedef struct {
 } slot;
 
 static int slot_check_stop(slot *sl) {
-    for (int i = 0; i < sl->r->n_stop; i++) {
-        char *hit = sl->content.s ? strstr(sl->content.s, sl->r->stop[i]) : NULL;
-        if (hit) {
-            sl->content.n = (size_t)(hit - sl->content.s);
-            sl->content.s[sl->content.n] = 0;
-            return 1;
-        }
-    }
-    return 0;
+    int stopped = 0;
+    if (!sl->r->n_stop || !sl->content.n) return 0;
+    size_t cut = moe_text_ready(sl->content.s, sl->content.n, (const char *const *)sl->r->stop, sl->r->n_stop, 1, &stopped);
+    if (stopped) sl->content.n = cut, sl->content.s[cut] = 0;
+    return stopped;
 }
 
 static void answer_line(buf *b, const slot *sl) {

@@ -174,33 +174,13 @@ static void emit(outq *q, const char *s, size_t n) {
     if (grow(&q->reply, &q->rcap, q->rn + n + 1)) memcpy(q->reply + q->rn, s, n), q->rn += n, q->reply[q->rn] = 0;
 }
 
-/* Appends bytes; prints what can no longer be part of a stop string or a split character. At
- * the end (final) prints the rest. Sets stopped when a stop string appears (cut before it). */
+/* Appends bytes and prints what moe_text_ready says may be shown; at the end (final) the rest.
+ * Sets stopped when a stop string appears (the text is cut before it). */
 static void outq_push(outq *q, const char *s, size_t n, int final) {
     if (q->stopped || !grow(&q->buf, &q->cap, q->n + n + 1)) return;
     memcpy(q->buf + q->n, s, n);
     q->n += n;
-    q->buf[q->n] = 0;
-    size_t cut = q->n; /* print buf[0..cut) */
-    for (int i = 0; i < q->n_stop; i++) {
-        char *hit = strstr(q->buf, q->stop[i]);
-        if (hit && (size_t)(hit - q->buf) < cut) cut = (size_t)(hit - q->buf), q->stopped = 1;
-    }
-    if (!q->stopped && !final) {
-        for (int i = 0; i < q->n_stop; i++) { /* a tail that may begin a stop string waits */
-            size_t ls = strlen(q->stop[i]);
-            for (size_t k = ls - 1; k > 0; k--)
-                if (k <= q->n && !memcmp(q->buf + q->n - k, q->stop[i], k)) {
-                    if (q->n - k < cut) cut = q->n - k;
-                    break;
-                }
-        }
-        cut = moe_utf8_valid_prefix(q->buf, cut) + 0; /* an incomplete character waits */
-        if (cut < q->n && cut + 4 < q->n) { /* invalid bytes that will never complete: print them */
-            size_t v = moe_utf8_valid_prefix(q->buf, q->n);
-            if (v < cut) cut = q->n;
-        }
-    }
+    size_t cut = moe_text_ready(q->buf, q->n, (const char *const *)q->stop, q->n_stop, final, &q->stopped);
     emit(q, q->buf, cut);
     fflush(stdout);
     memmove(q->buf, q->buf + cut, q->n - cut);

@@ -1545,6 +1545,38 @@ static void test_tokenizer_kimi_specials(void) {
     CHECK(moe_tokenizer_load(&t, ranks, 7, NULL, 0, err, sizeof err) == MOE_ERR_ARG);
 }
 
+/* streaming output: whole characters only, stop strings held back until decided */
+static void test_text_ready(void) {
+    const char *stops[2] = {"</s>", "END"};
+    int st = 0;
+    CHECK(moe_text_ready("hello", 5, NULL, 0, 0, &st) == 5 && !st);
+    CHECK(moe_text_ready("h\xe6\x9d", 3, NULL, 0, 0, &st) == 1);          /* a character cut short waits */
+    CHECK(moe_text_ready("h\xe6\x9d", 3, NULL, 0, 1, &st) == 3);          /* ... until the end */
+    CHECK(moe_text_ready("h\xe6\x9d\xb1", 4, NULL, 0, 0, &st) == 4);
+    CHECK(moe_text_ready("h\xff\xfex", 4, NULL, 0, 0, &st) == 4);         /* stray bytes are passed on */
+    CHECK(moe_text_ready("h\xe6x", 3, NULL, 0, 0, &st) == 3);              /* a lead byte never completed */
+    CHECK(moe_text_ready("ab</", 4, stops, 2, 0, &st) == 2 && !st);       /* may begin "</s>" */
+    CHECK(moe_text_ready("ab</x", 5, stops, 2, 0, &st) == 5 && !st);
+    CHECK(moe_text_ready("ab</s>cd", 8, stops, 2, 0, &st) == 2 && st);
+    CHECK(moe_text_ready("xEN", 3, stops, 2, 0, &st) == 1 && !st);
+    CHECK(moe_text_ready("xENDy</s>", 9, stops, 2, 0, &st) == 1 && st);   /* the earliest stop wins */
+    CHECK(moe_text_ready("xEN", 3, stops, 2, 1, &st) == 3 && !st);
+    /* byte by byte through a buffer: what is shown is the text up to the stop string */
+    const char *text = "caf\xc3\xa9 \xe6\x9d\xb1 ok END tail";
+    char buf[64], shown[64];
+    size_t n = 0, ns = 0;
+    int stopped = 0;
+    for (size_t i = 0; text[i] && !stopped; i++) {
+        buf[n++] = text[i];
+        size_t k = moe_text_ready(buf, n, stops, 2, 0, &stopped);
+        CHECK(moe_utf8_valid_prefix(buf, k) == k);
+        memcpy(shown + ns, buf, k), ns += k;
+        memmove(buf, buf + k, n - k), n -= k;
+    }
+    shown[ns] = 0;
+    CHECKF(stopped && !strcmp(shown, "caf\xc3\xa9 \xe6\x9d\xb1 ok "), "'%s'", shown);
+}
+
 /* moe-tokenize: the interface the checks use */
 static void test_moe_tokenize_cli(void) {
     char cmd[2400], out[65536], in[600];
@@ -2602,6 +2634,7 @@ static const struct {
     {"tokenizer_roundtrip", test_tokenizer_roundtrip},
     {"tokenizer_kimi_specials", test_tokenizer_kimi_specials},
     {"moe_tokenize_cli", test_moe_tokenize_cli},
+    {"text_ready", test_text_ready},
     {"chat_spec_cases", test_chat_spec_cases},
     {"chat_ids", test_chat_ids},
     {"chat_json_dumps", test_chat_json_dumps},
