@@ -1793,6 +1793,7 @@ moe_options moe_default_options(void) {
     o.n_threads = 1;
     o.n_batch = 512;
     o.expert_mode = MOE_EXPERTS_MMAP;
+    o.io_threads = 4;
     o.prefetch = 1;
     return o;
 }
@@ -2370,9 +2371,17 @@ static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const
  * room. One lock guards the table; reads happen under it (synchronous reading: the I/O threads and
  * prefetch of the streaming design are not here yet). */
 
+typedef struct {
+    int id;        /* layer * E + e */
+    int demand;    /* 1: the layer being computed routed to it; 0: a prefetch guess */
+    int file;
+    uint64_t off;  /* where its first tensor starts in that file */
+} io_req;
+
 typedef struct cache_entry {
     int li, e, pins, loading; /* loading: being read by one thread; the others wait */
-    int prefetched;           /* read by the I/O thread and not used yet */
+    int prefetched;           /* read by an I/O thread and not used yet (2: for the layer computing) */
+    int failed;               /* an I/O thread's read of it failed: the step that asks gets the error */
     uint64_t last_use;
     size_t bytes;
     unsigned char *buf;
@@ -2389,23 +2398,29 @@ struct expert_cache {
     size_t budget, used, peak;
     uint64_t clock;
     int fail_after; /* fault injection: the n-th read from now fails (0: never) */
-    /* prefetch: one I/O thread reads queued experts into free or evictable room */
-    pthread_t io;
+    uint64_t bytes_read; /* by every thread since open */
+    /* I/O threads read queued experts into free or evictable room, most urgent first (experts
+     * the current layer routed to, then the next MoE layer's predicted ones), in file and
+     * offset order within each class */
+    pthread_t *io;
+    int n_io, io_stop;
     pthread_cond_t work;
-    int io_running, io_stop;
-    int *queue, qn, qcap; /* expert ids (layer * E + e), oldest first */
+    io_req *queue;
+    int qn, qcap;
+    int cur_layer, next_layer; /* read ahead for these: their unused reads are not evicted by I/O threads */
 };
 
 static void cache_free(moe_model *m) {
     struct expert_cache *c = m->cache;
     if (!c) return;
-    if (c->io_running) {
+    if (c->n_io) {
         pthread_mutex_lock(&c->lock);
         c->io_stop = 1;
-        pthread_cond_signal(&c->work);
+        pthread_cond_broadcast(&c->work);
         pthread_mutex_unlock(&c->lock);
-        pthread_join(c->io, NULL);
+        for (int i = 0; i < c->n_io; i++) pthread_join(c->io[i], NULL);
     }
+    free(c->io);
     free(c->queue);
     pthread_cond_destroy(&c->work);
     for (int i = 0; i < c->n_resident; i++) free(c->resident[i]->buf), free(c->resident[i]);
@@ -2447,11 +2462,15 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     for (int i = 0; i < m->n_files; i++)
         if ((k->fds[i] = open(m->files[i].path, O_RDONLY)) < 0)
             return fail(err, errlen, MOE_ERR_IO, "%s: %s", m->files[i].path, strerror(errno));
-    if (m->opt.prefetch) {
-        k->qcap = 4 * c->n_experts;
-        if (!(k->queue = malloc(sizeof(int) * (size_t)k->qcap))) return MOE_ERR_NOMEM;
-        if (pthread_create(&k->io, NULL, cache_io_main, m)) return fail(err, errlen, MOE_ERR_NOMEM, "cannot start the I/O thread");
-        k->io_running = 1;
+    k->cur_layer = k->next_layer = -1;
+    const int nio = m->opt.io_threads < 0 ? 4 : m->opt.io_threads;
+    if (nio > 0) {
+        k->qcap = 4 * c->n_experts + 16;
+        if (!(k->queue = malloc(sizeof *k->queue * (size_t)k->qcap)) || !(k->io = calloc((size_t)nio, sizeof *k->io))) return MOE_ERR_NOMEM;
+        for (int i = 0; i < nio; i++) {
+            if (pthread_create(&k->io[i], NULL, cache_io_main, m)) return fail(err, errlen, MOE_ERR_NOMEM, "cannot start I/O thread %d", i);
+            k->n_io++;
+        }
     }
     return MOE_OK;
 }
@@ -2495,11 +2514,16 @@ static int cache_room(struct expert_cache *k) { /* one more resident entry; 0 on
     return 0;
 }
 
-static cache_entry *cache_lru(struct expert_cache *k) {
+/* The least recently used expert that may go. An I/O thread (io = 1) does not evict what was read
+ * ahead for the layer being computed or the next MoE layer and is not used yet: read-ahead must
+ * not evict read-ahead that is about to be used. */
+static cache_entry *cache_lru(struct expert_cache *k, int io) {
     cache_entry *lru = NULL;
     for (int i = 0; i < k->n_resident; i++) {
         cache_entry *v = k->resident[i];
-        if (!v->pins && !v->loading && (!lru || v->last_use < lru->last_use)) lru = v;
+        if (v->pins || v->loading || v->failed) continue;
+        if (io && v->prefetched && (v->li == k->cur_layer || v->li == k->next_layer)) continue;
+        if (!lru || v->last_use < lru->last_use) lru = v;
     }
     return lru;
 }
@@ -2537,22 +2561,34 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
     for (int i = 0; i < 3; i++) bytes += (size_t)weight_bytes(w[i]);
     pthread_mutex_lock(&k->lock);
     cache_entry *v;
+    int waited = 0; /* it was being read when this step asked for it: a miss, partly hidden */
     for (;;) {
         if ((v = k->slot[id])) {
             if (v->loading) { /* another thread is reading it: wait for the outcome */
+                const double t0 = now_sec();
                 pthread_cond_wait(&k->unpinned, &k->lock);
+                if (stats) stats->io_seconds += now_sec() - t0;
+                waited = 1;
                 continue;
+            }
+            if (v->failed) { /* read by an I/O thread, which failed: this step reports it */
+                cache_evict(k, v, E);
+                pthread_mutex_unlock(&k->lock);
+                return MOE_ERR_IO;
             }
             v->pins++;
             v->last_use = ++k->clock;
+            if (stats) {
+                if (waited || v->prefetched == 2) stats->cache_misses++; /* read because this layer asked */
+                else stats->cache_hits++;
+            }
             v->prefetched = 0;
-            if (stats) stats->cache_hits++;
             *out = &v->ex;
             pthread_mutex_unlock(&k->lock);
             return MOE_OK;
         }
         if (k->used + bytes <= k->budget) break;
-        cache_entry *lru = cache_lru(k); /* evict the least recently used unpinned expert */
+        cache_entry *lru = cache_lru(k, 0); /* evict the least recently used unpinned expert */
         if (lru) cache_evict(k, lru, E);
         /* all pinned by steps running on other threads (each holds at most one while it asks
          * for another, and the budget holds one per thread of a step): wait for one to go */
@@ -2582,6 +2618,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
 
     pthread_mutex_lock(&k->lock);
     if (stats) stats->io_seconds += dt;
+    if (!rc) k->bytes_read += bytes;
     if (rc) { /* a failed read leaves nothing behind: the slot is free for a later try */
         cache_evict(k, v, E);
         pthread_cond_broadcast(&k->unpinned);
@@ -2589,7 +2626,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
         return MOE_ERR_IO;
     }
     v->loading = 0;
-    if (stats) stats->cache_misses++, stats->bytes_read += bytes;
+    if (stats) stats->cache_misses++;
     pthread_cond_broadcast(&k->unpinned);
     *out = &v->ex;
     pthread_mutex_unlock(&k->lock);
@@ -2620,8 +2657,32 @@ void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak) {
 }
 
 
-/* The I/O thread: takes queued expert ids and reads each into room that is free or can be made
- * by evicting an unused expert (never by waiting: a prefetch that does not fit is dropped). */
+/* The file and offset of an expert's first tensor (for ordering reads). */
+static void expert_where(const moe_model *m, const expert *x, int *file, uint64_t *off) {
+    const unsigned char *p = x->w1.data;
+    *file = m->n_files, *off = 0;
+    for (int f = 0; f < m->n_files; f++)
+        if (p >= (const unsigned char *)m->files[f].map && p < (const unsigned char *)m->files[f].map + m->files[f].size) {
+            *file = f, *off = (uint64_t)(p - (const unsigned char *)m->files[f].map);
+            return;
+        }
+}
+
+/* the most urgent queued read: demand before prefetch, then file, then offset */
+static io_req cache_take(struct expert_cache *k) {
+    int best = 0;
+    for (int i = 1; i < k->qn; i++) {
+        const io_req *a = &k->queue[i], *b = &k->queue[best];
+        if (a->demand != b->demand ? a->demand > b->demand : a->file != b->file ? a->file < b->file : a->off < b->off) best = i;
+    }
+    io_req r = k->queue[best];
+    k->queue[best] = k->queue[--k->qn];
+    return r;
+}
+
+/* An I/O thread: takes the most urgent queued expert and reads it into room that is free or can
+ * be made by evicting an expert nobody is about to use (never by waiting: a read that does not
+ * fit is dropped, and the step reads that expert itself when it gets there). */
 static void *cache_io_main(void *arg) {
     const moe_model *m = arg;
     struct expert_cache *k = m->cache;
@@ -2630,52 +2691,82 @@ static void *cache_io_main(void *arg) {
     for (;;) {
         while (!k->io_stop && !k->qn) pthread_cond_wait(&k->work, &k->lock);
         if (k->io_stop) break;
-        const int id = k->queue[0];
-        memmove(k->queue, k->queue + 1, sizeof(int) * (size_t)--k->qn);
-        if (k->slot[id]) continue;
-        const int li = id / E, e = id % E;
+        const io_req rq = cache_take(k);
+        if (k->slot[rq.id]) continue;
+        const int li = rq.id / E, e = rq.id % E;
         const expert *src = &m->layers[li].experts[e];
         const size_t bytes = (size_t)expert_bytes(src);
         cache_entry *lru;
-        while (k->used + bytes > k->budget && (lru = cache_lru(k))) cache_evict(k, lru, E);
+        while (k->used + bytes > k->budget && (lru = cache_lru(k, 1))) cache_evict(k, lru, E);
         if (k->used + bytes > k->budget || cache_room(k)) continue;
         cache_entry *v = xcalloc(1, sizeof *v);
         unsigned char *buf = v ? malloc(bytes) : NULL;
         if (!buf) { free(v); continue; }
-        v->li = li, v->e = e, v->loading = 1, v->prefetched = 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
-        k->slot[id] = v;
+        v->li = li, v->e = e, v->loading = 1, v->prefetched = rq.demand ? 2 : 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
+        k->slot[rq.id] = v;
         k->resident[k->n_resident++] = v;
         k->used += bytes;
         k->peak = k->used > k->peak ? k->used : k->peak;
+        /* fault injection counts the reads a step needs (its own and demand reads), not guesses */
+        const int inject = rq.demand && k->fail_after > 0 && --k->fail_after == 0;
         pthread_mutex_unlock(&k->lock);
-        int rc = cache_fill(m, k, src, v);
+        int rc = inject ? EIO : cache_fill(m, k, src, v);
         pthread_mutex_lock(&k->lock);
-        if (rc) cache_evict(k, v, E); /* a failed prefetch leaves nothing: the step reads it itself */
-        else v->loading = 0;
+        v->loading = 0;
+        if (rc) { /* kept as an empty marker (no budget), so that the step that wants it reports the error */
+            free(v->buf);
+            v->buf = NULL, v->failed = 1, v->prefetched = 0;
+            k->used -= v->bytes;
+            v->bytes = 0;
+        } else {
+            k->bytes_read += bytes;
+        }
         pthread_cond_broadcast(&k->unpinned);
     }
     pthread_mutex_unlock(&k->lock);
     return NULL;
 }
 
-/* queues experts of layer li for the I/O thread; returns how many were queued */
-static int cache_prefetch(const moe_model *m, int li, const unsigned char *want) {
+/* Queues reads of the experts of layer li marked in want (demand: the layer about to compute
+ * routed to them; else a guess for the next MoE layer); returns how many were queued. */
+static int cache_queue(const moe_model *m, int li, const unsigned char *want, int demand) {
     struct expert_cache *k = m->cache;
     const int E = m->cfg.n_experts;
     int queued = 0;
+    if (!k->n_io) return 0;
     pthread_mutex_lock(&k->lock);
+    if (demand) k->cur_layer = li;
+    else k->next_layer = li;
     for (int e = 0; e < E; e++) {
         const int id = li * E + e;
         if (!want[e] || k->slot[id]) continue;
-        int dup = 0;
-        for (int i = 0; i < k->qn && !dup; i++) dup = k->queue[i] == id;
-        if (dup || k->qn == k->qcap) continue;
-        k->queue[k->qn++] = id;
+        int dup = -1;
+        for (int i = 0; i < k->qn && dup < 0; i++)
+            if (k->queue[i].id == id) dup = i;
+        if (dup >= 0) { k->queue[dup].demand |= demand; continue; }
+        if (k->qn == k->qcap) { /* full: drop the oldest guess (the queue holds at most a few layers' worth) */
+            int drop = -1;
+            for (int i = 0; i < k->qn && drop < 0; i++)
+                if (!k->queue[i].demand) drop = i;
+            if (drop < 0) break;
+            k->queue[drop] = k->queue[--k->qn];
+        }
+        io_req r = {id, demand, 0, 0};
+        expert_where(m, &m->layers[li].experts[e], &r.file, &r.off);
+        k->queue[k->qn++] = r;
         queued++;
     }
-    if (queued) pthread_cond_signal(&k->work);
+    if (queued) pthread_cond_broadcast(&k->work);
     pthread_mutex_unlock(&k->lock);
     return queued;
+}
+
+uint64_t moe__expert_bytes_read(const moe_model *m) {
+    if (!m || !m->cache) return 0;
+    pthread_mutex_lock(&m->cache->lock);
+    uint64_t b = m->cache->bytes_read;
+    pthread_mutex_unlock(&m->cache->lock);
+    return b;
 }
 
 /* MMAP mode: tell the kernel which experts this step is about to use, so that their pages are
@@ -2817,6 +2908,13 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
     route_rows(c, logits, L->router_bias, n, forced, ids, wts, work);
     if (pred && *pred_layer == li && stats) /* how good was the previous layer's guess */
         for (size_t i = 0; i < nk; i++) stats->prefetch_routed++, stats->prefetch_predicted += pred[ids[i]];
+    if (m->cache) { /* the I/O threads start reading this layer's experts now, in file order */
+        unsigned char *want = xcalloc((size_t)E, 1);
+        if (!want) { st = MOE_ERR_NOMEM; goto done; }
+        for (size_t i = 0; i < nk; i++) want[ids[i]] = 1;
+        cache_queue(m, li, want, 1);
+        free(want);
+    }
     if (pred && m->cache && m->opt.prefetch) {
         /* guess the next MoE layer's experts with its router on this hidden state, and have the
          * I/O thread read them while this layer and the next attention compute */
@@ -2830,7 +2928,7 @@ static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, in
             memset(pred, 0, (size_t)E);
             for (size_t i = 0; i < nk; i++) pred[pids[i]] = 1;
             *pred_layer = nl;
-            const int q = cache_prefetch(m, nl, pred);
+            const int q = cache_queue(m, nl, pred, 0);
             if (stats) stats->prefetch_issued += (uint64_t)q;
         }
         free(pids), free(pw);
@@ -3094,6 +3192,7 @@ moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *sta
     double t0 = now_sec();
     moe_step_stats local;
     memset(&local, 0, sizeof local);
+    const uint64_t read0 = moe__expert_bytes_read(m);
     int total = 0;
     for (int i = 0; i < n_seqs; i++) {
         moe_seq *q = &seqs[i];
@@ -3158,6 +3257,7 @@ moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *sta
     free(done_tok);
     local.n_tokens = total;
     local.seconds = now_sec() - t0;
+    local.bytes_read = moe__expert_bytes_read(m) - read0;
     if (stats) *stats = local;
     return st;
 }

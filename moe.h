@@ -88,6 +88,10 @@ typedef struct {
     size_t expert_budget;   /* CACHE mode: RAM for routed experts in bytes; it must hold n_threads
                                experts (checked at open) */
     int expert_mode;        /* moe_expert_mode */
+    int io_threads;         /* CACHE mode: threads that read experts from disk (default 4; 0: the
+                               compute threads read what they need, and there is no prefetch).
+                               A layer's experts are queued as soon as it has routed, so reads run
+                               in parallel, in file offset order, while earlier experts compute */
     int prefetch;           /* CACHE mode: predict the next MoE layer's experts with its router on
                                the current hidden state and read them on the model's I/O thread
                                while the current layer computes (default 1) */
@@ -209,8 +213,10 @@ typedef struct {
     uint64_t expert_loads; /* distinct experts reached per chunk and layer, summed */
     uint64_t expert_bytes; /* bytes of expert weights those loads touched */
     uint64_t cache_hits, cache_misses; /* CACHE mode: experts found resident / read from disk */
-    uint64_t bytes_read;   /* CACHE mode: bytes read from the files */
-    double io_seconds;     /* CACHE mode: time the step's own threads spent reading */
+    uint64_t bytes_read;   /* CACHE mode: bytes read from the files during the step (by any thread,
+                              prefetches for later steps included) */
+    double io_seconds;     /* CACHE mode: time the step's threads spent reading or waiting for a
+                              read (stalled on I/O) */
     uint64_t prefetch_issued;  /* CACHE mode: expert reads queued for the I/O thread */
     uint64_t prefetch_predicted, prefetch_routed; /* routed experts that had been predicted /
                                                      all routed experts (recall = ratio) */
@@ -503,6 +509,8 @@ moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size
 /* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);
+/* CACHE mode: bytes read from the files since open, by every thread. */
+uint64_t moe__expert_bytes_read(const moe_model *m);
 /* CACHE mode: bytes the expert cache holds now, and the most it ever held. */
 void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak);
 /* Validates a config.json text as moe_model_open would. */

@@ -47,7 +47,7 @@ static int usage(const char *msg) {
             "  -c CTX           context per request: prompt + max_tokens must fit (default 4096)\n"
             "  --max-tokens N   for requests without max_tokens (default 256)\n"
             "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
-            "  --load-mode M, --expert-budget SIZE, --prefetch on|off   as in moe-cli\n");
+            "  --load-mode M, --expert-budget SIZE, --io-threads N, --prefetch on|off   as in moe-cli\n");
     return msg ? 2 : 0;
 }
 
@@ -479,6 +479,9 @@ int main(int argc, char **argv) {
             if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
             else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
             else return usage("--load-mode is mmap or cache");
+        } else if (!strcmp(a, "--io-threads") && more) {
+            opt.io_threads = (int)strtol(argv[++i], &e, 10);
+            if (*e || opt.io_threads < 0 || opt.io_threads > 256) return usage("--io-threads is 0..256");
         } else if (!strcmp(a, "--prefetch") && more) {
             const char *v = argv[++i];
             if (strcmp(v, "on") && strcmp(v, "off")) return usage("--prefetch is on or off");

@@ -64,6 +64,7 @@ static int usage(const char *msg) {
             "  --load-mode M   routed experts through the file mapping (mmap, default) or read into a\n"
             "                  cache of --expert-budget bytes (cache)\n"
             "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode)\n"
+            "  --io-threads N        cache mode: threads reading experts from disk, in file order (default 4)\n"
             "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
             "  -h, --help      this text\n");
     return msg ? 2 : 0;
@@ -260,6 +261,10 @@ int main(int argc, char **argv) {
             if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
             else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
             else return usage("--load-mode is mmap or cache");
+        } else if (!strcmp(a, "--io-threads") && more) {
+            char *e;
+            opt.io_threads = (int)strtol(argv[++i], &e, 10);
+            if (*e || opt.io_threads < 0 || opt.io_threads > 256) return usage("--io-threads is 0..256");
         } else if (!strcmp(a, "--prefetch") && more) {
             const char *v = argv[++i];
             if (!strcmp(v, "on")) opt.prefetch = 1;

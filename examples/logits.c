@@ -18,7 +18,7 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-logits: %s\n", msg);
     fprintf(stderr,
             "usage: moe-logits -m MODEL --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]\n"
-            "                  [-t THREADS] [--scalar] [--load-mode mmap|cache] [--expert-budget SIZE] [--prefetch on|off]\n"
+            "                  [-t THREADS] [--scalar] [--load-mode mmap|cache] [--expert-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
             "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
             "  --tokens FILE   whitespace-separated token ids\n"
             "  --out FILE      write float32 little-endian logits, rows x vocab\n"
@@ -27,7 +27,8 @@ static int usage(const char *msg) {
             "  -t THREADS      worker threads (default 1)\n"
             "  --scalar        use the scalar reference kernels\n"
             "  --load-mode M   mmap (default) or cache: routed experts read into a cache of\n"
-            "  --expert-budget SIZE bytes (e.g. 512M); --prefetch on|off (cache mode, default on)\n");
+            "  --expert-budget SIZE bytes (e.g. 512M); --io-threads N reading threads (default 4);\n"
+            "  --prefetch on|off (cache mode, default on)\n");
     return 2;
 }
 
@@ -129,6 +130,10 @@ int main(int argc, char **argv) {
             if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
             else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
             else return usage("--load-mode is mmap or cache");
+        } else if (!strcmp(a, "--io-threads") && more) {
+            char *e;
+            opt.io_threads = (int)strtol(argv[++i], &e, 10);
+            if (*e || opt.io_threads < 0 || opt.io_threads > 256) return usage("--io-threads is 0..256");
         } else if (!strcmp(a, "--prefetch") && more) {
             const char *v = argv[++i];
             if (!strcmp(v, "on")) opt.prefetch = 1;

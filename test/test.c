@@ -2473,7 +2473,9 @@ static void test_cache_faults(void) {
     CHECK(moe_session_new(&s, m, 64, NULL, 0) == MOE_OK);
     q.s = s;
     CHECK(moe_step(m, &q, 1, &st2, NULL, 0) == MOE_OK);
-    CHECK(st2.cache_misses > 0 && st2.bytes_read == st2.cache_misses * 3264 && max_abs_diff(ref, lg, (size_t)V * n) == 0);
+    /* every miss was read (I/O threads may also read ahead experts evicted again before use) */
+    CHECK(st2.cache_misses > 0 && st2.bytes_read >= st2.cache_misses * 3264 && st2.bytes_read % 3264 == 0 &&
+          max_abs_diff(ref, lg, (size_t)V * n) == 0);
     /* the 5th read from now fails: the step reports an I/O error, the sessions are reset, and the
      * model works again afterwards */
     moe_session_reset(s);
