@@ -2392,6 +2392,7 @@ struct expert_cache {
     pthread_mutex_t lock;
     pthread_cond_t unpinned; /* signalled when an expert's last pin goes, or a read ends */
     int *fds;               /* one per file */
+    int *dfds;              /* the same files opened with O_DIRECT, or -1 */
     cache_entry **slot;     /* [n_layers * n_experts]: resident entry or NULL */
     cache_entry **resident; /* the resident entries, unordered */
     int n_resident, cap_resident;
@@ -2426,23 +2427,30 @@ static void cache_free(moe_model *m) {
     for (int i = 0; i < c->n_resident; i++) free(c->resident[i]->buf), free(c->resident[i]);
     for (int i = 0; c->fds && i < m->n_files; i++)
         if (c->fds[i] >= 0) close(c->fds[i]);
-    free(c->fds), free(c->slot), free(c->resident);
+    for (int i = 0; c->dfds && i < m->n_files; i++)
+        if (c->dfds[i] >= 0) close(c->dfds[i]);
+    free(c->fds), free(c->dfds), free(c->slot), free(c->resident);
     pthread_mutex_destroy(&c->lock);
     pthread_cond_destroy(&c->unpinned);
     free(c);
     m->cache = NULL;
 }
 
+#define IO_ALIGN 4096
+#define DIRECT_MIN (1u << 20) /* smaller experts are read through the page cache, unaligned */
+
 static void *cache_io_main(void *arg);
+static size_t entry_bytes(const moe_model *m, const expert *src);
 
 static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     const moe_config *c = &m->cfg;
     uint64_t biggest = 0;
     for (int l = 0; l < c->n_layers; l++)
         for (int e = 0; m->layers[l].experts && e < c->n_experts; e++) {
-            uint64_t b = expert_bytes(&m->layers[l].experts[e]);
+            uint64_t b = entry_bytes(m, &m->layers[l].experts[e]);
             biggest = b > biggest ? b : biggest;
         }
+    if (biggest >= DIRECT_MIN) biggest += 2 * IO_ALIGN; /* an O_DIRECT read's alignment */
     /* the experts of one step in flight at once: one per thread (experts run in parallel) */
     const uint64_t need = biggest * (uint64_t)m->opt.n_threads;
     if (m->opt.expert_budget < need)
@@ -2462,6 +2470,15 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     for (int i = 0; i < m->n_files; i++)
         if ((k->fds[i] = open(m->files[i].path, O_RDONLY)) < 0)
             return fail(err, errlen, MOE_ERR_IO, "%s: %s", m->files[i].path, strerror(errno));
+    /* O_DIRECT where the file system allows it: expert reads bypass the page cache, so the cache
+     * the caller budgeted is the only copy (no double caching) */
+    if (!(k->dfds = malloc(sizeof(int) * (size_t)m->n_files))) return MOE_ERR_NOMEM;
+    for (int i = 0; i < m->n_files; i++) {
+        k->dfds[i] = -1;
+#ifdef O_DIRECT
+        if (!(m->opt.flags & MOE_FLAG_NO_DIRECT_IO)) k->dfds[i] = open(m->files[i].path, O_RDONLY | O_DIRECT);
+#endif
+    }
     k->cur_layer = k->next_layer = -1;
     const int nio = m->opt.io_threads < 0 ? 4 : m->opt.io_threads;
     if (nio > 0) {
@@ -2528,10 +2545,83 @@ static cache_entry *cache_lru(struct expert_cache *k, int io) {
     return lru;
 }
 
-/* reads the tensors of expert src into buf (laid out as in the entry's weights) */
+
+/* The file stretch [start, end) holding all of an expert's tensors, for one read per expert when
+ * they are adjacent in one file (K3's layout; GGUF's merged experts are not: their w1, w2 and w3
+ * rows lie far apart); 0 when they are not. Widened to IO_ALIGN (*direct = 1) when the expert is
+ * big enough to be worth an O_DIRECT read and the file was opened for one. */
+static int expert_span(const moe_model *m, const expert *x, int *file, uint64_t *start, uint64_t *end, int *direct) {
+    const moe__weight *w[3] = {&x->w1, &x->w2, &x->w3};
+    const unsigned char *lo = NULL, *hi = NULL;
+    uint64_t bytes = 0;
+    for (int i = 0; i < 3; i++) {
+        const unsigned char *p[2] = {w[i]->data, w[i]->scale};
+        const size_t n[2] = {(size_t)weight_data_bytes(w[i]), w[i]->scale ? (size_t)(w[i]->rows * (w[i]->cols / 32)) : 0};
+        for (int j = 0; j < 2; j++) {
+            if (!p[j]) continue;
+            bytes += n[j];
+            if (!lo || p[j] < lo) lo = p[j];
+            if (!hi || p[j] + n[j] > hi) hi = p[j] + n[j];
+        }
+    }
+    for (int f = 0; f < m->n_files; f++) {
+        const unsigned char *b = m->files[f].map;
+        if (lo < b || hi > b + m->files[f].size) continue;
+        if ((uint64_t)(hi - lo) > bytes + bytes / 8 + IO_ALIGN) return 0; /* not adjacent */
+        *file = f, *start = (uint64_t)(lo - b), *end = (uint64_t)(hi - b);
+        *direct = bytes >= DIRECT_MIN && m->cache && m->cache->dfds && m->cache->dfds[f] >= 0;
+        if (*direct) *start &= ~(uint64_t)(IO_ALIGN - 1), *end = (*end + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
+        return 1;
+    }
+    return 0;
+}
+
+/* the buffer size an entry for src needs */
+static size_t entry_bytes(const moe_model *m, const expert *src) {
+    int f, direct;
+    uint64_t a, b;
+    return expert_span(m, src, &f, &a, &b, &direct) ? (size_t)(b - a) : (size_t)expert_bytes(src);
+}
+
+/* [start, end) of file f into dst, with O_DIRECT when asked and the file has it (then dst,
+ * start and end are IO_ALIGN-aligned and the last block may run past the end of the file: need
+ * is what must be there) */
+static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end, uint64_t need, int direct, unsigned char *dst) {
+    int fd = direct ? k->dfds[f] : k->fds[f];
+    for (uint64_t done = 0; done < end - start;) {
+        ssize_t r = pread(fd, dst + done, (size_t)(end - start - done), (off_t)(start + done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && errno == EINVAL && fd != k->fds[f]) { fd = k->fds[f]; continue; } /* no O_DIRECT here after all */
+        if (r < 0) return errno;
+        if (r == 0) return done >= need ? 0 : EIO; /* end of file: fine past the last tensor, else it shrank */
+        done += (uint64_t)r;
+    }
+    return 0;
+}
+
+/* reads the tensors of expert src into v->buf: one read of the whole stretch when they are
+ * adjacent, else tensor by tensor; the entry's weights point into the buffer */
 static int cache_fill(const moe_model *m, struct expert_cache *k, const expert *src, cache_entry *v) {
     const moe__weight *w[3] = {&src->w1, &src->w2, &src->w3};
     moe__weight *dst[3] = {&v->ex.w1, &v->ex.w2, &v->ex.w3};
+    int f, direct;
+    uint64_t start, end;
+    if (expert_span(m, src, &f, &start, &end, &direct)) {
+        const unsigned char *base = (const unsigned char *)m->files[f].map + start;
+        uint64_t need = 0;
+        for (int i = 0; i < 3; i++) {
+            *dst[i] = *w[i];
+            dst[i]->data = v->buf + ((const unsigned char *)w[i]->data - base);
+            uint64_t e = (uint64_t)((const unsigned char *)w[i]->data - base) + weight_data_bytes(w[i]);
+            if (w[i]->scale) {
+                dst[i]->scale = v->buf + ((const unsigned char *)w[i]->scale - base);
+                const uint64_t es = (uint64_t)((const unsigned char *)w[i]->scale - base) + (uint64_t)(w[i]->rows * (w[i]->cols / 32));
+                e = es > e ? es : e;
+            }
+            need = e > need ? e : need;
+        }
+        return span_read(k, f, start, end, need, direct, v->buf);
+    }
     size_t at = 0;
     int rc = 0;
     for (int i = 0; i < 3 && !rc; i++) {
@@ -2550,15 +2640,18 @@ static int cache_fill(const moe_model *m, struct expert_cache *k, const expert *
     return rc;
 }
 
+static unsigned char *entry_alloc(size_t bytes) {
+    void *p = NULL;
+    return posix_memalign(&p, IO_ALIGN, bytes ? bytes : 1) ? NULL : p;
+}
+
 /* makes expert (li, e) resident and pinned; *out is valid until cache_put */
 static moe_status cache_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
     struct expert_cache *k = m->cache;
     const int E = m->cfg.n_experts;
     const size_t id = (size_t)li * (size_t)E + (size_t)e;
     const expert *src = &m->layers[li].experts[e];
-    const moe__weight *w[3] = {&src->w1, &src->w2, &src->w3};
-    size_t bytes = 0;
-    for (int i = 0; i < 3; i++) bytes += (size_t)weight_bytes(w[i]);
+    const size_t bytes = entry_bytes(m, src);
     pthread_mutex_lock(&k->lock);
     cache_entry *v;
     int waited = 0; /* it was being read when this step asked for it: a miss, partly hidden */
@@ -2596,7 +2689,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
     }
     if (cache_room(k)) { pthread_mutex_unlock(&k->lock); return MOE_ERR_NOMEM; }
     v = xcalloc(1, sizeof *v);
-    unsigned char *buf = v ? malloc(bytes) : NULL;
+    unsigned char *buf = v ? entry_alloc(bytes) : NULL;
     if (!buf) {
         free(v);
         pthread_mutex_unlock(&k->lock);
@@ -2695,12 +2788,12 @@ static void *cache_io_main(void *arg) {
         if (k->slot[rq.id]) continue;
         const int li = rq.id / E, e = rq.id % E;
         const expert *src = &m->layers[li].experts[e];
-        const size_t bytes = (size_t)expert_bytes(src);
+        const size_t bytes = entry_bytes(m, src);
         cache_entry *lru;
         while (k->used + bytes > k->budget && (lru = cache_lru(k, 1))) cache_evict(k, lru, E);
         if (k->used + bytes > k->budget || cache_room(k)) continue;
         cache_entry *v = xcalloc(1, sizeof *v);
-        unsigned char *buf = v ? malloc(bytes) : NULL;
+        unsigned char *buf = v ? entry_alloc(bytes) : NULL;
         if (!buf) { free(v); continue; }
         v->li = li, v->e = e, v->loading = 1, v->prefetched = rq.demand ? 2 : 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
         k->slot[rq.id] = v;
