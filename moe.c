@@ -9,6 +9,7 @@
  * chat formats, sampling. */
 #define _POSIX_C_SOURCE 200809L
 #define _DEFAULT_SOURCE /* madvise */
+#define _GNU_SOURCE /* O_DIRECT (glibc declares it only then; other libcs ignore this) */
 #define MOE_INTERNAL
 #include "moe.h"
 

@@ -9,16 +9,32 @@
  * (depth = tokens already in the context), with the bytes one decoded token reads (weights
  * actually touched: dense matrices, the routed experts chosen, plus KDA states and the MLA
  * latent cache) against the measured bandwidth, and prefill tok/s of N tokens against the
- * int8 peak (2 x active parameters operations per token). One JSON line per configuration. */
+ * int8 peak (2 x active parameters operations per token). One JSON line per configuration.
+ *
+ *   moe-bench --stream -m DIR [-n TOKENS] [-t THREADS] [--expert-budget SIZE] [--io-threads N]
+ *             [--dense TYPE] [--seqs 1,16,64] [--prefill N]
+ *
+ * Streaming from disk (run it inside a memory cap with a cold page cache: scripts/bench-stream):
+ * first the disk's read bandwidth with O_DIRECT (one sequential reader; 16 parallel readers of
+ * expert-sized blocks at random offsets), then through the expert cache: decode of one sequence,
+ * a prefill chunk, and lockstep decode of several sequences, each a JSON line with seconds per
+ * token, bytes read per token, hit rate, the I/O floor (bytes read per token over the parallel
+ * bandwidth), the fraction of thread time stalled on reads and the prefetch recall. */
 #define _POSIX_C_SOURCE 200809L
 #define _ISOC11_SOURCE
+#define _GNU_SOURCE /* O_DIRECT (glibc declares it only then; other libcs ignore this) */
 #define MOE_INTERNAL
 #include "../moe.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -33,6 +49,8 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-bench: %s\n", msg);
     fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
                     "                 [--prefill N] [--reps R]\n"
+                    "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
+                    "                 [--dense bf16|q8_0|q4_0] [--seqs 1,16,64] [--prefill N] [--prefetch on|off]\n"
                     "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n");
     return 2;
 }
@@ -141,10 +159,226 @@ static int parse_list(const char *s, int *out, int max) {
     return n;
 }
 
+
+/* ---- streaming benchmark ---- */
+
+typedef struct {
+    const char *path;
+    off_t size;
+    size_t block;
+    int reads;
+    uint64_t seed, bytes;
+    int err;
+} disk_job;
+
+/* reads `reads` blocks at random aligned offsets with O_DIRECT */
+static void *disk_random(void *arg) {
+    disk_job *j = arg;
+    int fd = open(j->path, O_RDONLY | O_DIRECT);
+    void *buf = NULL;
+    if (fd < 0 || posix_memalign(&buf, 4096, j->block)) { j->err = errno ? errno : ENOMEM; if (fd >= 0) close(fd); return NULL; }
+    for (int i = 0; i < j->reads; i++) {
+        j->seed ^= j->seed << 13, j->seed ^= j->seed >> 7, j->seed ^= j->seed << 17;
+        off_t off = (off_t)(j->seed % (uint64_t)(j->size - (off_t)j->block)) & ~(off_t)4095;
+        ssize_t r = pread(fd, buf, j->block, off);
+        if (r <= 0) { j->err = r < 0 ? errno : EIO; break; }
+        j->bytes += (uint64_t)r;
+    }
+    free(buf);
+    close(fd);
+    return NULL;
+}
+
+/* GB/s of one sequential O_DIRECT reader over up to `limit` bytes of path */
+static double disk_sequential(const char *path, uint64_t limit) {
+    int fd = open(path, O_RDONLY | O_DIRECT);
+    void *buf = NULL;
+    const size_t chunk = 16u << 20;
+    if (fd < 0 || posix_memalign(&buf, 4096, chunk)) { if (fd >= 0) close(fd); return 0; }
+    uint64_t done = 0;
+    double t0 = now();
+    while (done < limit) {
+        ssize_t r = pread(fd, buf, chunk, (off_t)done);
+        if (r <= 0) break;
+        done += (uint64_t)r;
+    }
+    double t = now() - t0;
+    free(buf);
+    close(fd);
+    return t > 0 ? done / t / 1e9 : 0;
+}
+
+static double disk_parallel(const char *path, off_t size, size_t block, int threads, int reads_each) {
+    pthread_t th[64];
+    disk_job jobs[64];
+    double t0 = now();
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (disk_job){path, size, block, reads_each, 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1), 0, 0};
+        pthread_create(&th[i], NULL, disk_random, &jobs[i]);
+    }
+    uint64_t bytes = 0;
+    for (int i = 0; i < threads; i++) pthread_join(th[i], NULL), bytes += jobs[i].bytes;
+    double t = now() - t0;
+    return t > 0 ? bytes / t / 1e9 : 0;
+}
+
+static int parse_size(const char *s, size_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0 : 1.0;
+    if (mul != 1.0) end++;
+    if (*end || !(v > 0)) return 0;
+    *out = (size_t)(v * mul);
+    return 1;
+}
+
+typedef struct {
+    double seconds;
+    int tokens;
+    moe_step_stats sum;
+} run_stats;
+
+static void add_stats(moe_step_stats *a, const moe_step_stats *b) {
+    a->cache_hits += b->cache_hits, a->cache_misses += b->cache_misses, a->bytes_read += b->bytes_read, a->io_seconds += b->io_seconds;
+    a->prefetch_predicted += b->prefetch_predicted, a->prefetch_routed += b->prefetch_routed, a->expert_loads += b->expert_loads;
+    a->expert_bytes += b->expert_bytes;
+}
+
+static void stream_line(const char *mode, int seqs, const run_stats *r, double disk_gbps, int threads) {
+    const double tok = r->tokens, hr = (double)r->sum.cache_hits / (double)(r->sum.cache_hits + r->sum.cache_misses + 1e-9);
+    const double bpt = r->sum.bytes_read / tok, floor = bpt / (disk_gbps * 1e9);
+    printf("{\"mode\": \"%s\", \"sequences\": %d, \"tokens\": %d, \"s_per_token\": %.4f, \"tok_s\": %.3f, \"bytes_read_per_token\": %.0f, "
+           "\"hit_rate\": %.4f, \"disk_read_gbps\": %.3f, \"io_floor_s_per_token\": %.4f, \"stall_frac\": %.3f, \"prefetch_recall\": %.3f, "
+           "\"expert_loads_per_step\": %.1f}\n",
+           mode, seqs, r->tokens, r->seconds / tok, tok / r->seconds, bpt, hr, disk_gbps, floor, r->sum.io_seconds / (r->seconds * threads),
+           r->sum.prefetch_routed ? (double)r->sum.prefetch_predicted / r->sum.prefetch_routed : 0.0, 0.0);
+    fflush(stdout);
+}
+
+static int stream_bench(const char *model, int argc, char **argv) {
+    int threads = 2, n_decode = 8, n_prefill = 64, seqs[8] = {1, 16, 64}, n_seqs = 3;
+    moe_options o = moe_default_options();
+    o.expert_mode = MOE_EXPERTS_CACHE;
+    o.expert_budget = (size_t)2 << 30;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int more = i + 1 < argc;
+        if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
+        else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
+        else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
+        else if (!strcmp(a, "--seqs") && more) { if ((n_seqs = parse_list(argv[++i], seqs, 8)) < 1) return usage("bad --seqs"); }
+        else if (!strcmp(a, "--io-threads") && more) o.io_threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--prefetch") && more) o.prefetch = !strcmp(argv[++i], "on");
+        else if (!strcmp(a, "--expert-budget") && more) { if (!parse_size(argv[++i], &o.expert_budget)) return usage("bad --expert-budget"); }
+        else if (!strcmp(a, "--dense") && more) {
+            const char *v = argv[++i];
+            o.dense_type = !strcmp(v, "q8_0") ? MOE_WTYPE_Q8_0 : !strcmp(v, "q4_0") ? MOE_WTYPE_Q4_0 : !strcmp(v, "bf16") ? MOE_WTYPE_BF16 : -1;
+            if (o.dense_type < 0) return usage("--dense is bf16, q8_0 or q4_0");
+        } else if (!strcmp(a, "-m") && more) i++;
+        else if (strcmp(a, "--stream")) return usage("unknown argument in --stream mode");
+    }
+    o.n_threads = threads < 1 ? 1 : threads;
+    /* the disk first, on the biggest file of the checkpoint */
+    char biggest[4400] = "";
+    off_t bsize = 0;
+    for (int i = 1; i < 100; i++) {
+        char p[4200];
+        struct stat sb;
+        snprintf(p, sizeof p, "%s/model-%05d-of-", model, i);
+        /* shard names: model-0000i-of-0000N.safetensors (the K3 layout) */
+        int found = 0;
+        for (int n = i; n < 100 && !found; n++) {
+            char q[4300];
+            snprintf(q, sizeof q, "%s%06d.safetensors", p, n);
+            if (!stat(q, &sb)) found = 1;
+            else {
+                snprintf(q, sizeof q, "%s%05d.safetensors", p, n);
+                if (!stat(q, &sb)) found = 1;
+            }
+            if (found && sb.st_size > bsize) bsize = sb.st_size, snprintf(biggest, sizeof biggest, "%s", q);
+        }
+        if (!found) break;
+    }
+    if (!bsize) { fprintf(stderr, "moe-bench: %s: no model-NNNNN-of-NNNNN.safetensors shards\n", model); return 1; }
+    const double seq_gbps = disk_sequential(biggest, (uint64_t)2 << 30);
+    const size_t block = 18400000; /* a K3 MXFP4 expert: 17.55 MB */
+    const double par_gbps = disk_parallel(biggest, bsize, block, 16, 12);
+    fprintf(stderr, "moe-bench: disk (O_DIRECT): sequential %.2f GB/s, 16 readers of %.1f MB blocks %.2f GB/s (%s)\n", seq_gbps,
+            block / 1e6, par_gbps, biggest);
+    printf("{\"mode\": \"disk\", \"sequential_gbps\": %.3f, \"parallel16_gbps\": %.3f, \"block_bytes\": %zu}\n", seq_gbps, par_gbps, block);
+    fflush(stdout);
+
+    char err[512];
+    moe_model *m = NULL;
+    double t0 = now();
+    moe_status st = moe_model_open(&m, model, &o, err, sizeof err);
+    if (st) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+    const moe_config *c = moe_model_config(m);
+    fprintf(stderr, "moe-bench: opened in %.1f s; expert budget %.2f GB, %d I/O threads, %d compute threads\n", now() - t0,
+            o.expert_budget / 1e9, o.io_threads, o.n_threads);
+    int maxs = 1;
+    for (int i = 0; i < n_seqs; i++) maxs = seqs[i] > maxs ? seqs[i] : maxs;
+    const int ctx = n_prefill + n_decode + 8;
+    moe_session **ss = calloc((size_t)maxs, sizeof *ss);
+    moe_seq *q = calloc((size_t)maxs, sizeof *q);
+    float *logits = malloc(sizeof(float) * (size_t)c->vocab_size * (size_t)maxs);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(n_prefill + 8) * (size_t)maxs), *next = malloc(sizeof(int32_t) * (size_t)maxs);
+    if (!ss || !q || !logits || !ids || !next) { fprintf(stderr, "moe-bench: out of memory\n"); return 1; }
+    uint64_t rng = 777;
+    for (int i = 0; i < (n_prefill + 8) * maxs; i++) {
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        ids[i] = (int32_t)(rng % (uint64_t)c->vocab_size);
+    }
+    for (int i = 0; i < maxs; i++)
+        if ((st = moe_session_new(&ss[i], m, ctx, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+    moe_step_stats s1;
+    /* prefill: one chunk of n_prefill tokens; every expert it routes to is read at most once */
+    {
+        run_stats r = {0};
+        q[0] = (moe_seq){.s = ss[0], .tokens = ids, .n = n_prefill, .logits = logits};
+        double t = now();
+        if ((st = moe_step(m, q, 1, &s1, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+        r.seconds = now() - t, r.tokens = n_prefill, r.sum = s1;
+        stream_line("prefill", 1, &r, par_gbps, o.n_threads);
+        fprintf(stderr, "moe-bench: prefill %d tokens: %llu distinct experts routed, %llu read (%.2f GB)\n", n_prefill,
+                (unsigned long long)s1.expert_loads, (unsigned long long)s1.cache_misses, s1.bytes_read / 1e9);
+    }
+    /* decode: one sequence, then lockstep */
+    for (int si = 0; si < n_seqs; si++) {
+        const int S = seqs[si] < 1 ? 1 : seqs[si];
+        for (int i = 0; i < S; i++) moe_session_reset(ss[i]);
+        for (int i = 0; i < S; i++) q[i] = (moe_seq){.s = ss[i], .tokens = ids + (size_t)i * (n_prefill + 8), .n = 4, .logits = logits + (size_t)i * c->vocab_size};
+        if ((st = moe_step(m, q, S, &s1, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+        run_stats r = {0};
+        double t = 0;
+        for (int k = 0; k <= n_decode; k++) {
+            if (k == 1) t = now(); /* the first step after the prompt warms the pipeline */
+            for (int i = 0; i < S; i++) {
+                next[i] = ids[(size_t)i * (n_prefill + 8) + 4 + (k % 4)];
+                q[i] = (moe_seq){.s = ss[i], .tokens = &next[i], .n = 1, .logits = logits + (size_t)i * c->vocab_size};
+            }
+            if ((st = moe_step(m, q, S, &s1, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+            if (k) add_stats(&r.sum, &s1);
+        }
+        r.seconds = now() - t, r.tokens = n_decode * S;
+        stream_line("decode", S, &r, par_gbps, o.n_threads);
+    }
+    for (int i = 0; i < maxs; i++) moe_session_free(ss[i]);
+    free(ss), free(q), free(logits), free(ids), free(next);
+    moe_model_close(m);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *models[16];
     int n_models = 0, threads[8] = {1, 2}, n_threads = 2, depths[8] = {0, 4096}, n_depths = 2;
     int n_decode = 16, n_prefill = 512, reps = 3;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--stream")) {
+            for (int j = 1; j + 1 < argc; j++)
+                if (!strcmp(argv[j], "-m")) return stream_bench(argv[j + 1], argc, argv);
+            return usage("--stream needs -m DIR");
+        }
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
