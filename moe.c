@@ -1558,6 +1558,27 @@ static void count_params(moe_model *m) {
 
 
 /* Converts one weight matrix to `to` (a MOE_WTYPE_*) into memory the model owns. */
+/* A weight converted into RAM no longer needs its file pages: unmap them from this process (the
+ * page cache keeps clean pages that the kernel, or a memory cgroup, reclaims first). Only pages
+ * wholly inside the range; a hint. */
+static void drop_mapped(const void *p, size_t n) {
+    uintptr_t a = ((uintptr_t)p + 4095) & ~(uintptr_t)4095, e = ((uintptr_t)p + n) & ~(uintptr_t)4095;
+    if (e <= a) return;
+#ifdef MADV_DONTNEED
+    madvise((void *)a, e - a, MADV_DONTNEED); /* private read-only mapping: re-read from the file if touched */
+#else
+    posix_madvise((void *)a, e - a, POSIX_MADV_DONTNEED);
+#endif
+}
+
+static int in_mapping(const moe_model *m, const void *p) {
+    for (int f = 0; f < m->n_files; f++)
+        if ((const unsigned char *)p >= (const unsigned char *)m->files[f].map &&
+            (const unsigned char *)p < (const unsigned char *)m->files[f].map + m->files[f].size)
+            return 1;
+    return 0;
+}
+
 static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     static const int types[] = {-1, MOE_T_F32, MOE_T_BF16, MOE_T_Q8_0, MOE_T_Q4_0};
     if (!w->data || to <= MOE_WTYPE_ASIS || to > MOE_WTYPE_Q4_0) return MOE_OK;
@@ -1581,6 +1602,10 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     }
     free(tmp);
     if (own(m, dst)) { free(dst); return MOE_ERR_NOMEM; }
+    if (in_mapping(m, w->data)) {
+        drop_mapped(w->data, (size_t)(rb_in * w->rows));
+        if (w->scale) drop_mapped(w->scale, (size_t)(sb * w->rows));
+    }
     *w = (moe__weight){t, w->rows, w->cols, dst, NULL};
     return MOE_OK;
 }
@@ -1608,14 +1633,7 @@ static moe_status repack_weight(moe_model *m, moe__weight *w) {
             m->n_owned--;
             owned = 1;
         }
-    if (!owned) { /* a mapping: drop the pages we just read (a hint; they stay in the page cache) */
-        uintptr_t a = (uintptr_t)w->data & ~(uintptr_t)4095, e = (uintptr_t)w->data + (uintptr_t)(rb * w->rows);
-#ifdef MADV_DONTNEED
-        madvise((void *)a, e - a, MADV_DONTNEED); /* private read-only mapping: re-read from the file if touched */
-#else
-        posix_madvise((void *)a, e - a, POSIX_MADV_DONTNEED);
-#endif
-    }
+    if (!owned) drop_mapped(w->data, (size_t)(rb * w->rows));
     *w = (moe__weight){to, w->rows, w->cols, dst, NULL};
     return MOE_OK;
 }
@@ -2412,6 +2430,24 @@ struct expert_cache {
     int cur_layer, next_layer; /* read ahead for these: their unused reads are not evicted by I/O threads */
 };
 
+/* Expert buffers: big ones are their own anonymous mappings, returned to the system the moment
+ * they are evicted, so the budget is what the process really holds (malloc'd blocks of many
+ * megabytes freed by other threads linger in per-thread arenas); 4096-aligned for O_DIRECT. */
+static unsigned char *entry_alloc(size_t bytes) {
+    if (bytes >= (1u << 20)) {
+        void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        return p == MAP_FAILED ? NULL : p;
+    }
+    void *p = NULL;
+    return posix_memalign(&p, 4096, bytes ? bytes : 1) ? NULL : p;
+}
+
+static void entry_free(unsigned char *p, size_t bytes) {
+    if (!p) return;
+    if (bytes >= (1u << 20)) munmap(p, bytes);
+    else free(p);
+}
+
 static void cache_free(moe_model *m) {
     struct expert_cache *c = m->cache;
     if (!c) return;
@@ -2425,7 +2461,7 @@ static void cache_free(moe_model *m) {
     free(c->io);
     free(c->queue);
     pthread_cond_destroy(&c->work);
-    for (int i = 0; i < c->n_resident; i++) free(c->resident[i]->buf), free(c->resident[i]);
+    for (int i = 0; i < c->n_resident; i++) entry_free(c->resident[i]->buf, c->resident[i]->bytes), free(c->resident[i]);
     for (int i = 0; c->fds && i < m->n_files; i++)
         if (c->fds[i] >= 0) close(c->fds[i]);
     for (int i = 0; c->dfds && i < m->n_files; i++)
@@ -2519,7 +2555,7 @@ static void cache_evict(struct expert_cache *k, cache_entry *v, int n_experts) {
     for (int i = 0; i < k->n_resident; i++)
         if (k->resident[i] == v) { k->resident[i] = k->resident[--k->n_resident]; break; }
     k->used -= v->bytes;
-    free(v->buf);
+    entry_free(v->buf, v->bytes);
     free(v);
 }
 
@@ -2641,10 +2677,6 @@ static int cache_fill(const moe_model *m, struct expert_cache *k, const expert *
     return rc;
 }
 
-static unsigned char *entry_alloc(size_t bytes) {
-    void *p = NULL;
-    return posix_memalign(&p, IO_ALIGN, bytes ? bytes : 1) ? NULL : p;
-}
 
 /* makes expert (li, e) resident and pinned; *out is valid until cache_put */
 static moe_status cache_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
@@ -2808,7 +2840,7 @@ static void *cache_io_main(void *arg) {
         pthread_mutex_lock(&k->lock);
         v->loading = 0;
         if (rc) { /* kept as an empty marker (no budget), so that the step that wants it reports the error */
-            free(v->buf);
+            entry_free(v->buf, v->bytes);
             v->buf = NULL, v->failed = 1, v->prefetched = 0;
             k->used -= v->bytes;
             v->bytes = 0;

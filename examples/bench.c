@@ -255,6 +255,18 @@ static void stream_line(const char *mode, int seqs, const run_stats *r, double d
     fflush(stdout);
 }
 
+/* this process's resident memory, as /proc/self/status reports it (Linux; silent elsewhere) */
+static void print_rss(const char *when) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256], out[512] = "";
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "VmRSS:", 6) || !strncmp(line, "RssAnon:", 8) || !strncmp(line, "RssFile:", 8) || !strncmp(line, "VmHWM:", 6)) {
+            line[strcspn(line, "\n")] = 0;
+            snprintf(out + strlen(out), sizeof out - strlen(out), " %s", line);
+        }
+    if (f) fclose(f), fprintf(stderr, "moe-bench: memory %s:%s\n", when, out);
+}
+
 static int stream_bench(const char *model, int argc, char **argv) {
     int threads = 2, n_decode = 8, n_prefill = 64, seqs[8] = {1, 16, 64}, n_seqs = 3;
     moe_options o = moe_default_options();
@@ -301,7 +313,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
     }
     if (!bsize) { fprintf(stderr, "moe-bench: %s: no model-NNNNN-of-NNNNN.safetensors shards\n", model); return 1; }
     const double seq_gbps = disk_sequential(biggest, (uint64_t)2 << 30);
-    const size_t block = 18400000; /* a K3 MXFP4 expert: 17.55 MB */
+    const size_t block = (18400000 + 4095) & ~(size_t)4095; /* a K3 MXFP4 expert (17.55 MB), in whole O_DIRECT blocks */
     const double par_gbps = disk_parallel(biggest, bsize, block, 16, 12);
     fprintf(stderr, "moe-bench: disk (O_DIRECT): sequential %.2f GB/s, 16 readers of %.1f MB blocks %.2f GB/s (%s)\n", seq_gbps,
             block / 1e6, par_gbps, biggest);
@@ -314,6 +326,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
     moe_status st = moe_model_open(&m, model, &o, err, sizeof err);
     if (st) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
     const moe_config *c = moe_model_config(m);
+    print_rss("after open");
     fprintf(stderr, "moe-bench: opened in %.1f s; expert budget %.2f GB, %d I/O threads, %d compute threads\n", now() - t0,
             o.expert_budget / 1e9, o.io_threads, o.n_threads);
     int maxs = 1;
@@ -342,6 +355,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
         stream_line("prefill", 1, &r, par_gbps, o.n_threads);
         fprintf(stderr, "moe-bench: prefill %d tokens: %llu distinct experts routed, %llu read (%.2f GB)\n", n_prefill,
                 (unsigned long long)s1.expert_loads, (unsigned long long)s1.cache_misses, s1.bytes_read / 1e9);
+        print_rss("after prefill");
     }
     /* decode: one sequence, then lockstep */
     for (int si = 0; si < n_seqs; si++) {
