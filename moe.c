@@ -2568,18 +2568,22 @@ static int cache_room(struct expert_cache *k) { /* one more resident entry; 0 on
     return 0;
 }
 
-/* The least recently used expert that may go. An I/O thread (io = 1) does not evict what was read
- * ahead for the layer being computed or the next MoE layer and is not used yet: read-ahead must
- * not evict read-ahead that is about to be used. */
+/* The least recently used expert that may go. Read ahead for the layer being computed (or, for
+ * an I/O thread, also for the next MoE layer) and not used yet goes last: an I/O thread never
+ * evicts it (read-ahead must not evict read-ahead that is about to be used), a compute thread only
+ * when nothing else can go. */
 static cache_entry *cache_lru(struct expert_cache *k, int io) {
-    cache_entry *lru = NULL;
+    cache_entry *lru = NULL, *ahead = NULL;
     for (int i = 0; i < k->n_resident; i++) {
         cache_entry *v = k->resident[i];
         if (v->pins || v->loading || v->failed) continue;
-        if (io && v->prefetched && (v->li == k->cur_layer || v->li == k->next_layer)) continue;
+        if (v->prefetched && (v->li == k->cur_layer || (io && v->li == k->next_layer))) {
+            if (!io && (!ahead || v->last_use < ahead->last_use)) ahead = v;
+            continue;
+        }
         if (!lru || v->last_use < lru->last_use) lru = v;
     }
-    return lru;
+    return lru ? lru : ahead;
 }
 
 
