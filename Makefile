@@ -10,7 +10,7 @@ OPENMP ?= $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o 
 ALL_CFLAGS = $(CFLAGS) $(OPENMP) $(EXTRA_CFLAGS)
 
 LIB = $(BUILD)/moe.o $(BUILD)/quant.o
-EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert $(BUILD)/moe-bench $(BUILD)/moe-plan $(BUILD)/moe-tokenize $(BUILD)/moe-batch
+EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert $(BUILD)/moe-bench $(BUILD)/moe-plan $(BUILD)/moe-tokenize $(BUILD)/moe-batch $(BUILD)/moe-cachesim
 TESTS = $(BUILD)/moe-test
 
 .PHONY: all examples test test-scalar asan tsan bench fuzz clean help
@@ -22,7 +22,7 @@ BENCH_ARGS ?= -t 1,2 --depth 0,4096 --prefill 512
 # all: the library objects and every example program
 all: $(LIB) $(EXAMPLES) $(TESTS)
 
-# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert, moe-bench, moe-plan, moe-tokenize, moe-batch)
+# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert, moe-bench, moe-plan, moe-tokenize, moe-batch, moe-cachesim)
 examples: $(EXAMPLES)
 
 $(BUILD)/%.o: %.c moe.h | $(BUILD)
@@ -50,6 +50,9 @@ $(BUILD)/moe-tokenize: examples/tokenize.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 $(BUILD)/moe-batch: examples/batch.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+$(BUILD)/moe-cachesim: examples/cachesim.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 $(BUILD)/moe-test: test/test.c $(LIB) moe.h

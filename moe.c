@@ -2428,7 +2428,13 @@ struct expert_cache {
     io_req *queue;
     int qn, qcap;
     int cur_layer, next_layer; /* read ahead for these: their unused reads are not evicted by I/O threads */
+    /* the router's history, kept for every expert resident or not: a use count decayed by half
+     * every HIST_HALF_LIFE routing steps of its layer (eviction takes the lowest) */
+    float *hist;
+    uint32_t *hist_at, *layer_steps;
 };
+
+#define HIST_HALF_LIFE 16.0 /* routing steps; moe-cachesim chose it on the shipped model's traces */
 
 /* Expert buffers: big ones are their own anonymous mappings, returned to the system the moment
  * they are evicted, so the budget is what the process really holds (malloc'd blocks of many
@@ -2466,7 +2472,7 @@ static void cache_free(moe_model *m) {
         if (c->fds[i] >= 0) close(c->fds[i]);
     for (int i = 0; c->dfds && i < m->n_files; i++)
         if (c->dfds[i] >= 0) close(c->dfds[i]);
-    free(c->fds), free(c->dfds), free(c->slot), free(c->resident);
+    free(c->fds), free(c->dfds), free(c->slot), free(c->resident), free(c->hist), free(c->hist_at), free(c->layer_steps);
     pthread_mutex_destroy(&c->lock);
     pthread_cond_destroy(&c->unpinned);
     free(c);
@@ -2501,8 +2507,12 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     pthread_cond_init(&k->work, NULL);
     k->budget = m->opt.expert_budget;
     k->fds = malloc(sizeof(int) * (size_t)m->n_files);
-    k->slot = xcalloc((size_t)c->n_layers * (size_t)(c->n_experts ? c->n_experts : 1), sizeof *k->slot);
-    if (!k->fds || !k->slot) return MOE_ERR_NOMEM;
+    const size_t n_ids = (size_t)c->n_layers * (size_t)(c->n_experts ? c->n_experts : 1);
+    k->slot = xcalloc(n_ids, sizeof *k->slot);
+    k->hist = xcalloc(n_ids, sizeof *k->hist);
+    k->hist_at = xcalloc(n_ids, sizeof *k->hist_at);
+    k->layer_steps = xcalloc((size_t)c->n_layers, sizeof *k->layer_steps);
+    if (!k->fds || !k->slot || !k->hist || !k->hist_at || !k->layer_steps) return MOE_ERR_NOMEM;
     for (int i = 0; i < m->n_files; i++) k->fds[i] = -1;
     for (int i = 0; i < m->n_files; i++)
         if ((k->fds[i] = open(m->files[i].path, O_RDONLY)) < 0)
@@ -2568,22 +2578,42 @@ static int cache_room(struct expert_cache *k) { /* one more resident entry; 0 on
     return 0;
 }
 
-/* The least recently used expert that may go. Read ahead for the layer being computed (or, for
- * an I/O thread, also for the next MoE layer) and not used yet goes last: an I/O thread never
- * evicts it (read-ahead must not evict read-ahead that is about to be used), a compute thread only
- * when nothing else can go. */
-static cache_entry *cache_lru(struct expert_cache *k, int io) {
-    cache_entry *lru = NULL, *ahead = NULL;
+/* An expert's decayed use count now (lower: evicted first). */
+static double hist_score(const struct expert_cache *k, const cache_entry *v, int n_experts) {
+    const size_t id = (size_t)v->li * (size_t)n_experts + (size_t)v->e;
+    return k->hist[id] * pow(0.5, (double)(k->layer_steps[v->li] - k->hist_at[id]) / HIST_HALF_LIFE);
+}
+
+/* The expert that may go: the lowest by the router's decayed history (LRFU; moe-cachesim measured
+ * it against LRU, LFU and the offline optimum), the least recently used among equals. Read ahead
+ * for the layer being computed (or, for an I/O thread, also for the next MoE layer) and not used
+ * yet goes last: an I/O thread never evicts it (read-ahead must not evict read-ahead that is
+ * about to be used), a compute thread only when nothing else can go. */
+static cache_entry *cache_lru(struct expert_cache *k, int io, int n_experts) {
+    cache_entry *best = NULL, *ahead = NULL;
+    double bs = 0, as = 0;
     for (int i = 0; i < k->n_resident; i++) {
         cache_entry *v = k->resident[i];
         if (v->pins || v->loading || v->failed) continue;
+        const double sc = hist_score(k, v, n_experts);
         if (v->prefetched && (v->li == k->cur_layer || (io && v->li == k->next_layer))) {
-            if (!io && (!ahead || v->last_use < ahead->last_use)) ahead = v;
+            if (!io && (!ahead || sc < as || (sc == as && v->last_use < ahead->last_use))) ahead = v, as = sc;
             continue;
         }
-        if (!lru || v->last_use < lru->last_use) lru = v;
+        if (!best || sc < bs || (sc == bs && v->last_use < best->last_use)) best = v, bs = sc;
     }
-    return lru ? lru : ahead;
+    return best ? best : ahead;
+}
+
+/* records that layer li routed to the experts marked in want (one routing step of that layer) */
+static void hist_update(struct expert_cache *k, int li, const unsigned char *want, int n_experts) {
+    const uint32_t now = ++k->layer_steps[li];
+    for (int e = 0; e < n_experts; e++) {
+        if (!want[e]) continue;
+        const size_t id = (size_t)li * (size_t)n_experts + (size_t)e;
+        k->hist[id] = (float)(k->hist[id] * pow(0.5, (double)(now - k->hist_at[id]) / HIST_HALF_LIFE) + 1.0);
+        k->hist_at[id] = now;
+    }
 }
 
 
@@ -2718,7 +2748,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
             return MOE_OK;
         }
         if (k->used + bytes <= k->budget) break;
-        cache_entry *lru = cache_lru(k, 0); /* evict the least recently used unpinned expert */
+        cache_entry *lru = cache_lru(k, 0, E); /* evict by the router's history */
         if (lru) cache_evict(k, lru, E);
         /* all pinned by steps running on other threads (each holds at most one while it asks
          * for another, and the budget holds one per thread of a step): wait for one to go */
@@ -2827,7 +2857,7 @@ static void *cache_io_main(void *arg) {
         const expert *src = &m->layers[li].experts[e];
         const size_t bytes = entry_bytes(m, src);
         cache_entry *lru;
-        while (k->used + bytes > k->budget && (lru = cache_lru(k, 1))) cache_evict(k, lru, E);
+        while (k->used + bytes > k->budget && (lru = cache_lru(k, 1, E))) cache_evict(k, lru, E);
         if (k->used + bytes > k->budget || cache_room(k)) continue;
         cache_entry *v = xcalloc(1, sizeof *v);
         unsigned char *buf = v ? entry_alloc(bytes) : NULL;
@@ -2863,8 +2893,9 @@ static int cache_queue(const moe_model *m, int li, const unsigned char *want, in
     struct expert_cache *k = m->cache;
     const int E = m->cfg.n_experts;
     int queued = 0;
-    if (!k->n_io) return 0;
     pthread_mutex_lock(&k->lock);
+    if (demand) hist_update(k, li, want, E);
+    if (!k->n_io) { pthread_mutex_unlock(&k->lock); return 0; }
     if (demand) k->cur_layer = li;
     else k->next_layer = li;
     for (int e = 0; e < E; e++) {
