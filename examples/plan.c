@@ -49,6 +49,7 @@ static int parse_size(const char *s, double *out) {
 int main(int argc, char **argv) {
     const char *model = NULL, *config = NULL;
     double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE), disk = 2.0, membw = 20.0, gflops = 0, ebv = 0, dbv = 2.0;
+    int dbv_given = 0;
     int threads = 1, ctx = 4096, seqs = 16;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -60,7 +61,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--membw-gbps") && more) membw = atof(argv[++i]);
         else if (!strcmp(a, "--gflops") && more) gflops = atof(argv[++i]);
         else if (!strcmp(a, "--expert-bytes-per-value") && more) ebv = atof(argv[++i]);
-        else if (!strcmp(a, "--dense-bytes-per-value") && more) dbv = atof(argv[++i]);
+        else if (!strcmp(a, "--dense-bytes-per-value") && more) dbv = atof(argv[++i]), dbv_given = 1;
         else if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
         else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
         else if (!strcmp(a, "--seqs") && more) seqs = atoi(argv[++i]);
@@ -86,6 +87,9 @@ int main(int argc, char **argv) {
         expert_total = (double)info.expert_bytes;
         dense_bytes = (double)info.weight_bytes - expert_total;
         n_params = (double)info.n_params, n_active = (double)info.n_params_active;
+        /* weights converted at load (--dense-bytes-per-value with -m: the stored dense values are
+         * BF16 in the released checkpoints, 2 bytes each) */
+        if (dbv_given) dense_bytes = dense_bytes / 2.0 * dbv;
     } else {
         FILE *f = fopen(config, "rb");
         if (!f) { fprintf(stderr, "moe-plan: %s: %s\n", config, strerror(errno)); return 1; }
@@ -129,7 +133,11 @@ int main(int argc, char **argv) {
                                  (double)n_mla * (c.kv_lora_rank + c.qk_rope_dim) * 4.0 * ctx;
     const double working = 512.0 * c.hidden_size * 4 * 16 + 512.0 * c.vocab_size * 4; /* one 512-row chunk */
     const double reserve = 1073741824.0 + 0.05 * ram;
-    const double resident = dense_bytes + state_per_seq * seqs + working;
+    /* the embedding stays in the file mapping whatever the dense type: only the rows of the tokens
+     * seen are read, so it is not counted resident (its bytes are in dense_bytes at the dense
+     * type's size) */
+    const double embed = (double)c.vocab_size * c.hidden_size * dbv;
+    const double resident = dense_bytes - embed + state_per_seq * seqs + working;
     const double cache = ram - reserve - resident > 0 ? ram - reserve - resident : 0;
     const double f = expert_total > 0 ? (cache < expert_total ? cache / expert_total : 1.0) : 1.0;
 
@@ -140,12 +148,12 @@ int main(int argc, char **argv) {
     printf("machine: RAM %.1f GB, disk %.2f GB/s, memory %.1f GB/s, %.0f GFLOP/s (%d threads)\n", ram / 1e9, disk, membw, gflops, threads);
     if (resident + reserve > ram)
         printf("plan: the dense weights and state (%.1f GB) do not fit in RAM: they would be paged too (not planned)\n", (resident) / 1e9);
-    printf("plan: resident %.2f GB (dense weights, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
+    printf("plan: resident %.2f GB (dense weights but the mapped embedding, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
            resident / 1e9, seqs, reserve / 1e9, cache / 1e9, 100 * f);
     const int ns[2] = {1, seqs};
     for (int i = 0; i < 2; i++) {
         const double N = ns[i], distinct = E ? E * (1 - pow(1 - k / E, N)) : 0;
-        const double read = n_moe * distinct * one_expert * (1 - f), touched = dense_bytes + n_moe * distinct * one_expert;
+        const double read = n_moe * distinct * one_expert * (1 - f), touched = dense_bytes - embed + n_moe * distinct * one_expert;
         const double io = read / (disk * 1e9), comp = touched / (membw * 1e9);
         printf("decode, %d sequence%s: %.2f GB read per step (%.0f experts per MoE layer), io %.3f s + compute %.3f s: "
                "%.3f s/token serial, %.3f s/token overlapped (%.2f / %.2f tok/s aggregate)\n",
