@@ -23,6 +23,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "cache_flags.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -446,22 +447,14 @@ static int parse_shard(const char *s, int *i, int *n) {
     return 1;
 }
 
-static int parse_size(const char *s, size_t *out) {
-    char *end;
-    double v = strtod(s, &end);
-    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
-               : *end == 'T' || *end == 't' ? 1099511627776.0 : 1.0;
-    if (mul != 1.0) end++;
-    if (*end || !(v > 0) || v * mul > 1e18) return 0;
-    *out = (size_t)(v * mul);
-    return 1;
-}
 
 int main(int argc, char **argv) {
     const char *model = NULL, *in_path = NULL, *out_path = NULL;
     int shard_i = 0, shard_n = 1, parallel = 8, ctx = 4096, default_max = 256;
     moe_options opt = moe_default_options();
     for (int i = 1; i < argc; i++) {
+        const char *why = NULL;
+        int ck;
         const char *a = argv[i];
         int more = i + 1 < argc;
         char *e;
@@ -474,20 +467,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-c") && more) { ctx = (int)strtol(argv[++i], &e, 10); if (*e || ctx < 2 || ctx > 100000000) return usage("bad -c"); }
         else if (!strcmp(a, "--max-tokens") && more) { default_max = (int)strtol(argv[++i], &e, 10); if (*e || default_max < 1) return usage("bad --max-tokens"); }
         else if (!strcmp(a, "--model-name") && more) model_name = argv[++i];
-        else if (!strcmp(a, "--load-mode") && more) {
-            const char *v = argv[++i];
-            if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
-            else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
-            else return usage("--load-mode is mmap or cache");
-        } else if (!strcmp(a, "--io-threads") && more) {
-            opt.io_threads = (int)strtol(argv[++i], &e, 10);
-            if (*e || opt.io_threads < 0 || opt.io_threads > 256) return usage("--io-threads is 0..256");
-        } else if (!strcmp(a, "--prefetch") && more) {
-            const char *v = argv[++i];
-            if (strcmp(v, "on") && strcmp(v, "off")) return usage("--prefetch is on or off");
-            opt.prefetch = !strcmp(v, "on");
-        } else if (!strcmp(a, "--expert-budget") && more) {
-            if (!parse_size(argv[++i], &opt.expert_budget)) return usage("--expert-budget needs a size such as 8G");
+        else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) {
+            if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else return usage("unknown, incomplete or out-of-range argument");
     }

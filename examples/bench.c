@@ -25,6 +25,7 @@
 #define _GNU_SOURCE /* O_DIRECT (glibc declares it only then; other libcs ignore this) */
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "cache_flags.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -222,15 +223,6 @@ static double disk_parallel(const char *path, off_t size, size_t block, int thre
     return t > 0 ? bytes / t / 1e9 : 0;
 }
 
-static int parse_size(const char *s, size_t *out) {
-    char *end;
-    double v = strtod(s, &end);
-    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0 : 1.0;
-    if (mul != 1.0) end++;
-    if (*end || !(v > 0)) return 0;
-    *out = (size_t)(v * mul);
-    return 1;
-}
 
 typedef struct {
     double seconds;
@@ -273,15 +265,13 @@ static int stream_bench(const char *model, int argc, char **argv) {
     o.expert_mode = MOE_EXPERTS_CACHE;
     o.expert_budget = (size_t)2 << 30;
     for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int more = i + 1 < argc;
+        const char *a = argv[i], *why;
+        int more = i + 1 < argc, k;
         if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
         else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
         else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
         else if (!strcmp(a, "--seqs") && more) { if ((n_seqs = parse_list(argv[++i], seqs, 8)) < 1) return usage("bad --seqs"); }
-        else if (!strcmp(a, "--io-threads") && more) o.io_threads = atoi(argv[++i]);
-        else if (!strcmp(a, "--prefetch") && more) o.prefetch = !strcmp(argv[++i], "on");
-        else if (!strcmp(a, "--expert-budget") && more) { if (!parse_size(argv[++i], &o.expert_budget)) return usage("bad --expert-budget"); }
+        else if ((k = cache_flag(argc, argv, &i, &o, &why)) != 0) { if (k < 0) return usage(why); }
         else if (!strcmp(a, "--dense") && more) {
             const char *v = argv[++i];
             o.dense_type = !strcmp(v, "q8_0") ? MOE_WTYPE_Q8_0 : !strcmp(v, "q4_0") ? MOE_WTYPE_Q4_0 : !strcmp(v, "bf16") ? MOE_WTYPE_BF16 : -1;

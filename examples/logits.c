@@ -8,6 +8,7 @@
  * it then decodes N tokens greedily with the caches and prints their ids, space-separated, as the
  * last line of stdout. Exit 0 on success, 1 on any error, 2 on usage errors. */
 #include "../moe.h"
+#include "cache_flags.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -91,23 +92,14 @@ static int write_floats(FILE *f, const float *x, size_t n) {
     return 1;
 }
 
-/* "8G", "512M", "65536": bytes */
-static int parse_size(const char *s, size_t *out) {
-    char *end;
-    double v = strtod(s, &end);
-    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
-               : *end == 'T' || *end == 't' ? 1099511627776.0 : 1.0;
-    if (mul != 1.0) end++;
-    if (*end || !(v > 0) || v * mul > 1e18) return 0;
-    *out = (size_t)(v * mul);
-    return 1;
-}
 
 int main(int argc, char **argv) {
     const char *model = NULL, *tokens = NULL, *outp = NULL;
     int all = 0, greedy = 0;
     moe_options opt = moe_default_options();
     for (int i = 1; i < argc; i++) {
+        const char *why = NULL;
+        int ck;
         const char *a = argv[i];
         int more = i + 1 < argc;
         if (!strcmp(a, "-m") && more) model = argv[++i];
@@ -125,24 +117,9 @@ int main(int argc, char **argv) {
             if (*end || v < 1 || v > 1024) return usage("-t needs a thread count >= 1");
             opt.n_threads = (int)v;
         } else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
-        else if (!strcmp(a, "--load-mode") && more) {
-            const char *v = argv[++i];
-            if (!strcmp(v, "mmap")) opt.expert_mode = MOE_EXPERTS_MMAP;
-            else if (!strcmp(v, "cache")) opt.expert_mode = MOE_EXPERTS_CACHE;
-            else return usage("--load-mode is mmap or cache");
-        } else if (!strcmp(a, "--io-threads") && more) {
-            char *e;
-            opt.io_threads = (int)strtol(argv[++i], &e, 10);
-            if (*e || opt.io_threads < 0 || opt.io_threads > 256) return usage("--io-threads is 0..256");
-        } else if (!strcmp(a, "--prefetch") && more) {
-            const char *v = argv[++i];
-            if (!strcmp(v, "on")) opt.prefetch = 1;
-            else if (!strcmp(v, "off")) opt.prefetch = 0;
-            else return usage("--prefetch is on or off");
-        } else if (!strcmp(a, "--expert-budget") && more) {
-            if (!parse_size(argv[++i], &opt.expert_budget)) return usage("--expert-budget needs a size such as 8G");
-        }
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
+        else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) {
+            if (ck < 0) return usage(why);
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }
     if (!model || !tokens) return usage("-m and --tokens are required");

@@ -2525,22 +2525,34 @@ static void test_concurrent_sessions(void) {
     moe_model_close(m), moe_model_close(ref);
 }
 
+/* writes a random-weight checkpoint in the released K3 layout with moe-convert --k3-slice: 3 layers
+ * (KDA + dense, KDA + MoE, MLA + MoE), hidden 64, vocab 300, E experts of width ie on a latent of
+ * dl; the directory goes to dir. Returns 1 on success. */
+static int make_k3_slice(const char *name, int E, int ie, int dl, char *dir, size_t dn) {
+    char shape[600], cmd[2400], out[4096], js[2048];
+    snprintf(shape, sizeof shape, "%s/%s.json", tmp_root, name);
+    snprintf(dir, dn, "%s/%s", tmp_root, name);
+    snprintf(js, sizeof js,
+             "{\"k3_dims\": {\"hidden_size\": 64, \"vocab_size\": 300, \"intermediate_size\": 96, \"num_attention_heads\": 2,"
+             "\"q_lora_rank\": 32, \"kv_lora_rank\": 32, \"qk_nope_head_dim\": 16, \"qk_rope_head_dim\": 8, \"v_head_dim\": 16,"
+             "\"kda_heads\": 2, \"kda_head_dim\": 16, \"short_conv_kernel_size\": 4, \"kda_a_log_len\": 4, \"num_experts\": %d,"
+             "\"num_experts_per_token\": 2, \"moe_intermediate_size\": %d, \"routed_expert_hidden_size\": %d,"
+             "\"num_shared_experts\": 1, \"first_k_dense_replace\": 1, \"attn_res_block_size\": 2},"
+             "\"layers\": [{\"attention\": \"kda\", \"ffn\": \"dense\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"},"
+             "{\"attention\": \"mla\", \"ffn\": \"moe\"}]}",
+             E, ie, dl);
+    write_all(shape, js, strlen(js));
+    snprintf(cmd, sizeof cmd, "%s/moe-convert --k3-slice %s %s 2>&1", exe_dir, shape, dir);
+    const int rc = run_cmd(cmd, out, sizeof out);
+    CHECKF(rc == 0, "%s", out);
+    return rc == 0;
+}
+
 /* experts of 1.6 MB (above the O_DIRECT threshold), adjacent in the released K3 layout: each is
  * read with one aligned O_DIRECT read where the file system allows it, giving the mapping's logits */
 static void test_cache_direct_io(void) {
-    char shape[600], dir[600], cmd[2400], out[4096], err[512];
-    snprintf(shape, sizeof shape, "%s/big-experts.json", tmp_root);
-    snprintf(dir, sizeof dir, "%s/bigexperts", tmp_root);
-    const char *js = "{\"k3_dims\": {\"hidden_size\": 64, \"vocab_size\": 300, \"intermediate_size\": 96, \"num_attention_heads\": 2,"
-                     "\"q_lora_rank\": 32, \"kv_lora_rank\": 32, \"qk_nope_head_dim\": 16, \"qk_rope_head_dim\": 8, \"v_head_dim\": 16,"
-                     "\"kda_heads\": 2, \"kda_head_dim\": 16, \"short_conv_kernel_size\": 4, \"kda_a_log_len\": 4, \"num_experts\": 4,"
-                     "\"num_experts_per_token\": 2, \"moe_intermediate_size\": 1024, \"routed_expert_hidden_size\": 1024,"
-                     "\"num_shared_experts\": 1, \"first_k_dense_replace\": 1, \"attn_res_block_size\": 2},"
-                     "\"layers\": [{\"attention\": \"kda\", \"ffn\": \"dense\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"},"
-                     "{\"attention\": \"mla\", \"ffn\": \"moe\"}]}";
-    write_all(shape, js, strlen(js));
-    snprintf(cmd, sizeof cmd, "%s/moe-convert --k3-slice %s %s 2>&1", exe_dir, shape, dir);
-    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    char dir[600], err[512];
+    if (!make_k3_slice("bigexperts", 4, 1024, 1024, dir, sizeof dir)) return;
     moe_model *m = NULL;
     CHECKF(moe_model_open(&m, dir, NULL, err, sizeof err) == MOE_OK, "%s", err);
     if (!m) return;
@@ -2621,19 +2633,8 @@ static void test_rss_cache_budget(void) {
 /* moe-convert --k3-slice writes the released K3 layout from a shape file: a tiny one loads, runs,
  * and gives the same tokens through the expert cache */
 static void test_k3_slice(void) {
-    char shape[600], dir[600], cmd[2400], out[4096];
-    snprintf(shape, sizeof shape, "%s/tiny-k3.json", tmp_root);
-    snprintf(dir, sizeof dir, "%s/k3slice", tmp_root);
-    const char *js = "{\"k3_dims\": {\"hidden_size\": 64, \"vocab_size\": 300, \"intermediate_size\": 96, \"num_attention_heads\": 2,"
-                     "\"q_lora_rank\": 32, \"kv_lora_rank\": 32, \"qk_nope_head_dim\": 16, \"qk_rope_head_dim\": 8, \"v_head_dim\": 16,"
-                     "\"kda_heads\": 2, \"kda_head_dim\": 16, \"short_conv_kernel_size\": 4, \"kda_a_log_len\": 4, \"num_experts\": 8,"
-                     "\"num_experts_per_token\": 2, \"moe_intermediate_size\": 32, \"routed_expert_hidden_size\": 32,"
-                     "\"num_shared_experts\": 1, \"first_k_dense_replace\": 1, \"attn_res_block_size\": 2},"
-                     "\"layers\": [{\"attention\": \"kda\", \"ffn\": \"dense\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"},"
-                     "{\"attention\": \"mla\", \"ffn\": \"moe\"}]}";
-    write_all(shape, js, strlen(js));
-    snprintf(cmd, sizeof cmd, "%s/moe-convert --k3-slice %s %s 2>&1", exe_dir, shape, dir);
-    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    char dir[600];
+    if (!make_k3_slice("k3slice", 8, 32, 32, dir, sizeof dir)) return;
     char err[512];
     moe_model *m = NULL;
     CHECKF(moe_model_open(&m, dir, NULL, err, sizeof err) == MOE_OK, "%s", err);

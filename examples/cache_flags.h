@@ -1,0 +1,45 @@
+/* cache_flags.h - the expert-store flags every program takes, parsed one way (included by the
+ * examples; not part of the runtime):
+ *   --load-mode mmap|cache   --expert-budget SIZE   --io-threads N   --prefetch on|off */
+#ifndef MOE_EXAMPLES_CACHE_FLAGS_H
+#define MOE_EXAMPLES_CACHE_FLAGS_H
+#include <stdlib.h>
+#include <string.h>
+
+/* "8G", "512M", "64K", "65536": bytes; 0 when not a positive size */
+static int parse_size(const char *s, size_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
+               : *end == 'T' || *end == 't' ? 1099511627776.0 : 1.0;
+    if (mul != 1.0) end++;
+    if (*end || !(v > 0) || v * mul > 1e18) return 0;
+    *out = (size_t)(v * mul);
+    return 1;
+}
+
+/* If argv[*i] is one of the flags, consumes it (and its value) into o and returns 1; returns -1
+ * with *why set when its value is bad; 0 when it is not one of them. */
+static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
+    const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--io-threads") && strcmp(a, "--prefetch")) return 0;
+    if (!v) return *why = "a flag needs a value", -1;
+    ++*i;
+    if (!strcmp(a, "--load-mode")) {
+        if (!strcmp(v, "mmap")) o->expert_mode = MOE_EXPERTS_MMAP;
+        else if (!strcmp(v, "cache")) o->expert_mode = MOE_EXPERTS_CACHE;
+        else return *why = "--load-mode is mmap or cache", -1;
+    } else if (!strcmp(a, "--expert-budget")) {
+        if (!parse_size(v, &o->expert_budget)) return *why = "--expert-budget needs a size such as 8G", -1;
+    } else if (!strcmp(a, "--io-threads")) {
+        char *e;
+        long n = strtol(v, &e, 10);
+        if (*e || e == v || n < 0 || n > 256) return *why = "--io-threads is 0..256", -1;
+        o->io_threads = (int)n;
+    } else {
+        if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
+        o->prefetch = !strcmp(v, "on");
+    }
+    return 1;
+}
+#endif
