@@ -243,7 +243,8 @@ static void stream_line(const char *mode, int seqs, const run_stats *r, double d
            "\"hit_rate\": %.4f, \"disk_read_gbps\": %.3f, \"io_floor_s_per_token\": %.4f, \"stall_frac\": %.3f, \"prefetch_recall\": %.3f, "
            "\"expert_loads_per_step\": %.1f}\n",
            mode, seqs, r->tokens, r->seconds / tok, tok / r->seconds, bpt, hr, disk_gbps, floor, r->sum.io_seconds / (r->seconds * threads),
-           r->sum.prefetch_routed ? (double)r->sum.prefetch_predicted / r->sum.prefetch_routed : 0.0, 0.0);
+           r->sum.prefetch_routed ? (double)r->sum.prefetch_predicted / r->sum.prefetch_routed : 0.0,
+           (double)r->sum.expert_loads * seqs / tok);
     fflush(stdout);
 }
 
