@@ -109,7 +109,8 @@ typedef struct {
 
 /* Defaults: 1 thread, n_batch 512, mmap experts, weights as stored, no flags. The router,
  * the embedding and MLA's kv_b stay as stored whatever dense_type says; so does a matrix whose
- * row length is not a multiple of 32 when a block format is asked for. */
+ * row length is not a multiple of 32 when a block format is asked for; with dense_type Q4_0 the
+ * LM head becomes Q8_0. */
 MOE_API moe_options moe_default_options(void);
 
 /* ---- model ------------------------------------------------------------------------------ */

@@ -239,7 +239,8 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
         VEC1("model.output_attn_res_norm.weight", d, 1.0f, 0.02f);
         VEC1("model.output_attn_res_proj.weight", d, 0.0f, 0.02f);
     }
-    MAT("lm_head.weight", V, d, dense);
+    /* the output matrix in Q8_0 when the rest is Q4_0, as the runtime converts it at load */
+    MAT("lm_head.weight", V, d, dense == MOE_T_Q4_0 ? MOE_T_Q8_0 : dense);
 #undef HF
 #undef MAT
 #undef VEC1
