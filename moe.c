@@ -5594,6 +5594,128 @@ int moe_chat_reply_token(moe_chat_reply *r, const moe_tokenizer *t, int32_t id) 
     return r->channel;
 }
 
+/* ---- tool calls in a finished reply (spec 5.1 K2 output, 5.3.4 K3 output) ---- */
+
+/* the value of attribute key in an XTML tag header ("call tool=\"f\" index=\"1\""), unescaped
+ * (&quot; before &amp;); 0 when absent */
+static int xtml_attr(const char *hdr, const char *key, char *out, size_t n) {
+    size_t kl = strlen(key);
+    for (const char *p = strchr(hdr, ' '); p; p = strchr(p + 1, ' ')) {
+        if (strncmp(p + 1, key, kl) || p[1 + kl] != '=' || p[2 + kl] != '"') continue;
+        const char *v = p + 3 + kl, *e = strchr(v, '"');
+        if (!e) return 0;
+        size_t o = 0;
+        for (const char *q = v; q < e && o + 1 < n;) {
+            if (!strncmp(q, "&quot;", 6)) out[o++] = '"', q += 6;
+            else if (!strncmp(q, "&amp;", 5)) out[o++] = '&', q += 5;
+            else out[o++] = *q++;
+        }
+        out[o] = 0;
+        return 1;
+    }
+    return 0;
+}
+
+moe_status moe_chat_tool_calls(const moe_tokenizer *t, const int32_t *ids, size_t n, const moe_chat_options *opt, char *json, size_t cap,
+                               size_t *len, char *err, size_t errlen) {
+    if (len) *len = 0;
+    if (!t || (!ids && n) || (!json && cap) || !len) return fail(err, errlen, MOE_ERR_ARG, "moe_chat_tool_calls: bad argument");
+    const int format = opt && opt->format ? opt->format : moe_chat_format_of(t);
+    sbuf out = {0}, cur = {0}, hdr = {0}, args = {0};
+    int calls = 0;
+    sb_printf(&out, "[");
+    if (format == MOE_CHAT_K3) {
+        const int32_t open = moe_token_id(t, "<|open|>"), close = moe_token_id(t, "<|close|>"), sep = moe_token_id(t, "<|sep|>");
+        int in_hdr = 0, closing = 0, in_call = 0, in_arg = 0;
+        char name[256] = "", akey[256] = "", atype[32] = "";
+        for (size_t i = 0; i < n; i++) {
+            const int32_t id = ids[i];
+            if (id == open || id == close) {
+                in_hdr = 1, closing = id == close;
+                free(hdr.s), hdr = (sbuf){0};
+                sb_printf(&hdr, "%s", "");
+                continue;
+            }
+            if (id == sep && in_hdr) {
+                in_hdr = 0;
+                const char *h = hdr.s ? hdr.s : "";
+                size_t tl = strcspn(h, " ");
+                if (!closing && tl == 4 && !strncmp(h, "call", 4)) {
+                    in_call = 1;
+                    if (!xtml_attr(h, "tool", name, sizeof name)) name[0] = 0;
+                    free(args.s), args = (sbuf){0};
+                    sb_printf(&args, "{");
+                } else if (!closing && tl == 8 && !strncmp(h, "argument", 8) && in_call) {
+                    in_arg = 1;
+                    if (!xtml_attr(h, "key", akey, sizeof akey)) akey[0] = 0;
+                    if (!xtml_attr(h, "type", atype, sizeof atype)) strcpy(atype, "string");
+                    free(cur.s), cur = (sbuf){0};
+                    sb_printf(&cur, "%s", "");
+                } else if (closing && tl == 8 && !strncmp(h, "argument", 8) && in_arg) {
+                    in_arg = 0;
+                    if (args.n > 1) sb_printf(&args, ", ");
+                    py_str(&args, akey);
+                    sb_printf(&args, ": ");
+                    if (!strcmp(atype, "string")) py_str(&args, cur.s ? cur.s : "");
+                    else sb_printf(&args, "%s", cur.s && *cur.s ? cur.s : "null");
+                } else if (closing && tl == 4 && !strncmp(h, "call", 4) && in_call) {
+                    in_call = 0;
+                    sb_printf(&args, "}");
+                    sb_printf(&out, "%s{\"id\": \"call_%d\", \"type\": \"function\", \"function\": {\"name\": ", calls ? ", " : "", calls + 1);
+                    py_str(&out, name);
+                    sb_printf(&out, ", \"arguments\": ");
+                    py_str(&out, args.s ? args.s : "{}");
+                    sb_printf(&out, "}}");
+                    calls++;
+                }
+                continue;
+            }
+            size_t bl;
+            const char *b = moe_token_bytes(t, id, &bl);
+            if (!b || moe_token_is_special(t, id)) continue;
+            sbuf *dst = in_hdr ? &hdr : in_arg ? &cur : NULL;
+            if (dst) sb_printf(dst, "%.*s", (int)bl, b);
+        }
+    } else if (format == MOE_CHAT_K2) {
+        const int32_t begin = moe_token_id(t, "<|tool_call_begin|>"), argb = moe_token_id(t, "<|tool_call_argument_begin|>"),
+                      end = moe_token_id(t, "<|tool_call_end|>");
+        int part = 0; /* 1: in the call id, 2: in the arguments */
+        for (size_t i = 0; i < n; i++) {
+            const int32_t id = ids[i];
+            if (id == begin) { part = 1; free(hdr.s), hdr = (sbuf){0}; sb_printf(&hdr, "%s", ""); continue; }
+            if (id == argb && part == 1) { part = 2; free(args.s), args = (sbuf){0}; sb_printf(&args, "%s", ""); continue; }
+            if (id == end && part == 2) {
+                part = 0;
+                const char *cid = hdr.s ? hdr.s : "", *dot = strchr(cid, '.'), *colon = strrchr(cid, ':');
+                char name[256] = "";
+                if (dot && colon && colon > dot) snprintf(name, sizeof name, "%.*s", (int)(colon - dot - 1), dot + 1);
+                sb_printf(&out, "%s{\"id\": ", calls ? ", " : "");
+                py_str(&out, cid);
+                sb_printf(&out, ", \"type\": \"function\", \"function\": {\"name\": ");
+                py_str(&out, name);
+                sb_printf(&out, ", \"arguments\": ");
+                py_str(&out, args.s ? args.s : "");
+                sb_printf(&out, "}}");
+                calls++;
+                continue;
+            }
+            size_t bl;
+            const char *b = moe_token_bytes(t, id, &bl);
+            if (!b || moe_token_is_special(t, id) || !part) continue;
+            sb_printf(part == 1 ? &hdr : &args, "%.*s", (int)bl, b);
+        }
+    }
+    sb_printf(&out, "]");
+    moe_status st = out.oom || cur.oom || hdr.oom || args.oom ? fail(err, errlen, MOE_ERR_NOMEM, "moe_chat_tool_calls: out of memory") : MOE_OK;
+    if (!st) {
+        *len = out.n;
+        if (out.n < cap) memcpy(json, out.s, out.n + 1);
+        else st = fail(err, errlen, MOE_ERR_RANGE, "moe_chat_tool_calls: %zu bytes, room for %zu", out.n + 1, cap);
+    }
+    free(out.s), free(cur.s), free(hdr.s), free(args.s);
+    return st;
+}
+
 /* ==== sampling ================================================================================= */
 
 static uint64_t rng_next(uint64_t *s) { /* xorshift64* */

@@ -334,6 +334,14 @@ typedef struct {
 } moe_chat_reply;
 MOE_API void moe_chat_reply_init(moe_chat_reply *r, const moe_tokenizer *t, const moe_chat_options *opt);
 MOE_API int moe_chat_reply_token(moe_chat_reply *r, const moe_tokenizer *t, int32_t id);
+/* The tool calls in a finished reply (its generated ids), as the JSON text of an OpenAI
+ * "tool_calls" array: [{"id", "type": "function", "function": {"name", "arguments"}}], "[]" when
+ * there are none. K3: call/argument elements, arguments typed as written (strings quoted, other
+ * values as the JSON text the model wrote), ids "call_1", "call_2", ...; K2: the tool-call section,
+ * the name taken from "functions.NAME:K". NUL-terminated; MOE_ERR_RANGE when cap is too small. */
+MOE_API moe_status moe_chat_tool_calls(const moe_tokenizer *t, const int32_t *ids, size_t n,
+                                       const moe_chat_options *opt, char *json, size_t cap,
+                                       size_t *len, char *err, size_t errlen);
 
 /* ---- sampling --------------------------------------------------------------------------- */
 

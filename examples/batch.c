@@ -410,7 +410,7 @@ static int slot_check_stop(slot *sl) {
     return stopped;
 }
 
-static void answer_line(buf *b, const slot *sl) {
+static void answer_line(buf *b, const slot *sl, const char *tool_calls) {
     const request *r = sl->r;
     char rid[32];
     snprintf(rid, sizeof rid, "%016llx", (unsigned long long)fnv(r->custom_id, strlen(r->custom_id)));
@@ -427,6 +427,10 @@ static void answer_line(buf *b, const slot *sl) {
             bprintf(b, ", \"reasoning_content\": ");
             bjson_str(b, sl->reasoning.s, sl->reasoning.n);
         }
+        if (tool_calls) {
+            bprintf(b, ", \"tool_calls\": ");
+            bput(b, tool_calls, strlen(tool_calls));
+        }
         bprintf(b, "}, ");
     } else {
         bprintf(b, "\"text\": ");
@@ -434,7 +438,7 @@ static void answer_line(buf *b, const slot *sl) {
         bprintf(b, ", \"logprobs\": null, ");
     }
     bprintf(b, "\"finish_reason\": \"%s\"}], \"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %d, \"total_tokens\": %d}}}, "
-               "\"error\": null}\n", sl->finish, r->n_prompt, sl->gen, r->n_prompt + sl->gen);
+               "\"error\": null}\n", tool_calls ? "tool_calls" : sl->finish, r->n_prompt, sl->gen, r->n_prompt + sl->gen);
 }
 
 static int parse_shard(const char *s, int *i, int *n) {
@@ -699,7 +703,21 @@ int main(int argc, char **argv) {
             else if (sl->gen >= rq->max_tokens) sl->finish = "length";
             if (!sl->finish) continue;
             line.n = 0;
-            answer_line(&line, sl);
+            char *calls = NULL; /* a chat reply's tool calls, when it made any */
+            if (rq->chat && tok) {
+                size_t cl = 0, cap = 256;
+                for (int tries = 0; tries < 8; tries++, cap = cl + 1) {
+                    free(calls);
+                    if (!(calls = malloc(cap))) break;
+                    moe_status ts = moe_chat_tool_calls(tok, sl->hist + rq->n_prompt, (size_t)sl->gen, &rq->co, calls, cap, &cl, err, sizeof err);
+                    if (ts != MOE_ERR_RANGE) {
+                        if (ts || !strcmp(calls, "[]")) free(calls), calls = NULL;
+                        break;
+                    }
+                }
+            }
+            answer_line(&line, sl, calls);
+            free(calls);
             if (line.oom || append_line(&line)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, line.oom ? "out of memory" : strerror(errno)); goto out; }
             finished++;
             sl->r = NULL;

@@ -1756,6 +1756,27 @@ static void test_chat_ids(void) {
     for (size_t i = 0; i < ng; i++) count += got[i] == im_end;
     CHECK(count == 2);
     CHECK(moe_chat_encode(k2, inj, strlen(inj), NULL, got, 3, &ng, err, sizeof err) == MOE_ERR_RANGE && ng > 3);
+    /* tool calls read back from replies (spec 5.3.4 and 5.1's output format) */
+    const char *k3r = "Need it.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
+                      "<|open|>call tool=\"get_weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>Paris"
+                      "<|close|>argument<|sep|><|open|>argument key=\"days\" type=\"number\"<|sep|>3<|close|>argument<|sep|>"
+                      "<|close|>call<|sep|><|open|>call tool=\"a&quot;b\" index=\"2\"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"
+                      "<|close|>message<|sep|><|end_of_msg|>";
+    const char *k2r = "ok<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                      "{\"city\": \"Beijing\"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>";
+    char calls[1024];
+    size_t cl;
+    CHECK(moe_tokenize(k3, k3r, strlen(k3r), MOE_TOK_SPECIAL, got, 512, &ng, err, sizeof err) == MOE_OK);
+    CHECK(moe_chat_tool_calls(k3, got, ng, NULL, calls, sizeof calls, &cl, err, sizeof err) == MOE_OK);
+    CHECKF(!strcmp(calls, "[{\"id\": \"call_1\", \"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"arguments\": "
+                          "\"{\\\"city\\\": \\\"Paris\\\", \\\"days\\\": 3}\"}}, {\"id\": \"call_2\", \"type\": \"function\", "
+                          "\"function\": {\"name\": \"a\\\"b\", \"arguments\": \"{}\"}}]"), "%s", calls);
+    CHECK(moe_tokenize(k2, k2r, strlen(k2r), MOE_TOK_SPECIAL, got, 512, &ng, err, sizeof err) == MOE_OK);
+    CHECK(moe_chat_tool_calls(k2, got, ng, NULL, calls, sizeof calls, &cl, err, sizeof err) == MOE_OK);
+    CHECKF(!strcmp(calls, "[{\"id\": \"functions.get_weather:0\", \"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+                          "\"arguments\": \"{\\\"city\\\": \\\"Beijing\\\"}\"}}]"), "%s", calls);
+    CHECK(moe_chat_tool_calls(k2, got, 1, NULL, calls, sizeof calls, &cl, err, sizeof err) == MOE_OK && !strcmp(calls, "[]"));
+    CHECK(moe_chat_tool_calls(k2, got, ng, NULL, calls, 10, &cl, err, sizeof err) == MOE_ERR_RANGE && cl > 10);
     moe_tokenizer_free(k3), moe_tokenizer_free(k2);
 }
 
