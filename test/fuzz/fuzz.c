@@ -139,6 +139,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         moe_chat_reply r;
         moe_chat_reply_init(&r, t, &o);
         for (size_t i = 0; i < n && i < 4096; i++) (void)moe_chat_reply_token(&r, t, ids[i]);
+        /* the rendered prompt read as if it were a reply: tool-call parsing of arbitrary markup */
+        char calls[8192];
+        size_t cl = 0;
+        (void)moe_chat_tool_calls(t, ids, n < 4096 ? n : 4096, &o, calls, sizeof calls, &cl, err, sizeof err);
     }
 #elif defined(FUZZ_BATCH)
     moe__json *j = NULL;
