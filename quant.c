@@ -791,6 +791,27 @@ static int cpu_has_avx2(void) {
 /* ---- NEON (AArch64) -------------------------------------------------------------------- */
 #ifdef MOE_NEON
 
+/* activation blocks, as moe__quant_q8a_ref: vcvtnq rounds to nearest even like lrintf */
+static void quant_q8a_neon(const float *x, moe__block_q8a *out, int64_t n) {
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float *v = x + i * 32;
+        float32x4_t q[8], mx = vdupq_n_f32(0);
+        for (int j = 0; j < 8; j++) q[j] = vld1q_f32(v + 4 * j), mx = vmaxq_f32(mx, vabsq_f32(q[j]));
+        const float amax = vmaxvq_f32(mx);
+        out[i].d = amax / 127;
+        const float32x4_t id = vdupq_n_f32(amax ? 127.0f / amax : 0.0f);
+        int32_t sum = 0;
+        for (int j = 0; j < 8; j += 2) {
+            const int32x4_t a = vcvtnq_s32_f32(vmulq_f32(q[j], id)), b = vcvtnq_s32_f32(vmulq_f32(q[j + 1], id));
+            const int16x8_t h = vcombine_s16(vqmovn_s32(a), vqmovn_s32(b));
+            const int8x8_t c = vqmovn_s16(h);
+            vst1_s8(out[i].qs + 4 * j, c);
+            sum += vaddlvq_s16(h);
+        }
+        out[i].sum = sum;
+    }
+}
+
 static float dot_f32_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     (void)sc;
     const float *p = w;
@@ -1164,6 +1185,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_neon;
         k->axpy = axpy_neon;
         k->kda_recurrent = kda_recurrent_neon;
+        k->quant_q8a = quant_q8a_neon;
         k->isa = "neon";
         if (n < max && cpu_has_dotprod()) {
             moe__kernels *v = &out[n++];
