@@ -5616,6 +5616,26 @@ static int xtml_attr(const char *hdr, const char *key, char *out, size_t n) {
     return 0;
 }
 
+/* appends one OpenAI tool call {"id", "type": "function", "function": {"name", "arguments"}} */
+static void tool_call_json(sbuf *out, int first, const char *id, const char *name, const char *args) {
+    sb_printf(out, "%s{\"id\": ", first ? "" : ", ");
+    py_str(out, id);
+    sb_printf(out, ", \"type\": \"function\", \"function\": {\"name\": ");
+    py_str(out, name);
+    sb_printf(out, ", \"arguments\": ");
+    py_str(out, args);
+    sb_printf(out, "}}");
+}
+
+/* empties b (an empty string, not NULL); a failed append stays recorded */
+static void sb_reset(sbuf *b) {
+    const int oom = b->oom;
+    free(b->s);
+    *b = (sbuf){0};
+    sb_printf(b, "%s", "");
+    b->oom |= oom;
+}
+
 moe_status moe_chat_tool_calls(const moe_tokenizer *t, const int32_t *ids, size_t n, const moe_chat_options *opt, char *json, size_t cap,
                                size_t *len, char *err, size_t errlen) {
     if (len) *len = 0;
@@ -5632,8 +5652,7 @@ moe_status moe_chat_tool_calls(const moe_tokenizer *t, const int32_t *ids, size_
             const int32_t id = ids[i];
             if (id == open || id == close) {
                 in_hdr = 1, closing = id == close;
-                free(hdr.s), hdr = (sbuf){0};
-                sb_printf(&hdr, "%s", "");
+                sb_reset(&hdr);
                 continue;
             }
             if (id == sep && in_hdr) {
@@ -5643,14 +5662,13 @@ moe_status moe_chat_tool_calls(const moe_tokenizer *t, const int32_t *ids, size_
                 if (!closing && tl == 4 && !strncmp(h, "call", 4)) {
                     in_call = 1;
                     if (!xtml_attr(h, "tool", name, sizeof name)) name[0] = 0;
-                    free(args.s), args = (sbuf){0};
+                    sb_reset(&args);
                     sb_printf(&args, "{");
                 } else if (!closing && tl == 8 && !strncmp(h, "argument", 8) && in_call) {
                     in_arg = 1;
                     if (!xtml_attr(h, "key", akey, sizeof akey)) akey[0] = 0;
                     if (!xtml_attr(h, "type", atype, sizeof atype)) strcpy(atype, "string");
-                    free(cur.s), cur = (sbuf){0};
-                    sb_printf(&cur, "%s", "");
+                    sb_reset(&cur);
                 } else if (closing && tl == 8 && !strncmp(h, "argument", 8) && in_arg) {
                     in_arg = 0;
                     if (args.n > 1) sb_printf(&args, ", ");
@@ -5661,11 +5679,9 @@ moe_status moe_chat_tool_calls(const moe_tokenizer *t, const int32_t *ids, size_
                 } else if (closing && tl == 4 && !strncmp(h, "call", 4) && in_call) {
                     in_call = 0;
                     sb_printf(&args, "}");
-                    sb_printf(&out, "%s{\"id\": \"call_%d\", \"type\": \"function\", \"function\": {\"name\": ", calls ? ", " : "", calls + 1);
-                    py_str(&out, name);
-                    sb_printf(&out, ", \"arguments\": ");
-                    py_str(&out, args.s ? args.s : "{}");
-                    sb_printf(&out, "}}");
+                    char cid[32];
+                    snprintf(cid, sizeof cid, "call_%d", calls + 1);
+                    tool_call_json(&out, !calls, cid, name, args.s ? args.s : "{}");
                     calls++;
                 }
                 continue;
@@ -5682,20 +5698,14 @@ moe_status moe_chat_tool_calls(const moe_tokenizer *t, const int32_t *ids, size_
         int part = 0; /* 1: in the call id, 2: in the arguments */
         for (size_t i = 0; i < n; i++) {
             const int32_t id = ids[i];
-            if (id == begin) { part = 1; free(hdr.s), hdr = (sbuf){0}; sb_printf(&hdr, "%s", ""); continue; }
-            if (id == argb && part == 1) { part = 2; free(args.s), args = (sbuf){0}; sb_printf(&args, "%s", ""); continue; }
+            if (id == begin) { part = 1; sb_reset(&hdr); continue; }
+            if (id == argb && part == 1) { part = 2; sb_reset(&args); continue; }
             if (id == end && part == 2) {
                 part = 0;
                 const char *cid = hdr.s ? hdr.s : "", *dot = strchr(cid, '.'), *colon = strrchr(cid, ':');
                 char name[256] = "";
                 if (dot && colon && colon > dot) snprintf(name, sizeof name, "%.*s", (int)(colon - dot - 1), dot + 1);
-                sb_printf(&out, "%s{\"id\": ", calls ? ", " : "");
-                py_str(&out, cid);
-                sb_printf(&out, ", \"type\": \"function\", \"function\": {\"name\": ");
-                py_str(&out, name);
-                sb_printf(&out, ", \"arguments\": ");
-                py_str(&out, args.s ? args.s : "");
-                sb_printf(&out, "}}");
+                tool_call_json(&out, !calls, cid, name, args.s ? args.s : "");
                 calls++;
                 continue;
             }
