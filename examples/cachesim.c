@@ -14,6 +14,7 @@
  * A step's experts are all needed at once (pinned), as in the runtime. */
 #define _POSIX_C_SOURCE 200809L
 #include "../moe.h"
+#include "files.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -89,25 +90,6 @@ static double simulate(const trace *tr, int n_exp, int cap, int policy, double h
     return lookups ? (double)hits / lookups : 0;
 }
 
-static int read_ids(const char *path, int32_t **out) {
-    FILE *f = fopen(path, "r");
-    if (!f) return -1;
-    int n = 0, cap = 1024;
-    int32_t *ids = malloc(sizeof *ids * (size_t)cap);
-    long v;
-    while (ids && fscanf(f, "%ld", &v) == 1) {
-        if (n == cap) {
-            int32_t *nb = realloc(ids, sizeof *ids * (size_t)(cap *= 2));
-            if (!nb) { free(ids); ids = NULL; break; }
-            ids = nb;
-        }
-        ids[n++] = (int32_t)v;
-    }
-    fclose(f);
-    if (!ids) return -1;
-    *out = ids;
-    return n;
-}
 
 int main(int argc, char **argv) {
     const char *model = NULL, *tokens = NULL;
@@ -133,7 +115,7 @@ int main(int argc, char **argv) {
     if (!model || !tokens || seqs < 1 || o.n_threads < 1 || !(half_life > 0)) return usage("-m and --tokens are required");
     int32_t *ids;
     int n = read_ids(tokens, &ids);
-    if (n < seqs * 2) { fprintf(stderr, "moe-cachesim: %s: too few ids\n", tokens); return 1; }
+    if (n < seqs * 2) { fprintf(stderr, "moe-cachesim: %s: %s\n", tokens, n < 0 ? "not a readable list of token ids" : "too few ids"); return 1; }
     char err[512];
     moe_model *m = NULL;
     if (moe_model_open(&m, model, &o, err, sizeof err)) { fprintf(stderr, "moe-cachesim: %s\n", err); return 1; }

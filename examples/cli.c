@@ -11,6 +11,7 @@
  * Exit 0 on success, 1 on errors, 2 on usage errors. */
 #define _POSIX_C_SOURCE 200809L
 #include "../moe.h"
+#include "files.h"
 #include "cache_flags.h"
 
 #include <errno.h>
@@ -102,26 +103,6 @@ static int parse_ids(const char *text, int32_t **out) {
     return n;
 }
 
-static char *slurp(const char *path, size_t *len) {
-    FILE *f = strcmp(path, "-") ? fopen(path, "rb") : stdin;
-    if (!f) return NULL;
-    size_t n = 0, cap = 4096;
-    char *b = malloc(cap);
-    while (b) {
-        if (n + 1 >= cap) {
-            char *nb = realloc(b, cap *= 2);
-            if (!nb) { free(b); b = NULL; break; }
-            b = nb;
-        }
-        size_t r = fread(b + n, 1, cap - n - 1, f);
-        if (!r) break;
-        n += r;
-    }
-    if (b && ferror(f)) { free(b); b = NULL; }
-    if (b) b[n] = 0, *len = n;
-    if (f != stdin) fclose(f);
-    return b;
-}
 
 static int num_arg(const char *s, double lo, double hi, double *out) {
     char *end;

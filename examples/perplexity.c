@@ -11,6 +11,7 @@
  * numeric change flips near-tie routing decisions, and this separates the two effects.
  * Exit 0, 1 on errors, 2 on usage. */
 #include "../moe.h"
+#include "files.h"
 
 #include <errno.h>
 #include <math.h>
@@ -33,28 +34,6 @@ static int parse_type(const char *s) {
     return -1;
 }
 
-static int read_ids(const char *path, int32_t **out) {
-    FILE *f = fopen(path, "r");
-    if (!f) return -1;
-    int n = 0, cap = 1024;
-    int32_t *ids = malloc(sizeof *ids * (size_t)cap);
-    long v;
-    int r;
-    while (ids && (r = fscanf(f, "%ld", &v)) == 1) {
-        if (v < 0 || v > INT32_MAX) { n = -1; break; }
-        if (n == cap) {
-            int32_t *nb = realloc(ids, sizeof *ids * (size_t)(cap *= 2));
-            if (!nb) { n = -1; break; }
-            ids = nb;
-        }
-        ids[n++] = (int32_t)v;
-    }
-    if (n >= 0 && !feof(f)) n = -1; /* stopped on something that is not a number */
-    fclose(f);
-    if (n <= 0) { free(ids); return -1; }
-    *out = ids;
-    return n;
-}
 
 /* log-softmax in double */
 static void log_softmax(const float *x, double *out, int n) {

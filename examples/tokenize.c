@@ -9,6 +9,7 @@
  * reads whitespace-separated ids instead and writes their bytes to stdout. Exit 0 on success,
  * 1 on any error, 2 on usage errors. */
 #include "../moe.h"
+#include "files.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -32,23 +33,6 @@ static int usage(const char *msg) {
     return 2;
 }
 
-static char *slurp(FILE *f, size_t *len) {
-    size_t cap = 1 << 16, n = 0;
-    char *buf = malloc(cap);
-    while (buf) {
-        n += fread(buf + n, 1, cap - n, f);
-        if (n < cap) break;
-        char *nb = realloc(buf, cap *= 2);
-        if (!nb) free(buf);
-        buf = nb;
-    }
-    if (buf && ferror(f)) {
-        free(buf);
-        return NULL;
-    }
-    *len = n;
-    return buf;
-}
 
 int main(int argc, char **argv) {
     const char *ranks = NULL, *pre = NULL, *config = NULL, *model = NULL, *in = NULL;
@@ -93,20 +77,18 @@ int main(int argc, char **argv) {
         moe_model_close(m);
         return 1;
     }
-    FILE *f = in ? fopen(in, "rb") : stdin;
     size_t len = 0;
-    char *text = f ? slurp(f, &len) : NULL;
+    errno = 0;
+    char *text = slurp(in ? in : "-", &len);
     if (!text) {
-        fprintf(stderr, "moe-tokenize: %s: %s\n", in ? in : "stdin", f ? "read error" : strerror(errno));
+        fprintf(stderr, "moe-tokenize: %s: %s\n", in ? in : "stdin", errno ? strerror(errno) : "read error");
         moe_tokenizer_free(tok);
         moe_model_close(m);
         return 1;
     }
-    if (f != stdin) fclose(f);
     int rc = 0;
     if (decode) {
         char *p = text, *end;
-        text[len] = 0; /* slurp leaves room */
         for (;;) {
             while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') p++;
             if (!*p) break;
