@@ -763,6 +763,80 @@ MOE_TARGET(MOE_AVX512) static float dot_mxfp4g_avx512(const void *w, const uint8
     return _mm512_reduce_add_ps(acc);
 }
 
+MOE_TARGET(MOE_AVX512) static float dot_f16_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
+    (void)sc;
+    const uint16_t *p = w;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i))), _mm512_loadu_ps(x + i), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i + 16))), _mm512_loadu_ps(x + i + 16), a1);
+    }
+    if (i + 16 <= n) a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i))), _mm512_loadu_ps(x + i), a0), i += 16;
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    for (; i < n; i++) s += moe__f16_to_f32(p[i]) * x[i];
+    return s;
+}
+
+/* Row-at-a-time integer dots with VNNI (dpbusd: unsigned x signed bytes, 4 products per int32
+ * lane). Q8_0 weights are made unsigned by w + 128 (xor 0x80); the surplus 128 sum(x) is taken
+ * back with the activation block sum. Q4_0 nibbles are unsigned already: q - 8 likewise. */
+#define MOE_VNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+
+MOE_TARGET(MOE_VNNI) static float dotq_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q8_0 *b = w;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float corr = 0;
+    int64_t i = 0, nb = n / 32;
+    for (; i + 2 <= nb; i += 2) {
+        __m256i a0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i].qs), flip);
+        __m256i a1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i + 1].qs), flip);
+        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a0, _mm256_loadu_si256((const __m256i *)x[i].qs));
+        __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a1, _mm256_loadu_si256((const __m256i *)x[i + 1].qs));
+        const float d0 = f16_avx(b[i].d) * x[i].d, d1 = f16_avx(b[i + 1].d) * x[i + 1].d;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(p1), acc1);
+        corr += d0 * (float)x[i].sum + d1 * (float)x[i + 1].sum;
+    }
+    for (; i < nb; i++) {
+        __m256i a0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i].qs), flip);
+        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a0, _mm256_loadu_si256((const __m256i *)x[i].qs));
+        const float d0 = f16_avx(b[i].d) * x[i].d;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);
+        corr += d0 * (float)x[i].sum;
+    }
+    return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 128.0f * corr;
+}
+
+MOE_TARGET(MOE_VNNI) static float dotq_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q4_0 *b = w;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float corr = 0;
+    int64_t i = 0, nb = n / 32;
+    for (; i + 2 <= nb; i += 2) {
+        __m128i r0 = _mm_loadu_si128((const __m128i *)b[i].qs), r1 = _mm_loadu_si128((const __m128i *)b[i + 1].qs);
+        __m256i q0 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r0), _mm_srli_epi16(r0, 4), 1), m4);
+        __m256i q1 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r1), _mm_srli_epi16(r1, 4), 1), m4);
+        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[i].qs));
+        __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q1, _mm256_loadu_si256((const __m256i *)x[i + 1].qs));
+        const float d0 = f16_avx(b[i].d) * x[i].d, d1 = f16_avx(b[i + 1].d) * x[i + 1].d;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(p1), acc1);
+        corr += d0 * (float)x[i].sum + d1 * (float)x[i + 1].sum;
+    }
+    for (; i < nb; i++) {
+        __m128i r0 = _mm_loadu_si128((const __m128i *)b[i].qs);
+        __m256i q0 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r0), _mm_srli_epi16(r0, 4), 1), m4);
+        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[i].qs));
+        const float d0 = f16_avx(b[i].d) * x[i].d;
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);
+        corr += d0 * (float)x[i].sum;
+    }
+    return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 8.0f * corr;
+}
+
 MOE_TARGET(MOE_AVX512) static void axpy_avx512(float *y, float a, const float *x, int64_t n) {
     const __m512 va = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -932,6 +1006,149 @@ static void kda_recurrent_neon(const moe__kda_head *a) {
         }
         memcpy(a->o + (size_t)t * a->stride, o, sizeof(float) * (size_t)D);
     }
+}
+
+/* Integer kernels for cores without the dot-product extension (Cortex-A72, as in the Raspberry
+ * Pi 4): 8 byte products widened to int16 (vmull), pairwise into int32. */
+static inline int32x4_t dot16_neon(int32x4_t acc, int8x16_t a, int8x16_t b) {
+    acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+    return vpadalq_s16(acc, vmull_s8(vget_high_s8(a), vget_high_s8(b)));
+}
+
+static float dotq_q8_0_neon(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q8_0 *b = w;
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t i = 0; i < n / 32; i++) {
+        int32x4_t s = dot16_neon(vdupq_n_s32(0), vld1q_s8(b[i].qs), vld1q_s8(x[i].qs));
+        s = dot16_neon(s, vld1q_s8(b[i].qs + 16), vld1q_s8(x[i].qs + 16));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), moe__f16_to_f32(b[i].d) * x[i].d);
+    }
+    return vaddvq_f32(acc);
+}
+
+static float dotq_q4_0_neon(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q4_0 *b = w;
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t i = 0; i < n / 32; i++) {
+        uint8x16_t raw = vld1q_u8(b[i].qs);
+        int8x16_t lo = vsubq_s8(vreinterpretq_s8_u8(vandq_u8(raw, vdupq_n_u8(15))), vdupq_n_s8(8));
+        int8x16_t hi = vsubq_s8(vreinterpretq_s8_u8(vshrq_n_u8(raw, 4)), vdupq_n_s8(8));
+        int32x4_t s = dot16_neon(dot16_neon(vdupq_n_s32(0), lo, vld1q_s8(x[i].qs)), hi, vld1q_s8(x[i].qs + 16));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), moe__f16_to_f32(b[i].d) * x[i].d);
+    }
+    return vaddvq_f32(acc);
+}
+
+/* x8 groups without SDOT: 16 bytes = 4 rows x 4 values against the same 4 activations; products
+ * in int16 (|w x| <= 128 * 127), then summed per row: two pairwise steps into int32 */
+static inline int32x4_t rows4_neon(int32x4_t acc, int8x16_t w, int8x16_t xb) {
+    int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(xb)));   /* r0 r0 r1 r1 */
+    int32x4_t hi = vpaddlq_s16(vmull_s8(vget_high_s8(w), vget_high_s8(xb))); /* r2 r2 r3 r3 */
+    return vaddq_s32(acc, vpaddq_s32(lo, hi));
+}
+
+static void dotq8_q4_0_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_q4_0x8 *o = w;
+    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        int32x4_t s0 = vdupq_n_s32(-8 * x[b].sum), s1 = s0;
+        for (int c = 0; c < 4; c++) {
+            uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
+            int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(xq[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(xq[c + 4]));
+            s0 = rows4_neon(s0, vreinterpretq_s8_u8(vandq_u8(v0, vdupq_n_u8(15))), xl);
+            s1 = rows4_neon(s1, vreinterpretq_s8_u8(vandq_u8(v1, vdupq_n_u8(15))), xl);
+            s0 = rows4_neon(s0, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), xh);
+            s1 = rows4_neon(s1, vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), xh);
+        }
+        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);
+        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);
+        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));
+        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));
+    }
+    vst1q_f32(out, acc0);
+    vst1q_f32(out + 4, acc1);
+}
+
+static void dotq8_q8_0_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_q8_0x8 *o = w;
+    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
+    const uint8x16_t flip = vdupq_n_u8(0x80); /* stored as w + 128: back to signed w */
+    for (int64_t b = 0; b < n / 32; b++) {
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        int32x4_t s0 = vdupq_n_s32(0), s1 = s0;
+        for (int c = 0; c < 8; c++) {
+            int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(xq[c]));
+            s0 = rows4_neon(s0, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c), flip)), xb);
+            s1 = rows4_neon(s1, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c + 16), flip)), xb);
+        }
+        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);
+        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);
+        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));
+        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));
+    }
+    vst1q_f32(out, acc0);
+    vst1q_f32(out + 4, acc1);
+}
+
+/* absorbed MLA, 4 lanes: scores 4 heads at a time, ctx 2 heads x 16 latent floats */
+static void mla_scores_neon(const moe__mla_block *b) {
+    const int r = b->r, dr = b->dr;
+    if (r % 4 || dr % 4) { moe__mla_scores_ref(b); return; }
+    const size_t qs = (size_t)b->qr_stride;
+    for (int j = b->j0; j < b->j1; j++) {
+        const float *c = b->cache + (size_t)j * b->cw;
+        int h = 0;
+        for (; h + 4 <= b->H; h += 4) {
+            const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
+            const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+            float32x4_t s0 = vdupq_n_f32(0), s1 = s0, s2 = s0, s3 = s0;
+            for (int i = 0; i < r; i += 4) {
+                float32x4_t cv = vld1q_f32(c + i);
+                s0 = vfmaq_f32(s0, vld1q_f32(a0 + i), cv), s1 = vfmaq_f32(s1, vld1q_f32(a1 + i), cv);
+                s2 = vfmaq_f32(s2, vld1q_f32(a2 + i), cv), s3 = vfmaq_f32(s3, vld1q_f32(a3 + i), cv);
+            }
+            for (int i = 0; i < dr; i += 4) {
+                float32x4_t cv = vld1q_f32(c + r + i);
+                s0 = vfmaq_f32(s0, vld1q_f32(q0 + i), cv), s1 = vfmaq_f32(s1, vld1q_f32(q1 + i), cv);
+                s2 = vfmaq_f32(s2, vld1q_f32(q2 + i), cv), s3 = vfmaq_f32(s3, vld1q_f32(q3 + i), cv);
+            }
+            b->sc[(size_t)h * b->ld + j] = vaddvq_f32(s0) * b->scale;
+            b->sc[(size_t)(h + 1) * b->ld + j] = vaddvq_f32(s1) * b->scale;
+            b->sc[(size_t)(h + 2) * b->ld + j] = vaddvq_f32(s2) * b->scale;
+            b->sc[(size_t)(h + 3) * b->ld + j] = vaddvq_f32(s3) * b->scale;
+        }
+        for (; h < b->H; h++) {
+            float32x4_t s0 = vdupq_n_f32(0);
+            for (int i = 0; i < r; i += 4) s0 = vfmaq_f32(s0, vld1q_f32(b->qa + (size_t)h * r + i), vld1q_f32(c + i));
+            for (int i = 0; i < dr; i += 4) s0 = vfmaq_f32(s0, vld1q_f32(b->qr + (size_t)h * qs + i), vld1q_f32(c + r + i));
+            b->sc[(size_t)h * b->ld + j] = vaddvq_f32(s0) * b->scale;
+        }
+    }
+}
+
+static void mla_ctx_neon(const moe__mla_block *b, int h0, int h1) {
+    const int r = b->r;
+    if (r % 16) { moe__mla_ctx_ref(b, h0, h1); return; }
+    int h = h0;
+    for (; h + 2 <= h1; h += 2) {
+        const float *p0 = b->sc + (size_t)h * b->ld, *p1 = p0 + b->ld;
+        float *c0 = b->ctx + (size_t)h * r, *c1 = c0 + r;
+        for (int i = 0; i < r; i += 16) {
+            float32x4_t x0 = vld1q_f32(c0 + i), x1 = vld1q_f32(c0 + i + 4), x2 = vld1q_f32(c0 + i + 8), x3 = vld1q_f32(c0 + i + 12);
+            float32x4_t y0 = vld1q_f32(c1 + i), y1 = vld1q_f32(c1 + i + 4), y2 = vld1q_f32(c1 + i + 8), y3 = vld1q_f32(c1 + i + 12);
+            for (int j = 0; j < b->jn; j++) {
+                const float *c = b->cache + (size_t)j * b->cw + i;
+                const float a = p0[j], bb = p1[j];
+                const float32x4_t v0 = vld1q_f32(c), v1 = vld1q_f32(c + 4), v2 = vld1q_f32(c + 8), v3 = vld1q_f32(c + 12);
+                x0 = vfmaq_n_f32(x0, v0, a), x1 = vfmaq_n_f32(x1, v1, a), x2 = vfmaq_n_f32(x2, v2, a), x3 = vfmaq_n_f32(x3, v3, a);
+                y0 = vfmaq_n_f32(y0, v0, bb), y1 = vfmaq_n_f32(y1, v1, bb), y2 = vfmaq_n_f32(y2, v2, bb), y3 = vfmaq_n_f32(y3, v3, bb);
+            }
+            vst1q_f32(c0 + i, x0), vst1q_f32(c0 + i + 4, x1), vst1q_f32(c0 + i + 8, x2), vst1q_f32(c0 + i + 12, x3);
+            vst1q_f32(c1 + i, y0), vst1q_f32(c1 + i + 4, y1), vst1q_f32(c1 + i + 8, y2), vst1q_f32(c1 + i + 12, y3);
+        }
+    }
+    if (h < h1) moe__mla_ctx_ref(b, h, h1);
 }
 
 /* integer kernels with the dot-product extension (SDOT: 4 int8 products into each int32 lane) */
@@ -1105,6 +1322,110 @@ MOE_TARGET("avx2,fma") static void mla_ctx_avx2(const moe__mla_block *b, int h0,
     }
     if (h < h1) moe__mla_ctx_ref(b, h, h1);
 }
+
+/* ---- AVX-512 linear and latent attention: the AVX2 kernels at 16 lanes -------------------- */
+
+MOE_TARGET(MOE_AVX512) static void kda_recurrent_avx512(const moe__kda_head *a) {
+    const int D = a->D;
+    if (D % 16 || D > 512) { kda_recurrent_avx2(a); return; }
+    float *S = a->S;
+    __attribute__((aligned(64))) float pred[512], u[512], o[512];
+    for (int t = 0; t < a->n; t++) {
+        const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
+        const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
+        const float beta = a->beta[(size_t)t * a->beta_stride];
+        for (int j = 0; j < D; j += 16) _mm512_store_ps(pred + j, _mm512_setzero_ps());
+        for (int i = 0; i < D; i++) {
+            const __m512 dec = _mm512_set1_ps(expf(g[i])), ki = _mm512_set1_ps(k[i]);
+            float *row = S + (size_t)i * D;
+            for (int j = 0; j < D; j += 16) {
+                __m512 r = _mm512_mul_ps(_mm512_loadu_ps(row + j), dec);
+                _mm512_storeu_ps(row + j, r);
+                _mm512_store_ps(pred + j, _mm512_fmadd_ps(r, ki, _mm512_load_ps(pred + j)));
+            }
+        }
+        const __m512 vb = _mm512_set1_ps(beta);
+        for (int j = 0; j < D; j += 16) {
+            _mm512_store_ps(u + j, _mm512_mul_ps(vb, _mm512_sub_ps(_mm512_loadu_ps(v + j), _mm512_load_ps(pred + j))));
+            _mm512_store_ps(o + j, _mm512_setzero_ps());
+        }
+        for (int i = 0; i < D; i++) {
+            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+            float *row = S + (size_t)i * D;
+            for (int j = 0; j < D; j += 16) {
+                __m512 r = _mm512_fmadd_ps(ki, _mm512_load_ps(u + j), _mm512_loadu_ps(row + j));
+                _mm512_storeu_ps(row + j, r);
+                _mm512_store_ps(o + j, _mm512_fmadd_ps(r, qi, _mm512_load_ps(o + j)));
+            }
+        }
+        memcpy(a->o + (size_t)t * a->stride, o, sizeof(float) * (size_t)D);
+    }
+}
+
+/* scores, 4 heads at a time, 16 floats of c_j per load */
+MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
+    const int r = b->r, dr = b->dr;
+    if (r % 16 || dr % 16) { mla_scores_avx2(b); return; }
+    const size_t qs = (size_t)b->qr_stride;
+    for (int j = b->j0; j < b->j1; j++) {
+        const float *c = b->cache + (size_t)j * b->cw;
+        int h = 0;
+        for (; h + 4 <= b->H; h += 4) {
+            const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
+            const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int i = 0; i < r; i += 16) {
+                __m512 cv = _mm512_loadu_ps(c + i);
+                s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a0 + i), cv, s0);
+                s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a1 + i), cv, s1);
+                s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a2 + i), cv, s2);
+                s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a3 + i), cv, s3);
+            }
+            for (int i = 0; i < dr; i += 16) {
+                __m512 cv = _mm512_loadu_ps(c + r + i);
+                s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + i), cv, s0);
+                s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + i), cv, s1);
+                s2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i), cv, s2);
+                s3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + i), cv, s3);
+            }
+            b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s0) * b->scale;
+            b->sc[(size_t)(h + 1) * b->ld + j] = _mm512_reduce_add_ps(s1) * b->scale;
+            b->sc[(size_t)(h + 2) * b->ld + j] = _mm512_reduce_add_ps(s2) * b->scale;
+            b->sc[(size_t)(h + 3) * b->ld + j] = _mm512_reduce_add_ps(s3) * b->scale;
+        }
+        for (; h < b->H; h++) {
+            __m512 s0 = _mm512_setzero_ps();
+            for (int i = 0; i < r; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(b->qa + (size_t)h * r + i), _mm512_loadu_ps(c + i), s0);
+            for (int i = 0; i < dr; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(b->qr + (size_t)h * qs + i), _mm512_loadu_ps(c + r + i), s0);
+            b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s0) * b->scale;
+        }
+    }
+}
+
+/* ctx: 2 heads x 64 latent floats in 8 registers while every key of the block passes */
+MOE_TARGET(MOE_AVX512) static void mla_ctx_avx512(const moe__mla_block *b, int h0, int h1) {
+    const int r = b->r;
+    if (r % 64) { mla_ctx_avx2(b, h0, h1); return; }
+    int h = h0;
+    for (; h + 2 <= h1; h += 2) {
+        const float *p0 = b->sc + (size_t)h * b->ld, *p1 = p0 + b->ld;
+        float *c0 = b->ctx + (size_t)h * r, *c1 = c0 + r;
+        for (int i = 0; i < r; i += 64) {
+            __m512 x0 = _mm512_loadu_ps(c0 + i), x1 = _mm512_loadu_ps(c0 + i + 16), x2 = _mm512_loadu_ps(c0 + i + 32), x3 = _mm512_loadu_ps(c0 + i + 48);
+            __m512 y0 = _mm512_loadu_ps(c1 + i), y1 = _mm512_loadu_ps(c1 + i + 16), y2 = _mm512_loadu_ps(c1 + i + 32), y3 = _mm512_loadu_ps(c1 + i + 48);
+            for (int j = 0; j < b->jn; j++) {
+                const float *c = b->cache + (size_t)j * b->cw + i;
+                const __m512 a = _mm512_set1_ps(p0[j]), bb = _mm512_set1_ps(p1[j]);
+                const __m512 v0 = _mm512_loadu_ps(c), v1 = _mm512_loadu_ps(c + 16), v2 = _mm512_loadu_ps(c + 32), v3 = _mm512_loadu_ps(c + 48);
+                x0 = _mm512_fmadd_ps(a, v0, x0), x1 = _mm512_fmadd_ps(a, v1, x1), x2 = _mm512_fmadd_ps(a, v2, x2), x3 = _mm512_fmadd_ps(a, v3, x3);
+                y0 = _mm512_fmadd_ps(bb, v0, y0), y1 = _mm512_fmadd_ps(bb, v1, y1), y2 = _mm512_fmadd_ps(bb, v2, y2), y3 = _mm512_fmadd_ps(bb, v3, y3);
+            }
+            _mm512_storeu_ps(c0 + i, x0), _mm512_storeu_ps(c0 + i + 16, x1), _mm512_storeu_ps(c0 + i + 32, x2), _mm512_storeu_ps(c0 + i + 48, x3);
+            _mm512_storeu_ps(c1 + i, y0), _mm512_storeu_ps(c1 + i + 16, y1), _mm512_storeu_ps(c1 + i + 32, y2), _mm512_storeu_ps(c1 + i + 48, y3);
+        }
+    }
+    if (h < h1) mla_ctx_avx2(b, h, h1);
+}
 #endif
 
 /* ---- kernel table ---------------------------------------------------------------------- */
@@ -1164,9 +1485,15 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dot[MOE_T_BF16] = dot_bf16_avx512;
             v->dot[MOE_T_MXFP4] = dot_mxfp4_avx512;
             v->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_avx512;
+            v->dot[MOE_T_F16] = dot_f16_avx512;
             v->axpy = axpy_avx512;
+            v->kda_recurrent = kda_recurrent_avx512;
+            v->mla_scores = mla_scores_avx512;
+            v->mla_ctx = mla_ctx_avx512;
             v->isa = "avx512";
             if (cpu_has_vnni()) {
+                v->dotq[MOE_T_Q8_0] = dotq_q8_0_vnni;
+                v->dotq[MOE_T_Q4_0] = dotq_q4_0_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->isa = "avx512vnni";
@@ -1186,6 +1513,12 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->axpy = axpy_neon;
         k->kda_recurrent = kda_recurrent_neon;
         k->quant_q8a = quant_q8a_neon;
+        k->dotq[MOE_T_Q8_0] = dotq_q8_0_neon;
+        k->dotq[MOE_T_Q4_0] = dotq_q4_0_neon;
+        k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_neon;
+        k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_neon;
+        k->mla_scores = mla_scores_neon;
+        k->mla_ctx = mla_ctx_neon;
         k->isa = "neon";
         if (n < max && cpu_has_dotprod()) {
             moe__kernels *v = &out[n++];
