@@ -742,6 +742,7 @@ typedef struct {
     moe__weight router, lat_down, lat_up;
     float *router_bias, *lat_norm;
     expert *experts; /* [E] */
+    int stream;      /* CACHE mode: the dense matrices are read from disk every step (dense_budget) */
 } layer;
 
 typedef struct {
@@ -1579,6 +1580,70 @@ static int in_mapping(const moe_model *m, const void *p) {
     return 0;
 }
 
+/* ---- streamed layers (CACHE mode, dense_budget) ---- */
+
+static uint64_t weight_data_bytes(const moe__weight *w) { return (uint64_t)w->rows * (uint64_t)moe__row_bytes(w->type, w->cols); }
+static uint64_t weight_scale_bytes(const moe__weight *w) { return w->scale ? (uint64_t)(w->rows * (w->cols / 32)) : 0; }
+
+#define UNIT_MAX 20 /* matrices in one cache unit: an expert's 3, or a layer's dense ones */
+
+/* where a layer keeps the dense matrices it can stream (kv_b only while it is still as stored:
+ * absorbed MLA needs it in a float format and converts it at load otherwise) */
+static const size_t dense_fields[] = {
+    offsetof(layer, q), offsetof(layer, k), offsetof(layer, v), offsetof(layer, f_a), offsetof(layer, f_b),
+    offsetof(layer, b), offsetof(layer, g_a), offsetof(layer, g_b), offsetof(layer, g), offsetof(layer, o),
+    offsetof(layer, q_a), offsetof(layer, q_b), offsetof(layer, kv_a), offsetof(layer, kv_b), offsetof(layer, gate),
+    offsetof(layer, up), offsetof(layer, down), offsetof(layer, lat_down), offsetof(layer, lat_up)};
+
+/* The matrices of cache unit e of layer li: expert e's w1, w2, w3, or (e == n_experts) the
+ * layer's dense matrices still in the files' mapping; field[i] (if asked) gets where the layer
+ * struct keeps each of those. */
+static int unit_weights(const moe_model *m, int li, int e, const moe__weight **w, size_t *field) {
+    const layer *L = &m->layers[li];
+    if (e < m->cfg.n_experts) {
+        w[0] = &L->experts[e].w1, w[1] = &L->experts[e].w2, w[2] = &L->experts[e].w3;
+        return 3;
+    }
+    int n = 0;
+    for (size_t i = 0; i < sizeof dense_fields / sizeof *dense_fields; i++) {
+        const moe__weight *x = (const moe__weight *)(const void *)((const char *)L + dense_fields[i]);
+        if (!x->data || !in_mapping(m, x->data)) continue;
+        if (field) field[n] = dense_fields[i];
+        w[n++] = x;
+    }
+    return n;
+}
+
+/* bytes of w once dense_type has converted it (as convert_weight decides) */
+static uint64_t loaded_bytes(const moe_model *m, const moe__weight *w) {
+    static const int types[] = {-1, MOE_T_F32, MOE_T_BF16, MOE_T_Q8_0, MOE_T_Q4_0};
+    const int to = m->opt.dense_type;
+    int t = w->type;
+    if (to > MOE_WTYPE_ASIS && to <= MOE_WTYPE_Q4_0 && !(moe__is_quant(types[to]) && w->cols % 32)) t = types[to];
+    return (uint64_t)w->rows * (uint64_t)moe__row_bytes(t, w->cols) + (t == w->type && w->scale ? (uint64_t)(w->rows * (w->cols / 32)) : 0);
+}
+
+/* CACHE mode with a dense budget: layers stay resident, in order, while their dense matrices
+ * fit; every layer after the first that does not fit streams. */
+static void choose_streamed(moe_model *m) {
+    if (m->opt.expert_mode != MOE_EXPERTS_CACHE || !m->opt.dense_budget) return;
+    uint64_t used = 0;
+    int streaming = 0;
+    for (int li = 0; li < m->cfg.n_layers; li++) {
+        const moe__weight *w[UNIT_MAX];
+        const int n = unit_weights(m, li, m->cfg.n_experts, w, NULL);
+        uint64_t b = 0;
+        for (int i = 0; i < n; i++) b += loaded_bytes(m, w[i]);
+        if (!streaming && used + b <= m->opt.dense_budget) {
+            used += b;
+        } else if (n > 0) {
+            streaming = m->layers[li].stream = 1;
+            m->info.streamed_layers++;
+            for (int i = 0; i < n; i++) m->info.streamed_bytes += weight_data_bytes(w[i]) + weight_scale_bytes(w[i]);
+        }
+    }
+}
+
 static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     static const int types[] = {-1, MOE_T_F32, MOE_T_BF16, MOE_T_Q8_0, MOE_T_Q4_0};
     if (!w->data || to <= MOE_WTYPE_ASIS || to > MOE_WTYPE_Q4_0) return MOE_OK;
@@ -1649,7 +1714,8 @@ static moe_status repack_weights(moe_model *m) {
         progress(m, "interleaving", i, m->cfg.n_layers);
         moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o, &L->q_a,
                                 &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->router, &L->lat_down, &L->lat_up};
-        for (size_t k = 0; k < sizeof dense / sizeof *dense && !st; k++) st = repack_weight(m, dense[k]);
+        for (size_t k = 0; k < sizeof dense / sizeof *dense && !st; k++) /* streamed layers: routers only */
+            if (!L->stream || dense[k] == &L->router) st = repack_weight(m, dense[k]);
         for (int e = 0; L->experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) { /* cache mode reads experts as stored */
             st = repack_weight(m, &L->experts[e].w1);
             if (!st) st = repack_weight(m, &L->experts[e].w2);
@@ -1670,7 +1736,7 @@ static moe_status convert_weights(moe_model *m) {
         progress(m, "converting", i, m->cfg.n_layers);
         moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o,
                                 &L->q_a, &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->lat_down, &L->lat_up};
-        for (size_t k = 0; k < sizeof dense / sizeof *dense && !st && dt; k++) st = convert_weight(m, dense[k], dt);
+        for (size_t k = 0; k < sizeof dense / sizeof *dense && !st && dt && !L->stream; k++) st = convert_weight(m, dense[k], dt);
         for (int e = 0; L->experts && et && e < m->cfg.n_experts && !st; e++) {
             st = convert_weight(m, &L->experts[e].w1, et);
             if (!st) st = convert_weight(m, &L->experts[e].w2, et);
@@ -1715,6 +1781,7 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     if (!b.st && (m->embed.type == MOE_T_MXFP4 || m->embed.type == MOE_T_MXFP4_GGML))
         b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
     if (!b.st) count_params(m);
+    if (!b.st) choose_streamed(m);
     if (!b.st && (b.st = convert_weights(m))) fail(err, errlen, b.st, "out of memory converting weights at load");
     if (!b.st && !(m->opt.flags & MOE_FLAG_NO_REPACK) && (b.st = repack_weights(m)))
         fail(err, errlen, b.st, "out of memory interleaving weights at load (MOE_FLAG_NO_REPACK keeps them mapped)");
@@ -1922,7 +1989,9 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
         st = fail(err, errlen, MOE_ERR_ARG, "expert_type conversion makes experts resident: it needs the mmap expert mode");
     if (!st) st = open_files(m, path, err, errlen);
     if (!st) st = bind_model(m, err, errlen);
-    if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && m->cfg.n_experts) st = cache_open(m, err, errlen);
+    int streams = 0;
+    for (int i = 0; !st && i < m->cfg.n_layers; i++) streams |= m->layers[i].stream;
+    if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && (m->cfg.n_experts || streams)) st = cache_open(m, err, errlen);
     if (st) {
         if (st == MOE_ERR_NOMEM && err && errlen && !err[0]) fail(err, errlen, st, "out of memory loading %s", path);
         moe_model_close(m);
@@ -2387,49 +2456,53 @@ static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const
 }
 
 /* ==== expert cache (CACHE mode) ===============================================================
- * Experts are read whole with pread into buffers the cache owns, within the caller's budget;
- * an expert in use by a step is pinned, the least recently used unpinned one is evicted to make
- * room. One lock guards the table; reads happen under it (synchronous reading: the I/O threads and
- * prefetch of the streaming design are not here yet). */
+ * Units are read whole with pread into buffers the cache owns, within the caller's budget: a
+ * routed expert (its three matrices), or a streamed layer's dense matrices (dense_budget). A unit
+ * a step uses is pinned; eviction takes an unpinned one the router's history values least. I/O
+ * threads read queued units (the experts the computing layer routed to, guesses for the next MoE
+ * layer, the next streamed layer's dense matrices) while the compute threads work. One lock
+ * guards the table; reads run without it. */
 
 typedef struct {
-    int id;        /* layer * E + e */
-    int demand;    /* 1: the layer being computed routed to it; 0: a prefetch guess */
+    int id;        /* layer * units + unit */
+    int demand;    /* 1: the layer being computed needs it; 0: read ahead */
     int file;
     uint64_t off;  /* where its first tensor starts in that file */
 } io_req;
 
 typedef struct cache_entry {
-    int li, e, pins, loading; /* loading: being read by one thread; the others wait */
+    int li, e, pins, loading; /* e: an expert, or units - 1 for the layer's dense matrices;
+                                 loading: being read by one thread, the others wait */
     int prefetched;           /* read by an I/O thread and not used yet (2: for the layer computing) */
     int failed;               /* an I/O thread's read of it failed: the step that asks gets the error */
     uint64_t last_use;
     size_t bytes;
     unsigned char *buf;
-    expert ex; /* the weights, pointing into buf */
+    moe__weight w[UNIT_MAX];  /* the unit's matrices, pointing into buf */
+    expert ex;                /* an expert's w[0..2], as the forward pass names them */
 } cache_entry;
 
 struct expert_cache {
     pthread_mutex_t lock;
-    pthread_cond_t unpinned; /* signalled when an expert's last pin goes, or a read ends */
+    pthread_cond_t unpinned; /* signalled when a unit's last pin goes, or a read ends */
     int *fds;               /* one per file */
     int *dfds;              /* the same files opened with O_DIRECT, or -1 */
-    cache_entry **slot;     /* [n_layers * n_experts]: resident entry or NULL */
+    int units;              /* per layer: n_experts + 1 (the last: the layer's dense matrices) */
+    cache_entry **slot;     /* [n_layers * units]: resident entry or NULL */
     cache_entry **resident; /* the resident entries, unordered */
     int n_resident, cap_resident;
     size_t budget, used, peak;
     uint64_t clock;
     int fail_after; /* fault injection: the n-th read from now fails (0: never) */
     uint64_t bytes_read; /* by every thread since open */
-    /* I/O threads read queued experts into free or evictable room, most urgent first (experts
-     * the current layer routed to, then the next MoE layer's predicted ones), in file and
-     * offset order within each class */
+    /* I/O threads read queued units into free or evictable room, most urgent first (what the
+     * current layer needs, then read-ahead), in file and offset order within each class */
     pthread_t *io;
     int n_io, io_stop;
     pthread_cond_t work;
     io_req *queue;
     int qn, qcap;
-    int cur_layer, next_layer; /* read ahead for these: their unused reads are not evicted by I/O threads */
+    int cur_layer, next_layer; /* expert read-ahead for these: unused, it is not evicted by I/O threads */
     /* the router's history, kept for every expert resident or not: a use count decayed by half
      * every HIST_HALF_LIFE routing steps of its layer (eviction takes the lowest) */
     float *hist;
@@ -2438,7 +2511,7 @@ struct expert_cache {
 
 #define HIST_HALF_LIFE 16.0 /* routing steps; moe-cachesim chose it on the shipped model's traces */
 
-/* Expert buffers: big ones are their own anonymous mappings, returned to the system the moment
+/* Unit buffers: big ones are their own anonymous mappings, returned to the system the moment
  * they are evicted, so the budget is what the process really holds (malloc'd blocks of many
  * megabytes freed by other threads linger in per-thread arenas); 4096-aligned for O_DIRECT. */
 static unsigned char *entry_alloc(size_t bytes) {
@@ -2482,25 +2555,15 @@ static void cache_free(moe_model *m) {
 }
 
 #define IO_ALIGN 4096
-#define DIRECT_MIN (1u << 20) /* smaller experts are read through the page cache, unaligned */
+#define DIRECT_MIN (1u << 20) /* smaller units are read through the page cache, unaligned */
 
 static void *cache_io_main(void *arg);
-static size_t entry_bytes(const moe_model *m, const expert *src);
+static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw);
+
+static size_t unit_id(const struct expert_cache *k, int li, int e) { return (size_t)li * (size_t)k->units + (size_t)e; }
 
 static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     const moe_config *c = &m->cfg;
-    uint64_t biggest = 0;
-    for (int l = 0; l < c->n_layers; l++)
-        for (int e = 0; m->layers[l].experts && e < c->n_experts; e++) {
-            uint64_t b = entry_bytes(m, &m->layers[l].experts[e]);
-            biggest = b > biggest ? b : biggest;
-        }
-    if (biggest >= DIRECT_MIN) biggest += 2 * IO_ALIGN; /* an O_DIRECT read's alignment */
-    /* the experts of one step in flight at once: one per thread (experts run in parallel) */
-    const uint64_t need = biggest * (uint64_t)m->opt.n_threads;
-    if (m->opt.expert_budget < need)
-        return fail(err, errlen, MOE_ERR_ARG, "expert budget of %zu bytes is too small: a step needs %d expert(s) of %llu bytes at once",
-                    m->opt.expert_budget, m->opt.n_threads, (unsigned long long)biggest);
     struct expert_cache *k = xcalloc(1, sizeof *k);
     if (!k) return MOE_ERR_NOMEM;
     m->cache = k;
@@ -2508,8 +2571,9 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     pthread_cond_init(&k->unpinned, NULL);
     pthread_cond_init(&k->work, NULL);
     k->budget = m->opt.expert_budget;
+    k->units = c->n_experts + 1;
     k->fds = malloc(sizeof(int) * (size_t)m->n_files);
-    const size_t n_ids = (size_t)c->n_layers * (size_t)(c->n_experts ? c->n_experts : 1);
+    const size_t n_ids = (size_t)c->n_layers * (size_t)k->units;
     k->slot = xcalloc(n_ids, sizeof *k->slot);
     k->hist = xcalloc(n_ids, sizeof *k->hist);
     k->hist_at = xcalloc(n_ids, sizeof *k->hist_at);
@@ -2519,7 +2583,7 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     for (int i = 0; i < m->n_files; i++)
         if ((k->fds[i] = open(m->files[i].path, O_RDONLY)) < 0)
             return fail(err, errlen, MOE_ERR_IO, "%s: %s", m->files[i].path, strerror(errno));
-    /* O_DIRECT where the file system allows it: expert reads bypass the page cache, so the cache
+    /* O_DIRECT where the file system allows it: unit reads bypass the page cache, so the cache
      * the caller budgeted is the only copy (no double caching) */
     if (!(k->dfds = malloc(sizeof(int) * (size_t)m->n_files))) return MOE_ERR_NOMEM;
     for (int i = 0; i < m->n_files; i++) {
@@ -2528,6 +2592,27 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
         if (!(m->opt.flags & MOE_FLAG_NO_DIRECT_IO)) k->dfds[i] = open(m->files[i].path, O_RDONLY | O_DIRECT);
 #endif
     }
+    /* what one step holds at once: an expert per compute thread (experts run in parallel) and
+     * the computing layer's dense matrices when that layer streams */
+    uint64_t biggest = 0, dense = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        const moe__weight *w[UNIT_MAX];
+        for (int e = 0; m->layers[l].experts && e < c->n_experts; e++) {
+            const int nw = unit_weights(m, l, e, w, NULL);
+            const uint64_t b = unit_bytes(m, w, nw);
+            biggest = b > biggest ? b : biggest;
+        }
+        if (m->layers[l].stream) {
+            const int nw = unit_weights(m, l, c->n_experts, w, NULL);
+            const uint64_t b = unit_bytes(m, w, nw);
+            dense = b > dense ? b : dense;
+        }
+    }
+    const uint64_t need = biggest * (uint64_t)m->opt.n_threads + dense;
+    if (m->opt.expert_budget < need)
+        return fail(err, errlen, MOE_ERR_ARG, "expert budget of %zu bytes is too small: a step needs %d expert(s) of %llu bytes%s at once",
+                    m->opt.expert_budget, m->opt.n_threads, (unsigned long long)biggest,
+                    dense ? " and a streamed layer's dense matrices" : "");
     k->cur_layer = k->next_layer = -1;
     const int nio = m->opt.io_threads < 0 ? 4 : m->opt.io_threads;
     if (nio > 0) {
@@ -2541,29 +2626,9 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     return MOE_OK;
 }
 
-/* one stretch of a mapped file into dst, with pread (short reads continued, EINTR retried) */
-static int cache_read(const moe_model *m, struct expert_cache *k, const void *src, size_t n, unsigned char *dst) {
-    int f = -1;
-    for (int i = 0; i < m->n_files && f < 0; i++)
-        if ((const unsigned char *)src >= (const unsigned char *)m->files[i].map &&
-            (const unsigned char *)src + n <= (const unsigned char *)m->files[i].map + m->files[i].size)
-            f = i;
-    if (f < 0) return EINVAL;
-    off_t off = (off_t)((const unsigned char *)src - (const unsigned char *)m->files[f].map);
-    for (size_t done = 0; done < n;) {
-        ssize_t r = pread(k->fds[f], dst + done, n - done, off + (off_t)done);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) return errno;
-        if (r == 0) return EIO; /* the file shrank underneath us */
-        done += (size_t)r;
-    }
-    return 0;
-}
 
-static uint64_t weight_data_bytes(const moe__weight *w) { return (uint64_t)w->rows * (uint64_t)moe__row_bytes(w->type, w->cols); }
-
-static void cache_evict(struct expert_cache *k, cache_entry *v, int n_experts) {
-    k->slot[(size_t)v->li * (size_t)n_experts + (size_t)v->e] = NULL;
+static void cache_evict(struct expert_cache *k, cache_entry *v) {
+    k->slot[unit_id(k, v->li, v->e)] = NULL;
     for (int i = 0; i < k->n_resident; i++)
         if (k->resident[i] == v) { k->resident[i] = k->resident[--k->n_resident]; break; }
     k->used -= v->bytes;
@@ -2581,24 +2646,27 @@ static int cache_room(struct expert_cache *k) { /* one more resident entry; 0 on
 }
 
 /* An expert's decayed use count now (lower: evicted first). */
-static double hist_score(const struct expert_cache *k, const cache_entry *v, int n_experts) {
-    const size_t id = (size_t)v->li * (size_t)n_experts + (size_t)v->e;
+static double hist_score(const struct expert_cache *k, const cache_entry *v) {
+    const size_t id = unit_id(k, v->li, v->e);
     return k->hist[id] * pow(0.5, (double)(k->layer_steps[v->li] - k->hist_at[id]) / HIST_HALF_LIFE);
 }
 
-/* The expert that may go: the lowest by the router's decayed history (LRFU; moe-cachesim measured
- * it against LRU, LFU and the offline optimum), the least recently used among equals. Read ahead
- * for the layer being computed (or, for an I/O thread, also for the next MoE layer) and not used
- * yet goes last: an I/O thread never evicts it (read-ahead must not evict read-ahead that is
- * about to be used), a compute thread only when nothing else can go. */
-static cache_entry *cache_lru(struct expert_cache *k, int io, int n_experts) {
+/* The unit that may go. A streamed layer's dense matrices once used go first: every other
+ * layer comes before their next use (what the offline optimum would evict). Then experts, the
+ * lowest by the router's decayed history (LRFU; moe-cachesim measured it against LRU, LFU and the
+ * offline optimum), the least recently used among equals. Read-ahead not used yet goes last
+ * (dense matrices, and experts for the layer being computed or, for an I/O thread, the next MoE
+ * layer): an I/O thread never evicts it (read-ahead must not evict read-ahead that is about to be
+ * used), a compute thread only when nothing else can go. */
+static cache_entry *cache_lru(struct expert_cache *k, int io) {
     cache_entry *best = NULL, *ahead = NULL;
     double bs = 0, as = 0;
     for (int i = 0; i < k->n_resident; i++) {
         cache_entry *v = k->resident[i];
         if (v->pins || v->loading || v->failed) continue;
-        const double sc = hist_score(k, v, n_experts);
-        if (v->prefetched && (v->li == k->cur_layer || (io && v->li == k->next_layer))) {
+        const int dense = v->e == k->units - 1;
+        const double sc = dense ? -1.0 : hist_score(k, v);
+        if (v->prefetched && (dense || v->li == k->cur_layer || (io && v->li == k->next_layer))) {
             if (!io && (!ahead || sc < as || (sc == as && v->last_use < ahead->last_use))) ahead = v, as = sc;
             continue;
         }
@@ -2612,24 +2680,22 @@ static void hist_update(struct expert_cache *k, int li, const unsigned char *wan
     const uint32_t now = ++k->layer_steps[li];
     for (int e = 0; e < n_experts; e++) {
         if (!want[e]) continue;
-        const size_t id = (size_t)li * (size_t)n_experts + (size_t)e;
+        const size_t id = unit_id(k, li, e);
         k->hist[id] = (float)(k->hist[id] * pow(0.5, (double)(now - k->hist_at[id]) / HIST_HALF_LIFE) + 1.0);
         k->hist_at[id] = now;
     }
 }
 
-
-/* The file stretch [start, end) holding all of an expert's tensors, for one read per expert when
- * they are adjacent in one file (K3's layout; GGUF's merged experts are not: their w1, w2 and w3
- * rows lie far apart); 0 when they are not. Widened to IO_ALIGN (*direct = 1) when the expert is
- * big enough to be worth an O_DIRECT read and the file was opened for one. */
-static int expert_span(const moe_model *m, const expert *x, int *file, uint64_t *start, uint64_t *end, int *direct) {
-    const moe__weight *w[3] = {&x->w1, &x->w2, &x->w3};
+/* The file stretch [start, end) holding all of a unit's tensors, for one read per unit when they
+ * are adjacent in one file (an expert in K3's layout; GGUF's merged experts are not: their w1, w2
+ * and w3 rows lie far apart); 0 when they are not. Widened to IO_ALIGN (*direct = 1) when the unit
+ * is big enough to be worth an O_DIRECT read and the file was opened for one. */
+static int unit_span(const moe_model *m, const moe__weight *const *w, int nw, int *file, uint64_t *start, uint64_t *end, int *direct) {
     const unsigned char *lo = NULL, *hi = NULL;
     uint64_t bytes = 0;
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < nw; i++) {
         const unsigned char *p[2] = {w[i]->data, w[i]->scale};
-        const size_t n[2] = {(size_t)weight_data_bytes(w[i]), w[i]->scale ? (size_t)(w[i]->rows * (w[i]->cols / 32)) : 0};
+        const size_t n[2] = {(size_t)weight_data_bytes(w[i]), (size_t)weight_scale_bytes(w[i])};
         for (int j = 0; j < 2; j++) {
             if (!p[j]) continue;
             bytes += n[j];
@@ -2637,7 +2703,7 @@ static int expert_span(const moe_model *m, const expert *x, int *file, uint64_t 
             if (!hi || p[j] + n[j] > hi) hi = p[j] + n[j];
         }
     }
-    for (int f = 0; f < m->n_files; f++) {
+    for (int f = 0; lo && f < m->n_files; f++) {
         const unsigned char *b = m->files[f].map;
         if (lo < b || hi > b + m->files[f].size) continue;
         if ((uint64_t)(hi - lo) > bytes + bytes / 8 + IO_ALIGN) return 0; /* not adjacent */
@@ -2649,11 +2715,52 @@ static int expert_span(const moe_model *m, const expert *x, int *file, uint64_t 
     return 0;
 }
 
-/* the buffer size an entry for src needs */
-static size_t entry_bytes(const moe_model *m, const expert *src) {
+/* A unit whose tensors are not adjacent is read piece by piece (each matrix's data, then its
+ * MXFP4 scales); with O_DIRECT, each piece as the IO_ALIGN-aligned stretch around it, placed at
+ * an aligned offset of the buffer. */
+typedef struct {
+    int file, direct;
+    uint64_t start, end, need; /* the file stretch read; need: how much of it must exist */
+    size_t at, skip;           /* it lands at buf + at; the piece's first byte is at buf + at + skip */
+} unit_piece;
+
+static int unit_pieces(const moe_model *m, const moe__weight *const *w, int nw, unit_piece *pc, size_t *bytes) {
+    uint64_t total = 0;
+    for (int i = 0; i < nw; i++) total += weight_data_bytes(w[i]) + weight_scale_bytes(w[i]);
+    int np = 0;
+    size_t at = 0;
+    for (int i = 0; i < nw; i++)
+        for (int j = 0; j < 2; j++) {
+            const unsigned char *p = j ? w[i]->scale : w[i]->data;
+            const uint64_t n = j ? weight_scale_bytes(w[i]) : weight_data_bytes(w[i]);
+            if (!p) continue;
+            int f = 0;
+            while (f < m->n_files && !(p >= (const unsigned char *)m->files[f].map && p + n <= (const unsigned char *)m->files[f].map + m->files[f].size)) f++;
+            if (f == m->n_files) return -1;
+            unit_piece *q = &pc[np++];
+            q->file = f, q->start = (uint64_t)(p - (const unsigned char *)m->files[f].map), q->end = q->start + n, q->need = n, q->skip = 0;
+            q->direct = total >= DIRECT_MIN && m->cache && m->cache->dfds && m->cache->dfds[f] >= 0;
+            if (q->direct) {
+                const uint64_t a = q->start & ~(uint64_t)(IO_ALIGN - 1);
+                q->skip = (size_t)(q->start - a), q->need = q->skip + n;
+                q->start = a, q->end = (q->end + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
+                at = (at + IO_ALIGN - 1) & ~(size_t)(IO_ALIGN - 1);
+            }
+            q->at = at;
+            at += (size_t)(q->end - q->start);
+        }
+    *bytes = at;
+    return np;
+}
+
+/* the buffer size an entry for the unit needs */
+static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw) {
     int f, direct;
     uint64_t a, b;
-    return expert_span(m, src, &f, &a, &b, &direct) ? (size_t)(b - a) : (size_t)expert_bytes(src);
+    if (unit_span(m, w, nw, &f, &a, &b, &direct)) return (size_t)(b - a);
+    unit_piece pc[2 * UNIT_MAX];
+    size_t bytes = 0;
+    return unit_pieces(m, w, nw, pc, &bytes) < 0 ? 0 : bytes;
 }
 
 /* [start, end) of file f into dst, with O_DIRECT when asked and the file has it (then dst,
@@ -2672,55 +2779,56 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
     return 0;
 }
 
-/* reads the tensors of expert src into v->buf: one read of the whole stretch when they are
- * adjacent, else tensor by tensor; the entry's weights point into the buffer */
-static int cache_fill(const moe_model *m, struct expert_cache *k, const expert *src, cache_entry *v) {
-    const moe__weight *w[3] = {&src->w1, &src->w2, &src->w3};
-    moe__weight *dst[3] = {&v->ex.w1, &v->ex.w2, &v->ex.w3};
-    int f, direct;
+/* reads the unit's tensors into v->buf (one read of the whole stretch when they are adjacent,
+ * else piece by piece); the entry's matrices point into the buffer */
+static int unit_fill(const moe_model *m, struct expert_cache *k, const moe__weight *const *w, int nw, cache_entry *v) {
+    int f, direct, rc = 0;
     uint64_t start, end;
-    if (expert_span(m, src, &f, &start, &end, &direct)) {
+    if (unit_span(m, w, nw, &f, &start, &end, &direct)) {
         const unsigned char *base = (const unsigned char *)m->files[f].map + start;
         uint64_t need = 0;
-        for (int i = 0; i < 3; i++) {
-            *dst[i] = *w[i];
-            dst[i]->data = v->buf + ((const unsigned char *)w[i]->data - base);
+        for (int i = 0; i < nw; i++) {
+            v->w[i] = *w[i];
+            v->w[i].data = v->buf + ((const unsigned char *)w[i]->data - base);
             uint64_t e = (uint64_t)((const unsigned char *)w[i]->data - base) + weight_data_bytes(w[i]);
             if (w[i]->scale) {
-                dst[i]->scale = v->buf + ((const unsigned char *)w[i]->scale - base);
-                const uint64_t es = (uint64_t)((const unsigned char *)w[i]->scale - base) + (uint64_t)(w[i]->rows * (w[i]->cols / 32));
+                v->w[i].scale = v->buf + ((const unsigned char *)w[i]->scale - base);
+                const uint64_t es = (uint64_t)((const unsigned char *)w[i]->scale - base) + weight_scale_bytes(w[i]);
                 e = es > e ? es : e;
             }
             need = e > need ? e : need;
         }
-        return span_read(k, f, start, end, need, direct, v->buf);
-    }
-    size_t at = 0;
-    int rc = 0;
-    for (int i = 0; i < 3 && !rc; i++) {
-        *dst[i] = *w[i];
-        const size_t nd = (size_t)weight_data_bytes(w[i]);
-        rc = cache_read(m, k, w[i]->data, nd, v->buf + at);
-        dst[i]->data = v->buf + at;
-        at += nd;
-        if (!rc && w[i]->scale) {
-            const size_t ns = (size_t)(w[i]->rows * (w[i]->cols / 32));
-            rc = cache_read(m, k, w[i]->scale, ns, v->buf + at);
-            dst[i]->scale = v->buf + at;
-            at += ns;
+        rc = span_read(k, f, start, end, need, direct, v->buf);
+    } else {
+        unit_piece pc[2 * UNIT_MAX];
+        size_t bytes;
+        const int np = unit_pieces(m, w, nw, pc, &bytes);
+        if (np < 0) return EINVAL;
+        for (int i = 0, p = 0; i < nw && !rc; i++) {
+            v->w[i] = *w[i];
+            rc = span_read(k, pc[p].file, pc[p].start, pc[p].end, pc[p].need, pc[p].direct, v->buf + pc[p].at);
+            v->w[i].data = v->buf + pc[p].at + pc[p].skip;
+            p++;
+            if (!rc && w[i]->scale) {
+                rc = span_read(k, pc[p].file, pc[p].start, pc[p].end, pc[p].need, pc[p].direct, v->buf + pc[p].at);
+                v->w[i].scale = v->buf + pc[p].at + pc[p].skip;
+                p++;
+            }
         }
     }
+    if (nw == 3) v->ex = (expert){v->w[0], v->w[1], v->w[2]};
     return rc;
 }
 
-
-/* makes expert (li, e) resident and pinned; *out is valid until cache_put */
-static moe_status cache_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
+/* makes unit (li, e) resident and pinned; *out is valid until cache_put. Counted in stats: an
+ * expert as a hit or a miss, dense matrices as a read when they came from disk for this use. */
+static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out, moe_step_stats *stats) {
     struct expert_cache *k = m->cache;
-    const int E = m->cfg.n_experts;
-    const size_t id = (size_t)li * (size_t)E + (size_t)e;
-    const expert *src = &m->layers[li].experts[e];
-    const size_t bytes = entry_bytes(m, src);
+    const size_t id = unit_id(k, li, e);
+    const int dense = e == k->units - 1;
+    const moe__weight *src[UNIT_MAX];
+    const int nw = unit_weights(m, li, e, src, NULL);
+    const size_t bytes = unit_bytes(m, src, nw);
     pthread_mutex_lock(&k->lock);
     cache_entry *v;
     int waited = 0; /* it was being read when this step asked for it: a miss, partly hidden */
@@ -2734,26 +2842,27 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
                 continue;
             }
             if (v->failed) { /* read by an I/O thread, which failed: this step reports it */
-                cache_evict(k, v, E);
+                cache_evict(k, v);
                 pthread_mutex_unlock(&k->lock);
                 return MOE_ERR_IO;
             }
             v->pins++;
             v->last_use = ++k->clock;
-            if (stats) {
+            if (stats && dense) stats->dense_reads += waited || v->prefetched;
+            else if (stats) {
                 if (waited || v->prefetched == 2) stats->cache_misses++; /* read because this layer asked */
                 else stats->cache_hits++;
             }
             v->prefetched = 0;
-            *out = &v->ex;
+            *out = v;
             pthread_mutex_unlock(&k->lock);
             return MOE_OK;
         }
         if (k->used + bytes <= k->budget) break;
-        cache_entry *lru = cache_lru(k, 0, E); /* evict by the router's history */
-        if (lru) cache_evict(k, lru, E);
-        /* all pinned by steps running on other threads (each holds at most one while it asks
-         * for another, and the budget holds one per thread of a step): wait for one to go */
+        cache_entry *lru = cache_lru(k, 0);
+        if (lru) cache_evict(k, lru);
+        /* all pinned by steps running on other threads (each holds at most one expert while it
+         * asks for another, and the budget holds one per thread of a step): wait for one to go */
         else pthread_cond_wait(&k->unpinned, &k->lock);
     }
     if (cache_room(k)) { pthread_mutex_unlock(&k->lock); return MOE_ERR_NOMEM; }
@@ -2765,7 +2874,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
         return MOE_ERR_NOMEM;
     }
     /* reserve the slot and the bytes, then read without the lock: other threads read other
-     * experts at the same time, and wait for this one if they want it too */
+     * units at the same time, and wait for this one if they want it too */
     v->li = li, v->e = e, v->pins = 1, v->loading = 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
     k->slot[id] = v;
     k->resident[k->n_resident++] = v;
@@ -2775,22 +2884,23 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
     pthread_mutex_unlock(&k->lock);
 
     double t0 = now_sec();
-    int rc = inject ? EIO : cache_fill(m, k, src, v);
+    int rc = inject ? EIO : unit_fill(m, k, src, nw, v);
     const double dt = now_sec() - t0;
 
     pthread_mutex_lock(&k->lock);
     if (stats) stats->io_seconds += dt;
     if (!rc) k->bytes_read += bytes;
     if (rc) { /* a failed read leaves nothing behind: the slot is free for a later try */
-        cache_evict(k, v, E);
+        cache_evict(k, v);
         pthread_cond_broadcast(&k->unpinned);
         pthread_mutex_unlock(&k->lock);
         return MOE_ERR_IO;
     }
     v->loading = 0;
-    if (stats) stats->cache_misses++;
+    if (stats && dense) stats->dense_reads++;
+    else if (stats) stats->cache_misses++;
     pthread_cond_broadcast(&k->unpinned);
-    *out = &v->ex;
+    *out = v;
     pthread_mutex_unlock(&k->lock);
     return MOE_OK;
 }
@@ -2798,7 +2908,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, const expert **ou
 static void cache_put(const moe_model *m, int li, int e) {
     struct expert_cache *k = m->cache;
     pthread_mutex_lock(&k->lock);
-    cache_entry *v = k->slot[(size_t)li * (size_t)m->cfg.n_experts + (size_t)e];
+    cache_entry *v = k->slot[unit_id(k, li, e)];
     if (v && v->pins > 0 && --v->pins == 0) pthread_cond_broadcast(&k->unpinned);
     pthread_mutex_unlock(&k->lock);
 }
@@ -2818,19 +2928,19 @@ void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak) {
     pthread_mutex_unlock(&m->cache->lock);
 }
 
-
-/* The file and offset of an expert's first tensor (for ordering reads). */
-static void expert_where(const moe_model *m, const expert *x, int *file, uint64_t *off) {
-    const unsigned char *p = x->w1.data;
+/* The file and offset of a unit's first matrix (for ordering reads). */
+static void unit_where(const moe_model *m, int li, int e, int *file, uint64_t *off) {
+    const moe__weight *w[UNIT_MAX];
+    const unsigned char *p = unit_weights(m, li, e, w, NULL) ? w[0]->data : NULL;
     *file = m->n_files, *off = 0;
-    for (int f = 0; f < m->n_files; f++)
+    for (int f = 0; p && f < m->n_files; f++)
         if (p >= (const unsigned char *)m->files[f].map && p < (const unsigned char *)m->files[f].map + m->files[f].size) {
             *file = f, *off = (uint64_t)(p - (const unsigned char *)m->files[f].map);
             return;
         }
 }
 
-/* the most urgent queued read: demand before prefetch, then file, then offset */
+/* the most urgent queued read: demand before read-ahead, then file, then offset */
 static io_req cache_take(struct expert_cache *k) {
     int best = 0;
     for (int i = 1; i < k->qn; i++) {
@@ -2842,24 +2952,24 @@ static io_req cache_take(struct expert_cache *k) {
     return r;
 }
 
-/* An I/O thread: takes the most urgent queued expert and reads it into room that is free or can
- * be made by evicting an expert nobody is about to use (never by waiting: a read that does not
- * fit is dropped, and the step reads that expert itself when it gets there). */
+/* An I/O thread: takes the most urgent queued unit and reads it into room that is free or can
+ * be made by evicting a unit nobody is about to use (never by waiting: a read that does not fit
+ * is dropped, and the step reads that unit itself when it gets there). */
 static void *cache_io_main(void *arg) {
     const moe_model *m = arg;
     struct expert_cache *k = m->cache;
-    const int E = m->cfg.n_experts;
     pthread_mutex_lock(&k->lock);
     for (;;) {
         while (!k->io_stop && !k->qn) pthread_cond_wait(&k->work, &k->lock);
         if (k->io_stop) break;
         const io_req rq = cache_take(k);
         if (k->slot[rq.id]) continue;
-        const int li = rq.id / E, e = rq.id % E;
-        const expert *src = &m->layers[li].experts[e];
-        const size_t bytes = entry_bytes(m, src);
+        const int li = rq.id / k->units, e = rq.id % k->units;
+        const moe__weight *src[UNIT_MAX];
+        const int nw = unit_weights(m, li, e, src, NULL);
+        const size_t bytes = unit_bytes(m, src, nw);
         cache_entry *lru;
-        while (k->used + bytes > k->budget && (lru = cache_lru(k, 1, E))) cache_evict(k, lru, E);
+        while (k->used + bytes > k->budget && (lru = cache_lru(k, 1))) cache_evict(k, lru);
         if (k->used + bytes > k->budget || cache_room(k)) continue;
         cache_entry *v = xcalloc(1, sizeof *v);
         unsigned char *buf = v ? entry_alloc(bytes) : NULL;
@@ -2872,7 +2982,7 @@ static void *cache_io_main(void *arg) {
         /* fault injection counts the reads a step needs (its own and demand reads), not guesses */
         const int inject = rq.demand && k->fail_after > 0 && --k->fail_after == 0;
         pthread_mutex_unlock(&k->lock);
-        int rc = inject ? EIO : cache_fill(m, k, src, v);
+        int rc = inject ? EIO : unit_fill(m, k, src, nw, v);
         pthread_mutex_lock(&k->lock);
         v->loading = 0;
         if (rc) { /* kept as an empty marker (no budget), so that the step that wants it reports the error */
@@ -2889,6 +2999,26 @@ static void *cache_io_main(void *arg) {
     return NULL;
 }
 
+/* Queues a read of unit (li, e) unless it is resident or queued (then its urgency is raised
+ * to demand if asked); 1 when queued. The caller holds the lock. */
+static int queue_push(const moe_model *m, struct expert_cache *k, int li, int e, int demand) {
+    const int id = (int)unit_id(k, li, e);
+    if (k->slot[id]) return 0;
+    for (int i = 0; i < k->qn; i++)
+        if (k->queue[i].id == id) { k->queue[i].demand |= demand; return 0; }
+    if (k->qn == k->qcap) { /* full: drop the oldest guess (the queue holds at most a few layers' worth) */
+        int drop = -1;
+        for (int i = 0; i < k->qn && drop < 0; i++)
+            if (!k->queue[i].demand) drop = i;
+        if (drop < 0) return 0;
+        k->queue[drop] = k->queue[--k->qn];
+    }
+    io_req r = {id, demand, 0, 0};
+    unit_where(m, li, e, &r.file, &r.off);
+    k->queue[k->qn++] = r;
+    return 1;
+}
+
 /* Queues reads of the experts of layer li marked in want (demand: the layer about to compute
  * routed to them; else a guess for the next MoE layer); returns how many were queued. */
 static int cache_queue(const moe_model *m, int li, const unsigned char *want, int demand) {
@@ -2900,28 +3030,19 @@ static int cache_queue(const moe_model *m, int li, const unsigned char *want, in
     if (!k->n_io) { pthread_mutex_unlock(&k->lock); return 0; }
     if (demand) k->cur_layer = li;
     else k->next_layer = li;
-    for (int e = 0; e < E; e++) {
-        const int id = li * E + e;
-        if (!want[e] || k->slot[id]) continue;
-        int dup = -1;
-        for (int i = 0; i < k->qn && dup < 0; i++)
-            if (k->queue[i].id == id) dup = i;
-        if (dup >= 0) { k->queue[dup].demand |= demand; continue; }
-        if (k->qn == k->qcap) { /* full: drop the oldest guess (the queue holds at most a few layers' worth) */
-            int drop = -1;
-            for (int i = 0; i < k->qn && drop < 0; i++)
-                if (!k->queue[i].demand) drop = i;
-            if (drop < 0) break;
-            k->queue[drop] = k->queue[--k->qn];
-        }
-        io_req r = {id, demand, 0, 0};
-        expert_where(m, &m->layers[li].experts[e], &r.file, &r.off);
-        k->queue[k->qn++] = r;
-        queued++;
-    }
+    for (int e = 0; e < E; e++)
+        if (want[e]) queued += queue_push(m, k, li, e, demand);
     if (queued) pthread_cond_broadcast(&k->work);
     pthread_mutex_unlock(&k->lock);
     return queued;
+}
+
+/* Queues the dense matrices of streamed layer li as read-ahead. */
+static void cache_queue_dense(const moe_model *m, int li) {
+    struct expert_cache *k = m->cache;
+    pthread_mutex_lock(&k->lock);
+    if (k->n_io && queue_push(m, k, li, k->units - 1, 0)) pthread_cond_broadcast(&k->work);
+    pthread_mutex_unlock(&k->lock);
 }
 
 uint64_t moe__expert_bytes_read(const moe_model *m) {
@@ -2963,13 +3084,45 @@ static void expert_advise(const moe_model *m, int li, int e) {
 /* The one way the forward pass reaches a routed expert: through the mapping (MMAP mode) or the
  * cache (CACHE mode; the expert stays pinned until expert_put). */
 static moe_status expert_get(const moe_model *m, int li, int e, const expert **out, moe_step_stats *stats) {
-    if (m->cache) return cache_get(m, li, e, out, stats);
-    *out = &m->layers[li].experts[e];
-    return MOE_OK;
+    if (!m->cache) {
+        *out = &m->layers[li].experts[e];
+        return MOE_OK;
+    }
+    cache_entry *v;
+    moe_status st = cache_get(m, li, e, &v, stats);
+    if (!st) *out = &v->ex;
+    return st;
 }
 
 static void expert_put(const moe_model *m, int li, int e) {
     if (m->cache) cache_put(m, li, e);
+}
+
+/* The layer as the forward pass uses it: layer li itself, or for a streamed layer a copy whose
+ * dense matrices point into a pinned cache entry (until dense_put). The next streamed layer
+ * (after the last: the first, for the next step) is queued for the I/O threads first, so that it
+ * is read while this one computes. */
+static moe_status dense_get(const moe_model *m, int li, layer *view, moe_step_stats *stats) {
+    *view = m->layers[li];
+    if (!m->cache || !view->stream) return MOE_OK;
+    const int Lc = m->cfg.n_layers, E = m->cfg.n_experts;
+    for (int i = 1; i <= Lc; i++)
+        if (m->layers[(li + i) % Lc].stream) {
+            if ((li + i) % Lc != li) cache_queue_dense(m, (li + i) % Lc);
+            break;
+        }
+    cache_entry *v;
+    moe_status st = cache_get(m, li, E, &v, stats);
+    if (st) return st;
+    const moe__weight *w[UNIT_MAX];
+    size_t field[UNIT_MAX];
+    const int n = unit_weights(m, li, E, w, field);
+    for (int i = 0; i < n; i++) *(moe__weight *)(void *)((char *)view + field[i]) = v->w[i];
+    return MOE_OK;
+}
+
+static void dense_put(const moe_model *m, int li) {
+    if (m->cache && m->layers[li].stream) cache_put(m, li, m->cfg.n_experts);
 }
 
 /* Top-k selection per row on s' = s + bias (grouped when G > 1 and G > G_k); weights from the
@@ -3049,11 +3202,10 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
 /* pred/pred_layer: the experts predicted for layer *pred_layer by the previous MoE layer (CACHE
  * mode prefetch); checked against this layer's routing, then replaced by this layer's guess for
  * the next MoE layer. */
-static moe_status moe_ffn_forward(const moe_model *m, int li, const float *x, int n, float *out,
+static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, const float *x, int n, float *out,
                                   const int32_t *const *forced, int32_t *ids, moe_step_stats *stats,
                                   unsigned char *pred, int *pred_layer) {
     const moe_config *c = &m->cfg;
-    const layer *L = &m->layers[li];
     const int d = c->hidden_size, E = c->n_experts, K = c->n_active, Ie = c->moe_intermediate_size;
     const int de = c->latent_dim ? c->latent_dim : d;
     moe_status st = MOE_OK;
@@ -3256,7 +3408,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     int32_t *ids = c->n_experts ? malloc(sizeof(int32_t) * (size_t)R * K) : NULL;
     const int32_t **frc = NULL;
     unsigned char *pred = c->n_experts ? calloc((size_t)c->n_experts, 1) : NULL;
-    int pred_layer = -1;
+    int pred_layer = -1, pinned = -1; /* pinned: a streamed layer whose matrices this step holds */
     for (int i = 0; i < nsg; i++)
         if (sg[i].q->force_routes && !frc && !(frc = malloc(sizeof *frc * (size_t)R))) st = MOE_ERR_NOMEM;
     float *blocks[MAX_SOURCES];
@@ -3270,7 +3422,10 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
             moe__row_to_f32(m->embed.type, (const unsigned char *)m->embed.data + (int64_t)sg[i].q->tokens[sg[i].start + t] * erb,
                             NULL, h + (size_t)(sg[i].row0 + t) * d, d);
     for (int li = 0; li < Lc; li++) {
-        const layer *L = &m->layers[li];
+        layer Lv; /* the layer, its dense matrices in a pinned cache entry when it streams */
+        if ((st = dense_get(m, li, &Lv, stats))) goto done;
+        pinned = li;
+        const layer *L = &Lv;
         int p_none = 0;
         /* mixer input: plain h, or AttnRes over the blocks (h holds the partial sum p) */
         const float *xa = h;
@@ -3303,7 +3458,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
             for (int i = 0; frc && i < nsg; i++)
                 for (int t = 0; t < sg[i].n; t++)
                     frc[sg[i].row0 + t] = sg[i].q->force_routes ? sg[i].q->force_routes + ((size_t)(sg[i].start + t) * Lc + li) * K : NULL;
-            st = moe_ffn_forward(m, li, x, R, out, frc, ids, stats, pred, &pred_layer);
+            st = moe_ffn_forward(m, L, li, x, R, out, frc, ids, stats, pred, &pred_layer);
         }
         else st = ffn_forward(m, &L->gate, &L->up, &L->down, x, R, out);
         if (st) goto done;
@@ -3316,6 +3471,8 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
                 for (int kk = 0; kk < K; kk++) dst[kk] = L->moe ? ids[(size_t)(sg[i].row0 + t) * K + kk] : -1;
             }
         }
+        dense_put(m, li);
+        pinned = -1;
     }
     /* logits, only for the rows asked for */
     for (int i = 0; i < nsg; i++) {
@@ -3340,6 +3497,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     }
     for (int i = 0; i < nsg; i++) sg[i].q->s->pos += sg[i].n;
 done:
+    if (pinned >= 0) dense_put(m, pinned);
     free(h);
     free(ids);
     free(frc);

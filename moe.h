@@ -88,7 +88,14 @@ typedef struct {
     int n_threads;          /* worker threads per call; <= 0 means 1 */
     int n_batch;            /* rows per internal forward chunk (bounds activation memory) */
     size_t expert_budget;   /* CACHE mode: RAM for routed experts in bytes; it must hold n_threads
-                               experts (checked at open) */
+                               experts, plus one layer's dense matrices when dense_budget streams
+                               some (checked at open) */
+    size_t dense_budget;    /* CACHE mode: RAM for the layers' dense matrices (attention, shared
+                               experts, latent projections) in their loaded format; 0: all resident.
+                               Layers are kept resident in order while they fit; the matrices of the
+                               rest are read from disk as stored, every step, through the expert
+                               cache (the next layer's while this one computes). Routers, norms,
+                               the embedding and the LM head stay resident. */
     int expert_mode;        /* moe_expert_mode */
     int io_threads;         /* CACHE mode: threads that read experts from disk (default 4; 0: the
                                compute threads read what they need, and there is no prefetch).
@@ -154,6 +161,8 @@ typedef struct {
     uint64_t expert_bytes;    /* bytes of routed-expert weights as stored */
     uint64_t dense_bytes_per_token; /* non-expert weight bytes one decoded token reads, in the
                                        formats used after load (one embedding row) */
+    int streamed_layers;      /* CACHE mode: layers whose dense matrices are read every step */
+    uint64_t streamed_bytes;  /* bytes of those matrices as stored (read once per step) */
     int n_files;              /* safetensors files mapped */
     const char *format;       /* "safetensors" or "gguf" */
     const char *weight_type;  /* the format holding most weight bytes after load: "bf16", "q4_0", ... */
@@ -220,6 +229,7 @@ typedef struct {
                               prefetches for later steps included) */
     double io_seconds;     /* CACHE mode: time the step's threads spent reading or waiting for a
                               read (stalled on I/O) */
+    uint64_t dense_reads;  /* CACHE mode: streamed layers whose dense matrices were read from disk */
     uint64_t prefetch_issued;  /* CACHE mode: expert reads queued for the I/O thread */
     uint64_t prefetch_predicted, prefetch_routed; /* routed experts that had been predicted /
                                                      all routed experts (recall = ratio) */

@@ -1,6 +1,7 @@
 /* cache_flags.h - the expert-store flags every program takes, parsed one way (included by the
  * examples; not part of the runtime):
- *   --load-mode mmap|cache   --expert-budget SIZE   --io-threads N   --prefetch on|off */
+ *   --load-mode mmap|cache   --expert-budget SIZE   --dense-budget SIZE   --io-threads N
+ *   --prefetch on|off */
 #ifndef MOE_EXAMPLES_CACHE_FLAGS_H
 #define MOE_EXAMPLES_CACHE_FLAGS_H
 #include <stdlib.h>
@@ -22,7 +23,9 @@ static int parse_size(const char *s, size_t *out) {
  * with *why set when its value is bad; 0 when it is not one of them. */
 static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
-    if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--io-threads") && strcmp(a, "--prefetch")) return 0;
+    if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--dense-budget") && strcmp(a, "--io-threads") &&
+        strcmp(a, "--prefetch"))
+        return 0;
     if (!v) return *why = "a flag needs a value", -1;
     ++*i;
     if (!strcmp(a, "--load-mode")) {
@@ -31,6 +34,8 @@ static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char 
         else return *why = "--load-mode is mmap or cache", -1;
     } else if (!strcmp(a, "--expert-budget")) {
         if (!parse_size(v, &o->expert_budget)) return *why = "--expert-budget needs a size such as 8G", -1;
+    } else if (!strcmp(a, "--dense-budget")) {
+        if (!parse_size(v, &o->dense_budget)) return *why = "--dense-budget needs a size such as 20G", -1;
     } else if (!strcmp(a, "--io-threads")) {
         char *e;
         long n = strtol(v, &e, 10);

@@ -66,6 +66,8 @@ static int usage(const char *msg) {
             "  --load-mode M   routed experts through the file mapping (mmap, default) or read into a\n"
             "                  cache of --expert-budget bytes (cache)\n"
             "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode)\n"
+            "  --dense-budget SIZE   cache mode: RAM for the layers' dense matrices; the layers beyond it\n"
+            "                        are read from disk every step through the cache (default: all resident)\n"
             "  --io-threads N        cache mode: threads reading experts from disk, in file order (default 4)\n"
             "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
             "  -h, --help      this text\n");
@@ -385,7 +387,7 @@ int main(int argc, char **argv) {
             moe_seq sq = {.s = s, .tokens = ids + keep, .n = feed, .logits = logits};
             if ((st = moe_step(m, &sq, 1, &ps, err, sizeof err))) { fprintf(stderr, "moe-cli: %s\n", err); goto out; }
             tot.expert_loads += ps.expert_loads, tot.expert_bytes += ps.expert_bytes, tot.cache_hits += ps.cache_hits;
-            tot.cache_misses += ps.cache_misses, tot.bytes_read += ps.bytes_read, tot.io_seconds += ps.io_seconds;
+            tot.cache_misses += ps.cache_misses, tot.bytes_read += ps.bytes_read, tot.io_seconds += ps.io_seconds, tot.dense_reads += ps.dense_reads;
         }
         t_prompt += now() - tp, n_prompt += feed;
         nh = (int)nid;
@@ -426,6 +428,7 @@ int main(int argc, char **argv) {
             if ((st = moe_step(m, &d, 1, &ds, err, sizeof err))) { fprintf(stderr, "\nmoe-cli: %s\n", err); goto out; }
             tot.expert_rows += ds.expert_rows, tot.expert_loads += ds.expert_loads, tot.expert_bytes += ds.expert_bytes;
             tot.cache_hits += ds.cache_hits, tot.cache_misses += ds.cache_misses, tot.bytes_read += ds.bytes_read, tot.io_seconds += ds.io_seconds;
+            tot.dense_reads += ds.dense_reads;
             tot.prefetch_issued += ds.prefetch_issued, tot.prefetch_predicted += ds.prefetch_predicted, tot.prefetch_routed += ds.prefetch_routed;
         }
         outq_push(&q, "", 0, 1);
@@ -447,6 +450,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "moe-cli: expert cache: %llu hits, %llu misses (hit rate %.1f%%), %.1f MB read in %.3f s (%.0f MB/s)\n",
                 (unsigned long long)tot.cache_hits, (unsigned long long)tot.cache_misses, lk ? 100.0 * tot.cache_hits / lk : 0.0,
                 tot.bytes_read / 1e6, tot.io_seconds, tot.io_seconds > 0 ? tot.bytes_read / 1e6 / tot.io_seconds : 0.0);
+        const moe_model_info mi = moe_model_get_info(m);
+        if (mi.streamed_layers)
+            fprintf(stderr, "moe-cli: %d layers stream their dense matrices (%.1f MB a step): %llu layer reads\n", mi.streamed_layers,
+                    mi.streamed_bytes / 1e6, (unsigned long long)tot.dense_reads);
         if (opt.prefetch && tot.prefetch_routed)
             fprintf(stderr, "moe-cli: prefetch: %llu reads queued, recall %.1f%% of routed experts\n", (unsigned long long)tot.prefetch_issued,
                     100.0 * tot.prefetch_predicted / tot.prefetch_routed);

@@ -19,7 +19,7 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-logits: %s\n", msg);
     fprintf(stderr,
             "usage: moe-logits -m MODEL --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]\n"
-            "                  [-t THREADS] [--scalar] [--load-mode mmap|cache] [--expert-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
+            "                  [-t THREADS] [--scalar] [--load-mode mmap|cache] [--expert-budget SIZE] [--dense-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
             "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
             "  --tokens FILE   whitespace-separated token ids\n"
             "  --out FILE      write float32 little-endian logits, rows x vocab\n"

@@ -2513,6 +2513,88 @@ static void test_cache_faults(void) {
     moe_model_close(m);
 }
 
+/* Dense matrices streamed through the cache (dense_budget): every layer, or the layers after
+ * those that fit, read from disk each step give the mapping's logits in every golden case, with
+ * or without I/O threads; a failed dense read is an error from the step and the model works on */
+static moe_model *open_streaming(const char *name, size_t dense_budget, int io_threads) {
+    char path[600], err[512];
+    snprintf(path, sizeof path, "%s/%s", golden_dir(), name);
+    moe_options o = moe_default_options();
+    o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 64 << 20, o.dense_budget = dense_budget;
+    o.io_threads = io_threads, o.n_threads = 2;
+    moe_model *m = NULL;
+    CHECKF(moe_model_open(&m, path, &o, err, sizeof err) == MOE_OK, "open %s: %s", path, err);
+    return m;
+}
+
+static void test_dense_streaming(void) {
+    const char *cases[] = {"kimi", "seed", "k3mx"};
+    for (int ci = 0; ci < 3; ci++) {
+        moe_model *ref = open_model(cases[ci], 0, 2);
+        if (!ref) return;
+        const moe_config *c = moe_model_config(ref);
+        const int V = c->vocab_size, L = c->n_layers;
+        int n;
+        int32_t *ids = golden_ids(cases[ci], 2, &n);
+        int *ones = malloc(sizeof(int) * (size_t)n);
+        for (int i = 0; i < n; i++) ones[i] = 1;
+        float *a = logits_in_pieces(ref, ids, n, ones); /* token by token, as below */
+        free(ones);
+        /* a budget that keeps some layers resident: grown until not every layer streams */
+        size_t part = 1;
+        for (;;) {
+            moe_model *m = open_streaming(cases[ci], part, 4);
+            const int sl = m ? moe_model_get_info(m).streamed_layers : 0;
+            moe_model_close(m);
+            if (!m || sl < L) break;
+            part *= 2;
+        }
+        const size_t budgets[3] = {1, part, 1};
+        for (int v = 0; v < 3; v++) {
+            moe_model *m = open_streaming(cases[ci], budgets[v], v == 2 ? 0 : 4);
+            if (!m) break;
+            const moe_model_info info = moe_model_get_info(m);
+            CHECKF(v == 1 ? info.streamed_layers > 0 && info.streamed_layers < L : info.streamed_layers == L,
+                   "%s: %d of %d layers stream", cases[ci], info.streamed_layers, L);
+            moe_session *s;
+            float *b = malloc(sizeof(float) * (size_t)V * n);
+            CHECK(moe_session_new(&s, m, n, NULL, 0) == MOE_OK);
+            uint64_t reads = 0;
+            for (int t = 0; t < n; t++) { /* token by token: each step reads the streamed layers */
+                moe_step_stats st;
+                moe_seq q = {.s = s, .tokens = ids + t, .n = 1, .logits = b + (size_t)V * t};
+                CHECK(moe_step(m, &q, 1, &st, NULL, 0) == MOE_OK);
+                reads += st.dense_reads;
+            }
+            CHECKF(a && max_abs_diff(a, b, (size_t)V * n) == 0, "%s budget %zu io %d: %.3g", cases[ci], budgets[v], v != 2,
+                   a ? max_abs_diff(a, b, (size_t)V * n) : -1.0);
+            CHECKF(reads > 0 && reads <= (uint64_t)n * info.streamed_layers, "%s: %llu dense reads", cases[ci], (unsigned long long)reads);
+            moe_session_free(s);
+            free(b);
+            moe_model_close(m);
+        }
+        free(a), free(ids);
+        moe_model_close(ref);
+    }
+    /* fault injection: the first read the step needs (layer 0's dense matrices) fails */
+    moe_model *ref = open_model("k3mx", 0, 2), *m = open_streaming("k3mx", 1, 4);
+    if (!ref || !m) { moe_model_close(ref), moe_model_close(m); return; }
+    int n;
+    int32_t *ids = golden_ids("k3mx", 1, &n);
+    const int V = moe_model_config(m)->vocab_size;
+    float *a = logits_in_pieces(ref, ids, n, NULL), *b = malloc(sizeof(float) * (size_t)V * n);
+    moe_session *s;
+    CHECK(moe_session_new(&s, m, n, NULL, 0) == MOE_OK);
+    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = b, .logits_all = 1};
+    char err[256];
+    moe__fail_expert_read(m, 1);
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_IO && moe_session_pos(s) == 0);
+    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK && a && max_abs_diff(a, b, (size_t)V * n) == 0);
+    moe_session_free(s);
+    free(a), free(b), free(ids);
+    moe_model_close(m), moe_model_close(ref);
+}
+
 /* several sessions stepping at once from their own threads, one shared model and cache */
 typedef struct {
     moe_model *m;
@@ -2555,10 +2637,19 @@ static void test_concurrent_sessions(void) {
 /* writes a random-weight checkpoint in the released K3 layout with moe-convert --k3-slice: 3 layers
  * (KDA + dense, KDA + MoE, MLA + MoE), hidden 64, vocab 300, E experts of width ie on a latent of
  * dl; the directory goes to dir. Returns 1 on success. */
-static int make_k3_slice(const char *name, int E, int ie, int dl, char *dir, size_t dn) {
-    char shape[600], cmd[2400], out[4096], js[2048];
+static int make_slice(const char *name, const char *js, char *dir, size_t dn) {
+    char shape[600], cmd[2400], out[4096];
     snprintf(shape, sizeof shape, "%s/%s.json", tmp_root, name);
     snprintf(dir, dn, "%s/%s", tmp_root, name);
+    write_all(shape, js, strlen(js));
+    snprintf(cmd, sizeof cmd, "%s/moe-convert --k3-slice %s %s 2>&1", exe_dir, shape, dir);
+    const int rc = run_cmd(cmd, out, sizeof out);
+    CHECKF(rc == 0, "%s", out);
+    return rc == 0;
+}
+
+static int make_k3_slice(const char *name, int E, int ie, int dl, char *dir, size_t dn) {
+    char js[2048];
     snprintf(js, sizeof js,
              "{\"k3_dims\": {\"hidden_size\": 64, \"vocab_size\": 300, \"intermediate_size\": 96, \"num_attention_heads\": 2,"
              "\"q_lora_rank\": 32, \"kv_lora_rank\": 32, \"qk_nope_head_dim\": 16, \"qk_rope_head_dim\": 8, \"v_head_dim\": 16,"
@@ -2568,11 +2659,7 @@ static int make_k3_slice(const char *name, int E, int ie, int dl, char *dir, siz
              "\"layers\": [{\"attention\": \"kda\", \"ffn\": \"dense\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"},"
              "{\"attention\": \"mla\", \"ffn\": \"moe\"}]}",
              E, ie, dl);
-    write_all(shape, js, strlen(js));
-    snprintf(cmd, sizeof cmd, "%s/moe-convert --k3-slice %s %s 2>&1", exe_dir, shape, dir);
-    const int rc = run_cmd(cmd, out, sizeof out);
-    CHECKF(rc == 0, "%s", out);
-    return rc == 0;
+    return make_slice(name, js, dir, dn);
 }
 
 /* experts of 1.6 MB (above the O_DIRECT threshold), adjacent in the released K3 layout: each is
@@ -2604,16 +2691,17 @@ static void test_cache_direct_io(void) {
     free(a);
 }
 
-/* reads RssAnon (kB) of this process; -1 where /proc is not there */
-static long rss_anon_kb(void) {
+/* reads a field of /proc/self/status such as "RssAnon:" (kB); -1 where /proc is not there */
+static long status_kb(const char *field) {
     FILE *f = fopen("/proc/self/status", "r");
     char line[256];
     long v = -1;
     while (f && fgets(line, sizeof line, f))
-        if (!strncmp(line, "RssAnon:", 8)) v = atol(line + 8);
+        if (!strncmp(line, field, strlen(field))) v = atol(line + strlen(field));
     if (f) fclose(f);
     return v;
 }
+static long rss_anon_kb(void) { return status_kb("RssAnon:"); }
 
 /* the process holds what the caller budgeted for experts and no more: decoding through a cache of
  * six 1.6 MB experts with 16 I/O threads, its anonymous memory grows by at most the budget plus
@@ -2656,6 +2744,66 @@ static void test_rss_cache_budget(void) {
     int status = 0;
     CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
     CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+}
+
+/* The whole process stays within the budget when the dense matrices stream: a model of 8
+ * layers with 4 MB of dense matrices each, decoded through a cache of about three such layers;
+ * its resident set (anonymous and file pages) grows by at most the cache budget plus 4 MB of
+ * step buffers, although every step reads all 30 MB of dense matrices (which the mapping would
+ * have made resident). */
+static void test_rss_dense_streaming(void) {
+    if (getenv("MOE_TEST_RUNNER")) return;
+    char dir[600], js[2048];
+    snprintf(js, sizeof js,
+             "{\"k3_dims\": {\"hidden_size\": 1024, \"vocab_size\": 300, \"intermediate_size\": 64, \"num_attention_heads\": 4,"
+             "\"q_lora_rank\": 256, \"kv_lora_rank\": 128, \"qk_nope_head_dim\": 64, \"qk_rope_head_dim\": 32, \"v_head_dim\": 64,"
+             "\"kda_heads\": 4, \"kda_head_dim\": 128, \"short_conv_kernel_size\": 4, \"kda_a_log_len\": 4, \"num_experts\": 4,"
+             "\"num_experts_per_token\": 2, \"moe_intermediate_size\": 64, \"routed_expert_hidden_size\": 64,"
+             "\"num_shared_experts\": 1, \"first_k_dense_replace\": 1, \"attn_res_block_size\": 2},"
+             "\"layers\": [{\"attention\": \"kda\", \"ffn\": \"dense\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"},"
+             "{\"attention\": \"kda\", \"ffn\": \"moe\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"},"
+             "{\"attention\": \"kda\", \"ffn\": \"moe\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"}, {\"attention\": \"mla\", \"ffn\": \"moe\"}]}");
+    if (!make_slice("bigdense", js, dir, sizeof dir)) return;
+    int32_t ids[12] = {1, 2, 3, 4, 5, 299, 7, 8, 9, 10, 11, 12};
+    moe_model *ref = NULL;
+    CHECK(moe_model_open(&ref, dir, NULL, NULL, 0) == MOE_OK);
+    int *ones = malloc(sizeof(int) * 12);
+    for (int i = 0; i < 12; i++) ones[i] = 1;
+    float *a = ref ? logits_in_pieces(ref, ids, 12, ones) : NULL;
+    free(ones);
+    moe_model_close(ref);
+    if (!a) return;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        moe_options o = moe_default_options();
+        o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 14 << 20, o.dense_budget = 1, o.io_threads = 4;
+        moe_model *m;
+        moe_session *s;
+        if (moe_model_open(&m, dir, &o, NULL, 0) || moe_session_new(&s, m, 300, NULL, 0)) _exit(2);
+        const moe_model_info info = moe_model_get_info(m);
+        if (info.streamed_layers != 8 || info.streamed_bytes < (28u << 20)) _exit(3);
+        float *lg = malloc(sizeof(float) * 300);
+        const long before = status_kb("RssAnon:") + status_kb("RssFile:");
+        const uint64_t read0 = moe__expert_bytes_read(m);
+        for (int i = 0; i < 40; i++) {
+            int32_t t = ids[i % 12];
+            moe_seq q = {.s = s, .tokens = &t, .n = 1, .logits = lg};
+            if (moe_step(m, &q, 1, NULL, NULL, 0)) _exit(4);
+            if (i < 12 && memcmp(lg, a + (size_t)i * 300, sizeof(float) * 300)) _exit(5); /* the mapping's logits */
+            if (i == 11) moe_session_reset(s);
+        }
+        const long grown = status_kb("RssAnon:") + status_kb("RssFile:") - before, budget_kb = (long)(o.expert_budget / 1024);
+        const uint64_t read = moe__expert_bytes_read(m) - read0;
+        if (getenv("MOE_TEST_VERBOSE"))
+            fprintf(stderr, "  budget %ld kB: resident set grew %ld kB while %.0f MB were read (%.1f MB of dense matrices a step)\n",
+                    budget_kb, grown, read / 1e6, info.streamed_bytes / 1e6);
+        _exit(before < 0 || (grown <= budget_kb + 4096 && read >= 40 * info.streamed_bytes) ? 0 : 6);
+    }
+    int status = 0;
+    CHECK(pid > 0 && waitpid(pid, &status, 0) == pid);
+    CHECKF(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %d", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    free(a);
 }
 
 /* moe-convert --k3-slice writes the released K3 layout from a shape file: a tiny one loads, runs,
@@ -2794,6 +2942,8 @@ static const struct {
     {"concurrent_sessions", test_concurrent_sessions},
     {"cache_direct_io", test_cache_direct_io},
     {"rss_cache_budget", test_rss_cache_budget},
+    {"dense_streaming", test_dense_streaming},
+    {"rss_dense_streaming", test_rss_dense_streaming},
     {"k3_slice", test_k3_slice},
     {"plan", test_plan},
 };
