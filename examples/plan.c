@@ -2,7 +2,7 @@
  *
  *   moe-plan (-m MODEL | --config CONFIG.json) [--ram SIZE] [--disk-gbps X] [--membw-gbps Y]
  *            [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]
- *            [--dense-bytes-per-value B]
+ *            [--dense-bytes-per-value B] [--dense-budget SIZE]
  *
  * With -m the byte counts come from the files (exact); with --config only from the configuration
  * (BF16 dense weights, and MXFP4 experts when the config carries an MXFP4 quantization_config,
@@ -10,8 +10,11 @@
  * The machine: RAM (default: this machine's), disk read bandwidth, memory bandwidth and matmul
  * throughput (defaults: 2 GB/s, 20 GB/s, 50 GFLOP/s per thread; measure yours with moe-bench).
  *
- * The model of the run: dense weights, per-sequence state and working buffers stay resident; the
- * rest of RAM (less a reserve) caches experts; with routing spread evenly, a cache holding a
+ * The model of the run: the LM head, routers, per-sequence state and working buffers stay
+ * resident, and the layers' dense matrices as far as they fit (--dense-budget, or by default all
+ * of RAM but a reserve and the smallest expert cache a step needs: a byte of dense matrices is
+ * read every step, a byte of experts only when routed to); the rest of the dense matrices is read
+ * from disk every step (moe_options.dense_budget). The rest of RAM caches experts; with routing spread evenly, a cache holding a
  * fraction f of the experts hits with probability f. A decode step of N sequences needs, per MoE
  * layer, E (1 - (1 - k/E)^N) distinct experts; the misses are read from disk. Time = reading
  * (misses / disk bandwidth) + compute (bytes touched / memory bandwidth, or 2 x parameters /
@@ -32,7 +35,8 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-plan: %s\n", msg);
     fprintf(stderr, "usage: moe-plan (-m MODEL | --config CONFIG.json) [--ram SIZE] [--disk-gbps X] [--membw-gbps Y]\n"
                     "                [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]\n"
-                    "                [--dense-bytes-per-value B]   (--config only: 2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n");
+                    "                [--dense-bytes-per-value B]   (2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n"
+                "                [--dense-budget SIZE]         (RAM for the layers' dense matrices; default: what fits)\n");
     return 2;
 }
 
@@ -49,6 +53,7 @@ static int parse_size(const char *s, double *out) {
 int main(int argc, char **argv) {
     const char *model = NULL, *config = NULL;
     double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE), disk = 2.0, membw = 20.0, gflops = 0, ebv = 0, dbv = 2.0;
+    double dense_budget = -1; /* -1: what fits */
     int dbv_given = 0;
     int threads = 1, ctx = 4096, seqs = 16;
     for (int i = 1; i < argc; i++) {
@@ -57,6 +62,7 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "-m") && more) model = argv[++i];
         else if (!strcmp(a, "--config") && more) config = argv[++i];
         else if (!strcmp(a, "--ram") && more) { if (!parse_size(argv[++i], &ram)) return usage("bad --ram"); }
+        else if (!strcmp(a, "--dense-budget") && more) { if (!parse_size(argv[++i], &dense_budget)) return usage("bad --dense-budget"); }
         else if (!strcmp(a, "--disk-gbps") && more) disk = atof(argv[++i]);
         else if (!strcmp(a, "--membw-gbps") && more) membw = atof(argv[++i]);
         else if (!strcmp(a, "--gflops") && more) gflops = atof(argv[++i]);
@@ -137,7 +143,14 @@ int main(int argc, char **argv) {
      * seen are read, so it is not counted resident (its bytes are in dense_bytes at the dense
      * type's size) */
     const double embed = (double)c.vocab_size * c.hidden_size * dbv;
-    const double resident = dense_bytes - embed + state_per_seq * seqs + working;
+    /* always resident: the LM head and the routers; the layers' other matrices may stream */
+    const double fixed = (double)c.vocab_size * c.hidden_size * dbv + (double)n_moe * c.n_experts * c.hidden_size * dbv;
+    const double layer_dense = dense_bytes - embed - fixed > 0 ? dense_bytes - embed - fixed : 0;
+    const double min_cache = threads * one_expert + 2 * layer_dense / c.n_layers; /* a step's experts, this layer and the next */
+    double dense_res = dense_budget >= 0 ? dense_budget : ram - reserve - fixed - state_per_seq * seqs - working - min_cache;
+    dense_res = dense_res < 0 ? 0 : dense_res > layer_dense ? layer_dense : dense_res;
+    const double streamed = layer_dense - dense_res;
+    const double resident = fixed + dense_res + state_per_seq * seqs + working;
     const double cache = ram - reserve - resident > 0 ? ram - reserve - resident : 0;
     const double f = expert_total > 0 ? (cache < expert_total ? cache / expert_total : 1.0) : 1.0;
 
@@ -146,14 +159,18 @@ int main(int argc, char **argv) {
     printf("bytes: dense %.2f GB, experts %.2f GB (%.2f MB each), state %.3f GB per sequence at %d tokens\n", dense_bytes / 1e9,
            expert_total / 1e9, one_expert / 1e6, state_per_seq / 1e9, ctx);
     printf("machine: RAM %.1f GB, disk %.2f GB/s, memory %.1f GB/s, %.0f GFLOP/s (%d threads)\n", ram / 1e9, disk, membw, gflops, threads);
-    if (resident + reserve > ram)
-        printf("plan: the dense weights and state (%.1f GB) do not fit in RAM: they would be paged too (not planned)\n", (resident) / 1e9);
-    printf("plan: resident %.2f GB (dense weights but the mapped embedding, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
+    if (resident + reserve + min_cache > ram)
+        printf("plan: the LM head, routers, states and buffers (%.1f GB) leave no room for a step's expert cache: not planned further\n",
+               (fixed + state_per_seq * seqs + working) / 1e9);
+    printf("plan: resident %.2f GB (dense weights but the mapped embedding and streamed layers, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
            resident / 1e9, seqs, reserve / 1e9, cache / 1e9, 100 * f);
+    if (streamed > 0)
+        printf("plan: layers' dense matrices %.2f GB resident, %.2f GB (about %d of %d layers) read from disk every step (--dense-budget %.2fG)\n",
+               dense_res / 1e9, streamed / 1e9, (int)ceil(streamed / (layer_dense / c.n_layers)), c.n_layers, dense_res / 1073741824.0);
     const int ns[2] = {1, seqs};
     for (int i = 0; i < 2; i++) {
         const double N = ns[i], distinct = E ? E * (1 - pow(1 - k / E, N)) : 0;
-        const double read = n_moe * distinct * one_expert * (1 - f), touched = dense_bytes - embed + n_moe * distinct * one_expert;
+        const double read = n_moe * distinct * one_expert * (1 - f) + streamed, touched = dense_bytes - embed + n_moe * distinct * one_expert;
         const double io = read / (disk * 1e9), comp = touched / (membw * 1e9);
         printf("decode, %d sequence%s: %.2f GB read per step (%.0f experts per MoE layer), io %.3f s + compute %.3f s: "
                "%.3f s/token serial, %.3f s/token overlapped (%.2f / %.2f tok/s aggregate)\n",
@@ -161,9 +178,10 @@ int main(int argc, char **argv) {
                N / (io + comp), N / (io > comp ? io : comp));
     }
     const double T = 512, dT = E ? E * (1 - pow(1 - k / E, T)) : 0;
-    const double pio = n_moe * dT * one_expert * (1 - f) / (disk * 1e9), pcomp = 2 * n_active * T / (gflops * 1e9);
+    const double pread = n_moe * dT * one_expert * (1 - f) + streamed;
+    const double pio = pread / (disk * 1e9), pcomp = 2 * n_active * T / (gflops * 1e9);
     printf("prefill, 512-token chunk: %.2f GB read (%.0f experts per MoE layer), io %.2f s + compute %.2f s: %.1f tok/s serial, %.1f overlapped\n",
-           n_moe * dT * one_expert * (1 - f) / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
+           pread / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
     moe_model_close(m);
     return 0;
 }
