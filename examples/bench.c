@@ -51,7 +51,7 @@ static int usage(const char *msg) {
     fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
                     "                 [--prefill N] [--reps R]\n"
                     "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
-                    "                 [--dense bf16|q8_0|q4_0] [--seqs 1,16,64] [--prefill N] [--prefetch on|off]\n"
+                    "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--prefetch on|off]\n"
                     "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n");
     return 2;
 }
@@ -233,7 +233,7 @@ typedef struct {
 static void add_stats(moe_step_stats *a, const moe_step_stats *b) {
     a->cache_hits += b->cache_hits, a->cache_misses += b->cache_misses, a->bytes_read += b->bytes_read, a->io_seconds += b->io_seconds;
     a->prefetch_predicted += b->prefetch_predicted, a->prefetch_routed += b->prefetch_routed, a->expert_loads += b->expert_loads;
-    a->expert_bytes += b->expert_bytes;
+    a->expert_bytes += b->expert_bytes, a->dense_reads += b->dense_reads;
 }
 
 static void stream_line(const char *mode, int seqs, const run_stats *r, double disk_gbps, int threads) {
@@ -241,10 +241,10 @@ static void stream_line(const char *mode, int seqs, const run_stats *r, double d
     const double bpt = r->sum.bytes_read / tok, floor = bpt / (disk_gbps * 1e9);
     printf("{\"mode\": \"%s\", \"sequences\": %d, \"tokens\": %d, \"s_per_token\": %.4f, \"tok_s\": %.3f, \"bytes_read_per_token\": %.0f, "
            "\"hit_rate\": %.4f, \"disk_read_gbps\": %.3f, \"io_floor_s_per_token\": %.4f, \"stall_frac\": %.3f, \"prefetch_recall\": %.3f, "
-           "\"expert_loads_per_step\": %.1f}\n",
+           "\"expert_loads_per_step\": %.1f, \"dense_layer_reads_per_step\": %.2f}\n",
            mode, seqs, r->tokens, r->seconds / tok, tok / r->seconds, bpt, hr, disk_gbps, floor, r->sum.io_seconds / (r->seconds * threads),
            r->sum.prefetch_routed ? (double)r->sum.prefetch_predicted / r->sum.prefetch_routed : 0.0,
-           (double)r->sum.expert_loads * seqs / tok);
+           (double)r->sum.expert_loads * seqs / tok, (double)r->sum.dense_reads * seqs / tok);
     fflush(stdout);
 }
 
@@ -320,6 +320,9 @@ static int stream_bench(const char *model, int argc, char **argv) {
     print_rss("after open");
     fprintf(stderr, "moe-bench: opened in %.1f s; expert budget %.2f GB, %d I/O threads, %d compute threads\n", now() - t0,
             o.expert_budget / 1e9, o.io_threads, o.n_threads);
+    const moe_model_info mi = moe_model_get_info(m);
+    if (mi.streamed_layers)
+        fprintf(stderr, "moe-bench: %d layers stream their dense matrices: %.2f GB read every step\n", mi.streamed_layers, mi.streamed_bytes / 1e9);
     int maxs = 1;
     for (int i = 0; i < n_seqs; i++) maxs = seqs[i] > maxs ? seqs[i] : maxs;
     const int ctx = n_prefill + n_decode + 8;
