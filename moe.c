@@ -2048,66 +2048,88 @@ moe_model_info moe_model_get_info(const moe_model *m) {
 
 #define MM_ROW_TILE 16 /* weight rows per task: they stay in cache while every token passes */
 
-static moe_status matmul_nt(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
-                            const moe__weight *W, int nt) {
-    const int64_t N = W->rows, K = W->cols, rb = moe__row_bytes(W->type, K);
-    const int64_t sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
+/* One product of a group: y[T, W->rows] = x[T, K] W^T. */
+typedef struct {
+    float *y;
+    const moe__weight *W;
+} mm_out;
+
+/* rows per task: an interleaved row group, or a tile */
+static int mm_per(const moe__weight *W) { return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 ? 8 : MM_ROW_TILE; }
+
+/* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of o, for every token. */
+static void mm_task(const moe_model *m, const mm_out *o, int64_t r0, const float *x, int64_t ldx, const moe__block_q8a *xq, int T) {
+    const moe__weight *W = o->W;
+    const int64_t N = W->rows, K = W->cols, nb = K / 32;
     const unsigned char *base = W->data;
-    const int par = nt > 1 && N * T * K > (1 << 18);
+    if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs */
+        const int64_t gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
+        float o8[8];
+        for (int t = 0; t < T; t++) {
+            m->k.dotq8[W->type](base + r0 / 8 * gb, xq + (int64_t)t * nb, K, o8);
+            memcpy(o->y + (int64_t)t * N + r0, o8, sizeof o8);
+        }
+        return;
+    }
+    const int64_t rb = moe__row_bytes(W->type, K), sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
+    const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
+    if (moe__is_quant(W->type)) {
+        for (int t = 0; t < T; t++)
+            for (int64_t n = r0; n < r1; n++) o->y[(int64_t)t * N + n] = m->k.dotq[W->type](base + n * rb, xq + (int64_t)t * nb, K);
+        return;
+    }
+    for (int t = 0; t < T; t++)
+        for (int64_t n = r0; n < r1; n++)
+            o->y[(int64_t)t * N + n] = m->k.dot[W->type](base + n * rb, W->scale ? W->scale + n * sb : NULL, x + (int64_t)t * ldx, K);
+}
+
+/* Several products of one input x[T, K] (row stride ldx) in one parallel loop: the activations
+ * are quantized to 8-bit blocks once (if any matrix is an integer format), and the threads split
+ * the row tasks of all the matrices, so that a decode step pays one fork and join for its
+ * projections instead of one each. Each output is the same kernel call on the same data whatever
+ * the grouping and thread count. */
+static moe_status matmul_multi(const moe_model *m, const float *x, int64_t ldx, int T, const mm_out *o, int n, int nt) {
+    int64_t start[9] = {0}, work = 0; /* matrix i's tasks are start[i] .. start[i+1]-1 */
+    int quant = 0;
+    if (n < 1 || n > 8) return MOE_ERR_ARG;
+    const int64_t K = o[0].W->cols;
+    for (int i = 0; i < n; i++) {
+        const moe__weight *W = o[i].W;
+        if (W->cols != K) return MOE_ERR_ARG;
+        quant |= mm_per(W) == 8 || moe__is_quant(W->type);
+        start[i + 1] = start[i] + (W->rows + mm_per(W) - 1) / mm_per(W);
+        work += W->rows * (int64_t)T * K;
+    }
+    const int par = nt > 1 && work > (1 << 18);
     (void)par; /* used by the OpenMP pragmas only */
-    const int x8 = W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8;
-    if (x8 || moe__is_quant(W->type)) {
-        /* integer formats: quantize the activation rows once, then int8 dots */
+    moe__block_q8a *xq = NULL;
+    if (quant) {
         const int64_t nb = K / 32;
-        moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nb * T));
-        if (!xq) return MOE_ERR_NOMEM;
+        if (!(xq = malloc(sizeof *xq * (size_t)(nb * T)))) return MOE_ERR_NOMEM;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (par && T > 1)
 #endif
         for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
-        if (x8) { /* interleaved groups of 8 rows: one kernel call yields 8 outputs */
-            const int64_t gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
-            const moe__dotq8_fn dotq8 = m->k.dotq8[W->type];
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (par)
-#endif
-            for (int64_t g = 0; g < N / 8; g++) {
-                float o8[8];
-                for (int t = 0; t < T; t++) {
-                    dotq8(base + g * gb, xq + (int64_t)t * nb, K, o8);
-                    memcpy(y + (int64_t)t * N + g * 8, o8, sizeof o8);
-                }
-            }
-        } else {
-            const moe__dotq_fn dotq = m->k.dotq[W->type];
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (par)
-#endif
-            for (int64_t r0 = 0; r0 < N; r0 += MM_ROW_TILE) {
-                const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
-                for (int t = 0; t < T; t++)
-                    for (int64_t n = r0; n < r1; n++) y[(int64_t)t * N + n] = dotq(base + n * rb, xq + (int64_t)t * nb, K);
-            }
-        }
-        free(xq);
-        return MOE_OK;
     }
-    const moe__dot_fn dot = m->k.dot[W->type];
+    const int64_t tasks = start[n];
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(static) if (par)
 #endif
-    for (int64_t r0 = 0; r0 < N; r0 += MM_ROW_TILE) {
-        const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
-        for (int t = 0; t < T; t++)
-            for (int64_t n = r0; n < r1; n++)
-                y[(int64_t)t * N + n] = dot(base + n * rb, W->scale ? W->scale + n * sb : NULL, x + (int64_t)t * ldx, K);
+    for (int64_t u = 0; u < tasks; u++) {
+        int i = 0;
+        while (u >= start[i + 1]) i++;
+        mm_task(m, &o[i], (u - start[i]) * mm_per(o[i].W), x, ldx, xq, T);
     }
+    free(xq);
     return MOE_OK;
 }
 
-/* y[T, rows] = x[T, cols] W^T. Callers chain these through MM so that the first failure sticks
- * and is returned; later products in the same function then run on scratch values that are
- * thrown away with the step. */
+static moe_status matmul_nt(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
+                            const moe__weight *W, int nt) {
+    const mm_out o = {y, W};
+    return matmul_multi(m, x, ldx, T, &o, 1, nt);
+}
+
 static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_t ldx, int T, const moe__weight *W) {
     return matmul_nt(m, y, x, ldx, T, W, m->opt.n_threads);
 }
@@ -2159,21 +2181,26 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
     const int W = c->conv_kernel, Wm = W - 1;
     const size_t ext = (size_t)(Wm + n) * HD;
-    float *buf = malloc(sizeof(float) * (3 * ext + 5 * (size_t)n * HD + (size_t)n * H + (size_t)n * D));
+    float *buf = malloc(sizeof(float) * (3 * ext + 6 * (size_t)n * HD + (size_t)n * H + (size_t)n * D));
     if (!buf) return MOE_ERR_NOMEM;
     float *qe = buf, *ke = qe + ext, *ve = ke + ext, *q = ve + ext, *k = q + (size_t)n * HD;
-    float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD;
-    float *beta = o + (size_t)n * HD, *tmp = beta + (size_t)n * H;
+    float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD, *og = o + (size_t)n * HD;
+    float *beta = og + (size_t)n * HD, *tmp = beta + (size_t)n * H;
     float *tail = s->conv_tail[li];
     moe_status st = MOE_OK;
     float *exts[3] = {qe, ke, ve}, *outs[3] = {q, k, v};
-    const moe__weight *proj[3] = {&L->q, &L->k, &L->v};
     const float *convw[3] = {L->q_conv, L->k_conv, L->v_conv};
-    /* 1-2. projections, then the causal depthwise convolution over [tail | new rows] */
+    /* 1, 4, 5, 7. every projection of x in one pass: q, k, v, the decay gate's first factor,
+     * beta, and the output gate (full rank, or its first factor) */
+    {
+        const mm_out proj[6] = {{qe + (size_t)Wm * HD, &L->q}, {ke + (size_t)Wm * HD, &L->k}, {ve + (size_t)Wm * HD, &L->v},
+                                {tmp, &L->f_a}, {beta, &L->b}, {og, c->kda_full_rank_gate ? &L->g : &L->g_a}};
+        st = matmul_multi(m, x, d, n, proj, 6, m->opt.n_threads);
+    }
+    /* 2. the causal depthwise convolution over [tail | new rows] */
     for (int a = 0; a < 3; a++) {
         float *e = exts[a];
         for (int r = 0; r < Wm; r++) memcpy(e + (size_t)r * HD, tail + ((size_t)r * 3 + a) * HD, sizeof(float) * HD);
-        MM(e + (size_t)Wm * HD, x, n, proj[a]);
         for (int t = 0; t < n; t++)
             for (int ch = 0; ch < HD; ch++) {
                 float acc = 0;
@@ -2195,7 +2222,6 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
             for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
         }
     /* 4. decay gate: z = (x f_a^T) f_b^T + dt_bias */
-    MM(tmp, x, n, &L->f_a);
     MM(g, tmp, n, &L->f_b);
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {
@@ -2207,7 +2233,6 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
             }
         }
     /* 5. beta */
-    MM(beta, x, n, &L->b);
     for (int i = 0; i < n * H; i++) beta[i] = sigmoidf(beta[i]);
     /* 6. the core, per head: chunked for prefill, recurrence for short steps */
     const unsigned fl = m->opt.flags;
@@ -2227,18 +2252,17 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
         else m->k.kda_recurrent(&a);
     }
     free(work);
-    /* 7. output gate and per-head RMSNorm; 8. output projection (og reuses q's buffer) */
-    float *og = q;
-    if (c->kda_full_rank_gate) {
-        MM(og, x, n, &L->g);
-    } else {
-        MM(tmp, x, n, &L->g_a);
-        MM(og, tmp, n, &L->g_b);
+    /* 7. output gate (a low-rank one's second factor into q's buffer, free by now) and per-head
+     * RMSNorm; 8. output projection */
+    const float *gate = og;
+    if (!c->kda_full_rank_gate) {
+        MM(q, og, n, &L->g_b);
+        gate = q;
     }
     for (int t = 0; t < n; t++)
         for (int h = 0; h < H; h++) {
             float *oh = o + (size_t)t * HD + (size_t)h * D;
-            const float *gh = og + (size_t)t * HD + (size_t)h * D;
+            const float *gh = gate + (size_t)t * HD + (size_t)h * D;
             rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
             for (int i = 0; i < D; i++) oh[i] *= sigmoidf(gh[i]);
         }
@@ -2383,16 +2407,17 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     if (!buf) return MOE_ERR_NOMEM;
     float *q = buf, *y = q + qn, *gate = y + yn, *kv = gate + gn, *qa_buf = kv + kvn;
     float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
-    /* 1. queries */
+    /* 1, 2, 5. the projections of x in one pass: queries (or their LoRA's first factor), the
+     * latents, the output gate */
+    {
+        const mm_out proj[3] = {{c->q_lora_rank ? qa_buf : q, c->q_lora_rank ? &L->q_a : &L->q}, {lat, &L->kv_a}, {gate, &L->g}};
+        st = matmul_multi(m, x, c->hidden_size, n, proj, c->mla_output_gate ? 3 : 2, m->opt.n_threads);
+    }
     if (c->q_lora_rank) {
-        MM(qa_buf, x, n, &L->q_a);
         rmsnorm_rows(qa_buf, qa_buf, L->q_a_norm, n, c->q_lora_rank, 1e-6f);
         MM(q, qa_buf, n, &L->q_b);
-    } else {
-        MM(q, x, n, &L->q);
     }
     /* 2. latents into the cache */
-    MM(lat, x, n, &L->kv_a);
     float *cache = s->mla_cache[li];
     for (int t = 0; t < n; t++) {
         float *row = cache + (size_t)(pos + t) * cw;
@@ -2429,10 +2454,8 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         }
     }
     /* 5. output gate; 6. output projection */
-    if (c->mla_output_gate) {
-        MM(gate, x, n, &L->g);
+    if (c->mla_output_gate)
         for (size_t i = 0; i < yn; i++) y[i] *= sigmoidf(gate[i]);
-    }
     MM(out, y, n, &L->o);
     free(buf);
     return st;
@@ -2446,9 +2469,8 @@ static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const
     float *a = malloc(sizeof(float) * 2 * (size_t)n * (size_t)I);
     if (!a) return MOE_ERR_NOMEM;
     float *b = a + (size_t)n * I;
-    moe_status st = MOE_OK;
-    MM(a, x, n, gate);
-    MM(b, x, n, up);
+    const mm_out proj[2] = {{a, gate}, {b, up}};
+    moe_status st = matmul_multi(m, x, gate->cols, n, proj, 2, m->opt.n_threads);
     glu(&m->cfg, a, b, (int64_t)n * I);
     MM(out, a, n, down);
     free(a);
@@ -3290,8 +3312,10 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
         moe_status es = expert_get(m, li, e, &ex, stats);
         const int got = !es;
         for (int i = 0; i < ce && !es; i++) memcpy(bx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
-        if (!es) es = matmul_nt(m, ba, bx, de, ce, &ex->w1, 1);
-        if (!es) es = matmul_nt(m, bb, bx, de, ce, &ex->w3, 1);
+        if (!es) {
+            const mm_out gu[2] = {{ba, &ex->w1}, {bb, &ex->w3}};
+            es = matmul_multi(m, bx, de, ce, gu, 2, 1);
+        }
         if (!es) glu(c, ba, bb, (int64_t)ce * Ie);
         if (!es) es = matmul_nt(m, bo, ba, Ie, ce, &ex->w2, 1);
         if (got) expert_put(m, li, e);
@@ -3313,8 +3337,8 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
             const expert *ux;
             if ((st = expert_get(m, li, e, &ux, stats))) break;
             for (int i = 0; i < ce; i++) memcpy(gx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
-            MM(ga, gx, ce, &ux->w1);
-            MM(gb, gx, ce, &ux->w3);
+            const mm_out gu[2] = {{ga, &ux->w1}, {gb, &ux->w3}};
+            st = st ? st : matmul_multi(m, gx, de, ce, gu, 2, m->opt.n_threads);
             glu(c, ga, gb, (int64_t)ce * Ie);
             MM(go, ga, ce, &ux->w2);
             expert_put(m, li, e);
