@@ -281,10 +281,12 @@ static int stream_bench(const char *model, int argc, char **argv) {
         else if (strcmp(a, "--stream")) return usage("unknown argument in --stream mode");
     }
     o.n_threads = threads < 1 ? 1 : threads;
-    /* the disk first, on the biggest file of the checkpoint */
+    /* the disk, on the biggest file of the checkpoint (or the model file itself: GGUF) */
     char biggest[4400] = "";
     off_t bsize = 0;
-    for (int i = 1; i < 100; i++) {
+    struct stat msb;
+    if (!stat(model, &msb) && S_ISREG(msb.st_mode)) bsize = msb.st_size, snprintf(biggest, sizeof biggest, "%s", model);
+    for (int i = 1; i < 100 && !bsize; i++) {
         char p[4200];
         struct stat sb;
         snprintf(p, sizeof p, "%s/model-%05d-of-", model, i);
@@ -303,24 +305,31 @@ static int stream_bench(const char *model, int argc, char **argv) {
         if (!found) break;
     }
     if (!bsize) { fprintf(stderr, "moe-bench: %s: no model-NNNNN-of-NNNNN.safetensors shards\n", model); return 1; }
-    const double seq_gbps = disk_sequential(biggest, (uint64_t)2 << 30);
-    const size_t block = (18400000 + 4095) & ~(size_t)4095; /* a K3 MXFP4 expert (17.55 MB), in whole O_DIRECT blocks */
-    const double par_gbps = disk_parallel(biggest, bsize, block, 16, 12);
-    fprintf(stderr, "moe-bench: disk (O_DIRECT): sequential %.2f GB/s, 16 readers of %.1f MB blocks %.2f GB/s (%s)\n", seq_gbps,
-            block / 1e6, par_gbps, biggest);
-    printf("{\"mode\": \"disk\", \"sequential_gbps\": %.3f, \"parallel16_gbps\": %.3f, \"block_bytes\": %zu}\n", seq_gbps, par_gbps, block);
-    fflush(stdout);
-
+    /* the model is opened first (headers, dense weights) to size the random reads as its expert
+     * reads are: a whole expert where its tensors are adjacent (K3's layout), a third of one in a
+     * GGUF (merged expert tensors: w1, w2 and w3 rows apart) */
     char err[512];
     moe_model *m = NULL;
     double t0 = now();
     moe_status st = moe_model_open(&m, model, &o, err, sizeof err);
     if (st) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+    const double open_s = now() - t0;
     const moe_config *c = moe_model_config(m);
-    print_rss("after open");
-    fprintf(stderr, "moe-bench: opened in %.1f s; expert budget %.2f GB, %d I/O threads, %d compute threads\n", now() - t0,
-            o.expert_budget / 1e9, o.io_threads, o.n_threads);
     const moe_model_info mi = moe_model_get_info(m);
+    int n_moe = 0;
+    for (int l = 0; l < c->n_layers; l++) n_moe += c->layer_moe[l];
+    const double one = n_moe && c->n_experts ? (double)mi.expert_bytes / n_moe / c->n_experts : 18400000.0;
+    const size_t block = ((size_t)(one / (strcmp(mi.format, "gguf") ? 1 : 3)) + 4095) & ~(size_t)4095;
+    const double seq_gbps = disk_sequential(biggest, (uint64_t)2 << 30);
+    const double par_gbps = disk_parallel(biggest, bsize, block, 16, (int)(220e6 / block) + 1);
+    fprintf(stderr, "moe-bench: disk (O_DIRECT): sequential %.2f GB/s, 16 readers of %.1f MB blocks %.2f GB/s (%s)\n", seq_gbps,
+            block / 1e6, par_gbps, biggest);
+    printf("{\"mode\": \"disk\", \"sequential_gbps\": %.3f, \"parallel16_gbps\": %.3f, \"block_bytes\": %zu}\n", seq_gbps, par_gbps, block);
+    fflush(stdout);
+
+    print_rss("after open");
+    fprintf(stderr, "moe-bench: opened in %.1f s; expert budget %.2f GB, %d I/O threads, %d compute threads\n", open_s,
+            o.expert_budget / 1e9, o.io_threads, o.n_threads);
     if (mi.streamed_layers)
         fprintf(stderr, "moe-bench: %d layers stream their dense matrices: %.2f GB read every step\n", mi.streamed_layers, mi.streamed_bytes / 1e9);
     int maxs = 1;
