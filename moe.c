@@ -2181,11 +2181,11 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
     const int W = c->conv_kernel, Wm = W - 1;
     const size_t ext = (size_t)(Wm + n) * HD;
-    float *buf = malloc(sizeof(float) * (3 * ext + 6 * (size_t)n * HD + (size_t)n * H + (size_t)n * D));
+    float *buf = malloc(sizeof(float) * (3 * ext + 7 * (size_t)n * HD + (size_t)n * H + (size_t)n * D));
     if (!buf) return MOE_ERR_NOMEM;
     float *qe = buf, *ke = qe + ext, *ve = ke + ext, *q = ve + ext, *k = q + (size_t)n * HD;
     float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD, *og = o + (size_t)n * HD;
-    float *beta = og + (size_t)n * HD, *tmp = beta + (size_t)n * H;
+    float *gl = og + (size_t)n * HD, *beta = gl + (size_t)n * HD, *tmp = beta + (size_t)n * H;
     float *tail = s->conv_tail[li];
     moe_status st = MOE_OK;
     float *exts[3] = {qe, ke, ve}, *outs[3] = {q, k, v};
@@ -2197,75 +2197,72 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
                                 {tmp, &L->f_a}, {beta, &L->b}, {og, c->kda_full_rank_gate ? &L->g : &L->g_a}};
         st = matmul_multi(m, x, d, n, proj, 6, m->opt.n_threads);
     }
-    /* 2. the causal depthwise convolution over [tail | new rows] */
-    for (int a = 0; a < 3; a++) {
-        float *e = exts[a];
-        for (int r = 0; r < Wm; r++) memcpy(e + (size_t)r * HD, tail + ((size_t)r * 3 + a) * HD, sizeof(float) * HD);
-        for (int t = 0; t < n; t++)
-            for (int ch = 0; ch < HD; ch++) {
-                float acc = 0;
-                const float *w = convw[a] + (size_t)ch * W;
-                for (int j = 0; j < W; j++) acc += w[j] * e[(size_t)(t + j) * HD + ch];
-                outs[a][(size_t)t * HD + ch] = siluf(acc);
-            }
-        for (int r = 0; r < Wm; r++)
-            memcpy(tail + ((size_t)r * 3 + a) * HD, e + (size_t)(n + r) * HD, sizeof(float) * HD);
-    }
-    /* 3. per-head L2 norm; q also scaled by D^-1/2 */
-    const float qscale = 1.0f / sqrtf((float)D);
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < H; h++) {
-            float *qh = q + (size_t)t * HD + (size_t)h * D, *kh = k + (size_t)t * HD + (size_t)h * D;
-            double sq = 0, sk = 0;
-            for (int i = 0; i < D; i++) sq += (double)qh[i] * qh[i], sk += (double)kh[i] * kh[i];
-            float iq = (float)(1.0 / sqrt(sq + 1e-6)) * qscale, ik = (float)(1.0 / sqrt(sk + 1e-6));
-            for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
-        }
-    /* 4. decay gate: z = (x f_a^T) f_b^T + dt_bias */
+    /* 4, 7. the second factors of the decay gate and of a low-rank output gate */
+    const float *gate = og;
     MM(g, tmp, n, &L->f_b);
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < H; h++) {
-            float a = expf(L->A_log[h]);
-            for (int i = 0; i < D; i++) {
-                size_t idx = (size_t)t * HD + (size_t)h * D + i;
-                float z = g[idx] + L->dt_bias[(size_t)h * D + i];
-                g[idx] = c->kda_gate_bounded ? c->kda_gate_lower_bound * sigmoidf(a * z) : -a * softplusf(z);
-            }
-        }
-    /* 5. beta */
-    for (int i = 0; i < n * H; i++) beta[i] = sigmoidf(beta[i]);
-    /* 6. the core, per head: chunked for prefill, recurrence for short steps */
+    if (!c->kda_full_rank_gate) {
+        MM(gl, og, n, &L->g_b);
+        gate = gl;
+    }
+    if (st) { free(buf); return st; }
     const unsigned fl = m->opt.flags;
     const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
     const int bounded = c->kda_gate_bounded && c->kda_gate_lower_bound >= -5.0f;
     const size_t wsz = moe__kda_chunk_work(D);
     float *work = chunked ? malloc(sizeof(float) * wsz * (size_t)H) : NULL;
     if (chunked && !work) { free(buf); return MOE_ERR_NOMEM; }
+    const float qscale = 1.0f / sqrtf((float)D);
+    /* 2-7 per head, the heads in parallel: everything from here to the output projection
+     * touches only its head's channels (a decode step has no serial part left) */
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1 && H > 1)
 #endif
     for (int h = 0; h < H; h++) {
-        moe__kda_head a = {n, D, HD, H, q + (size_t)h * D, k + (size_t)h * D, v + (size_t)h * D,
-                           g + (size_t)h * D, beta + h, o + (size_t)h * D,
-                           s->kda_state[li] + (size_t)h * D * D};
+        const size_t c0 = (size_t)h * D;
+        /* 2. the causal depthwise convolution over [tail | new rows], this head's channels */
+        for (int a = 0; a < 3; a++) {
+            float *e = exts[a];
+            for (int r = 0; r < Wm; r++) memcpy(e + (size_t)r * HD + c0, tail + ((size_t)r * 3 + a) * HD + c0, sizeof(float) * D);
+            for (int t = 0; t < n; t++)
+                for (size_t ch = c0; ch < c0 + (size_t)D; ch++) {
+                    float acc = 0;
+                    const float *w = convw[a] + ch * W;
+                    for (int j = 0; j < W; j++) acc += w[j] * e[(size_t)(t + j) * HD + ch];
+                    outs[a][(size_t)t * HD + ch] = siluf(acc);
+                }
+            for (int r = 0; r < Wm; r++)
+                memcpy(tail + ((size_t)r * 3 + a) * HD + c0, e + (size_t)(n + r) * HD + c0, sizeof(float) * D);
+        }
+        const float ga = expf(L->A_log[h]);
+        for (int t = 0; t < n; t++) {
+            /* 3. L2 norm of q and k; q also scaled by D^-1/2 */
+            float *qh = q + (size_t)t * HD + c0, *kh = k + (size_t)t * HD + c0;
+            double sq = 0, sk = 0;
+            for (int i = 0; i < D; i++) sq += (double)qh[i] * qh[i], sk += (double)kh[i] * kh[i];
+            const float iq = (float)(1.0 / sqrt(sq + 1e-6)) * qscale, ik = (float)(1.0 / sqrt(sk + 1e-6));
+            for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
+            /* 4. decay gate from z = (x f_a^T) f_b^T + dt_bias; 5. beta */
+            float *gh = g + (size_t)t * HD + c0;
+            for (int i = 0; i < D; i++) {
+                const float z = gh[i] + L->dt_bias[c0 + (size_t)i];
+                gh[i] = c->kda_gate_bounded ? c->kda_gate_lower_bound * sigmoidf(ga * z) : -ga * softplusf(z);
+            }
+            beta[(size_t)t * H + h] = sigmoidf(beta[(size_t)t * H + h]);
+        }
+        /* 6. the core: chunked for prefill, the recurrence for short steps */
+        moe__kda_head a = {n, D, HD, H, q + c0, k + c0, v + c0, g + c0, beta + h, o + c0, s->kda_state[li] + c0 * D};
         if (chunked) moe__kda_chunked(&a, bounded, work + wsz * (size_t)h, &m->k);
         else m->k.kda_recurrent(&a);
+        /* 7. per-head RMSNorm and the output gate */
+        for (int t = 0; t < n; t++) {
+            float *oh = o + (size_t)t * HD + c0;
+            const float *gt = gate + (size_t)t * HD + c0;
+            rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
+            for (int i = 0; i < D; i++) oh[i] *= sigmoidf(gt[i]);
+        }
     }
     free(work);
-    /* 7. output gate (a low-rank one's second factor into q's buffer, free by now) and per-head
-     * RMSNorm; 8. output projection */
-    const float *gate = og;
-    if (!c->kda_full_rank_gate) {
-        MM(q, og, n, &L->g_b);
-        gate = q;
-    }
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < H; h++) {
-            float *oh = o + (size_t)t * HD + (size_t)h * D;
-            const float *gh = gate + (size_t)t * HD + (size_t)h * D;
-            rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
-            for (int i = 0; i < D; i++) oh[i] *= sigmoidf(gh[i]);
-        }
+    /* 8. output projection */
     MM(out, o, n, &L->o);
     (void)d;
     free(buf);

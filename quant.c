@@ -837,6 +837,21 @@ MOE_TARGET(MOE_VNNI) static float dotq_q4_0_vnni(const void *w, const moe__block
     return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 8.0f * corr;
 }
 
+/* activation blocks at 16 lanes: as moe__quant_q8a_ref (cvtps rounds to nearest even like
+ * lrintf; |q| <= 127, so the narrowing never saturates) */
+MOE_TARGET(MOE_AVX512) static void quant_q8a_avx512(const float *x, moe__block_q8a *out, int64_t n) {
+    for (int64_t i = 0; i < n / 32; i++) {
+        const __m512 v0 = _mm512_loadu_ps(x + i * 32), v1 = _mm512_loadu_ps(x + i * 32 + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        out[i].d = amax / 127;
+        const __m512 id = _mm512_set1_ps(amax ? 127.0f / amax : 0.0f);
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+        _mm_storeu_si128((__m128i *)out[i].qs, _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i *)(out[i].qs + 16), _mm512_cvtsepi32_epi8(i1));
+        out[i].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    }
+}
+
 MOE_TARGET(MOE_AVX512) static void axpy_avx512(float *y, float a, const float *x, int64_t n) {
     const __m512 va = _mm512_set1_ps(a);
     int64_t i = 0;
@@ -1486,6 +1501,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dot[MOE_T_MXFP4] = dot_mxfp4_avx512;
             v->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_avx512;
             v->dot[MOE_T_F16] = dot_f16_avx512;
+            v->quant_q8a = quant_q8a_avx512;
             v->axpy = axpy_avx512;
             v->kda_recurrent = kda_recurrent_avx512;
             v->mla_scores = mla_scores_avx512;
