@@ -1377,66 +1377,118 @@ MOE_TARGET(MOE_AVX512) static void kda_recurrent_avx512(const moe__kda_head *a) 
     }
 }
 
-/* scores, 4 heads at a time, 16 floats of c_j per load */
-MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
+/* scores of one key for 4 heads at a time (the tails of the tiled kernel below) */
+MOE_TARGET(MOE_AVX512) static void mla_scores1_avx512(const moe__mla_block *b, int j) {
     const int r = b->r, dr = b->dr;
-    if (r % 16 || dr % 16) { mla_scores_avx2(b); return; }
     const size_t qs = (size_t)b->qr_stride;
-    for (int j = b->j0; j < b->j1; j++) {
-        const float *c = b->cache + (size_t)j * b->cw;
-        int h = 0;
-        for (; h + 4 <= b->H; h += 4) {
-            const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
-            const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
-            __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            for (int i = 0; i < r; i += 16) {
-                __m512 cv = _mm512_loadu_ps(c + i);
-                s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a0 + i), cv, s0);
-                s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a1 + i), cv, s1);
-                s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a2 + i), cv, s2);
-                s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a3 + i), cv, s3);
-            }
-            for (int i = 0; i < dr; i += 16) {
-                __m512 cv = _mm512_loadu_ps(c + r + i);
-                s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + i), cv, s0);
-                s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + i), cv, s1);
-                s2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i), cv, s2);
-                s3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + i), cv, s3);
-            }
-            b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s0) * b->scale;
-            b->sc[(size_t)(h + 1) * b->ld + j] = _mm512_reduce_add_ps(s1) * b->scale;
-            b->sc[(size_t)(h + 2) * b->ld + j] = _mm512_reduce_add_ps(s2) * b->scale;
-            b->sc[(size_t)(h + 3) * b->ld + j] = _mm512_reduce_add_ps(s3) * b->scale;
+    const float *c = b->cache + (size_t)j * b->cw;
+    int h = 0;
+    for (; h + 4 <= b->H; h += 4) {
+        const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
+        const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int i = 0; i < r; i += 16) {
+            __m512 cv = _mm512_loadu_ps(c + i);
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a0 + i), cv, s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a1 + i), cv, s1);
+            s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a2 + i), cv, s2);
+            s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a3 + i), cv, s3);
         }
-        for (; h < b->H; h++) {
-            __m512 s0 = _mm512_setzero_ps();
-            for (int i = 0; i < r; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(b->qa + (size_t)h * r + i), _mm512_loadu_ps(c + i), s0);
-            for (int i = 0; i < dr; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(b->qr + (size_t)h * qs + i), _mm512_loadu_ps(c + r + i), s0);
-            b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s0) * b->scale;
+        for (int i = 0; i < dr; i += 16) {
+            __m512 cv = _mm512_loadu_ps(c + r + i);
+            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + i), cv, s0);
+            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + i), cv, s1);
+            s2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i), cv, s2);
+            s3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + i), cv, s3);
         }
+        b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s0) * b->scale;
+        b->sc[(size_t)(h + 1) * b->ld + j] = _mm512_reduce_add_ps(s1) * b->scale;
+        b->sc[(size_t)(h + 2) * b->ld + j] = _mm512_reduce_add_ps(s2) * b->scale;
+        b->sc[(size_t)(h + 3) * b->ld + j] = _mm512_reduce_add_ps(s3) * b->scale;
+    }
+    for (; h < b->H; h++) {
+        __m512 s0 = _mm512_setzero_ps();
+        for (int i = 0; i < r; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(b->qa + (size_t)h * r + i), _mm512_loadu_ps(c + i), s0);
+        for (int i = 0; i < dr; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(b->qr + (size_t)h * qs + i), _mm512_loadu_ps(c + r + i), s0);
+        b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s0) * b->scale;
     }
 }
 
-/* ctx: 2 heads x 64 latent floats in 8 registers while every key of the block passes */
+/* one 16-float step of a 4 heads x 4 keys tile: 8 loads feed 16 FMAs */
+#define MLA_TILE_STEP(A0, A1, A2, A3, C0, C1, C2, C3)                                                                       \
+    do {                                                                                                                     \
+        const __m512 c0_ = _mm512_loadu_ps(C0), c1_ = _mm512_loadu_ps(C1), c2_ = _mm512_loadu_ps(C2), c3_ = _mm512_loadu_ps(C3); \
+        __m512 a_ = _mm512_loadu_ps(A0);                                                                                     \
+        t00 = _mm512_fmadd_ps(a_, c0_, t00), t01 = _mm512_fmadd_ps(a_, c1_, t01), t02 = _mm512_fmadd_ps(a_, c2_, t02), t03 = _mm512_fmadd_ps(a_, c3_, t03); \
+        a_ = _mm512_loadu_ps(A1);                                                                                            \
+        t10 = _mm512_fmadd_ps(a_, c0_, t10), t11 = _mm512_fmadd_ps(a_, c1_, t11), t12 = _mm512_fmadd_ps(a_, c2_, t12), t13 = _mm512_fmadd_ps(a_, c3_, t13); \
+        a_ = _mm512_loadu_ps(A2);                                                                                            \
+        t20 = _mm512_fmadd_ps(a_, c0_, t20), t21 = _mm512_fmadd_ps(a_, c1_, t21), t22 = _mm512_fmadd_ps(a_, c2_, t22), t23 = _mm512_fmadd_ps(a_, c3_, t23); \
+        a_ = _mm512_loadu_ps(A3);                                                                                            \
+        t30 = _mm512_fmadd_ps(a_, c0_, t30), t31 = _mm512_fmadd_ps(a_, c1_, t31), t32 = _mm512_fmadd_ps(a_, c2_, t32), t33 = _mm512_fmadd_ps(a_, c3_, t33); \
+    } while (0)
+
+/* scores in tiles of 4 heads x 4 keys: 16 accumulators, each key and query vector loaded once
+ * per tile step (at long context this is the decode step's arithmetic: 2 x heads x depth x r) */
+MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
+    const int r = b->r, dr = b->dr, cw = b->cw;
+    if (r % 16 || dr % 16) { mla_scores_avx2(b); return; }
+    const size_t qs = (size_t)b->qr_stride;
+    int j = b->j0;
+    if (b->H >= 4)
+        for (; j + 4 <= b->j1; j += 4) {
+            const float *c0 = b->cache + (size_t)j * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
+            int h = 0;
+            for (; h + 4 <= b->H; h += 4) {
+                const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
+                const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+                __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
+                __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
+                for (int i = 0; i < r; i += 16) MLA_TILE_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i, c2 + i, c3 + i);
+                for (int i = 0; i < dr; i += 16) MLA_TILE_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i, c2 + r + i, c3 + r + i);
+                float *s0 = b->sc + (size_t)h * b->ld + j, *s1 = s0 + b->ld, *s2 = s1 + b->ld, *s3 = s2 + b->ld;
+                const float k = b->scale;
+                s0[0] = _mm512_reduce_add_ps(t00) * k, s0[1] = _mm512_reduce_add_ps(t01) * k, s0[2] = _mm512_reduce_add_ps(t02) * k, s0[3] = _mm512_reduce_add_ps(t03) * k;
+                s1[0] = _mm512_reduce_add_ps(t10) * k, s1[1] = _mm512_reduce_add_ps(t11) * k, s1[2] = _mm512_reduce_add_ps(t12) * k, s1[3] = _mm512_reduce_add_ps(t13) * k;
+                s2[0] = _mm512_reduce_add_ps(t20) * k, s2[1] = _mm512_reduce_add_ps(t21) * k, s2[2] = _mm512_reduce_add_ps(t22) * k, s2[3] = _mm512_reduce_add_ps(t23) * k;
+                s3[0] = _mm512_reduce_add_ps(t30) * k, s3[1] = _mm512_reduce_add_ps(t31) * k, s3[2] = _mm512_reduce_add_ps(t32) * k, s3[3] = _mm512_reduce_add_ps(t33) * k;
+            }
+            if (h < b->H) { /* the last heads of these keys */
+                moe__mla_block t = *b;
+                t.qa += (size_t)h * r, t.qr += (size_t)h * qs, t.sc += (size_t)h * b->ld, t.H -= h;
+                for (int jj = j; jj < j + 4; jj++) mla_scores1_avx512(&t, jj);
+            }
+        }
+    for (; j < b->j1; j++) mla_scores1_avx512(b, j);
+}
+#undef MLA_TILE_STEP
+
+/* ctx: 4 heads x 64 latent floats in 16 registers while every key of the block passes (4 loads
+ * and 4 broadcasts feed 16 FMAs); the remaining heads through the AVX2 kernel */
 MOE_TARGET(MOE_AVX512) static void mla_ctx_avx512(const moe__mla_block *b, int h0, int h1) {
     const int r = b->r;
     if (r % 64) { mla_ctx_avx2(b, h0, h1); return; }
     int h = h0;
-    for (; h + 2 <= h1; h += 2) {
-        const float *p0 = b->sc + (size_t)h * b->ld, *p1 = p0 + b->ld;
-        float *c0 = b->ctx + (size_t)h * r, *c1 = c0 + r;
+    for (; h + 4 <= h1; h += 4) {
+        const float *p0 = b->sc + (size_t)h * b->ld, *p1 = p0 + b->ld, *p2 = p1 + b->ld, *p3 = p2 + b->ld;
+        float *c0 = b->ctx + (size_t)h * r, *c1 = c0 + r, *c2 = c1 + r, *c3 = c2 + r;
         for (int i = 0; i < r; i += 64) {
-            __m512 x0 = _mm512_loadu_ps(c0 + i), x1 = _mm512_loadu_ps(c0 + i + 16), x2 = _mm512_loadu_ps(c0 + i + 32), x3 = _mm512_loadu_ps(c0 + i + 48);
-            __m512 y0 = _mm512_loadu_ps(c1 + i), y1 = _mm512_loadu_ps(c1 + i + 16), y2 = _mm512_loadu_ps(c1 + i + 32), y3 = _mm512_loadu_ps(c1 + i + 48);
+            __m512 x[4][4];
+            float *cs[4] = {c0 + i, c1 + i, c2 + i, c3 + i};
+            for (int a = 0; a < 4; a++)
+                for (int q = 0; q < 4; q++) x[a][q] = _mm512_loadu_ps(cs[a] + 16 * q);
             for (int j = 0; j < b->jn; j++) {
                 const float *c = b->cache + (size_t)j * b->cw + i;
-                const __m512 a = _mm512_set1_ps(p0[j]), bb = _mm512_set1_ps(p1[j]);
                 const __m512 v0 = _mm512_loadu_ps(c), v1 = _mm512_loadu_ps(c + 16), v2 = _mm512_loadu_ps(c + 32), v3 = _mm512_loadu_ps(c + 48);
-                x0 = _mm512_fmadd_ps(a, v0, x0), x1 = _mm512_fmadd_ps(a, v1, x1), x2 = _mm512_fmadd_ps(a, v2, x2), x3 = _mm512_fmadd_ps(a, v3, x3);
-                y0 = _mm512_fmadd_ps(bb, v0, y0), y1 = _mm512_fmadd_ps(bb, v1, y1), y2 = _mm512_fmadd_ps(bb, v2, y2), y3 = _mm512_fmadd_ps(bb, v3, y3);
+                const float pj[4] = {p0[j], p1[j], p2[j], p3[j]};
+                for (int a = 0; a < 4; a++) {
+                    const __m512 w = _mm512_set1_ps(pj[a]);
+                    x[a][0] = _mm512_fmadd_ps(w, v0, x[a][0]), x[a][1] = _mm512_fmadd_ps(w, v1, x[a][1]);
+                    x[a][2] = _mm512_fmadd_ps(w, v2, x[a][2]), x[a][3] = _mm512_fmadd_ps(w, v3, x[a][3]);
+                }
             }
-            _mm512_storeu_ps(c0 + i, x0), _mm512_storeu_ps(c0 + i + 16, x1), _mm512_storeu_ps(c0 + i + 32, x2), _mm512_storeu_ps(c0 + i + 48, x3);
-            _mm512_storeu_ps(c1 + i, y0), _mm512_storeu_ps(c1 + i + 16, y1), _mm512_storeu_ps(c1 + i + 32, y2), _mm512_storeu_ps(c1 + i + 48, y3);
+            for (int a = 0; a < 4; a++)
+                for (int q = 0; q < 4; q++) _mm512_storeu_ps(cs[a] + 16 * q, x[a][q]);
         }
     }
     if (h < h1) mla_ctx_avx2(b, h, h1);
