@@ -17,8 +17,8 @@
  * from disk every step (moe_options.dense_budget). The rest of RAM caches experts; with routing spread evenly, a cache holding a
  * fraction f of the experts hits with probability f. A decode step of N sequences needs, per MoE
  * layer, E (1 - (1 - k/E)^N) distinct experts; the misses are read from disk. Time = reading
- * (misses / disk bandwidth) + compute (bytes touched / memory bandwidth, or 2 x parameters /
- * throughput for prefill), reported both as the sum (reads not overlapped, as the expert cache
+ * (misses / disk bandwidth) + compute (the longer of bytes touched / memory bandwidth and
+ * 2 x active parameters x N / throughput; 2 x parameters / throughput for prefill), reported both as the sum (reads not overlapped, as the expert cache
  * does today) and as the larger of the two (fully overlapped). */
 #define _POSIX_C_SOURCE 200809L
 #define MOE_INTERNAL
@@ -171,7 +171,9 @@ int main(int argc, char **argv) {
     for (int i = 0; i < 2; i++) {
         const double N = ns[i], distinct = E ? E * (1 - pow(1 - k / E, N)) : 0;
         const double read = n_moe * distinct * one_expert * (1 - f) + streamed, touched = dense_bytes - embed + n_moe * distinct * one_expert;
-        const double io = read / (disk * 1e9), comp = touched / (membw * 1e9);
+        /* compute: the bytes touched at memory speed, or the multiply-adds of N tokens at the
+         * machine's throughput when that is longer (lockstep: many rows per expert) */
+        const double io = read / (disk * 1e9), comp = fmax(touched / (membw * 1e9), 2 * n_active * N / (gflops * 1e9));
         printf("decode, %d sequence%s: %.2f GB read per step (%.0f experts per MoE layer), io %.3f s + compute %.3f s: "
                "%.3f s/token serial, %.3f s/token overlapped (%.2f / %.2f tok/s aggregate)\n",
                ns[i], N > 1 ? "s in lockstep" : "", read / 1e9, distinct, io, comp, (io + comp) / N, (io > comp ? io : comp) / N,
