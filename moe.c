@@ -2295,6 +2295,8 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
  * cached row c_j is read once per block for every head (the heads share the latent, as in MQA),
  * and the softmax runs online over key blocks, so memory does not grow with the context.
  * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats. */
+#define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
+
 static size_t mla_absorbed_work(const moe_config *c, int nt) {
     return (size_t)c->mla_heads * (2 * (size_t)c->kv_lora_rank + MLA_KEY_BLOCK + 2) + (size_t)nt * c->kv_lora_rank;
 }
@@ -2397,7 +2399,12 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
     size_t kvn = use_expanded ? (size_t)S * H * (dn + dv) : 0;
     /* scratch: per-thread scores for the expanded form, or the absorbed form's work area */
-    size_t scratch = use_expanded ? (size_t)S + 16 : 0, work = use_expanded ? scratch * (size_t)nt : mla_absorbed_work(c, nt);
+    /* the expanded form's per-thread scratch: one head's keys [S, d_n + d_r] and values [S, d_v]
+     * made contiguous, its queries [n, d_n] and [n, d_r], and one block of query rows' scores
+     * [MLA_QUERY_BLOCK, S] and outputs [MLA_QUERY_BLOCK, d_v] */
+    const int QB = MLA_QUERY_BLOCK;
+    size_t scratch = use_expanded ? (size_t)S * (dq + dv) + (size_t)n * dq + (size_t)QB * ((size_t)S + dv) + 16 : 0;
+    size_t work = use_expanded ? scratch * (size_t)nt : mla_absorbed_work(c, nt);
     size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
     size_t gn = c->mla_output_gate ? yn : 0;
     float *buf = malloc(sizeof(float) * (qn + yn + gn + kvn + qa + (size_t)n * cw + work));
@@ -2427,27 +2434,46 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         for (int t = 0; t < n; t++)
             mla_absorbed_token(m, L, cache, pos + t + 1, q + (size_t)t * H * dq, y + (size_t)t * H * dv, scr, nt);
     } else {
+        /* per head, the heads in parallel: the head's keys and values copied into contiguous rows,
+         * then blocks of query rows through the absorbed form's register-tiled kernels, the head's
+         * queries standing in for its heads (scores against keys [k_nope | kr], the context
+         * against the values); keys after a row's position are masked out */
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && n * H > 1)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && H > 1)
 #endif
-        for (int th = 0; th < n * H; th++) {
-            const int t = th / H, h = th % H, last = pos + t;
-            float *sc = scr + scratch * (size_t)thread_id();
-            const float *qh = q + (size_t)t * H * dq + (size_t)h * dq;
-            float *yh = y + (size_t)t * H * dv + (size_t)h * dv;
-            const moe__dot_fn fdot = m->k.dot[MOE_T_F32];
+        for (int h = 0; h < H; h++) {
+            float *K = scr + scratch * (size_t)thread_id(), *V = K + (size_t)S * dq, *QN = V + (size_t)S * dv;
+            float *QR = QN + (size_t)n * dn, *SC = QR + (size_t)n * dr, *CT = SC + (size_t)QB * S;
             const size_t kvw = (size_t)H * (dn + dv);
-            float mx = -INFINITY;
-            for (int j = 0; j <= last; j++) {
-                const float *kn = kv + (size_t)j * kvw + (size_t)h * (dn + dv), *kr = cache + (size_t)j * cw + r;
-                sc[j] = (fdot(qh, NULL, kn, dn) + fdot(qh + dn, NULL, kr, dr)) * scale;
-                if (sc[j] > mx) mx = sc[j];
+            for (int j = 0; j < S; j++) {
+                const float *src = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
+                memcpy(K + (size_t)j * dq, src, sizeof(float) * dn);
+                memcpy(K + (size_t)j * dq + dn, cache + (size_t)j * cw + r, sizeof(float) * dr);
+                memcpy(V + (size_t)j * dv, src + dn, sizeof(float) * dv);
             }
-            double sum = 0;
-            for (int j = 0; j <= last; j++) sum += sc[j] = expf(sc[j] - mx);
-            float inv = (float)(1.0 / sum);
-            for (int i = 0; i < dv; i++) yh[i] = 0;
-            for (int j = 0; j <= last; j++) m->k.axpy(yh, sc[j] * inv, kv + (size_t)j * kvw + (size_t)h * (dn + dv) + dn, dv);
+            for (int t = 0; t < n; t++) {
+                memcpy(QN + (size_t)t * dn, q + (size_t)t * H * dq + (size_t)h * dq, sizeof(float) * dn);
+                memcpy(QR + (size_t)t * dr, q + (size_t)t * H * dq + (size_t)h * dq + dn, sizeof(float) * dr);
+            }
+            for (int t0 = 0; t0 < n; t0 += QB) {
+                const int nq = n - t0 < QB ? n - t0 : QB, keys = pos + t0 + nq; /* keys the block's last row sees */
+                moe__mla_block b = {nq, dn, dr, dq, keys, 0, keys, S, dr, scale, QN + (size_t)t0 * dn, QR + (size_t)t0 * dr, K, SC, CT};
+                m->k.mla_scores(&b);
+                for (int i = 0; i < nq; i++) { /* causal softmax of row t0 + i over keys 0 .. pos + t0 + i */
+                    float *sc = SC + (size_t)i * S, mx = -INFINITY;
+                    const int last = pos + t0 + i;
+                    for (int j = 0; j <= last; j++) mx = sc[j] > mx ? sc[j] : mx;
+                    double sum = 0;
+                    for (int j = 0; j <= last; j++) sum += sc[j] = expf(sc[j] - mx);
+                    const float inv = (float)(1.0 / sum);
+                    for (int j = 0; j <= last; j++) sc[j] *= inv;
+                    for (int j = last + 1; j < keys; j++) sc[j] = 0;
+                }
+                memset(CT, 0, sizeof(float) * (size_t)nq * dv);
+                moe__mla_block bv = {nq, dv, 0, dv, keys, 0, keys, S, 0, 1.0f, NULL, NULL, V, SC, CT};
+                m->k.mla_ctx(&bv, 0, nq);
+                for (int i = 0; i < nq; i++) memcpy(y + (size_t)(t0 + i) * H * dv + (size_t)h * dv, CT + (size_t)i * dv, sizeof(float) * dv);
+            }
         }
     }
     /* 5. output gate; 6. output projection */
