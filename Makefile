@@ -90,7 +90,7 @@ bench: all
 tsan:
 	@mkdir -p build-tsan
 	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 test/test.c moe.c quant.c -lm -lpthread -o build-tsan/moe-test
-	./build-tsan/moe-test cache_equivalence cache_faults cache_prefetch concurrent_sessions
+	./build-tsan/moe-test cache_equivalence cache_faults cache_prefetch concurrent_sessions dense_streaming
 
 # fuzz: each parser (json safetensors gguf config ranks tokenize chat batch) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
 fuzz:
