@@ -1572,13 +1572,17 @@ static void drop_mapped(const void *p, size_t n) {
 #endif
 }
 
-static int in_mapping(const moe_model *m, const void *p) {
-    for (int f = 0; f < m->n_files; f++)
-        if ((const unsigned char *)p >= (const unsigned char *)m->files[f].map &&
-            (const unsigned char *)p < (const unsigned char *)m->files[f].map + m->files[f].size)
-            return 1;
-    return 0;
+/* the file whose mapping holds the n >= 1 bytes at p, or -1 */
+static int mapped_file(const moe_model *m, const void *p, uint64_t n) {
+    const unsigned char *a = p;
+    for (int f = 0; f < m->n_files; f++) {
+        const unsigned char *b = m->files[f].map, *e = b + m->files[f].size;
+        if (a >= b && a < e && n <= (uint64_t)(e - a)) return f;
+    }
+    return -1;
 }
+
+static int in_mapping(const moe_model *m, const void *p) { return mapped_file(m, p, 1) >= 0; }
 
 /* ---- streamed layers (CACHE mode, dense_budget) ---- */
 
@@ -1595,6 +1599,10 @@ static const size_t dense_fields[] = {
     offsetof(layer, q_a), offsetof(layer, q_b), offsetof(layer, kv_a), offsetof(layer, kv_b), offsetof(layer, gate),
     offsetof(layer, up), offsetof(layer, down), offsetof(layer, lat_down), offsetof(layer, lat_up)};
 
+/* a layer's matrix number i of dense_fields */
+static moe__weight *layer_matrix(layer *L, size_t i) { return (moe__weight *)(void *)((char *)L + dense_fields[i]); }
+#define N_DENSE_FIELDS (sizeof dense_fields / sizeof *dense_fields)
+
 /* The matrices of cache unit e of layer li: expert e's w1, w2, w3, or (e == n_experts) the
  * layer's dense matrices still in the files' mapping; field[i] (if asked) gets where the layer
  * struct keeps each of those. */
@@ -1605,8 +1613,8 @@ static int unit_weights(const moe_model *m, int li, int e, const moe__weight **w
         return 3;
     }
     int n = 0;
-    for (size_t i = 0; i < sizeof dense_fields / sizeof *dense_fields; i++) {
-        const moe__weight *x = (const moe__weight *)(const void *)((const char *)L + dense_fields[i]);
+    for (size_t i = 0; i < N_DENSE_FIELDS; i++) {
+        const moe__weight *x = layer_matrix((layer *)L, i);
         if (!x->data || !in_mapping(m, x->data)) continue;
         if (field) field[n] = dense_fields[i];
         w[n++] = x;
@@ -1614,13 +1622,18 @@ static int unit_weights(const moe_model *m, int li, int e, const moe__weight **w
     return n;
 }
 
-/* bytes of w once dense_type has converted it (as convert_weight decides) */
-static uint64_t loaded_bytes(const moe_model *m, const moe__weight *w) {
+/* The format conversion to moe_wtype `to` gives w: its own type where it is kept as stored
+ * (no conversion asked, or a block format for rows that are not a multiple of 32). */
+static int converted_type(const moe__weight *w, int to) {
     static const int types[] = {-1, MOE_T_F32, MOE_T_BF16, MOE_T_Q8_0, MOE_T_Q4_0};
-    const int to = m->opt.dense_type;
-    int t = w->type;
-    if (to > MOE_WTYPE_ASIS && to <= MOE_WTYPE_Q4_0 && !(moe__is_quant(types[to]) && w->cols % 32)) t = types[to];
-    return (uint64_t)w->rows * (uint64_t)moe__row_bytes(t, w->cols) + (t == w->type && w->scale ? (uint64_t)(w->rows * (w->cols / 32)) : 0);
+    if (to <= MOE_WTYPE_ASIS || to > MOE_WTYPE_Q4_0 || (moe__is_quant(types[to]) && w->cols % 32)) return w->type;
+    return types[to];
+}
+
+/* bytes of w once dense_type has converted it */
+static uint64_t loaded_bytes(const moe_model *m, const moe__weight *w) {
+    const int t = converted_type(w, m->opt.dense_type);
+    return t == w->type ? weight_bytes(w) : (uint64_t)w->rows * (uint64_t)moe__row_bytes(t, w->cols);
 }
 
 /* CACHE mode with a dense budget: layers stay resident, in order, while their dense matrices
@@ -1639,16 +1652,14 @@ static void choose_streamed(moe_model *m) {
         } else if (n > 0) {
             streaming = m->layers[li].stream = 1;
             m->info.streamed_layers++;
-            for (int i = 0; i < n; i++) m->info.streamed_bytes += weight_data_bytes(w[i]) + weight_scale_bytes(w[i]);
+            for (int i = 0; i < n; i++) m->info.streamed_bytes += weight_bytes(w[i]);
         }
     }
 }
 
 static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
-    static const int types[] = {-1, MOE_T_F32, MOE_T_BF16, MOE_T_Q8_0, MOE_T_Q4_0};
-    if (!w->data || to <= MOE_WTYPE_ASIS || to > MOE_WTYPE_Q4_0) return MOE_OK;
-    const int t = types[to];
-    if (t == w->type || (moe__is_quant(t) && w->cols % 32)) return MOE_OK;
+    const int t = converted_type(w, to);
+    if (!w->data || t == w->type) return MOE_OK;
     const int64_t rb_in = moe__row_bytes(w->type, w->cols), rb = moe__row_bytes(t, w->cols);
     const int64_t sb = w->type == MOE_T_MXFP4 ? w->cols / 32 : 0;
     unsigned char *dst = malloc((size_t)(rb * w->rows));
@@ -1712,10 +1723,8 @@ static moe_status repack_weights(moe_model *m) {
     for (int i = 0; i < m->cfg.n_layers && !st; i++) {
         layer *L = &m->layers[i];
         progress(m, "interleaving", i, m->cfg.n_layers);
-        moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o, &L->q_a,
-                                &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->router, &L->lat_down, &L->lat_up};
-        for (size_t k = 0; k < sizeof dense / sizeof *dense && !st; k++) /* streamed layers: routers only */
-            if (!L->stream || dense[k] == &L->router) st = repack_weight(m, dense[k]);
+        st = repack_weight(m, &L->router);
+        for (size_t k = 0; k < N_DENSE_FIELDS && !st && !L->stream; k++) st = repack_weight(m, layer_matrix(L, k));
         for (int e = 0; L->experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) { /* cache mode reads experts as stored */
             st = repack_weight(m, &L->experts[e].w1);
             if (!st) st = repack_weight(m, &L->experts[e].w2);
@@ -1734,9 +1743,8 @@ static moe_status convert_weights(moe_model *m) {
     for (int i = 0; i < m->cfg.n_layers && !st && (dt || et); i++) {
         layer *L = &m->layers[i];
         progress(m, "converting", i, m->cfg.n_layers);
-        moe__weight *dense[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o,
-                                &L->q_a, &L->q_b, &L->kv_a, &L->gate, &L->up, &L->down, &L->lat_down, &L->lat_up};
-        for (size_t k = 0; k < sizeof dense / sizeof *dense && !st && dt && !L->stream; k++) st = convert_weight(m, dense[k], dt);
+        for (size_t k = 0; k < N_DENSE_FIELDS && !st && dt && !L->stream; k++) /* kv_b stays as stored (moe.h) */
+            if (dense_fields[k] != offsetof(layer, kv_b)) st = convert_weight(m, layer_matrix(L, k), dt);
         for (int e = 0; L->experts && et && e < m->cfg.n_experts && !st; e++) {
             st = convert_weight(m, &L->experts[e].w1, et);
             if (!st) st = convert_weight(m, &L->experts[e].w2, et);
@@ -1752,10 +1760,12 @@ static void count_dense_bytes(moe_model *m) {
     uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);
     for (int i = 0; i < m->cfg.n_layers; i++) {
-        const layer *L = &m->layers[i];
-        const moe__weight *w[] = {&L->q, &L->k, &L->v, &L->f_a, &L->f_b, &L->b, &L->g_a, &L->g_b, &L->g, &L->o, &L->q_a,
-                                  &L->q_b, &L->kv_a, &L->kv_b, &L->gate, &L->up, &L->down, &L->router, &L->lat_down, &L->lat_up};
-        for (size_t k = 0; k < sizeof w / sizeof *w; k++) b += weight_bytes(w[k]), per_type[w[k]->type] += weight_bytes(w[k]);
+        layer *L = &m->layers[i];
+        b += weight_bytes(&L->router), per_type[L->router.type] += weight_bytes(&L->router);
+        for (size_t k = 0; k < N_DENSE_FIELDS; k++) {
+            const moe__weight *w = layer_matrix(L, k);
+            b += weight_bytes(w), per_type[w->type] += weight_bytes(w);
+        }
         for (int e = 0; L->experts && e < m->cfg.n_experts; e++) per_type[L->experts[e].w1.type] += expert_bytes(&L->experts[e]);
     }
     int best = 0;
@@ -2264,7 +2274,6 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     free(work);
     /* 8. output projection */
     MM(out, o, n, &L->o);
-    (void)d;
     free(buf);
     return st;
 }
@@ -2290,13 +2299,12 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
 }
 
 #define MLA_KEY_BLOCK 256 /* keys scored at once: per-head online softmax across blocks */
+#define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
 
 /* Absorbed attention of one query token over `len` cached latents, all heads at once: each
  * cached row c_j is read once per block for every head (the heads share the latent, as in MQA),
  * and the softmax runs online over key blocks, so memory does not grow with the context.
  * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats. */
-#define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
-
 static size_t mla_absorbed_work(const moe_config *c, int nt) {
     return (size_t)c->mla_heads * (2 * (size_t)c->kv_lora_rank + MLA_KEY_BLOCK + 2) + (size_t)nt * c->kv_lora_rank;
 }
@@ -2398,8 +2406,7 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
 #endif
     size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
     size_t kvn = use_expanded ? (size_t)S * H * (dn + dv) : 0;
-    /* scratch: per-thread scores for the expanded form, or the absorbed form's work area */
-    /* the expanded form's per-thread scratch: one head's keys [S, d_n + d_r] and values [S, d_v]
+    /* scratch: the absorbed form's work area, or the expanded form's per-thread scratch: one head's keys [S, d_n + d_r] and values [S, d_v]
      * made contiguous, its queries [n, d_n] and [n, d_r], and one block of query rows' scores
      * [MLA_QUERY_BLOCK, S] and outputs [MLA_QUERY_BLOCK, d_v] */
     const int QB = MLA_QUERY_BLOCK;
@@ -2748,16 +2755,13 @@ static int unit_span(const moe_model *m, const moe__weight *const *w, int nw, in
             if (!hi || p[j] + n[j] > hi) hi = p[j] + n[j];
         }
     }
-    for (int f = 0; lo && f < m->n_files; f++) {
-        const unsigned char *b = m->files[f].map;
-        if (lo < b || hi > b + m->files[f].size) continue;
-        if ((uint64_t)(hi - lo) > bytes + bytes / 8 + IO_ALIGN) return 0; /* not adjacent */
-        *file = f, *start = (uint64_t)(lo - b), *end = (uint64_t)(hi - b);
-        *direct = bytes >= DIRECT_MIN && m->cache && m->cache->dfds && m->cache->dfds[f] >= 0;
-        if (*direct) *start &= ~(uint64_t)(IO_ALIGN - 1), *end = (*end + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
-        return 1;
-    }
-    return 0;
+    const int f = lo ? mapped_file(m, lo, (uint64_t)(hi - lo)) : -1;
+    if (f < 0 || (uint64_t)(hi - lo) > bytes + bytes / 8 + IO_ALIGN) return 0; /* not in one file, or not adjacent */
+    const unsigned char *b = m->files[f].map;
+    *file = f, *start = (uint64_t)(lo - b), *end = (uint64_t)(hi - b);
+    *direct = bytes >= DIRECT_MIN && m->cache && m->cache->dfds && m->cache->dfds[f] >= 0;
+    if (*direct) *start &= ~(uint64_t)(IO_ALIGN - 1), *end = (*end + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
+    return 1;
 }
 
 /* A unit whose tensors are not adjacent is read piece by piece (each matrix's data, then its
@@ -2771,7 +2775,7 @@ typedef struct {
 
 static int unit_pieces(const moe_model *m, const moe__weight *const *w, int nw, unit_piece *pc, size_t *bytes) {
     uint64_t total = 0;
-    for (int i = 0; i < nw; i++) total += weight_data_bytes(w[i]) + weight_scale_bytes(w[i]);
+    for (int i = 0; i < nw; i++) total += weight_bytes(w[i]);
     int np = 0;
     size_t at = 0;
     for (int i = 0; i < nw; i++)
@@ -2779,9 +2783,8 @@ static int unit_pieces(const moe_model *m, const moe__weight *const *w, int nw, 
             const unsigned char *p = j ? w[i]->scale : w[i]->data;
             const uint64_t n = j ? weight_scale_bytes(w[i]) : weight_data_bytes(w[i]);
             if (!p) continue;
-            int f = 0;
-            while (f < m->n_files && !(p >= (const unsigned char *)m->files[f].map && p + n <= (const unsigned char *)m->files[f].map + m->files[f].size)) f++;
-            if (f == m->n_files) return -1;
+            const int f = mapped_file(m, p, n);
+            if (f < 0) return -1;
             unit_piece *q = &pc[np++];
             q->file = f, q->start = (uint64_t)(p - (const unsigned char *)m->files[f].map), q->end = q->start + n, q->need = n, q->skip = 0;
             q->direct = total >= DIRECT_MIN && m->cache && m->cache->dfds && m->cache->dfds[f] >= 0;
@@ -2977,12 +2980,9 @@ void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak) {
 static void unit_where(const moe_model *m, int li, int e, int *file, uint64_t *off) {
     const moe__weight *w[UNIT_MAX];
     const unsigned char *p = unit_weights(m, li, e, w, NULL) ? w[0]->data : NULL;
-    *file = m->n_files, *off = 0;
-    for (int f = 0; p && f < m->n_files; f++)
-        if (p >= (const unsigned char *)m->files[f].map && p < (const unsigned char *)m->files[f].map + m->files[f].size) {
-            *file = f, *off = (uint64_t)(p - (const unsigned char *)m->files[f].map);
-            return;
-        }
+    const int f = p ? mapped_file(m, p, 1) : -1;
+    *file = f < 0 ? m->n_files : f;
+    *off = f < 0 ? 0 : (uint64_t)(p - (const unsigned char *)m->files[f].map);
 }
 
 /* the most urgent queued read: demand before read-ahead, then file, then offset */
@@ -3117,10 +3117,7 @@ static void expert_advise(const moe_model *m, int li, int e) {
     for (int i = 0; i < 3; i++) {
         const unsigned char *p = w[i]->data;
         const size_t n = (size_t)weight_data_bytes(w[i]);
-        int mapped = 0;
-        for (int f = 0; f < m->n_files && !mapped; f++)
-            mapped = p >= (const unsigned char *)m->files[f].map && p + n <= (const unsigned char *)m->files[f].map + m->files[f].size;
-        if (!mapped) return;
+        if (mapped_file(m, p, n) < 0) return;
         advise_willneed(p, n);
         if (w[i]->scale) advise_willneed(w[i]->scale, (size_t)(w[i]->rows * (w[i]->cols / 32)));
     }

@@ -14,11 +14,12 @@
  * resident, and the layers' dense matrices as far as they fit (--dense-budget, or by default all
  * of RAM but a reserve and the smallest expert cache a step needs: a byte of dense matrices is
  * read every step, a byte of experts only when routed to); the rest of the dense matrices is read
- * from disk every step (moe_options.dense_budget). The rest of RAM caches experts; with routing spread evenly, a cache holding a
- * fraction f of the experts hits with probability f. A decode step of N sequences needs, per MoE
- * layer, E (1 - (1 - k/E)^N) distinct experts; the misses are read from disk. Time = reading
- * (misses / disk bandwidth) + compute (the longer of bytes touched / memory bandwidth and
- * 2 x active parameters x N / throughput; 2 x parameters / throughput for prefill), reported both as the sum (reads not overlapped, as the expert cache
+ * from disk every step (moe_options.dense_budget). The rest of RAM caches experts; with routing
+ * spread evenly, a cache holding a fraction f of the experts hits with probability f. A decode
+ * step of N sequences needs, per MoE layer, E (1 - (1 - k/E)^N) distinct experts; the misses are
+ * read from disk. Time = reading (misses / disk bandwidth) + compute (the longer of bytes touched
+ * / memory bandwidth and 2 x active parameters x N / throughput; 2 x parameters / throughput for
+ * prefill), reported both as the sum (reads not overlapped, as the expert cache
  * does today) and as the larger of the two (fully overlapped). */
 #define _POSIX_C_SOURCE 200809L
 #define MOE_INTERNAL
@@ -160,8 +161,7 @@ int main(int argc, char **argv) {
            expert_total / 1e9, one_expert / 1e6, state_per_seq / 1e9, ctx);
     printf("machine: RAM %.1f GB, disk %.2f GB/s, memory %.1f GB/s, %.0f GFLOP/s (%d threads)\n", ram / 1e9, disk, membw, gflops, threads);
     if (resident + reserve + min_cache > ram)
-        printf("plan: the LM head, routers, states and buffers (%.1f GB) leave no room for a step's expert cache: not planned further\n",
-               (fixed + state_per_seq * seqs + working) / 1e9);
+        printf("plan: what stays resident (%.1f GB) leaves no room for a step's expert cache: not planned further\n", resident / 1e9);
     printf("plan: resident %.2f GB (dense weights but the mapped embedding and streamed layers, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
            resident / 1e9, seqs, reserve / 1e9, cache / 1e9, 100 * f);
     if (streamed > 0)

@@ -2398,18 +2398,23 @@ static void test_fuzz_seeds(void) {
 /* ---- expert cache (CACHE mode) -------------------------------------------------------------------- */
 
 /* prefetch off: the counts some tests check would otherwise depend on the I/O thread's timing */
-static moe_model *open_cache_pf(const char *name, size_t budget, int threads, int prefetch) {
+/* golden case `name` with options o (a failure to open is a failed check) */
+static moe_model *open_golden_with(const char *name, const moe_options *o) {
     char path[600], err[512];
     snprintf(path, sizeof path, "%s/%s", golden_dir(), name);
+    moe_model *m = NULL;
+    moe_status st = moe_model_open(&m, path, o, err, sizeof err);
+    CHECKF(st == MOE_OK, "open %s: %s", path, err);
+    return m;
+}
+
+static moe_model *open_cache_pf(const char *name, size_t budget, int threads, int prefetch) {
     moe_options o = moe_default_options();
     o.expert_mode = MOE_EXPERTS_CACHE;
     o.prefetch = prefetch;
     o.expert_budget = budget;
     o.n_threads = threads;
-    moe_model *m = NULL;
-    moe_status st = moe_model_open(&m, path, &o, err, sizeof err);
-    CHECKF(st == MOE_OK, "open %s: %s", path, err);
-    return m;
+    return open_golden_with(name, &o);
 }
 static moe_model *open_cache(const char *name, size_t budget, int threads) { return open_cache_pf(name, budget, threads, 0); }
 
@@ -2517,14 +2522,10 @@ static void test_cache_faults(void) {
  * those that fit, read from disk each step give the mapping's logits in every golden case, with
  * or without I/O threads; a failed dense read is an error from the step and the model works on */
 static moe_model *open_streaming(const char *name, size_t dense_budget, int io_threads) {
-    char path[600], err[512];
-    snprintf(path, sizeof path, "%s/%s", golden_dir(), name);
     moe_options o = moe_default_options();
     o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 64 << 20, o.dense_budget = dense_budget;
     o.io_threads = io_threads, o.n_threads = 2;
-    moe_model *m = NULL;
-    CHECKF(moe_model_open(&m, path, &o, err, sizeof err) == MOE_OK, "open %s: %s", path, err);
-    return m;
+    return open_golden_with(name, &o);
 }
 
 static void test_dense_streaming(void) {
