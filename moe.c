@@ -2163,13 +2163,13 @@ static void rmsnorm_rows(float *y, const float *x, const float *w, int rows, int
 }
 
 static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
-static inline float siluf(float z) { return z * sigmoidf(z); }
-static inline float softplusf(float z) { return z > 20.0f ? z : log1pf(expf(z)); }
 
 /* gate a, up b -> phi(a, b) into a (SwiGLU or SiTU-GLU, spec section 3) */
-static void glu(const moe_config *c, float *a, const float *b, int64_t n) {
+static void glu(const moe_model *m, float *a, const float *b, int64_t n) {
+    const moe_config *c = &m->cfg;
     if (c->hidden_act == MOE_ACT_SILU) {
-        for (int64_t i = 0; i < n; i++) a[i] = siluf(a[i]) * b[i];
+        m->k.act(a, a, n, MOE__ACT_SILU);
+        for (int64_t i = 0; i < n; i++) a[i] *= b[i];
         return;
     }
     const float be = c->situ_beta, bl = c->situ_linear_beta;
@@ -2208,7 +2208,7 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
         st = matmul_multi(m, x, d, n, proj, 6, m->opt.n_threads);
     }
     /* 4, 7. the second factors of the decay gate and of a low-rank output gate */
-    const float *gate = og;
+    float *gate = og; /* turned into the sigmoid gate in place */
     MM(g, tmp, n, &L->f_b);
     if (!c->kda_full_rank_gate) {
         MM(gl, og, n, &L->g_b);
@@ -2233,13 +2233,16 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
         for (int a = 0; a < 3; a++) {
             float *e = exts[a];
             for (int r = 0; r < Wm; r++) memcpy(e + (size_t)r * HD + c0, tail + ((size_t)r * 3 + a) * HD + c0, sizeof(float) * D);
-            for (int t = 0; t < n; t++)
+            for (int t = 0; t < n; t++) {
+                float *o = outs[a] + (size_t)t * HD;
                 for (size_t ch = c0; ch < c0 + (size_t)D; ch++) {
                     float acc = 0;
                     const float *w = convw[a] + ch * W;
                     for (int j = 0; j < W; j++) acc += w[j] * e[(size_t)(t + j) * HD + ch];
-                    outs[a][(size_t)t * HD + ch] = siluf(acc);
+                    o[ch] = acc;
                 }
+                m->k.act(o + c0, o + c0, D, MOE__ACT_SILU);
+            }
             for (int r = 0; r < Wm; r++)
                 memcpy(tail + ((size_t)r * 3 + a) * HD + c0, e + (size_t)(n + r) * HD + c0, sizeof(float) * D);
         }
@@ -2253,10 +2256,11 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
             for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
             /* 4. decay gate from z = (x f_a^T) f_b^T + dt_bias; 5. beta */
             float *gh = g + (size_t)t * HD + c0;
-            for (int i = 0; i < D; i++) {
-                const float z = gh[i] + L->dt_bias[c0 + (size_t)i];
-                gh[i] = c->kda_gate_bounded ? c->kda_gate_lower_bound * sigmoidf(ga * z) : -ga * softplusf(z);
-            }
+            const int bgate = c->kda_gate_bounded;
+            for (int i = 0; i < D; i++) gh[i] = (gh[i] + L->dt_bias[c0 + (size_t)i]) * (bgate ? ga : 1.0f);
+            m->k.act(gh, gh, D, bgate ? MOE__ACT_SIGMOID : MOE__ACT_SOFTPLUS);
+            const float gs = bgate ? c->kda_gate_lower_bound : -ga; /* lb sigmoid(a z), or -a softplus(z) */
+            for (int i = 0; i < D; i++) gh[i] *= gs;
             beta[(size_t)t * H + h] = sigmoidf(beta[(size_t)t * H + h]);
         }
         /* 6. the core: chunked for prefill, the recurrence for short steps */
@@ -2266,9 +2270,10 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
         /* 7. per-head RMSNorm and the output gate */
         for (int t = 0; t < n; t++) {
             float *oh = o + (size_t)t * HD + c0;
-            const float *gt = gate + (size_t)t * HD + c0;
+            float *gt = gate + (size_t)t * HD + c0;
             rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
-            for (int i = 0; i < D; i++) oh[i] *= sigmoidf(gt[i]);
+            m->k.act(gt, gt, D, MOE__ACT_SIGMOID);
+            for (int i = 0; i < D; i++) oh[i] *= gt[i];
         }
     }
     free(work);
@@ -2301,12 +2306,22 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
 #define MLA_KEY_BLOCK 256 /* keys scored at once: per-head online softmax across blocks */
 #define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
 
-/* Absorbed attention of one query token over `len` cached latents, all heads at once: each
- * cached row c_j is read once per block for every head (the heads share the latent, as in MQA),
- * and the softmax runs online over key blocks, so memory does not grow with the context.
- * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats. */
+/* Absorbed attention of one query token over `len` cached latents, all heads at once (the heads
+ * share the latent, as in MQA). The keys are split across the threads (split-K, as in flash
+ * decoding): each thread streams its contiguous share of the cache once, in blocks of
+ * MLA_KEY_BLOCK rows that stay in its own cache while every head is scored against them and
+ * added to the thread's context sums, under the thread's own online softmax (running max and
+ * sum per head, rescaled when the max grows). The threads' partial results are then merged
+ * per head at the common max. Two barriers per token whatever the length; memory does not grow
+ * with the context. q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r], then
+ * per thread SC [H, KB], CTX [H, r], M [H], LS [H] and one row [r]. */
+static size_t mla_absorbed_part(const moe_config *c) {
+    const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank;
+    return H * MLA_KEY_BLOCK + H * r + 2 * H + r;
+}
+
 static size_t mla_absorbed_work(const moe_config *c, int nt) {
-    return (size_t)c->mla_heads * (2 * (size_t)c->kv_lora_rank + MLA_KEY_BLOCK + 2) + (size_t)nt * c->kv_lora_rank;
+    return (size_t)c->mla_heads * c->kv_lora_rank + (size_t)nt * mla_absorbed_part(c);
 }
 
 static void mla_absorbed_token(const moe_model *m, const layer *L, const float *cache, int len, const float *q, float *y,
@@ -2315,7 +2330,8 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
     const int dq = dn + dr, cw = r + dr, KB = MLA_KEY_BLOCK;
     const float scale = 1.0f / sqrtf((float)dq);
-    float *QA = w, *CTX = QA + (size_t)H * r, *SC = CTX + (size_t)H * r, *M = SC + (size_t)H * KB, *LS = M + H, *ROWS = LS + H;
+    const size_t per = mla_absorbed_part(c);
+    float *QA = w;
     const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
     const moe__dot_fn wdot = m->k.dot[L->kv_b.type];
     (void)nt;
@@ -2330,13 +2346,12 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
         const int nth = 1;
 #endif
         const int h0 = H * tid / nth, h1 = H * (tid + 1) / nth; /* this thread's heads */
-        float *row = ROWS + (size_t)tid * r;
-        /* q^_h = W_UK,h^T qn_h from kv_b rows h*(d_n+d_v) .. +d_n */
+        float *SC = QA + (size_t)H * r + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
+        float *row = LS + H;
+        /* q^_h = W_UK,h^T qn_h from kv_b rows h*(d_n+d_v) .. +d_n, this thread's heads */
         for (int h = h0; h < h1; h++) {
             float *qa = QA + (size_t)h * r;
             memset(qa, 0, sizeof(float) * (size_t)r);
-            memset(CTX + (size_t)h * r, 0, sizeof(float) * (size_t)r);
-            M[h] = -INFINITY, LS[h] = 0;
             for (int i = 0; i < dn; i++) {
                 const int64_t wr = (int64_t)h * (dn + dv) + i;
                 const unsigned char *wp = (const unsigned char *)L->kv_b.data + wr * kvrow;
@@ -2348,19 +2363,18 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
                 m->k.axpy(qa, q[(size_t)h * dq + i], rw, r);
             }
         }
-        for (int j0 = 0; j0 < len; j0 += KB) {
-            const int jn = len - j0 < KB ? len - j0 : KB;
-            moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, cache + (size_t)j0 * cw, SC, CTX};
+        memset(CTX, 0, sizeof(float) * (size_t)H * r);
+        for (int h = 0; h < H; h++) M[h] = -INFINITY, LS[h] = 0;
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
-            /* scores: this thread's share of the block's keys, all heads */
-            blk.j0 = jn * tid / nth, blk.j1 = jn * (tid + 1) / nth;
+        /* this thread's keys, every head */
+        const int jb = (int)((int64_t)len * tid / nth), je = (int)((int64_t)len * (tid + 1) / nth);
+        for (int j0 = jb; j0 < je; j0 += KB) {
+            const int jn = je - j0 < KB ? je - j0 : KB;
+            const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, cache + (size_t)j0 * cw, SC, CTX};
             m->k.mla_scores(&blk);
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-            for (int h = h0; h < h1; h++) {
+            for (int h = 0; h < H; h++) {
                 float *sc = SC + (size_t)h * KB, mx = M[h];
                 for (int jj = 0; jj < jn; jj++) mx = sc[jj] > mx ? sc[jj] : mx;
                 const float f = expf(M[h] - mx); /* 0 on the first block */
@@ -2368,17 +2382,36 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
                     for (int i = 0; i < r; i++) CTX[(size_t)h * r + i] *= f;
                     LS[h] *= f;
                 }
-                for (int jj = 0; jj < jn; jj++) sc[jj] = expf(sc[jj] - mx), LS[h] += sc[jj];
+                LS[h] += m->k.exp_sum(sc, sc, mx, jn);
                 M[h] = mx;
             }
-            m->k.mla_ctx(&blk, h0, h1); /* this thread's heads, every key of the block */
+            m->k.mla_ctx(&blk, 0, H);
         }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        /* merge the threads' partial sums at the common max, this thread's heads; then
+         * y_h = W_UV,h ctx_h / sum from kv_b rows h*(d_n+d_v)+d_n .. +d_v */
         for (int h = h0; h < h1; h++) {
-            const float inv = 1.0f / LS[h];
+            float mx = -INFINITY, ls = 0;
+            for (int t = 0; t < nth; t++) {
+                const float mt = QA[(size_t)H * r + (size_t)t * per + (size_t)H * KB + (size_t)H * r + h];
+                mx = mt > mx ? mt : mx;
+            }
+            memset(row, 0, sizeof(float) * (size_t)r);
+            for (int t = 0; t < nth; t++) {
+                const float *part = QA + (size_t)H * r + (size_t)t * per, *ct = part + (size_t)H * KB + (size_t)h * r;
+                const float mt = part[(size_t)H * KB + (size_t)H * r + h], lt = part[(size_t)H * KB + (size_t)H * r + H + h];
+                if (mt == -INFINITY) continue; /* a thread without keys (len < threads) */
+                const float f = expf(mt - mx);
+                ls += f * lt;
+                m->k.axpy(row, f, ct, r);
+            }
+            const float inv = 1.0f / ls;
             for (int i = 0; i < dv; i++) {
                 const int64_t wr = (int64_t)h * (dn + dv) + dn + i;
                 y[(size_t)h * dv + i] = inv * wdot((const unsigned char *)L->kv_b.data + wr * kvrow,
-                                                   L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, CTX + (size_t)h * r, r);
+                                                   L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
             }
         }
     }
@@ -2470,8 +2503,8 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
                     float *sc = SC + (size_t)i * S, mx = -INFINITY;
                     const int last = pos + t0 + i;
                     for (int j = 0; j <= last; j++) mx = sc[j] > mx ? sc[j] : mx;
-                    double sum = 0;
-                    for (int j = 0; j <= last; j++) sum += sc[j] = expf(sc[j] - mx);
+                    double sum = 0; /* partial sums of 4096 keys in double: a million keys stay exact enough */
+                    for (int j = 0; j <= last; j += 4096) sum += m->k.exp_sum(sc + j, sc + j, mx, last + 1 - j < 4096 ? last + 1 - j : 4096);
                     const float inv = (float)(1.0 / sum);
                     for (int j = 0; j <= last; j++) sc[j] *= inv;
                     for (int j = last + 1; j < keys; j++) sc[j] = 0;
@@ -2484,8 +2517,10 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         }
     }
     /* 5. output gate; 6. output projection */
-    if (c->mla_output_gate)
-        for (size_t i = 0; i < yn; i++) y[i] *= sigmoidf(gate[i]);
+    if (c->mla_output_gate) {
+        m->k.act(gate, gate, (int64_t)yn, MOE__ACT_SIGMOID);
+        for (size_t i = 0; i < yn; i++) y[i] *= gate[i];
+    }
     MM(out, y, n, &L->o);
     free(buf);
     return st;
@@ -2501,7 +2536,7 @@ static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const
     float *b = a + (size_t)n * I;
     const mm_out proj[2] = {{a, gate}, {b, up}};
     moe_status st = matmul_multi(m, x, gate->cols, n, proj, 2, m->opt.n_threads);
-    glu(&m->cfg, a, b, (int64_t)n * I);
+    glu(m, a, b, (int64_t)n * I);
     MM(out, a, n, down);
     free(a);
     return st;
@@ -3336,7 +3371,7 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
             const mm_out gu[2] = {{ba, &ex->w1}, {bb, &ex->w3}};
             es = matmul_multi(m, bx, de, ce, gu, 2, 1);
         }
-        if (!es) glu(c, ba, bb, (int64_t)ce * Ie);
+        if (!es) glu(m, ba, bb, (int64_t)ce * Ie);
         if (!es) es = matmul_nt(m, bo, ba, Ie, ce, &ex->w2, 1);
         if (got) expert_put(m, li, e);
         if (es) {
@@ -3359,7 +3394,7 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
             for (int i = 0; i < ce; i++) memcpy(gx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
             const mm_out gu[2] = {{ga, &ux->w1}, {gb, &ux->w3}};
             st = st ? st : matmul_multi(m, gx, de, ce, gu, 2, m->opt.n_threads);
-            glu(c, ga, gb, (int64_t)ce * Ie);
+            glu(m, ga, gb, (int64_t)ce * Ie);
             MM(go, ga, ce, &ux->w2);
             expert_put(m, li, e);
             if (st) break;

@@ -444,10 +444,17 @@ typedef struct {
     void (*kda_recurrent)(const struct moe__kda_head_s *a);    /* see moe__kda_recurrent */
     void (*mla_scores)(const struct moe__mla_block_s *b);      /* see moe__mla_scores_ref */
     void (*mla_ctx)(const struct moe__mla_block_s *b, int h0, int h1);
+    void (*act)(float *y, const float *x, int64_t n, int kind); /* see moe__act_ref */
+    float (*exp_sum)(float *y, const float *x, float shift, int64_t n); /* see moe__exp_sum_ref */
     const char *isa;              /* "scalar", "avx2", ... */
 } moe__kernels;
 
 void moe__kernels_init(moe__kernels *k, unsigned flags);
+/* y = f(x) elementwise (y may be x): the logistic sigmoid, x sigmoid(x), softplus log(1 + e^x) */
+enum { MOE__ACT_SIGMOID, MOE__ACT_SILU, MOE__ACT_SOFTPLUS };
+void moe__act_ref(float *y, const float *x, int64_t n, int kind);
+/* y = e^(x - shift) (y may be x); returns the sum of y (a softmax's denominator) */
+float moe__exp_sum_ref(float *y, const float *x, float shift, int64_t n);
 float moe__bf16_to_f32(uint16_t h);
 uint16_t moe__f32_to_bf16(float f);
 float moe__f16_to_f32(uint16_t h);

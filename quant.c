@@ -26,6 +26,20 @@
 #endif
 #endif
 
+#if defined(MOE_X86) || defined(MOE_NEON)
+/* Software prefetch of the weight stream, PREFETCH_AHEAD bytes ahead of the block being read.
+ * Decode reads each weight once; with the hardware prefetcher alone one core's Q4_0 kernel
+ * streamed at 0.8 of the read bandwidth, with this at the read bandwidth (bench/RESULTS.md).
+ * Past the end of a row it fetches the rows the same thread reads next (threads take contiguous
+ * ranges of rows). A prefetch never faults; the address is formed as an integer, so no pointer
+ * past an object is made. */
+#define PREFETCH_AHEAD 8192
+static inline void prefetch_ahead(const void *p, int bytes) {
+    const uintptr_t a = (uintptr_t)p + PREFETCH_AHEAD;
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o));
+}
+#endif
+
 /* ---- number formats -------------------------------------------------------------------- */
 
 float moe__bf16_to_f32(uint16_t h) {
@@ -362,6 +376,39 @@ float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x
     }
 }
 
+/* ---- elementwise functions: activations and softmax exponentials ------------------------ */
+
+/* The scalar references, as the forward pass always computed them (libm). The SIMD versions
+ * evaluate e^x as 2^n e^r (|r| <= ln2/2, Cephes' degree-6 polynomial, about 1 ulp) and log1p(u)
+ * on (0, 1] as 2 atanh(u / (2 + u)) by its odd series (7 terms, < 2e-9 relative); their results
+ * stay within a few ulp of these, inf / 0 / NaN included. */
+void moe__act_ref(float *y, const float *x, int64_t n, int kind) {
+    for (int64_t i = 0; i < n; i++) {
+        const float z = x[i];
+        if (kind == MOE__ACT_SOFTPLUS) y[i] = z > 20.0f ? z : log1pf(expf(z));
+        else if (kind == MOE__ACT_SILU) y[i] = z * (1.0f / (1.0f + expf(-z)));
+        else y[i] = 1.0f / (1.0f + expf(-z));
+    }
+}
+
+float moe__exp_sum_ref(float *y, const float *x, float shift, int64_t n) {
+    float sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += y[i] = expf(x[i] - shift);
+    return sum;
+}
+
+/* exp polynomial on the reduced argument (Cephes expf) and the log1p series in t = s^2 */
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define EXP_LO -104.0f /* e^x rounds to 0 below about -103.97 */
+#define EXP_HI 89.0f   /* and to inf above 88.72 */
+
 /* ---- AVX2 + FMA (+F16C) ---------------------------------------------------------------- */
 #ifdef MOE_X86
 
@@ -379,6 +426,7 @@ MOE_TARGET("avx2,fma") static float dot_f32_avx2(const void *w, const uint8_t *s
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
+        prefetch_ahead(p + i, 64);
         a0 = _mm256_fmadd_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(x + i), a0);
         a1 = _mm256_fmadd_ps(_mm256_loadu_ps(p + i + 8), _mm256_loadu_ps(x + i + 8), a1);
     }
@@ -558,6 +606,7 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q4_0_avx2(const void *w, const moe
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
         const int32_t *xq = (const int32_t *)x[b].qs;
         __m256i s16 = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
@@ -578,6 +627,7 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
         const int32_t *xq = (const int32_t *)x[b].qs;
         __m256i s32 = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
@@ -604,6 +654,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q4_0_v
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     const int64_t nb = n / 32;
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_ahead(o + b, sizeof *o);
         const int32_t *xq = (const int32_t *)x[b].qs;
         const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
         const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
@@ -627,6 +678,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_v
     const moe__block_q8_0x8 *o = w;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
         const int32_t *xq = (const int32_t *)x[b].qs;
 #define QV(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
         __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-128 * x[b].sum), QV(0), _mm256_set1_epi32(xq[0]));
@@ -653,20 +705,86 @@ MOE_TARGET("avx2,fma") static void axpy_avx2(float *y, float a, const float *x, 
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+/* e^x at 8 lanes: 2^n applied in two halves (each a normal float) so that results down to the
+ * subnormal range round once, as expf's do */
+MOE_TARGET("avx2,fma") static inline __m256 exp_avx2(__m256 x) {
+    const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    const __m256 nf = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(LN2_HI), xc);
+    r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(EXP_P0), r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i n = _mm256_cvtps_epi32(nf), n1 = _mm256_srai_epi32(n, 1), n2 = _mm256_sub_epi32(n, n1);
+    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); /* NaN stays NaN */
+}
+
+/* log1p(u) for u in [0, 1]: 2 s (1 + t/3 + t^2/5 + ... + t^7/15), s = u / (2 + u), t = s^2 <= 1/9 */
+MOE_TARGET("avx2,fma") static inline __m256 log1p01_avx2(__m256 u) {
+    const __m256 sv = _mm256_div_ps(u, _mm256_add_ps(u, _mm256_set1_ps(2.0f))), t = _mm256_mul_ps(sv, sv);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 15), t, _mm256_set1_ps(1.0f / 13));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 11));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 9));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 7));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 5));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 3));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f));
+    return _mm256_mul_ps(_mm256_add_ps(sv, sv), p);
+}
+
+MOE_TARGET("avx2,fma") static void act_avx2(float *y, const float *x, int64_t n, int kind) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 z = _mm256_loadu_ps(x + i);
+        __m256 r;
+        if (kind == MOE__ACT_SOFTPLUS) { /* max(z, 0) + log1p(e^-|z|); z itself above 20 */
+            const __m256 l = log1p01_avx2(exp_avx2(_mm256_or_ps(z, sign)));
+            r = _mm256_add_ps(_mm256_max_ps(z, _mm256_setzero_ps()), l);
+            r = _mm256_blendv_ps(r, z, _mm256_cmp_ps(z, _mm256_set1_ps(20.0f), _CMP_GT_OQ));
+            r = _mm256_blendv_ps(r, z, _mm256_cmp_ps(z, z, _CMP_UNORD_Q));
+        } else {
+            r = _mm256_div_ps(one, _mm256_add_ps(one, exp_avx2(_mm256_xor_ps(z, sign))));
+            if (kind == MOE__ACT_SILU) r = _mm256_mul_ps(z, r);
+        }
+        _mm256_storeu_ps(y + i, r);
+    }
+    moe__act_ref(y + i, x + i, n - i, kind);
+}
+
+MOE_TARGET("avx2,fma") static float exp_sum_avx2(float *y, const float *x, float shift, int64_t n) {
+    const __m256 sh = _mm256_set1_ps(shift);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
+        _mm256_storeu_ps(y + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return hsum_avx2(acc) + moe__exp_sum_ref(y + i, x + i, shift, n - i);
+}
+
 /* The recurrence with the state rows in registers' reach: two passes over S per token (decay +
  * prediction, then update + output), D/8 vectors per row. D % 8 != 0 goes to the reference. */
 MOE_TARGET("avx2,fma") static void kda_recurrent_avx2(const moe__kda_head *a) {
     const int D = a->D;
     if (D % 8 || D > 512) { moe__kda_recurrent(a); return; }
     float *S = a->S;
-    __attribute__((aligned(32))) float pred[512], u[512], o[512];
+    __attribute__((aligned(32))) float pred[512], u[512], o[512], decay[512];
     for (int t = 0; t < a->n; t++) {
         const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
         const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
         const float beta = a->beta[(size_t)t * a->beta_stride];
         for (int j = 0; j < D; j += 8) _mm256_store_ps(pred + j, _mm256_setzero_ps());
+        exp_sum_avx2(decay, g, 0.0f, D);
         for (int i = 0; i < D; i++) {
-            const __m256 dec = _mm256_set1_ps(expf(g[i])), ki = _mm256_set1_ps(k[i]);
+            const __m256 dec = _mm256_set1_ps(decay[i]), ki = _mm256_set1_ps(k[i]);
             float *row = S + (size_t)i * D;
             for (int j = 0; j < D; j += 8) {
                 __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + j), dec);
@@ -693,6 +811,7 @@ MOE_TARGET("avx2,fma") static void kda_recurrent_avx2(const moe__kda_head *a) {
 }
 
 
+
 /* ---- AVX-512 (F, BW, VL): the float kernels at 16 lanes ------------------------------------ */
 #define MOE_AVX512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl"
 
@@ -702,6 +821,7 @@ MOE_TARGET(MOE_AVX512) static float dot_f32_avx512(const void *w, const uint8_t 
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
+        prefetch_ahead(p + i, 128);
         a0 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(x + i), a0);
         a1 = _mm512_fmadd_ps(_mm512_loadu_ps(p + i + 16), _mm512_loadu_ps(x + i + 16), a1);
     }
@@ -721,6 +841,7 @@ MOE_TARGET(MOE_AVX512) static float dot_bf16_avx512(const void *w, const uint8_t
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
+        prefetch_ahead(p + i, 64);
         a0 = _mm512_fmadd_ps(load_bf16_avx512(p + i), _mm512_loadu_ps(x + i), a0);
         a1 = _mm512_fmadd_ps(load_bf16_avx512(p + i + 16), _mm512_loadu_ps(x + i + 16), a1);
     }
@@ -769,6 +890,7 @@ MOE_TARGET(MOE_AVX512) static float dot_f16_avx512(const void *w, const uint8_t 
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
+        prefetch_ahead(p + i, 64);
         a0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i))), _mm512_loadu_ps(x + i), a0);
         a1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + i + 16))), _mm512_loadu_ps(x + i + 16), a1);
     }
@@ -874,8 +996,67 @@ static int cpu_has_avx2(void) {
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 29))) return 0;
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
-#endif /* MOE_X86 */
 
+
+/* e^x at 16 lanes; scalef applies 2^n in one step, subnormal results included */
+MOE_TARGET(MOE_AVX512) static inline __m512 exp_avx512(__m512 x) {
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+    const __m512 nf = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504089f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(LN2_HI), xc);
+    r = _mm512_fnmadd_ps(nf, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP_P0), r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512 y = _mm512_scalef_ps(p, nf);
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+
+MOE_TARGET(MOE_AVX512) static inline __m512 log1p01_avx512(__m512 u) {
+    const __m512 sv = _mm512_div_ps(u, _mm512_add_ps(u, _mm512_set1_ps(2.0f))), t = _mm512_mul_ps(sv, sv);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 15), t, _mm512_set1_ps(1.0f / 13));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 11));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 9));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 7));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 5));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 3));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f));
+    return _mm512_mul_ps(_mm512_add_ps(sv, sv), p);
+}
+
+MOE_TARGET(MOE_AVX512) static void act_avx512(float *y, const float *x, int64_t n, int kind) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 z = _mm512_loadu_ps(x + i);
+        __m512 r;
+        if (kind == MOE__ACT_SOFTPLUS) {
+            const __m512 l = log1p01_avx512(exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(z))));
+            r = _mm512_add_ps(_mm512_max_ps(z, _mm512_setzero_ps()), l);
+            r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(z, _mm512_set1_ps(20.0f), _CMP_GT_OQ) | _mm512_cmp_ps_mask(z, z, _CMP_UNORD_Q), z);
+        } else {
+            r = _mm512_div_ps(one, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+            if (kind == MOE__ACT_SILU) r = _mm512_mul_ps(z, r);
+        }
+        _mm512_storeu_ps(y + i, r);
+    }
+    act_avx2(y + i, x + i, n - i, kind);
+}
+
+MOE_TARGET(MOE_AVX512) static float exp_sum_avx512(float *y, const float *x, float shift, int64_t n) {
+    const __m512 sh = _mm512_set1_ps(shift);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh));
+        _mm512_storeu_ps(y + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc) + exp_sum_avx2(y + i, x + i, shift, n - i);
+}
+#endif /* MOE_X86 */
 
 /* ---- NEON (AArch64) -------------------------------------------------------------------- */
 #ifdef MOE_NEON
@@ -987,18 +1168,81 @@ static void axpy_neon(float *y, float a, const float *x, int64_t n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+/* e^x at 4 lanes, 2^n in two halves as on AVX2 */
+static inline float32x4_t exp_neon(float32x4_t x) {
+    const float32x4_t xc = vminq_f32(vmaxq_f32(x, vdupq_n_f32(EXP_LO)), vdupq_n_f32(EXP_HI));
+    const float32x4_t nf = vrndnq_f32(vmulq_n_f32(xc, 1.44269504089f));
+    float32x4_t r = vfmsq_f32(xc, nf, vdupq_n_f32(LN2_HI));
+    r = vfmsq_f32(r, nf, vdupq_n_f32(LN2_LO));
+    float32x4_t p = vfmaq_f32(vdupq_n_f32(EXP_P1), vdupq_n_f32(EXP_P0), r);
+    p = vfmaq_f32(vdupq_n_f32(EXP_P2), p, r);
+    p = vfmaq_f32(vdupq_n_f32(EXP_P3), p, r);
+    p = vfmaq_f32(vdupq_n_f32(EXP_P4), p, r);
+    p = vfmaq_f32(vdupq_n_f32(EXP_P5), p, r);
+    p = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.0f)), p, vmulq_f32(r, r));
+    const int32x4_t n = vcvtnq_s32_f32(nf), n1 = vshrq_n_s32(n, 1), n2 = vsubq_s32(n, n1);
+    const float32x4_t s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n1, vdupq_n_s32(127)), 23));
+    const float32x4_t s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n2, vdupq_n_s32(127)), 23));
+    const float32x4_t y = vmulq_f32(vmulq_f32(p, s1), s2);
+    return vbslq_f32(vceqq_f32(x, x), y, x); /* NaN stays NaN */
+}
+
+static inline float32x4_t log1p01_neon(float32x4_t u) {
+    const float32x4_t sv = vdivq_f32(u, vaddq_f32(u, vdupq_n_f32(2.0f))), t = vmulq_f32(sv, sv);
+    float32x4_t p = vfmaq_f32(vdupq_n_f32(1.0f / 13), vdupq_n_f32(1.0f / 15), t);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 11), p, t);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 9), p, t);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 7), p, t);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 5), p, t);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 3), p, t);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, t);
+    return vmulq_f32(vaddq_f32(sv, sv), p);
+}
+
+static void act_neon(float *y, const float *x, int64_t n, int kind) {
+    const float32x4_t one = vdupq_n_f32(1.0f);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t z = vld1q_f32(x + i);
+        float32x4_t r;
+        if (kind == MOE__ACT_SOFTPLUS) {
+            const float32x4_t l = log1p01_neon(exp_neon(vnegq_f32(vabsq_f32(z))));
+            r = vaddq_f32(vmaxq_f32(z, vdupq_n_f32(0.0f)), l);
+            r = vbslq_f32(vcgtq_f32(z, vdupq_n_f32(20.0f)), z, r);
+            r = vbslq_f32(vceqq_f32(z, z), r, z);
+        } else {
+            r = vdivq_f32(one, vaddq_f32(one, exp_neon(vnegq_f32(z))));
+            if (kind == MOE__ACT_SILU) r = vmulq_f32(z, r);
+        }
+        vst1q_f32(y + i, r);
+    }
+    moe__act_ref(y + i, x + i, n - i, kind);
+}
+
+static float exp_sum_neon(float *y, const float *x, float shift, int64_t n) {
+    float32x4_t acc = vdupq_n_f32(0);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float32x4_t e = exp_neon(vsubq_f32(vld1q_f32(x + i), vdupq_n_f32(shift)));
+        vst1q_f32(y + i, e);
+        acc = vaddq_f32(acc, e);
+    }
+    return vaddvq_f32(acc) + moe__exp_sum_ref(y + i, x + i, shift, n - i);
+}
+
 static void kda_recurrent_neon(const moe__kda_head *a) {
     const int D = a->D;
     if (D % 4 || D > 512) { moe__kda_recurrent(a); return; }
     float *S = a->S;
-    float pred[512], u[512], o[512];
+    float pred[512], u[512], o[512], decay[512];
     for (int t = 0; t < a->n; t++) {
         const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
         const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
         const float beta = a->beta[(size_t)t * a->beta_stride];
         for (int j = 0; j < D; j += 4) vst1q_f32(pred + j, vdupq_n_f32(0));
+        exp_sum_neon(decay, g, 0.0f, D);
         for (int i = 0; i < D; i++) {
-            const float dec = expf(g[i]), ki = k[i];
+            const float dec = decay[i], ki = k[i];
             float *row = S + (size_t)i * D;
             for (int j = 0; j < D; j += 4) {
                 float32x4_t r = vmulq_n_f32(vld1q_f32(row + j), dec);
@@ -1066,6 +1310,7 @@ static void dotq8_q4_0_neon(const void *w, const moe__block_q8a *x, int64_t n, f
     const moe__block_q4_0x8 *o = w;
     float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
     for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
         const int32_t *xq = (const int32_t *)x[b].qs;
         int32x4_t s0 = vdupq_n_s32(-8 * x[b].sum), s1 = s0;
         for (int c = 0; c < 4; c++) {
@@ -1090,6 +1335,7 @@ static void dotq8_q8_0_neon(const void *w, const moe__block_q8a *x, int64_t n, f
     float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
     const uint8x16_t flip = vdupq_n_u8(0x80); /* stored as w + 128: back to signed w */
     for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
         const int32_t *xq = (const int32_t *)x[b].qs;
         int32x4_t s0 = vdupq_n_s32(0), s1 = s0;
         for (int c = 0; c < 8; c++) {
@@ -1198,6 +1444,7 @@ MOE_DOTPROD static void dotq8_q4_0_dotprod(const void *w, const moe__block_q8a *
     const moe__block_q4_0x8 *o = w;
     float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
     for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
         const int32_t *xq = (const int32_t *)x[b].qs;
         int32x4_t s0 = vdupq_n_s32(-8 * x[b].sum), s1 = s0;
         for (int c = 0; c < 4; c++) {
@@ -1222,6 +1469,7 @@ MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *
     float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
     const uint8x16_t flip = vdupq_n_u8(0x80); /* stored as w + 128: back to signed w */
     for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
         const int32_t *xq = (const int32_t *)x[b].qs;
         int32x4_t s0 = vdupq_n_s32(0), s1 = s0;
         for (int c = 0; c < 8; c++) {
@@ -1245,6 +1493,7 @@ static int cpu_has_dotprod(void) {
     return 0;
 #endif
 }
+
 #endif /* MOE_NEON */
 
 /* ---- absorbed MLA attention -------------------------------------------------------------- */
@@ -1344,14 +1593,15 @@ MOE_TARGET(MOE_AVX512) static void kda_recurrent_avx512(const moe__kda_head *a) 
     const int D = a->D;
     if (D % 16 || D > 512) { kda_recurrent_avx2(a); return; }
     float *S = a->S;
-    __attribute__((aligned(64))) float pred[512], u[512], o[512];
+    __attribute__((aligned(64))) float pred[512], u[512], o[512], decay[512];
     for (int t = 0; t < a->n; t++) {
         const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
         const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
         const float beta = a->beta[(size_t)t * a->beta_stride];
         for (int j = 0; j < D; j += 16) _mm512_store_ps(pred + j, _mm512_setzero_ps());
+        exp_sum_avx512(decay, g, 0.0f, D);
         for (int i = 0; i < D; i++) {
-            const __m512 dec = _mm512_set1_ps(expf(g[i])), ki = _mm512_set1_ps(k[i]);
+            const __m512 dec = _mm512_set1_ps(decay[i]), ki = _mm512_set1_ps(k[i]);
             float *row = S + (size_t)i * D;
             for (int j = 0; j < D; j += 16) {
                 __m512 r = _mm512_mul_ps(_mm512_loadu_ps(row + j), dec);
@@ -1520,6 +1770,8 @@ static void kernels_scalar(moe__kernels *k) {
     k->kda_recurrent = moe__kda_recurrent;
     k->mla_scores = moe__mla_scores_ref;
     k->mla_ctx = moe__mla_ctx_ref;
+    k->act = moe__act_ref;
+    k->exp_sum = moe__exp_sum_ref;
     k->isa = "scalar";
 }
 
@@ -1544,6 +1796,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->kda_recurrent = kda_recurrent_avx2;
         k->mla_scores = mla_scores_avx2;
         k->mla_ctx = mla_ctx_avx2;
+        k->act = act_avx2;
+        k->exp_sum = exp_sum_avx2;
         k->isa = "avx2";
         if (n < max && cpu_has_avx512()) {
             moe__kernels *v = &out[n++];
@@ -1558,6 +1812,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->kda_recurrent = kda_recurrent_avx512;
             v->mla_scores = mla_scores_avx512;
             v->mla_ctx = mla_ctx_avx512;
+            v->act = act_avx512;
+            v->exp_sum = exp_sum_avx512;
             v->isa = "avx512";
             if (cpu_has_vnni()) {
                 v->dotq[MOE_T_Q8_0] = dotq_q8_0_vnni;
@@ -1587,6 +1843,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_neon;
         k->mla_scores = mla_scores_neon;
         k->mla_ctx = mla_ctx_neon;
+        k->act = act_neon;
+        k->exp_sum = exp_sum_neon;
         k->isa = "neon";
         if (n < max && cpu_has_dotprod()) {
             moe__kernels *v = &out[n++];
@@ -1644,8 +1902,8 @@ void moe__kda_recurrent(const moe__kda_head *a) {
 #define KDA_C 16 /* chunk length: with g >= -5, e^{-G} stays below e^80 < FLT_MAX */
 
 size_t moe__kda_chunk_work(int D) {
-    /* G, Kt (k e^G), Kh (k e^-G), Qt (q e^G), U: [C,D] each; A, P: [C,C]; gn: [D] */
-    return (size_t)5 * KDA_C * D + 2 * KDA_C * KDA_C + D;
+    /* G, Kt (k e^G), Kh (k e^-G), Qt (q e^G), U: [C,D] each; A, P: [C,C]; gn, X: [D] */
+    return (size_t)5 * KDA_C * D + 2 * KDA_C * KDA_C + 2 * (size_t)D;
 }
 
 /* One chunk of n <= 16 tokens from state S0 (updated to S_next in place):
@@ -1657,7 +1915,7 @@ size_t moe__kda_chunk_work(int D) {
 void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const moe__kernels *kk) {
     const int D = a->D, C = KDA_C;
     float *G = work, *Kt = G + C * D, *Kh = Kt + C * D, *Qt = Kh + C * D, *U = Qt + C * D;
-    float *A = U + C * D, *P = A + C * C, *gn = P + C * C;
+    float *A = U + C * D, *P = A + C * C, *gn = P + C * C, *X = gn + D;
     float *S = a->S;
     const moe__dot_fn dot = kk->dot[MOE_T_F32];
     for (int t0 = 0; t0 < a->n; t0 += C) {
@@ -1665,13 +1923,12 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
 #define ROW(p, t) ((p) + (size_t)(t0 + (t)) * a->stride)
         for (int i = 0; i < n; i++) {
             const float *g = ROW(a->g, i), *k = ROW(a->k, i), *q = ROW(a->q, i);
+            for (int c = 0; c < D; c++) G[i * D + c] = (i ? G[(i - 1) * D + c] : 0.0f) + g[c];
+            kk->exp_sum(X, G + i * D, 0.0f, D);
             for (int c = 0; c < D; c++) {
-                float Gc = (i ? G[(i - 1) * D + c] : 0.0f) + g[c];
-                G[i * D + c] = Gc;
-                float e = expf(Gc);
-                Kt[i * D + c] = k[c] * e;
-                Qt[i * D + c] = q[c] * e;
-                Kh[i * D + c] = bounded ? k[c] / e : 0.0f;
+                Kt[i * D + c] = k[c] * X[c];
+                Qt[i * D + c] = q[c] * X[c];
+                Kh[i * D + c] = bounded ? k[c] / X[c] : 0.0f;
             }
         }
         /* A and P: with the bounded gate plain dot products of the factored rows */
@@ -1683,13 +1940,13 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
                 if (bounded) {
                     sa = dot(Kt + i * D, NULL, Kh + j * D, D);
                     sp = dot(Qt + i * D, NULL, Kh + j * D, D);
-                } else {
+                } else { /* X = k_j e^{G_i - G_j} */
                     const float *kj = ROW(a->k, j);
-                    for (int c = 0; c < D; c++) {
-                        float e = expf(G[i * D + c] - G[j * D + c]);
-                        sa += ki[c] * kj[c] * e;
-                        sp += qi[c] * kj[c] * e;
-                    }
+                    for (int c = 0; c < D; c++) X[c] = G[i * D + c] - G[j * D + c];
+                    kk->exp_sum(X, X, 0.0f, D);
+                    for (int c = 0; c < D; c++) X[c] *= kj[c];
+                    sa = dot(ki, NULL, X, D);
+                    sp = dot(qi, NULL, X, D);
                 }
                 A[i * C + j] = j < i ? beta * sa : 0.0f;
                 P[i * C + j] = sp;
@@ -1713,13 +1970,18 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
         }
         /* S_next */
         for (int c = 0; c < D; c++) gn[c] = G[(n - 1) * D + c];
-        for (int c = 0; c < D; c++) {
-            float *row = S + (size_t)c * D, d = expf(gn[c]);
-            for (int j = 0; j < D; j++) row[j] *= d;
+        if (!bounded) /* Kh_m = k_m e^{G_n - G_m} */
             for (int m = 0; m < n; m++) {
-                float f = bounded ? Kh[m * D + c] * d : ROW(a->k, m)[c] * expf(gn[c] - G[m * D + c]);
-                kk->axpy(row, f, U + m * D, D);
+                float *f = Kh + m * D;
+                for (int c = 0; c < D; c++) f[c] = gn[c] - G[m * D + c];
+                kk->exp_sum(f, f, 0.0f, D);
+                for (int c = 0; c < D; c++) f[c] *= ROW(a->k, m)[c];
             }
+        kk->exp_sum(X, gn, 0.0f, D); /* the chunk's decay e^{G_n} */
+        for (int c = 0; c < D; c++) {
+            float *row = S + (size_t)c * D, d = X[c];
+            for (int j = 0; j < D; j++) row[j] *= d;
+            for (int m = 0; m < n; m++) kk->axpy(row, bounded ? Kh[m * D + c] * d : Kh[m * D + c], U + m * D, D);
         }
 #undef ROW
     }

@@ -238,6 +238,56 @@ static void test_dot_levels(void) {
         }
 }
 
+/* The elementwise functions (sigmoid, silu, softplus, softmax exponentials) of every SIMD level
+ * against libm's: random values over the whole range, the thresholds, inf, NaN, results that
+ * underflow to subnormals and to 0, ragged lengths (tails) */
+static int close_or_same(float a, float b, double rel) {
+    if (isnan(a) || isnan(b)) return isnan(a) && isnan(b);
+    if (isinf(a) || isinf(b)) return a == b;
+    return fabs((double)a - b) <= rel * fabs((double)b) + 1e-44;
+}
+
+static void test_act_levels(void) {
+    moe__kernels lv[4];
+    int nl = moe__kernel_levels(lv, 4);
+    enum { N = 4099 };
+    float *x = malloc(sizeof(float) * N), *r = malloc(sizeof(float) * N), *v = malloc(sizeof(float) * N);
+    const float special[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 20.0f, 20.0001f, 19.9999f, -20.0f, 88.0f, 88.7f, 88.73f, 89.5f, 1000.0f,
+                             -87.3f, -87.4f, -100.0f, -103.9f, -104.1f, -1000.0f, INFINITY, -INFINITY, NAN, 1.0f, -1.0f};
+    const int ns = (int)(sizeof special / sizeof *special);
+    for (int i = 0; i < N; i++) x[i] = i < ns ? special[i] : (i % 3 == 0 ? 60.0f * nrand() : i % 3 == 1 ? 4.0f * nrand() : 250.0f * (urand() - 0.5f));
+    const int lens[] = {1, 3, 4, 7, 8, 15, 16, 17, 31, 33, N};
+    for (int li = 1; li < nl; li++)
+        for (size_t a = 0; a < sizeof lens / sizeof *lens; a++) {
+            const int n = lens[a];
+            for (int kind = MOE__ACT_SIGMOID; kind <= MOE__ACT_SOFTPLUS; kind++) {
+                moe__act_ref(r, x, n, kind);
+                memcpy(v, x, sizeof(float) * (size_t)n);
+                lv[li].act(v, v, n, kind); /* in place, as the forward pass calls it */
+                int bad = -1;
+                for (int i = 0; i < n && bad < 0; i++)
+                    if (!close_or_same(v[i], r[i], 8e-7)) bad = i;
+                CHECKF(bad < 0, "%s act %d n %d: f(%g) = %g, libm %g", lv[li].isa, kind, n, bad < 0 ? 0 : x[bad], bad < 0 ? 0 : v[bad], bad < 0 ? 0 : r[bad]);
+            }
+            for (int sh = 0; sh < 3; sh++) {
+                const float shift = sh == 0 ? 0.0f : sh == 1 ? 30.0f : -50.0f;
+                float sr = moe__exp_sum_ref(r, x, shift, n), sv = lv[li].exp_sum(v, x, shift, n);
+                int bad = -1;
+                for (int i = 0; i < n && bad < 0; i++)
+                    if (!close_or_same(v[i], r[i], 8e-7)) bad = i;
+                CHECKF(bad < 0, "%s exp n %d shift %g: e^(%g) = %g, libm %g", lv[li].isa, n, shift, bad < 0 ? 0 : x[bad], bad < 0 ? 0 : v[bad], bad < 0 ? 0 : r[bad]);
+                /* sums in another order: finite ones agree to float rounding */
+                CHECKF(close_or_same(sv, sr, 1e-5), "%s exp sum n %d shift %g: %g vs %g", lv[li].isa, n, shift, sv, sr);
+            }
+        }
+    /* values without the specials: the sum is finite and compared as such */
+    for (int li = 1; li < nl; li++) {
+        float sr = moe__exp_sum_ref(r, x + ns, 10.0f, 1000), sv = lv[li].exp_sum(v, x + ns, 10.0f, 1000);
+        CHECKF(isfinite(sr) ? fabs((double)sv - sr) <= 1e-5 * sr : 1, "%s exp sum %g vs %g", lv[li].isa, sv, sr);
+    }
+    free(x), free(r), free(v);
+}
+
 /* Q8_0/Q4_0: ggml's rounding (hand-derived known answers), round-trip bounds, and every int8
  * kernel level against the scalar reference; the q8a activation quantizers must agree bit for bit */
 static void test_quant_blocks(void) {
@@ -716,6 +766,32 @@ static void test_cached_decode_vs_recompute(void) {
         free(a), free(b), free(c), free(ids);
         moe_model_close(m);
     }
+}
+
+/* Absorbed MLA decode splits the keys across threads (each with its own online softmax over
+ * blocks of keys, merged at the end): a 600-token context on 1, 2 and 3 threads (several key
+ * blocks per thread; the first tokens have fewer keys than threads) against the expanded form */
+static void test_mla_split_keys(void) {
+    moe_model *ref = open_model("kimi", MOE_FLAG_MLA_EXPANDED, 1);
+    if (!ref) return;
+    const int V = moe_model_config(ref)->vocab_size, n = 600;
+    int32_t *ids = malloc(sizeof(int32_t) * n);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(urand() * V) % V;
+    const int pieces[] = {n - 3, 1, 1, 1, 0};
+    float *a = logits_in_pieces(ref, ids, n, NULL);
+    for (int threads = 1; threads <= 3 && a; threads++) {
+        moe_model *m = open_model("kimi", MOE_FLAG_MLA_ABSORBED, threads);
+        float *b = m ? logits_in_pieces(m, ids, n, pieces) : NULL;
+        CHECK(b != NULL);
+        if (b) {
+            const double d = max_abs_diff(a, b, (size_t)n * V);
+            CHECKF(d < 1e-3, "%d threads: absorbed vs expanded %.3g", threads, d);
+        }
+        free(b);
+        moe_model_close(m);
+    }
+    free(a), free(ids);
+    moe_model_close(ref);
 }
 
 static void test_batch_vs_alone(void) {
@@ -2920,6 +2996,7 @@ static const struct {
     {"mxfp4_worked_example", test_mxfp4_worked_example},
     {"mxfp4_golden_dequant", test_mxfp4_golden_dequant},
     {"dot_levels", test_dot_levels},
+    {"act_levels", test_act_levels},
     {"quant_blocks", test_quant_blocks},
     {"json", test_json},
     {"tokenizer_spec_pieces", test_tokenizer_spec_pieces},
@@ -2944,6 +3021,7 @@ static const struct {
     {"golden_seed", test_golden_seed},
     {"golden_k3mx", test_golden_k3mx},
     {"golden_threads_scalar", test_golden_threads_scalar},
+    {"mla_split_keys", test_mla_split_keys},
     {"golden_forced_paths", test_golden_forced_paths},
     {"cached_decode_vs_recompute", test_cached_decode_vs_recompute},
     {"batch_vs_alone", test_batch_vs_alone},
