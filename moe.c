@@ -736,6 +736,10 @@ typedef struct {
     float *q_conv, *k_conv, *v_conv; /* [H_k*D, W] */
     float *A_log, *dt_bias, *o_norm; /* [H_k], [H_k*D], [D] */
     moe__weight q_a, q_b, kv_a, kv_b;
+    /* a split GGUF's attn_k_b (W_UK^T per head, [H*r, d_n]) and attn_v_b (W_UV, [H*d_v, r]) as
+     * stored: absorbed MLA decodes from these (fewer bytes than kv_b rebuilt in f32); data NULL
+     * otherwise */
+    moe__weight k_b, v_b;
     float *q_a_norm, *kv_a_norm;
     /* FFN */
     moe__weight gate, up, down;          /* dense FFN or fused shared experts */
@@ -1419,6 +1423,11 @@ static void bind_split_kv_b(binder *b, layer *L, int li) {
     }
     free(row);
     L->kv_b = (moe__weight){MOE_T_F32, H * (dn + dv), r, kv, NULL};
+    /* integer kernels take whole 32-value blocks of activations */
+    if (!moe__is_quant(k->type) || (dn % 32 == 0 && r % 32 == 0)) {
+        L->k_b = (moe__weight){k->type, H * r, dn, k->data, NULL};
+        L->v_b = (moe__weight){v->type, H * dv, r, v->data, NULL};
+    }
 }
 
 static void bind_layer(binder *b, int i) {
@@ -1766,6 +1775,8 @@ static void count_dense_bytes(moe_model *m) {
             const moe__weight *w = layer_matrix(L, k);
             b += weight_bytes(w), per_type[w->type] += weight_bytes(w);
         }
+        if (L->k_b.data) /* decode reads these in place of kv_b (absorbed MLA) */
+            b += weight_bytes(&L->k_b) + weight_bytes(&L->v_b) - weight_bytes(&L->kv_b);
         for (int e = 0; L->experts && e < m->cfg.n_experts; e++) per_type[L->experts[e].w1.type] += expert_bytes(&L->experts[e]);
     }
     int best = 0;
@@ -2313,11 +2324,28 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
  * added to the thread's context sums, under the thread's own online softmax (running max and
  * sum per head, rescaled when the max grows). The threads' partial results are then merged
  * per head at the common max. Two barriers per token whatever the length; memory does not grow
- * with the context. q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r], then
- * per thread SC [H, KB], CTX [H, r], M [H], LS [H] and one row [r]. */
+ * with the context. The head's query is mapped into the latent space, and its latent context
+ * back out, with a split GGUF's k_b / v_b as stored (integer kernels for Q8_0/Q4_0, activations
+ * quantized like any matmul's) where the layer has them, else with kv_b's rows in floats.
+ * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r], then per thread
+ * SC [H, KB], CTX [H, r], M [H], LS [H], one row [r] and room for r quantized values [r]. */
 static size_t mla_absorbed_part(const moe_config *c) {
     const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank;
-    return H * MLA_KEY_BLOCK + H * r + 2 * H + r;
+    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r;
+}
+
+/* y[i] = W row i . x for `rows` rows of a matrix as stored (x quantized first into xq for
+ * Q8_0/Q4_0); one thread */
+static void rows_times(const moe_model *m, const moe__weight *w, int64_t row0, int rows, const float *x, moe__block_q8a *xq,
+                       float *y, float scale) {
+    const int64_t rb = moe__row_bytes(w->type, w->cols);
+    const unsigned char *p = (const unsigned char *)w->data + row0 * rb;
+    if (moe__is_quant(w->type)) {
+        m->k.quant_q8a(x, xq, w->cols);
+        for (int i = 0; i < rows; i++) y[i] = scale * m->k.dotq[w->type](p + i * rb, xq, w->cols);
+    } else {
+        for (int i = 0; i < rows; i++) y[i] = scale * m->k.dot[w->type](p + i * rb, NULL, x, w->cols);
+    }
 }
 
 static size_t mla_absorbed_work(const moe_config *c, int nt) {
@@ -2334,6 +2362,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
     float *QA = w;
     const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
     const moe__dot_fn wdot = m->k.dot[L->kv_b.type];
+    const int split = L->k_b.data && !L->stream; /* a streamed layer reads only its cache unit */
     (void)nt;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nt) if (nt > 1)
@@ -2348,8 +2377,11 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
         const int h0 = H * tid / nth, h1 = H * (tid + 1) / nth; /* this thread's heads */
         float *SC = QA + (size_t)H * r + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
         float *row = LS + H;
-        /* q^_h = W_UK,h^T qn_h from kv_b rows h*(d_n+d_v) .. +d_n, this thread's heads */
-        for (int h = h0; h < h1; h++) {
+        moe__block_q8a *xq = (moe__block_q8a *)(void *)(row + r);
+        /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
+         * h*(d_n+d_v) .. +d_n taken as columns */
+        for (int h = h0; h < h1 && split; h++) rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
+        for (int h = h0; h < h1 && !split; h++) {
             float *qa = QA + (size_t)h * r;
             memset(qa, 0, sizeof(float) * (size_t)r);
             for (int i = 0; i < dn; i++) {
@@ -2408,6 +2440,10 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
                 m->k.axpy(row, f, ct, r);
             }
             const float inv = 1.0f / ls;
+            if (split) {
+                rows_times(m, &L->v_b, (int64_t)h * dv, dv, row, xq, y + (size_t)h * dv, inv);
+                continue;
+            }
             for (int i = 0; i < dv; i++) {
                 const int64_t wr = (int64_t)h * (dn + dv) + dn + i;
                 y[(size_t)h * dv + i] = inv * wdot((const unsigned char *)L->kv_b.data + wr * kvrow,
