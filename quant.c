@@ -38,6 +38,11 @@ static inline void prefetch_ahead(const void *p, int bytes) {
     const uintptr_t a = (uintptr_t)p + PREFETCH_AHEAD;
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o));
 }
+/* the lines of bytes at p (which may lie past the end of the data: never dereferenced) */
+static inline void prefetch_row(const void *p, int bytes) {
+    const uintptr_t a = (uintptr_t)p;
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o));
+}
 #endif
 
 /* ---- number formats -------------------------------------------------------------------- */
@@ -1359,6 +1364,7 @@ static void mla_scores_neon(const moe__mla_block *b) {
     const size_t qs = (size_t)b->qr_stride;
     for (int j = b->j0; j < b->j1; j++) {
         const float *c = b->cache + (size_t)j * b->cw;
+        prefetch_row(c + (size_t)4 * b->cw, b->cw * 4); /* the key four rows on, from memory */
         int h = 0;
         for (; h + 4 <= b->H; h += 4) {
             const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
@@ -1529,6 +1535,7 @@ MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
     if (r % 8 || dr % 8) { moe__mla_scores_ref(b); return; }
     for (int j = b->j0; j < b->j1; j++) {
         const float *c = b->cache + (size_t)j * b->cw;
+        prefetch_row(c + (size_t)4 * b->cw, b->cw * 4); /* the key four rows on, from memory */
         int h = 0;
         for (; h + 4 <= b->H; h += 4) {
             const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
@@ -1690,6 +1697,9 @@ MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
             const float *c0 = b->cache + (size_t)j * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
             int h = 0;
             for (; h + 4 <= b->H; h += 4) {
+                /* the first four head groups each prefetch one row of the next four keys: a
+                 * decode step reads the latent cache from memory, once */
+                if (h < 16) prefetch_row(c0 + (size_t)(4 + h / 4) * cw, cw * 4);
                 const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
                 const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
                 __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
