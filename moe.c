@@ -780,7 +780,7 @@ struct moe_session {
     int n_ctx, pos;
     float **kda_state; /* per layer: [H_k, D, D] or NULL */
     float **conv_tail; /* per layer: [W-1, 3*H_k*D] (pre-convolution q,k,v rows) */
-    float **mla_cache; /* per layer: [cap, r + d_r] latents c (normalised) and kr */
+    void **mla_cache; /* per layer: [cap, r + d_r] latents c (normalised) and kr, f32 or bf16 (kv_type) */
     int *mla_cap;
 };
 
@@ -2006,6 +2006,8 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
     if (!(m->path = strdup(path))) st = MOE_ERR_NOMEM;
     if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)
         st = fail(err, errlen, MOE_ERR_ARG, "unknown expert_mode %d", m->opt.expert_mode);
+    if (!st && m->opt.kv_type != MOE_KV_F32 && m->opt.kv_type != MOE_KV_BF16)
+        st = fail(err, errlen, MOE_ERR_ARG, "unknown kv_type %d", m->opt.kv_type);
     if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && m->opt.expert_type != MOE_WTYPE_ASIS)
         st = fail(err, errlen, MOE_ERR_ARG, "expert_type conversion makes experts resident: it needs the mmap expert mode");
     if (!st) st = open_files(m, path, err, errlen);
@@ -2300,6 +2302,16 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
  * meet a long cache, i.e. decode) or expanded (keys/values rebuilt from the cache: cheaper when
  * many queries share the keys, i.e. prefill); the cost model below picks per call. */
 
+/* bytes of one latent cache element */
+static size_t kv_elem(const moe_model *m) { return m->opt.kv_type == MOE_KV_BF16 ? 2 : 4; }
+
+/* rows [j0, j0 + n) of a latent cache as f32 into out (a bf16 cache is widened: exact) */
+static const float *kv_rows_f32(const moe_model *m, const void *cache, int64_t j0, int64_t n, int64_t cw, float *out) {
+    if (m->opt.kv_type != MOE_KV_BF16) return (const float *)cache + j0 * cw;
+    moe__row_to_f32(MOE_T_BF16, (const uint16_t *)cache + j0 * cw, NULL, out, n * cw);
+    return out;
+}
+
 static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
     const moe_config *c = &s->m->cfg;
     if (rows <= s->mla_cap[li]) return MOE_OK;
@@ -2307,7 +2319,7 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
     while (cap < rows) cap = cap > s->n_ctx / 2 ? s->n_ctx : cap * 2;
     if (cap < rows) cap = rows;
     size_t w = (size_t)c->kv_lora_rank + c->qk_rope_dim;
-    float *p = realloc(s->mla_cache[li], sizeof(float) * w * (size_t)cap);
+    void *p = realloc(s->mla_cache[li], kv_elem(s->m) * w * (size_t)cap);
     if (!p) return MOE_ERR_NOMEM;
     s->mla_cache[li] = p;
     s->mla_cap[li] = cap;
@@ -2328,10 +2340,12 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
  * back out, with a split GGUF's k_b / v_b as stored (integer kernels for Q8_0/Q4_0, activations
  * quantized like any matmul's) where the layer has them, else with kv_b's rows in floats.
  * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r], then per thread
- * SC [H, KB], CTX [H, r], M [H], LS [H], one row [r] and room for r quantized values [r]. */
-static size_t mla_absorbed_part(const moe_config *c) {
-    const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank;
-    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r;
+ * SC [H, KB], CTX [H, r], M [H], LS [H], one row [r], room for r quantized values [r] and, with
+ * a bf16 cache, the block's rows widened to f32 [KB, r + d_r]. */
+static size_t mla_absorbed_part(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank, cw = r + (size_t)c->qk_rope_dim;
+    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + (m->opt.kv_type == MOE_KV_BF16 ? MLA_KEY_BLOCK * cw : 0);
 }
 
 /* y[i] = W row i . x for `rows` rows of a matrix as stored (x quantized first into xq for
@@ -2348,17 +2362,17 @@ static void rows_times(const moe_model *m, const moe__weight *w, int64_t row0, i
     }
 }
 
-static size_t mla_absorbed_work(const moe_config *c, int nt) {
-    return (size_t)c->mla_heads * c->kv_lora_rank + (size_t)nt * mla_absorbed_part(c);
+static size_t mla_absorbed_work(const moe_model *m, int nt) {
+    return (size_t)m->cfg.mla_heads * m->cfg.kv_lora_rank + (size_t)nt * mla_absorbed_part(m);
 }
 
-static void mla_absorbed_token(const moe_model *m, const layer *L, const float *cache, int len, const float *q, float *y,
+static void mla_absorbed_token(const moe_model *m, const layer *L, const void *cache, int len, const float *q, float *y,
                                float *w, int nt) {
     const moe_config *c = &m->cfg;
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
     const int dq = dn + dr, cw = r + dr, KB = MLA_KEY_BLOCK;
     const float scale = 1.0f / sqrtf((float)dq);
-    const size_t per = mla_absorbed_part(c);
+    const size_t per = mla_absorbed_part(m);
     float *QA = w;
     const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
     const moe__dot_fn wdot = m->k.dot[L->kv_b.type];
@@ -2378,6 +2392,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
         float *SC = QA + (size_t)H * r + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
         float *row = LS + H;
         moe__block_q8a *xq = (moe__block_q8a *)(void *)(row + r);
+        float *wide = row + 2 * (size_t)r;
         /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
          * h*(d_n+d_v) .. +d_n taken as columns */
         for (int h = h0; h < h1 && split; h++) rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
@@ -2404,7 +2419,8 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const float *
         const int jb = (int)((int64_t)len * tid / nth), je = (int)((int64_t)len * (tid + 1) / nth);
         for (int j0 = jb; j0 < je; j0 += KB) {
             const int jn = je - j0 < KB ? je - j0 : KB;
-            const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, cache + (size_t)j0 * cw, SC, CTX};
+            const float *rows = kv_rows_f32(m, cache, j0, jn, cw, wide);
+            const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, rows, SC, CTX};
             m->k.mla_scores(&blk);
             for (int h = 0; h < H; h++) {
                 float *sc = SC + (size_t)h * KB, mx = M[h];
@@ -2480,13 +2496,15 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
      * [MLA_QUERY_BLOCK, S] and outputs [MLA_QUERY_BLOCK, d_v] */
     const int QB = MLA_QUERY_BLOCK;
     size_t scratch = use_expanded ? (size_t)S * (dq + dv) + (size_t)n * dq + (size_t)QB * ((size_t)S + dv) + 16 : 0;
-    size_t work = use_expanded ? scratch * (size_t)nt : mla_absorbed_work(c, nt);
+    size_t work = use_expanded ? scratch * (size_t)nt : mla_absorbed_work(m, nt);
+    const int bf16 = m->opt.kv_type == MOE_KV_BF16;
+    size_t wide = use_expanded && bf16 ? (size_t)S * cw : 0; /* the whole cache in f32 for the expanded form */
     size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
     size_t gn = c->mla_output_gate ? yn : 0;
-    float *buf = malloc(sizeof(float) * (qn + yn + gn + kvn + qa + (size_t)n * cw + work));
+    float *buf = malloc(sizeof(float) * (qn + yn + gn + kvn + qa + (size_t)n * cw + work + wide));
     if (!buf) return MOE_ERR_NOMEM;
     float *q = buf, *y = q + qn, *gate = y + yn, *kv = gate + gn, *qa_buf = kv + kvn;
-    float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
+    float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw, *widened = scr + work;
     /* 1, 2, 5. the projections of x in one pass: queries (or their LoRA's first factor), the
      * latents, the output gate */
     {
@@ -2497,14 +2515,18 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         rmsnorm_rows(qa_buf, qa_buf, L->q_a_norm, n, c->q_lora_rank, 1e-6f);
         MM(q, qa_buf, n, &L->q_b);
     }
-    /* 2. latents into the cache */
-    float *cache = s->mla_cache[li];
+    /* 2. latents into the cache (normalised c, then kr), rounded to bf16 for a bf16 cache */
+    void *cache = s->mla_cache[li];
     for (int t = 0; t < n; t++) {
-        float *row = cache + (size_t)(pos + t) * cw;
-        rmsnorm(row, lat + (size_t)t * cw, L->kv_a_norm, r, 1e-6f);
-        memcpy(row + r, lat + (size_t)t * cw + r, sizeof(float) * dr);
+        float *l = lat + (size_t)t * cw;
+        rmsnorm(l, l, L->kv_a_norm, r, 1e-6f);
+        if (bf16)
+            for (int i = 0; i < cw; i++) ((uint16_t *)cache)[(size_t)(pos + t) * cw + i] = moe__f32_to_bf16(l[i]);
+        else
+            memcpy((float *)cache + (size_t)(pos + t) * cw, l, sizeof(float) * cw);
     }
-    if (use_expanded && !st) st = matmul_ld(m, kv, cache, cw, S, &L->kv_b); /* [S, H*(dn+dv)] */
+    const float *cachef = use_expanded ? kv_rows_f32(m, cache, 0, S, cw, widened) : NULL; /* expanded: all rows in f32 */
+    if (use_expanded && !st) st = matmul_ld(m, kv, cachef, cw, S, &L->kv_b); /* [S, H*(dn+dv)] */
     const float scale = 1.0f / sqrtf((float)dq);
     if (!use_expanded) {
         for (int t = 0; t < n; t++)
@@ -2524,7 +2546,7 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
             for (int j = 0; j < S; j++) {
                 const float *src = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
                 memcpy(K + (size_t)j * dq, src, sizeof(float) * dn);
-                memcpy(K + (size_t)j * dq + dn, cache + (size_t)j * cw + r, sizeof(float) * dr);
+                memcpy(K + (size_t)j * dq + dn, cachef + (size_t)j * cw + r, sizeof(float) * dr);
                 memcpy(V + (size_t)j * dv, src + dn, sizeof(float) * dv);
             }
             for (int t = 0; t < n; t++) {
@@ -3775,7 +3797,7 @@ moe_status moe_session_restore(moe_session *dst, const moe_session *src, char *e
     for (int i = 0; i < c->n_layers; i++) {
         if (src->kda_state[i]) memcpy(dst->kda_state[i], src->kda_state[i], sizeof(float) * kda_state_floats(c));
         if (src->conv_tail[i]) memcpy(dst->conv_tail[i], src->conv_tail[i], sizeof(float) * conv_tail_floats(c));
-        if (src->mla_cache[i] && src->pos) memcpy(dst->mla_cache[i], src->mla_cache[i], sizeof(float) * cw * (size_t)src->pos);
+        if (src->mla_cache[i] && src->pos) memcpy(dst->mla_cache[i], src->mla_cache[i], kv_elem(src->m) * cw * (size_t)src->pos);
     }
     dst->pos = src->pos;
     return MOE_OK;

@@ -75,6 +75,12 @@ enum {
  * through the mapping for experts then. */
 typedef enum { MOE_EXPERTS_MMAP = 0, MOE_EXPERTS_CACHE = 1 } moe_expert_mode;
 
+/* The MLA latent cache element (moe_options.kv_type). F32 keeps the latents as computed (exact);
+ * BF16 halves the cache (Kimi K3 at a million tokens: 55 GB -> 28 GB) and what a decode step reads
+ * from it, at the price of rounding each latent to 8 significant bits (as a bf16 model's own
+ * inference keeps it); attention then runs in f32 on the rounded values. */
+typedef enum { MOE_KV_F32 = 0, MOE_KV_BF16 = 1 } moe_kv_type;
+
 /* Weight formats a model can be converted to at load (moe_options.dense_type/expert_type). */
 typedef enum {
     MOE_WTYPE_ASIS = 0, /* keep the stored format (memory-mapped, nothing copied) */
@@ -108,6 +114,7 @@ typedef struct {
                                matrices, converted at load into RAM the model owns */
     int expert_type;        /* moe_wtype for the routed experts (makes them resident) */
     unsigned flags;         /* MOE_FLAG_* */
+    int kv_type;            /* moe_kv_type: the element of the sessions' MLA latent caches */
     /* called from moe_model_open while weights are converted or interleaved (the slow part of a
      * load): stage names the work, frac runs from 0 to 1; may be NULL */
     void (*progress)(void *ud, const char *stage, float frac);

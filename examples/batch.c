@@ -48,7 +48,8 @@ static int usage(const char *msg) {
             "  -c CTX           context per request: prompt + max_tokens must fit (default 4096)\n"
             "  --max-tokens N   for requests without max_tokens (default 256)\n"
             "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
-            "  --load-mode M, --expert-budget SIZE, --dense-budget SIZE, --io-threads N, --prefetch on|off   as in moe-cli\n");
+            "  --load-mode M, --expert-budget SIZE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
+            "  --kv-type f32|bf16   as in moe-cli\n");
     return msg ? 2 : 0;
 }
 

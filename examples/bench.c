@@ -49,7 +49,7 @@ static double now(void) {
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-bench: %s\n", msg);
     fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
-                    "                 [--prefill N] [--reps R]\n"
+                    "                 [--prefill N] [--reps R] [--kv-type f32|bf16]\n"
                     "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
                     "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--prefetch on|off]\n"
                     "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n");
@@ -400,7 +400,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
 int main(int argc, char **argv) {
     const char *models[16];
     int n_models = 0, threads[8] = {1, 2}, n_threads = 2, depths[8] = {0, 4096}, n_depths = 2;
-    int n_decode = 16, n_prefill = 512, reps = 3;
+    int n_decode = 16, n_prefill = 512, reps = 3, kv_type = MOE_KV_F32;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--stream")) {
             for (int j = 1; j + 1 < argc; j++)
@@ -416,7 +416,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
         else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
         else if (!strcmp(a, "--reps") && more) reps = atoi(argv[++i]);
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
+        else if (!strcmp(a, "--kv-type") && more) {
+            const char *v = argv[++i];
+            if (strcmp(v, "f32") && strcmp(v, "bf16")) return usage("--kv-type is f32 or bf16");
+            kv_type = !strcmp(v, "bf16") ? MOE_KV_BF16 : MOE_KV_F32;
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }
     if (!n_models || n_decode < 1 || n_prefill < 1 || reps < 1) return usage("need -m MODEL");
@@ -428,6 +432,7 @@ int main(int argc, char **argv) {
             char err[512];
             moe_options o = moe_default_options();
             o.n_threads = t;
+            o.kv_type = kv_type;
             moe_model *m;
             moe_status st = moe_model_open(&m, models[mi], &o, err, sizeof err);
             if (st) {
@@ -489,14 +494,14 @@ int main(int argc, char **argv) {
                 bw = bw2 > bw ? bw2 : bw;
                 fprintf(stderr, "moe-bench: %d thread(s), depth %d: memory read %.1f GB/s\n", t, depth, bw);
                 const double state = (double)n_kda * c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4 * 2 +
-                                     (double)n_mla * (depth + n_decode / 2.0) * (c->kv_lora_rank + c->qk_rope_dim) * 4;
+                                     (double)n_mla * (depth + n_decode / 2.0) * (c->kv_lora_rank + c->qk_rope_dim) * (kv_type == MOE_KV_BF16 ? 2 : 4);
                 const double bytes = (double)info.dense_bytes_per_token + (double)ebytes / n_decode + state;
                 const double roof = bytes / (bw * 1e9);
                 const char *name = strrchr(models[mi], '/') ? strrchr(models[mi], '/') + 1 : models[mi];
-                printf("{\"model\": \"%s\", \"format\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
+                printf("{\"model\": \"%s\", \"format\": \"%s\", \"kv_type\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
                        "\"decode_tok_s\": %.3f, \"decode_bytes_per_token\": %.0f, \"decode_roofline_frac\": %.3f, "
                        "\"prefill_tok_s\": %.2f, \"prefill_tokens\": %d, \"int8_peak_gops\": %.1f, \"prefill_peak_frac\": %.3f}\n",
-                       name, info.weight_type, t, depth, bw, 1.0 / dt, bytes, roof / dt, pf, n_prefill, peak / 1e9,
+                       name, info.weight_type, kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw, 1.0 / dt, bytes, roof / dt, pf, n_prefill, peak / 1e9,
                        pf * ops_per_token / peak);
                 fflush(stdout);
             }

@@ -1,7 +1,7 @@
-/* cache_flags.h - the expert-store flags every program takes, parsed one way (included by the
- * examples; not part of the runtime):
+/* cache_flags.h - the expert-store and latent-cache flags every program takes, parsed one way
+ * (included by the examples; not part of the runtime):
  *   --load-mode mmap|cache   --expert-budget SIZE   --dense-budget SIZE   --io-threads N
- *   --prefetch on|off */
+ *   --prefetch on|off   --kv-type f32|bf16 */
 #ifndef MOE_EXAMPLES_CACHE_FLAGS_H
 #define MOE_EXAMPLES_CACHE_FLAGS_H
 #include <stdlib.h>
@@ -24,7 +24,7 @@ static int parse_size(const char *s, size_t *out) {
 static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--dense-budget") && strcmp(a, "--io-threads") &&
-        strcmp(a, "--prefetch"))
+        strcmp(a, "--prefetch") && strcmp(a, "--kv-type"))
         return 0;
     if (!v) return *why = "a flag needs a value", -1;
     ++*i;
@@ -41,6 +41,10 @@ static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char 
         long n = strtol(v, &e, 10);
         if (*e || e == v || n < 0 || n > 256) return *why = "--io-threads is 0..256", -1;
         o->io_threads = (int)n;
+    } else if (!strcmp(a, "--kv-type")) {
+        if (!strcmp(v, "f32")) o->kv_type = MOE_KV_F32;
+        else if (!strcmp(v, "bf16")) o->kv_type = MOE_KV_BF16;
+        else return *why = "--kv-type is f32 or bf16", -1;
     } else {
         if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
         o->prefetch = !strcmp(v, "on");

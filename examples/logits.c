@@ -29,7 +29,8 @@ static int usage(const char *msg) {
             "  --scalar        use the scalar reference kernels\n"
             "  --load-mode M   mmap (default) or cache: routed experts read into a cache of\n"
             "  --expert-budget SIZE bytes (e.g. 512M); --io-threads N reading threads (default 4);\n"
-            "  --prefetch on|off (cache mode, default on)\n");
+            "  --prefetch on|off (cache mode, default on)\n"
+            "  --kv-type f32|bf16  MLA latent cache element (default f32)\n");
     return 2;
 }
 

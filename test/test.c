@@ -769,6 +769,7 @@ static void test_cached_decode_vs_recompute(void) {
 }
 
 static int convert(const char *model, const char *out, const char *args);
+static moe_model *open_golden_with(const char *name, const moe_options *o);
 
 /* Absorbed MLA decode splits the keys across threads (each with its own online softmax over
  * blocks of keys, merged at the end): a 600-token context on 1, 2 and 3 threads (several key
@@ -836,6 +837,83 @@ static void test_mla_split_keys(void) {
         remove(out);
     }
     free(ids);
+}
+
+/* logits of every position, fed in pieces (0-terminated; NULL: all at once), recording or
+ * forcing the routing (either may be NULL) */
+static float *logits_routed(moe_model *m, const int32_t *ids, int n, const int *pieces, int32_t *routes, const int32_t *force) {
+    const moe_config *c = moe_model_config(m);
+    const size_t V = (size_t)c->vocab_size, rpt = (size_t)c->n_layers * c->n_active;
+    moe_session *s;
+    if (moe_session_new(&s, m, n, NULL, 0)) return NULL;
+    float *all = malloc(sizeof(float) * V * n);
+    for (int done = 0, i = 0; done < n; i++) {
+        const int take = pieces && pieces[i] ? pieces[i] : n - done;
+        moe_seq q = {.s = s, .tokens = ids + done, .n = take, .logits = all + (size_t)done * V, .logits_all = 1,
+                     .routes = routes ? routes + (size_t)done * rpt : NULL, .force_routes = force ? force + (size_t)done * rpt : NULL};
+        char err[256];
+        CHECKF(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
+        done += take;
+    }
+    moe_session_free(s);
+    return all;
+}
+
+/* The bf16 latent cache: the expanded and absorbed forms read the same rounded latents (they
+ * agree as with f32); against the f32 cache only the rounding differs (routing pinned); a fork
+ * carries the bf16 cache; an unknown kv_type is refused */
+static void test_kv_bf16(void) {
+    moe_options o = moe_default_options();
+    o.n_threads = 2;
+    moe_model *f = open_golden_with("kimi", &o);
+    o.kv_type = MOE_KV_BF16;
+    o.flags = MOE_FLAG_MLA_EXPANDED;
+    moe_model *be = open_golden_with("kimi", &o);
+    o.flags = MOE_FLAG_MLA_ABSORBED;
+    moe_model *ba = open_golden_with("kimi", &o);
+    o.flags = 0;
+    moe_model *b = open_golden_with("kimi", &o);
+    if (!f || !be || !ba || !b) goto out;
+    const moe_config *c = moe_model_config(f);
+    const int V = c->vocab_size, n = 300;
+    const size_t nv = (size_t)n * V;
+    int32_t *ids = malloc(sizeof(int32_t) * n), *routes = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)(urand() * V) % V;
+    const int pieces[] = {n - 3, 1, 1, 1, 0};
+    float *xf = logits_routed(f, ids, n, pieces, routes, NULL), *xe = logits_routed(be, ids, n, NULL, NULL, routes);
+    float *xa = logits_routed(ba, ids, n, pieces, NULL, routes), *xb = logits_routed(b, ids, n, pieces, NULL, routes);
+    if (xf && xe && xa && xb) {
+        const double d1 = max_abs_diff(xe, xa, nv), d2 = max_abs_diff(xf, xb, nv);
+        double mean = 0;
+        for (size_t i = 0; i < nv; i++) mean += fabs((double)xf[i] - xb[i]);
+        mean /= (double)nv;
+        if (getenv("MOE_TEST_VERBOSE")) printf("  bf16 expanded vs absorbed %.3g; bf16 vs f32 cache max %.3g mean %.3g\n", d1, d2, mean);
+        CHECKF(d1 < 1e-3, "bf16 cache: expanded vs absorbed %.3g", d1);
+        CHECKF(d2 > 0 && d2 < 0.1 && mean < 0.01, "bf16 vs f32 cache: max %.3g mean %.3g", d2, mean);
+    }
+    /* fork after the prompt: the copy continues as the original does */
+    moe_session *s1 = NULL, *s2 = NULL;
+    float *l1 = malloc(sizeof(float) * V), *l2 = malloc(sizeof(float) * V);
+    CHECK(moe_session_new(&s1, b, n, NULL, 0) == MOE_OK);
+    moe_seq q = {.s = s1, .tokens = ids, .n = n - 1};
+    CHECK(moe_step(b, &q, 1, NULL, NULL, 0) == MOE_OK);
+    CHECK(moe_session_fork(&s2, s1, NULL, 0) == MOE_OK);
+    moe_seq q1 = {.s = s1, .tokens = ids + n - 1, .n = 1, .logits = l1}, q2 = {.s = s2, .tokens = ids + n - 1, .n = 1, .logits = l2};
+    CHECK(moe_step(b, &q1, 1, NULL, NULL, 0) == MOE_OK && moe_step(b, &q2, 1, NULL, NULL, 0) == MOE_OK);
+    CHECK(!memcmp(l1, l2, sizeof(float) * V));
+    moe_session_free(s1), moe_session_free(s2);
+    free(l1), free(l2), free(xf), free(xe), free(xa), free(xb), free(ids), free(routes);
+    /* an unknown element type */
+    {
+        char path[600], err[256];
+        snprintf(path, sizeof path, "%s/kimi", golden_dir());
+        moe_options bad = moe_default_options();
+        bad.kv_type = 7;
+        moe_model *x = NULL;
+        CHECK(moe_model_open(&x, path, &bad, err, sizeof err) == MOE_ERR_ARG && !x && strstr(err, "kv_type"));
+    }
+out:
+    moe_model_close(f), moe_model_close(be), moe_model_close(ba), moe_model_close(b);
 }
 
 static void test_batch_vs_alone(void) {
@@ -3066,6 +3144,7 @@ static const struct {
     {"golden_k3mx", test_golden_k3mx},
     {"golden_threads_scalar", test_golden_threads_scalar},
     {"mla_split_keys", test_mla_split_keys},
+    {"kv_bf16", test_kv_bf16},
     {"golden_forced_paths", test_golden_forced_paths},
     {"cached_decode_vs_recompute", test_cached_decode_vs_recompute},
     {"batch_vs_alone", test_batch_vs_alone},
