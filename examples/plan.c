@@ -37,7 +37,8 @@ static int usage(const char *msg) {
     fprintf(stderr, "usage: moe-plan (-m MODEL | --config CONFIG.json) [--ram SIZE] [--disk-gbps X] [--membw-gbps Y]\n"
                     "                [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]\n"
                     "                [--dense-bytes-per-value B]   (2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n"
-                "                [--dense-budget SIZE]         (RAM for the layers' dense matrices; default: what fits)\n");
+                "                [--dense-budget SIZE]         (RAM for the layers' dense matrices; default: what fits)\n"
+                "                [--kv-type f32|bf16]          (MLA latent cache element, as the runtime's option)\n");
     return 2;
 }
 
@@ -57,6 +58,7 @@ int main(int argc, char **argv) {
     double dense_budget = -1; /* -1: what fits */
     int dbv_given = 0;
     int threads = 1, ctx = 4096, seqs = 16;
+    double kv_bytes = 4; /* per cached latent value: f32, or 2 with --kv-type bf16 */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
@@ -72,6 +74,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
         else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
         else if (!strcmp(a, "--seqs") && more) seqs = atoi(argv[++i]);
+        else if (!strcmp(a, "--kv-type") && more) {
+            const char *v = argv[++i];
+            if (strcmp(v, "f32") && strcmp(v, "bf16")) return usage("--kv-type is f32 or bf16");
+            kv_bytes = !strcmp(v, "bf16") ? 2 : 4;
+        }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }
@@ -137,7 +144,7 @@ int main(int argc, char **argv) {
     const double E = c.n_experts, k = c.n_active, one_expert = n_moe && E ? expert_total / (n_moe * E) : 0;
     const double state_per_seq = (double)n_kda * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4 +
                                  (double)n_kda * (c.conv_kernel - 1) * 3.0 * c.kda_heads * c.kda_head_dim * 4 +
-                                 (double)n_mla * (c.kv_lora_rank + c.qk_rope_dim) * 4.0 * ctx;
+                                 (double)n_mla * (c.kv_lora_rank + c.qk_rope_dim) * kv_bytes * ctx;
     const double working = 512.0 * c.hidden_size * 4 * 16 + 512.0 * c.vocab_size * 4; /* one 512-row chunk */
     const double reserve = 1073741824.0 + 0.05 * ram;
     /* the embedding stays in the file mapping whatever the dense type: only the rows of the tokens
@@ -167,13 +174,19 @@ int main(int argc, char **argv) {
     if (streamed > 0)
         printf("plan: layers' dense matrices %.2f GB resident, %.2f GB (about %d of %d layers) read from disk every step (--dense-budget %.2fG)\n",
                dense_res / 1e9, streamed / 1e9, (int)ceil(streamed / (layer_dense / c.n_layers)), c.n_layers, dense_res / 1073741824.0);
+    /* a decode token at position ctx: absorbed MLA reads the latent cache and does per head
+     * (2 r + d_r) multiply-adds per cached token (scores and context); KDA reads and writes its state */
+    const double cw = c.kv_lora_rank + c.qk_rope_dim;
+    const double attn_bytes = (double)n_mla * ctx * cw * kv_bytes + 2.0 * n_kda * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4;
+    const double attn_flops = 2.0 * n_mla * c.mla_heads * (double)ctx * (2.0 * c.kv_lora_rank + c.qk_rope_dim);
     const int ns[2] = {1, seqs};
     for (int i = 0; i < 2; i++) {
         const double N = ns[i], distinct = E ? E * (1 - pow(1 - k / E, N)) : 0;
-        const double read = n_moe * distinct * one_expert * (1 - f) + streamed, touched = dense_bytes - embed + n_moe * distinct * one_expert;
-        /* compute: the bytes touched at memory speed, or the multiply-adds of N tokens at the
-         * machine's throughput when that is longer (lockstep: many rows per expert) */
-        const double io = read / (disk * 1e9), comp = fmax(touched / (membw * 1e9), 2 * n_active * N / (gflops * 1e9));
+        const double read = n_moe * distinct * one_expert * (1 - f) + streamed;
+        const double touched = dense_bytes - embed + n_moe * distinct * one_expert + N * attn_bytes;
+        /* compute: the bytes touched at memory speed, or the multiply-adds of N tokens (weights
+         * and attention at position ctx) at the machine's throughput when that is longer */
+        const double io = read / (disk * 1e9), comp = fmax(touched / (membw * 1e9), (2 * n_active + attn_flops) * N / (gflops * 1e9));
         printf("decode, %d sequence%s: %.2f GB read per step (%.0f experts per MoE layer), io %.3f s + compute %.3f s: "
                "%.3f s/token serial, %.3f s/token overlapped (%.2f / %.2f tok/s aggregate)\n",
                ns[i], N > 1 ? "s in lockstep" : "", read / 1e9, distinct, io, comp, (io + comp) / N, (io > comp ? io : comp) / N,
