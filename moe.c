@@ -2308,7 +2308,7 @@ static size_t kv_elem(const moe_model *m) { return m->opt.kv_type == MOE_KV_BF16
 /* rows [j0, j0 + n) of a latent cache as f32 into out (a bf16 cache is widened: exact) */
 static const float *kv_rows_f32(const moe_model *m, const void *cache, int64_t j0, int64_t n, int64_t cw, float *out) {
     if (m->opt.kv_type != MOE_KV_BF16) return (const float *)cache + j0 * cw;
-    moe__row_to_f32(MOE_T_BF16, (const uint16_t *)cache + j0 * cw, NULL, out, n * cw);
+    m->k.widen_bf16(out, (const uint16_t *)cache + j0 * cw, n * cw);
     return out;
 }
 

@@ -453,6 +453,7 @@ typedef struct {
     void (*mla_ctx)(const struct moe__mla_block_s *b, int h0, int h1);
     void (*act)(float *y, const float *x, int64_t n, int kind); /* see moe__act_ref */
     float (*exp_sum)(float *y, const float *x, float shift, int64_t n); /* see moe__exp_sum_ref */
+    void (*widen_bf16)(float *y, const uint16_t *x, int64_t n); /* bf16 -> f32, exact */
     const char *isa;              /* "scalar", "avx2", ... */
 } moe__kernels;
 
@@ -462,6 +463,7 @@ enum { MOE__ACT_SIGMOID, MOE__ACT_SILU, MOE__ACT_SOFTPLUS };
 void moe__act_ref(float *y, const float *x, int64_t n, int kind);
 /* y = e^(x - shift) (y may be x); returns the sum of y (a softmax's denominator) */
 float moe__exp_sum_ref(float *y, const float *x, float shift, int64_t n);
+void moe__widen_bf16_ref(float *y, const uint16_t *x, int64_t n);
 float moe__bf16_to_f32(uint16_t h);
 uint16_t moe__f32_to_bf16(float f);
 float moe__f16_to_f32(uint16_t h);

@@ -396,6 +396,10 @@ void moe__act_ref(float *y, const float *x, int64_t n, int kind) {
     }
 }
 
+void moe__widen_bf16_ref(float *y, const uint16_t *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = moe__bf16_to_f32(x[i]);
+}
+
 float moe__exp_sum_ref(float *y, const float *x, float shift, int64_t n) {
     float sum = 0;
     for (int64_t i = 0; i < n; i++) sum += y[i] = expf(x[i] - shift);
@@ -775,6 +779,12 @@ MOE_TARGET("avx2,fma") static float exp_sum_avx2(float *y, const float *x, float
     return hsum_avx2(acc) + moe__exp_sum_ref(y + i, x + i, shift, n - i);
 }
 
+MOE_TARGET("avx2,fma") static void widen_bf16_avx2(float *y, const uint16_t *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, load_bf16_avx2(x + i));
+    moe__widen_bf16_ref(y + i, x + i, n - i);
+}
+
 /* The recurrence with the state rows in registers' reach: two passes over S per token (decay +
  * prediction, then update + output), D/8 vectors per row. D % 8 != 0 goes to the reference. */
 MOE_TARGET("avx2,fma") static void kda_recurrent_avx2(const moe__kda_head *a) {
@@ -1061,6 +1071,12 @@ MOE_TARGET(MOE_AVX512) static float exp_sum_avx512(float *y, const float *x, flo
     }
     return _mm512_reduce_add_ps(acc) + exp_sum_avx2(y + i, x + i, shift, n - i);
 }
+
+MOE_TARGET(MOE_AVX512) static void widen_bf16_avx512(float *y, const uint16_t *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, load_bf16_avx512(x + i));
+    widen_bf16_avx2(y + i, x + i, n - i);
+}
 #endif /* MOE_X86 */
 
 /* ---- NEON (AArch64) -------------------------------------------------------------------- */
@@ -1233,6 +1249,12 @@ static float exp_sum_neon(float *y, const float *x, float shift, int64_t n) {
         acc = vaddq_f32(acc, e);
     }
     return vaddvq_f32(acc) + moe__exp_sum_ref(y + i, x + i, shift, n - i);
+}
+
+static void widen_bf16_neon(float *y, const uint16_t *x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(x + i), 16)));
+    moe__widen_bf16_ref(y + i, x + i, n - i);
 }
 
 static void kda_recurrent_neon(const moe__kda_head *a) {
@@ -1791,6 +1813,7 @@ static void kernels_scalar(moe__kernels *k) {
     k->mla_ctx = moe__mla_ctx_ref;
     k->act = moe__act_ref;
     k->exp_sum = moe__exp_sum_ref;
+    k->widen_bf16 = moe__widen_bf16_ref;
     k->isa = "scalar";
 }
 
@@ -1817,6 +1840,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_ctx = mla_ctx_avx2;
         k->act = act_avx2;
         k->exp_sum = exp_sum_avx2;
+        k->widen_bf16 = widen_bf16_avx2;
         k->isa = "avx2";
         if (n < max && cpu_has_avx512()) {
             moe__kernels *v = &out[n++];
@@ -1833,6 +1857,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->mla_ctx = mla_ctx_avx512;
             v->act = act_avx512;
             v->exp_sum = exp_sum_avx512;
+            v->widen_bf16 = widen_bf16_avx512;
             v->isa = "avx512";
             if (cpu_has_vnni()) {
                 v->dotq[MOE_T_Q8_0] = dotq_q8_0_vnni;
@@ -1864,6 +1889,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_ctx = mla_ctx_neon;
         k->act = act_neon;
         k->exp_sum = exp_sum_neon;
+        k->widen_bf16 = widen_bf16_neon;
         k->isa = "neon";
         if (n < max && cpu_has_dotprod()) {
             moe__kernels *v = &out[n++];

@@ -280,6 +280,24 @@ static void test_act_levels(void) {
                 CHECKF(close_or_same(sv, sr, 1e-5), "%s exp sum n %d shift %g: %g vs %g", lv[li].isa, n, shift, sv, sr);
             }
         }
+    /* bf16 -> f32 widening is exact: every bit pattern, ragged lengths */
+    {
+        uint16_t *h = malloc(sizeof(uint16_t) * 65536);
+        float *w0 = malloc(sizeof(float) * 65536), *w1 = malloc(sizeof(float) * 65536);
+        for (int i = 0; i < 65536; i++) h[i] = (uint16_t)i;
+        moe__widen_bf16_ref(w0, h, 65536);
+        for (int li = 1; li < nl; li++)
+            for (size_t a = 0; a < sizeof lens / sizeof *lens; a++) {
+                memset(w1, 0, sizeof(float) * 65536);
+                lv[li].widen_bf16(w1, h + 65536 - lens[a], lens[a]);
+                CHECKF(!memcmp(w1, w0 + 65536 - lens[a], sizeof(float) * (size_t)lens[a]), "%s widen_bf16 n %d", lv[li].isa, lens[a]);
+            }
+        for (int li = 1; li < nl; li++) {
+            lv[li].widen_bf16(w1, h, 65536);
+            CHECKF(!memcmp(w1, w0, sizeof(float) * 65536), "%s widen_bf16: all patterns", lv[li].isa);
+        }
+        free(h), free(w0), free(w1);
+    }
     /* values without the specials: the sum is finite and compared as such */
     for (int li = 1; li < nl; li++) {
         float sr = moe__exp_sum_ref(r, x + ns, 10.0f, 1000), sv = lv[li].exp_sum(v, x + ns, 10.0f, 1000);
