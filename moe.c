@@ -2441,20 +2441,19 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
         /* merge the threads' partial sums at the common max, this thread's heads; then
          * y_h = W_UV,h ctx_h / sum from kv_b rows h*(d_n+d_v)+d_n .. +d_v */
         for (int h = h0; h < h1; h++) {
+            /* thread t's CTX, M and LS, at the offsets of this thread's own */
+#define PART(t, p) (QA + (size_t)H * r + (size_t)(t) * per + ((p) - SC))
             float mx = -INFINITY, ls = 0;
-            for (int t = 0; t < nth; t++) {
-                const float mt = QA[(size_t)H * r + (size_t)t * per + (size_t)H * KB + (size_t)H * r + h];
-                mx = mt > mx ? mt : mx;
-            }
+            for (int t = 0; t < nth; t++) mx = PART(t, M)[h] > mx ? PART(t, M)[h] : mx;
             memset(row, 0, sizeof(float) * (size_t)r);
             for (int t = 0; t < nth; t++) {
-                const float *part = QA + (size_t)H * r + (size_t)t * per, *ct = part + (size_t)H * KB + (size_t)h * r;
-                const float mt = part[(size_t)H * KB + (size_t)H * r + h], lt = part[(size_t)H * KB + (size_t)H * r + H + h];
+                const float mt = PART(t, M)[h];
                 if (mt == -INFINITY) continue; /* a thread without keys (len < threads) */
                 const float f = expf(mt - mx);
-                ls += f * lt;
-                m->k.axpy(row, f, ct, r);
+                ls += f * PART(t, LS)[h];
+                m->k.axpy(row, f, PART(t, CTX) + (size_t)h * r, r);
             }
+#undef PART
             const float inv = 1.0f / ls;
             if (split) {
                 rows_times(m, &L->v_b, (int64_t)h * dv, dv, row, xq, y + (size_t)h * dv, inv);
