@@ -2328,6 +2328,7 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
 
 #define MLA_KEY_BLOCK 256 /* keys scored at once: per-head online softmax across blocks */
 #define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
+#define MLA_EXPANDED_MAX_BYTES (1024.0 * 1024 * 1024) /* the expanded form's keys and values, at most */
 
 /* Absorbed attention of one query token over `len` cached latents, all heads at once (the heads
  * share the latent, as in MQA). The keys are split across the threads (split-K, as in flash
@@ -2481,6 +2482,10 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     const double absorbed = (double)n * H * (savg * (2.0 * r + dr) + (double)(dn + dv) * r);
     const double expanded = (double)S * H * (dn + dv) * r + (double)n * H * savg * (dq + dv);
     int use_expanded = expanded < absorbed;
+    /* the expanded form holds the keys and values of every cached token for all heads at once
+     * (S x H x (d_n + d_v) floats: K3 at 16k tokens 1.6 GB); past MLA_EXPANDED_MAX_BYTES the
+     * absorbed form, whose memory does not grow with the context, runs instead */
+    if ((double)S * H * (dn + dv) * sizeof(float) > MLA_EXPANDED_MAX_BYTES) use_expanded = 0;
     if (m->opt.flags & MOE_FLAG_MLA_ABSORBED) use_expanded = 0;
     if (m->opt.flags & MOE_FLAG_MLA_EXPANDED) use_expanded = 1;
 #ifdef _OPENMP
