@@ -1552,42 +1552,77 @@ void moe__mla_ctx_ref(const moe__mla_block *b, int h0, int h1) {
 
 #ifdef MOE_X86
 /* scores, 4 heads at a time: each 8 floats of c_j are loaded once for four dot products */
-MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
+/* the scores of key j for heads h0 .. H-1: 4 heads at a time share each load of c_j */
+MOE_TARGET("avx2,fma") static void mla_scores1_avx2(const moe__mla_block *b, int j, int h0) {
     const int r = b->r, dr = b->dr;
+    const float *c = b->cache + (size_t)j * b->cw;
+    int h = h0;
+    for (; h + 4 <= b->H; h += 4) {
+        const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
+        const float *q0 = b->qr + (size_t)h * b->qr_stride, *q1 = q0 + b->qr_stride, *q2 = q1 + b->qr_stride, *q3 = q2 + b->qr_stride;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int i = 0; i < r; i += 8) {
+            __m256 cv = _mm256_loadu_ps(c + i);
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + i), cv, s0), s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a1 + i), cv, s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + i), cv, s2), s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a3 + i), cv, s3);
+        }
+        for (int i = 0; i < dr; i += 8) {
+            __m256 cv = _mm256_loadu_ps(c + r + i);
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), cv, s0), s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + i), cv, s1);
+            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + i), cv, s2), s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + i), cv, s3);
+        }
+        b->sc[(size_t)h * b->ld + j] = hsum_avx2(s0) * b->scale;
+        b->sc[(size_t)(h + 1) * b->ld + j] = hsum_avx2(s1) * b->scale;
+        b->sc[(size_t)(h + 2) * b->ld + j] = hsum_avx2(s2) * b->scale;
+        b->sc[(size_t)(h + 3) * b->ld + j] = hsum_avx2(s3) * b->scale;
+    }
+    for (; h < b->H; h++) {
+        __m256 s0 = _mm256_setzero_ps();
+        for (int i = 0; i < r; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b->qa + (size_t)h * r + i), _mm256_loadu_ps(c + i), s0);
+        for (int i = 0; i < dr; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b->qr + (size_t)h * b->qr_stride + i), _mm256_loadu_ps(c + r + i), s0);
+        b->sc[(size_t)h * b->ld + j] = hsum_avx2(s0) * b->scale;
+    }
+}
+
+/* scores, 4 heads x 2 keys at a time: 8 independent sums (enough to cover the FMA latency) and
+ * 6 loads per 8 FMAs; the keys' rows are prefetched four keys ahead (a decode step reads the
+ * latent cache from memory, once) */
+MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
+    const int r = b->r, dr = b->dr, cw = b->cw;
     if (r % 8 || dr % 8) { moe__mla_scores_ref(b); return; }
-    for (int j = b->j0; j < b->j1; j++) {
-        const float *c = b->cache + (size_t)j * b->cw;
-        prefetch_row(c + (size_t)4 * b->cw, b->cw * 4); /* the key four rows on, from memory */
+    const size_t qs = (size_t)b->qr_stride;
+    int j = b->j0;
+    for (; j + 2 <= b->j1; j += 2) {
+        const float *c0 = b->cache + (size_t)j * cw, *c1 = c0 + cw;
         int h = 0;
+        if (b->H < 8) prefetch_row(c0 + (size_t)4 * cw, cw * 8); /* keys j+4 and j+5 */
         for (; h + 4 <= b->H; h += 4) {
+            if (b->H >= 8 && h < 8) prefetch_row(c0 + (size_t)(4 + h / 4) * cw, cw * 4); /* one of them per head group */
             const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
-            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            for (int i = 0; i < r; i += 8) {
-                __m256 cv = _mm256_loadu_ps(c + i);
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + i), cv, s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a1 + i), cv, s1);
-                s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + i), cv, s2);
-                s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a3 + i), cv, s3);
-            }
-            for (int i = 0; i < dr; i += 8) {
-                __m256 cv = _mm256_loadu_ps(c + r + i);
-                const float *q0 = b->qr + (size_t)h * b->qr_stride;
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), cv, s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + b->qr_stride + i), cv, s1);
-                s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 2 * (size_t)b->qr_stride + i), cv, s2);
-                s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 3 * (size_t)b->qr_stride + i), cv, s3);
-            }
-            b->sc[(size_t)h * b->ld + j] = hsum_avx2(s0) * b->scale;
-            b->sc[(size_t)(h + 1) * b->ld + j] = hsum_avx2(s1) * b->scale;
-            b->sc[(size_t)(h + 2) * b->ld + j] = hsum_avx2(s2) * b->scale;
-            b->sc[(size_t)(h + 3) * b->ld + j] = hsum_avx2(s3) * b->scale;
+            const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+            __m256 t00 = _mm256_setzero_ps(), t01 = t00, t10 = t00, t11 = t00, t20 = t00, t21 = t00, t30 = t00, t31 = t00;
+#define PAIR_STEP(p0, p1, p2, p3, x0, x1)                                                                            \
+    do {                                                                                                             \
+        const __m256 v0 = _mm256_loadu_ps(x0), v1 = _mm256_loadu_ps(x1);                                             \
+        __m256 w = _mm256_loadu_ps(p0);                                                                              \
+        t00 = _mm256_fmadd_ps(w, v0, t00), t01 = _mm256_fmadd_ps(w, v1, t01);                                         \
+        w = _mm256_loadu_ps(p1), t10 = _mm256_fmadd_ps(w, v0, t10), t11 = _mm256_fmadd_ps(w, v1, t11);                \
+        w = _mm256_loadu_ps(p2), t20 = _mm256_fmadd_ps(w, v0, t20), t21 = _mm256_fmadd_ps(w, v1, t21);                \
+        w = _mm256_loadu_ps(p3), t30 = _mm256_fmadd_ps(w, v0, t30), t31 = _mm256_fmadd_ps(w, v1, t31);                \
+    } while (0)
+            for (int i = 0; i < r; i += 8) PAIR_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i);
+            for (int i = 0; i < dr; i += 8) PAIR_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i);
+#undef PAIR_STEP
+            float *s0 = b->sc + (size_t)h * b->ld + j, *s1 = s0 + b->ld, *s2 = s1 + b->ld, *s3 = s2 + b->ld;
+            const float k = b->scale;
+            s0[0] = hsum_avx2(t00) * k, s0[1] = hsum_avx2(t01) * k, s1[0] = hsum_avx2(t10) * k, s1[1] = hsum_avx2(t11) * k;
+            s2[0] = hsum_avx2(t20) * k, s2[1] = hsum_avx2(t21) * k, s3[0] = hsum_avx2(t30) * k, s3[1] = hsum_avx2(t31) * k;
         }
-        for (; h < b->H; h++) {
-            __m256 s0 = _mm256_setzero_ps();
-            for (int i = 0; i < r; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b->qa + (size_t)h * r + i), _mm256_loadu_ps(c + i), s0);
-            for (int i = 0; i < dr; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b->qr + (size_t)h * b->qr_stride + i), _mm256_loadu_ps(c + r + i), s0);
-            b->sc[(size_t)h * b->ld + j] = hsum_avx2(s0) * b->scale;
-        }
+        if (h < b->H) mla_scores1_avx2(b, j, h), mla_scores1_avx2(b, j + 1, h);
+    }
+    for (; j < b->j1; j++) {
+        prefetch_row(b->cache + (size_t)(j + 4) * cw, cw * 4);
+        mla_scores1_avx2(b, j, 0);
     }
 }
 
