@@ -329,8 +329,11 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
     v = 1;
     if (!num_field(body, "n", 1, 1, &v, why, wn)) return snprintf(why, wn, "n must be 1"), 0;
     const moe__json *seed = moe__json_get(body, "seed");
-    if (seed && seed->type == MOE_JSON_NUM) r->rng = (uint64_t)(int64_t)seed->num * 0x9E3779B97F4A7C15ull + 1;
-    else if (seed && seed->type != MOE_JSON_NULL) return snprintf(why, wn, "seed must be an integer"), 0;
+    if (seed && seed->type == MOE_JSON_NUM) { /* a 64-bit integer: converting anything else to int64_t is undefined */
+        if (!(seed->num >= -9.2e18 && seed->num <= 9.2e18) || (double)(int64_t)seed->num != seed->num)
+            return snprintf(why, wn, "seed must be a 64-bit integer"), 0;
+        r->rng = (uint64_t)(int64_t)seed->num * 0x9E3779B97F4A7C15ull + 1;
+    } else if (seed && seed->type != MOE_JSON_NULL) return snprintf(why, wn, "seed must be an integer"), 0;
     else r->rng = fnv(r->custom_id, strlen(r->custom_id)) | 1;
     const moe__json *stop = moe__json_get(body, "stop");
     if (stop && stop->type == MOE_JSON_STR) {

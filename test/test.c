@@ -2083,20 +2083,22 @@ static void test_batch_basic(void) {
                       "{\"custom_id\": \"bad-id\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1, 99999]}}\n"
                       "{\"custom_id\": \"chat\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}}\n"
                       "\n"
-                      "{\"method\": \"POST\"}\n");
+                      "{\"method\": \"POST\"}\n"
+                      "{\"custom_id\": \"big-seed\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"seed\": 1.5e62}}\n");
     remove(out);
     snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 2>&1", exe_dir, golden_dir(), in, out);
     int rc = run_cmd(cmd, buf, sizeof buf);
     CHECKF(rc == 0, "%s: %d %s", cmd, rc, buf);
     int n = check_batch_output(out, "req-0", text, sizeof text);
-    CHECKF(n == 12 + 7, "%d lines", n);
+    CHECKF(n == 12 + 8, "%d lines", n);
     /* req-0 is greedy on a golden prompt: the golden continuation, decoded among other sequences */
     CHECKF(!strcmp(text, "555 1114 583 989"), "req-0: %s", text);
     size_t len = 0;
     char *all = read_all(out, &len);
     CHECK(all && strstr(all, "\"input_line\": 13") && strstr(all, "/v1/embeddings") == NULL && strstr(all, "not valid UTF-8") &&
           strstr(all, "do not fit the context") && strstr(all, "outside the vocabulary") && strstr(all, "no tokenizer") &&
-          strstr(all, "\"finish_reason\": \"length\"") && strstr(all, "\"usage\": {\"prompt_tokens\": 7"));
+          strstr(all, "\"finish_reason\": \"length\"") && strstr(all, "\"usage\": {\"prompt_tokens\": 7") &&
+          strstr(all, "seed must be a 64-bit integer"));
     free(all);
     /* a rerun has nothing to do; a torn tail is cut off and that request answered again */
     CHECK(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, "0 to run"));
@@ -2106,7 +2108,7 @@ static void test_batch_basic(void) {
     fclose(f);
     free(all);
     CHECK(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, "torn"));
-    CHECK(check_batch_output(out, NULL, NULL, 0) == 12 + 7);
+    CHECK(check_batch_output(out, NULL, NULL, 0) == 12 + 8);
     /* shards: disjoint, together everything */
     char o0[600], o1[600];
     tmp_path(o0, sizeof o0, "batch-s0.jsonl");
@@ -2117,7 +2119,7 @@ static void test_batch_basic(void) {
         CHECK(run_cmd(cmd, buf, sizeof buf) == 0);
     }
     int a = check_batch_output(o0, NULL, NULL, 0), b = check_batch_output(o1, NULL, NULL, 0);
-    CHECKF(a > 0 && b > 0 && a + b == 12 + 7, "shards %d + %d", a, b);
+    CHECKF(a > 0 && b > 0 && a + b == 12 + 8, "shards %d + %d", a, b);
     /* duplicate custom_ids: refused before anything is written */
     write_batch_input(in, 3, "{\"custom_id\": \"req-1\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1]}}\n");
     remove(out);
