@@ -227,7 +227,7 @@ static int load_answers(const char *path, keyset *done) {
             const moe__json *cid = moe__json_get(j, "custom_id"), *ln = moe__json_get(j, "input_line");
             char key[1100];
             if (cid && cid->type == MOE_JSON_STR) line_key(key, sizeof key, cid->str, 0);
-            else if (ln && ln->type == MOE_JSON_NUM) line_key(key, sizeof key, NULL, (long)ln->num);
+            else if (ln && ln->type == MOE_JSON_NUM && ln->num >= 1 && ln->num <= 1e15) line_key(key, sizeof key, NULL, (long)ln->num);
             else key[0] = 0;
             if (key[0] && !ks_add(done, key)) { moe__json_free(j); free(text); return -1; }
         } else {

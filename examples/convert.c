@@ -915,8 +915,8 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
         if ((rc = k3_write_shard(dir, files[li], l.t, l.n, seed, k.kh, &db))) break;
         for (const moe__json *sh = shards ? shards->child : NULL; sh; sh = sh->next) {
             const moe__json *fn = moe__json_get(sh, "file"), *by = moe__json_get(sh, "data_bytes");
-            if (fn && fn->str && by && !strcmp(fn->str, files[li]) && (uint64_t)by->num != db) {
-                rc = die("%s: %llu data bytes, the shape file says %llu", files[li], (unsigned long long)db, (unsigned long long)by->num);
+            if (fn && fn->str && by && !strcmp(fn->str, files[li]) && (double)db != by->num) {
+                rc = die("%s: %llu data bytes, the shape file says %.17g", files[li], (unsigned long long)db, by->num);
             }
         }
         for (int i = 0; i < l.n; i++) {
