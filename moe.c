@@ -2081,6 +2081,20 @@ typedef struct {
 static int mm_per(const moe__weight *W) { return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 ? 8 : MM_ROW_TILE; }
 
 /* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of o, for every token. */
+/* y[i] = scale * (row row0 + i of W) . x for n rows of a matrix that is not interleaved: x as f32
+ * for the float formats, as xq (x quantized by quant_q8a) for Q8_0/Q4_0 */
+static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
+                       float *y, float scale) {
+    const int64_t K = W->cols, rb = moe__row_bytes(W->type, K), sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
+    const unsigned char *base = W->data;
+    if (moe__is_quant(W->type)) {
+        for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq[W->type](base + (row0 + i) * rb, xq, K);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        y[i] = scale * m->k.dot[W->type](base + (row0 + i) * rb, W->scale ? W->scale + (row0 + i) * sb : NULL, x, K);
+}
+
 static void mm_task(const moe_model *m, const mm_out *o, int64_t r0, const float *x, int64_t ldx, const moe__block_q8a *xq, int T) {
     const moe__weight *W = o->W;
     const int64_t N = W->rows, K = W->cols, nb = K / 32;
@@ -2094,16 +2108,9 @@ static void mm_task(const moe_model *m, const mm_out *o, int64_t r0, const float
         }
         return;
     }
-    const int64_t rb = moe__row_bytes(W->type, K), sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
     const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
-    if (moe__is_quant(W->type)) {
-        for (int t = 0; t < T; t++)
-            for (int64_t n = r0; n < r1; n++) o->y[(int64_t)t * N + n] = m->k.dotq[W->type](base + n * rb, xq + (int64_t)t * nb, K);
-        return;
-    }
     for (int t = 0; t < T; t++)
-        for (int64_t n = r0; n < r1; n++)
-            o->y[(int64_t)t * N + n] = m->k.dot[W->type](base + n * rb, W->scale ? W->scale + n * sb : NULL, x + (int64_t)t * ldx, K);
+        rows_times(m, W, r0, r1 - r0, x + (int64_t)t * ldx, xq ? xq + (int64_t)t * nb : NULL, o->y + (int64_t)t * N + r0, 1.0f);
 }
 
 /* Several products of one input x[T, K] (row stride ldx) in one parallel loop: the activations
@@ -2349,20 +2356,6 @@ static size_t mla_absorbed_part(const moe_model *m) {
     return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + (m->opt.kv_type == MOE_KV_BF16 ? MLA_KEY_BLOCK * cw : 0);
 }
 
-/* y[i] = W row i . x for `rows` rows of a matrix as stored (x quantized first into xq for
- * Q8_0/Q4_0); one thread */
-static void rows_times(const moe_model *m, const moe__weight *w, int64_t row0, int rows, const float *x, moe__block_q8a *xq,
-                       float *y, float scale) {
-    const int64_t rb = moe__row_bytes(w->type, w->cols);
-    const unsigned char *p = (const unsigned char *)w->data + row0 * rb;
-    if (moe__is_quant(w->type)) {
-        m->k.quant_q8a(x, xq, w->cols);
-        for (int i = 0; i < rows; i++) y[i] = scale * m->k.dotq[w->type](p + i * rb, xq, w->cols);
-    } else {
-        for (int i = 0; i < rows; i++) y[i] = scale * m->k.dot[w->type](p + i * rb, NULL, x, w->cols);
-    }
-}
-
 static size_t mla_absorbed_work(const moe_model *m, int nt) {
     return (size_t)m->cfg.mla_heads * m->cfg.kv_lora_rank + (size_t)nt * mla_absorbed_part(m);
 }
@@ -2376,7 +2369,6 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
     const size_t per = mla_absorbed_part(m);
     float *QA = w;
     const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
-    const moe__dot_fn wdot = m->k.dot[L->kv_b.type];
     const int split = L->k_b.data && !L->stream; /* a streamed layer reads only its cache unit */
     (void)nt;
 #ifdef _OPENMP
@@ -2396,7 +2388,10 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
         float *wide = row + 2 * (size_t)r;
         /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
          * h*(d_n+d_v) .. +d_n taken as columns */
-        for (int h = h0; h < h1 && split; h++) rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
+        for (int h = h0; h < h1 && split; h++) {
+            if (moe__is_quant(L->k_b.type)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
+            rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
+        }
         for (int h = h0; h < h1 && !split; h++) {
             float *qa = QA + (size_t)h * r;
             memset(qa, 0, sizeof(float) * (size_t)r);
@@ -2440,7 +2435,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
 #pragma omp barrier
 #endif
         /* merge the threads' partial sums at the common max, this thread's heads; then
-         * y_h = W_UV,h ctx_h / sum from kv_b rows h*(d_n+d_v)+d_n .. +d_v */
+         * y_h = W_UV,h ctx_h / sum */
         for (int h = h0; h < h1; h++) {
             /* thread t's CTX, M and LS, at the offsets of this thread's own */
 #define PART(t, p) (QA + (size_t)H * r + (size_t)(t) * per + ((p) - SC))
@@ -2455,16 +2450,9 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
                 m->k.axpy(row, f, PART(t, CTX) + (size_t)h * r, r);
             }
 #undef PART
-            const float inv = 1.0f / ls;
-            if (split) {
-                rows_times(m, &L->v_b, (int64_t)h * dv, dv, row, xq, y + (size_t)h * dv, inv);
-                continue;
-            }
-            for (int i = 0; i < dv; i++) {
-                const int64_t wr = (int64_t)h * (dn + dv) + dn + i;
-                y[(size_t)h * dv + i] = inv * wdot((const unsigned char *)L->kv_b.data + wr * kvrow,
-                                                   L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
-            }
+            const moe__weight *uv = split ? &L->v_b : &L->kv_b; /* W_UV,h: v_b rows h*d_v.., or kv_b rows h*(d_n+d_v)+d_n.. */
+            if (moe__is_quant(uv->type)) m->k.quant_q8a(row, xq, r);
+            rows_times(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls);
         }
     }
 }
