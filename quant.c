@@ -34,15 +34,12 @@
  * ranges of rows). A prefetch never faults; the address is formed as an integer, so no pointer
  * past an object is made. */
 #define PREFETCH_AHEAD 8192
-static inline void prefetch_ahead(const void *p, int bytes) {
-    const uintptr_t a = (uintptr_t)p + PREFETCH_AHEAD;
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o));
-}
 /* the lines of bytes at p (which may lie past the end of the data: never dereferenced) */
 static inline void prefetch_row(const void *p, int bytes) {
     const uintptr_t a = (uintptr_t)p;
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o));
 }
+static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row((const void *)((uintptr_t)p + PREFETCH_AHEAD), bytes); }
 #endif
 
 /* ---- number formats -------------------------------------------------------------------- */

@@ -417,9 +417,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
         else if (!strcmp(a, "--reps") && more) reps = atoi(argv[++i]);
         else if (!strcmp(a, "--kv-type") && more) {
-            const char *v = argv[++i];
-            if (strcmp(v, "f32") && strcmp(v, "bf16")) return usage("--kv-type is f32 or bf16");
-            kv_type = !strcmp(v, "bf16") ? MOE_KV_BF16 : MOE_KV_F32;
+            if ((kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32 or bf16");
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }

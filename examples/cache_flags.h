@@ -19,6 +19,9 @@ static int parse_size(const char *s, size_t *out) {
     return 1;
 }
 
+/* "f32" / "bf16": the moe_kv_type; -1 otherwise */
+static int parse_kv_type(const char *s) { return !strcmp(s, "f32") ? MOE_KV_F32 : !strcmp(s, "bf16") ? MOE_KV_BF16 : -1; }
+
 /* If argv[*i] is one of the flags, consumes it (and its value) into o and returns 1; returns -1
  * with *why set when its value is bad; 0 when it is not one of them. */
 static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
@@ -42,9 +45,7 @@ static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char 
         if (*e || e == v || n < 0 || n > 256) return *why = "--io-threads is 0..256", -1;
         o->io_threads = (int)n;
     } else if (!strcmp(a, "--kv-type")) {
-        if (!strcmp(v, "f32")) o->kv_type = MOE_KV_F32;
-        else if (!strcmp(v, "bf16")) o->kv_type = MOE_KV_BF16;
-        else return *why = "--kv-type is f32 or bf16", -1;
+        if ((o->kv_type = parse_kv_type(v)) < 0) return *why = "--kv-type is f32 or bf16", -1;
     } else {
         if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
         o->prefetch = !strcmp(v, "on");
