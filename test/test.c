@@ -743,22 +743,28 @@ static int32_t *golden_ids(const char *name, int pi, int *n) {
 }
 
 /* logits of every position, fed in the given piece sizes (0-terminated list; rest in one piece) */
-static float *logits_in_pieces(moe_model *m, const int32_t *ids, int n, const int *pieces) {
-    const int V = moe_model_config(m)->vocab_size;
+/* logits of every position, fed in pieces (0-terminated; NULL: all at once), recording or
+ * forcing the routing (either may be NULL) */
+static float *logits_routed(moe_model *m, const int32_t *ids, int n, const int *pieces, int32_t *routes, const int32_t *force) {
+    const moe_config *c = moe_model_config(m);
+    const size_t V = (size_t)c->vocab_size, rpt = (size_t)c->n_layers * c->n_active;
     moe_session *s;
     if (moe_session_new(&s, m, n, NULL, 0)) return NULL;
-    float *all = malloc(sizeof(float) * (size_t)V * n);
-    int done = 0;
-    for (int i = 0; done < n; i++) {
-        int take = pieces && pieces[i] ? pieces[i] : n - done;
-        if (take > n - done) take = n - done;
-        moe_seq q = {.s = s, .tokens = ids + done, .n = take, .logits = all + (size_t)done * V, .logits_all = 1};
+    float *all = malloc(sizeof(float) * V * n);
+    for (int done = 0, i = 0; done < n; i++) {
+        const int take = pieces && pieces[i] ? pieces[i] : n - done;
+        moe_seq q = {.s = s, .tokens = ids + done, .n = take, .logits = all + (size_t)done * V, .logits_all = 1,
+                     .routes = routes ? routes + (size_t)done * rpt : NULL, .force_routes = force ? force + (size_t)done * rpt : NULL};
         char err[256];
         CHECKF(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
         done += take;
     }
     moe_session_free(s);
     return all;
+}
+
+static float *logits_in_pieces(moe_model *m, const int32_t *ids, int n, const int *pieces) {
+    return logits_routed(m, ids, n, pieces, NULL, NULL);
 }
 
 static void test_cached_decode_vs_recompute(void) {
@@ -827,19 +833,8 @@ static void test_mla_split_keys(void) {
         float *x = NULL, *y = NULL;
         if (e && m) { /* with the expanded run's routing (tiny random models flip near-tie experts on any change) */
             const moe_config *c = moe_model_config(e);
-            const size_t rpt = (size_t)c->n_layers * c->n_active;
-            int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * rpt);
-            x = malloc(sizeof(float) * (size_t)n * V), y = malloc(sizeof(float) * (size_t)n * V);
-            moe_session *s1 = NULL, *s2 = NULL;
-            CHECK(moe_session_new(&s1, e, n, NULL, 0) == MOE_OK && moe_session_new(&s2, m, n, NULL, 0) == MOE_OK);
-            moe_seq q1 = {.s = s1, .tokens = ids, .n = n, .logits = x, .logits_all = 1, .routes = routes};
-            CHECK(moe_step(e, &q1, 1, NULL, NULL, 0) == MOE_OK);
-            for (int done = 0, i = 0; done < n; done += pieces[i++]) {
-                moe_seq q2 = {.s = s2, .tokens = ids + done, .n = pieces[i], .logits = y + (size_t)done * V, .logits_all = 1,
-                              .force_routes = routes + (size_t)done * rpt};
-                CHECK(moe_step(m, &q2, 1, NULL, NULL, 0) == MOE_OK);
-            }
-            moe_session_free(s1), moe_session_free(s2);
+            int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
+            x = logits_routed(e, ids, n, NULL, routes, NULL), y = logits_routed(m, ids, n, pieces, NULL, routes);
             free(routes);
         }
         CHECK(x && y);
@@ -855,26 +850,6 @@ static void test_mla_split_keys(void) {
         remove(out);
     }
     free(ids);
-}
-
-/* logits of every position, fed in pieces (0-terminated; NULL: all at once), recording or
- * forcing the routing (either may be NULL) */
-static float *logits_routed(moe_model *m, const int32_t *ids, int n, const int *pieces, int32_t *routes, const int32_t *force) {
-    const moe_config *c = moe_model_config(m);
-    const size_t V = (size_t)c->vocab_size, rpt = (size_t)c->n_layers * c->n_active;
-    moe_session *s;
-    if (moe_session_new(&s, m, n, NULL, 0)) return NULL;
-    float *all = malloc(sizeof(float) * V * n);
-    for (int done = 0, i = 0; done < n; i++) {
-        const int take = pieces && pieces[i] ? pieces[i] : n - done;
-        moe_seq q = {.s = s, .tokens = ids + done, .n = take, .logits = all + (size_t)done * V, .logits_all = 1,
-                     .routes = routes ? routes + (size_t)done * rpt : NULL, .force_routes = force ? force + (size_t)done * rpt : NULL};
-        char err[256];
-        CHECKF(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK, "%s", err);
-        done += take;
-    }
-    moe_session_free(s);
-    return all;
 }
 
 /* The bf16 latent cache: the expanded and absorbed forms read the same rounded latents (they
