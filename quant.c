@@ -382,8 +382,9 @@ float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x
 
 /* The scalar references, as the forward pass always computed them (libm). The SIMD versions
  * evaluate e^x as 2^n e^r (|r| <= ln2/2, Cephes' degree-6 polynomial) and log1p(u) on (0, 1] as
- * 2 atanh(u / (2 + u)) by its odd series (7 terms, < 2e-9 relative). Measured against these over
- * [-110, 90]: e^x within 2 ulp, sigmoid 4.6, silu 3.8, softplus 5.9 ulp; inf / 0 / NaN as libm. */
+ * 2 atanh(u / (2 + u)) by its odd series (7 terms, < 2e-9 relative). Measured against these on
+ * 2 M points over [-110, 90] (a one-off program; act_levels checks 8e-7 relative): e^x within
+ * 2 ulp, sigmoid 4.6, silu 3.8, softplus 5.9 ulp; inf / 0 / NaN as libm. */
 void moe__act_ref(float *y, const float *x, int64_t n, int kind) {
     for (int64_t i = 0; i < n; i++) {
         const float z = x[i];
