@@ -2347,17 +2347,28 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
  * with the context. The head's query is mapped into the latent space, and its latent context
  * back out, with a split GGUF's k_b / v_b as stored (integer kernels for Q8_0/Q4_0, activations
  * quantized like any matmul's) where the layer has them, else with kv_b's rows in floats.
- * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r], then per thread
- * SC [H, KB], CTX [H, r], M [H], LS [H], one row [r], room for r quantized values [r] and, with
- * a bf16 cache, the block's rows widened to f32 [KB, r + d_r]. */
+ * With a bf16 cache the queries are rounded to bf16 and the block kernels take bf16 products
+ * (moe__mla_block16: AVX512_BF16's dot product where the CPU has it), summed in f32.
+ * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r] (and with a bf16
+ * cache the bf16 queries [H, r + d_r]), then per thread SC [H, KB], CTX [H, r], M [H], LS [H],
+ * one row [r], room for r quantized values [r] and, with a bf16 cache, the bf16 kernels' work
+ * area (moe__mla_work16). */
 static size_t mla_absorbed_part(const moe_model *m) {
     const moe_config *c = &m->cfg;
     const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank, cw = r + (size_t)c->qk_rope_dim;
-    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + (m->opt.kv_type == MOE_KV_BF16 ? MLA_KEY_BLOCK * cw : 0);
+    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + (m->opt.kv_type == MOE_KV_BF16 ? moe__mla_work16((int)H, (int)cw, MLA_KEY_BLOCK) : 0);
+}
+
+/* the shared part (QA, and with a bf16 cache the queries in bf16: [H, r + d_r] halves of floats),
+ * then each thread's */
+static size_t mla_absorbed_shared(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const size_t H = (size_t)c->mla_heads, cw = (size_t)c->kv_lora_rank + c->qk_rope_dim;
+    return H * (size_t)c->kv_lora_rank + (m->opt.kv_type == MOE_KV_BF16 ? (H * cw + 1) / 2 : 0);
 }
 
 static size_t mla_absorbed_work(const moe_model *m, int nt) {
-    return (size_t)m->cfg.mla_heads * m->cfg.kv_lora_rank + (size_t)nt * mla_absorbed_part(m);
+    return mla_absorbed_shared(m) + (size_t)nt * mla_absorbed_part(m);
 }
 
 static void mla_absorbed_token(const moe_model *m, const layer *L, const void *cache, int len, const float *q, float *y,
@@ -2368,6 +2379,8 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
     const float scale = 1.0f / sqrtf((float)dq);
     const size_t per = mla_absorbed_part(m);
     float *QA = w;
+    uint16_t *Q16 = (uint16_t *)(QA + (size_t)H * r); /* a bf16 cache: the queries in bf16 [H, cw] */
+    const int bf16 = m->opt.kv_type == MOE_KV_BF16;
     const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
     const int split = L->k_b.data && !L->stream; /* a streamed layer reads only its cache unit */
     (void)nt;
@@ -2382,7 +2395,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
         const int nth = 1;
 #endif
         const int h0 = H * tid / nth, h1 = H * (tid + 1) / nth; /* this thread's heads */
-        float *SC = QA + (size_t)H * r + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
+        float *SC = w + mla_absorbed_shared(m) + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
         float *row = LS + H;
         moe__block_q8a *xq = (moe__block_q8a *)(void *)(row + r);
         float *wide = row + 2 * (size_t)r;
@@ -2406,6 +2419,8 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
                 m->k.axpy(qa, q[(size_t)h * dq + i], rw, r);
             }
         }
+        for (int h = h0; h < h1 && bf16; h++) /* [q^_h | q_r,h] rounded to bf16 */
+            for (int i = 0; i < cw; i++) Q16[(size_t)h * cw + i] = moe__f32_to_bf16(i < r ? QA[(size_t)h * r + i] : q[(size_t)h * dq + dn + i - r]);
         memset(CTX, 0, sizeof(float) * (size_t)H * r);
         for (int h = 0; h < H; h++) M[h] = -INFINITY, LS[h] = 0;
 #ifdef _OPENMP
@@ -2415,9 +2430,10 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
         const int jb = (int)((int64_t)len * tid / nth), je = (int)((int64_t)len * (tid + 1) / nth);
         for (int j0 = jb; j0 < je; j0 += KB) {
             const int jn = je - j0 < KB ? je - j0 : KB;
-            const float *rows = kv_rows_f32(m, cache, j0, jn, cw, wide);
-            const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, rows, SC, CTX};
-            m->k.mla_scores(&blk);
+            const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, bf16 ? NULL : (const float *)cache + (size_t)j0 * cw, SC, CTX};
+            const moe__mla_block16 b16 = {H, r, cw, jn, 0, jn, KB, scale, Q16, bf16 ? (const uint16_t *)cache + (size_t)j0 * cw : NULL, SC, CTX, wide};
+            if (bf16) m->k.mla_scores16(&b16);
+            else m->k.mla_scores(&blk);
             for (int h = 0; h < H; h++) {
                 float *sc = SC + (size_t)h * KB, mx = M[h];
                 for (int jj = 0; jj < jn; jj++) mx = sc[jj] > mx ? sc[jj] : mx;
@@ -2429,7 +2445,8 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
                 LS[h] += m->k.exp_sum(sc, sc, mx, jn);
                 M[h] = mx;
             }
-            m->k.mla_ctx(&blk, 0, H);
+            if (bf16) m->k.mla_ctx16(&b16, 0, H);
+            else m->k.mla_ctx(&blk, 0, H);
         }
 #ifdef _OPENMP
 #pragma omp barrier
@@ -2438,7 +2455,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
          * y_h = W_UV,h ctx_h / sum */
         for (int h = h0; h < h1; h++) {
             /* thread t's CTX, M and LS, at the offsets of this thread's own */
-#define PART(t, p) (QA + (size_t)H * r + (size_t)(t) * per + ((p) - SC))
+#define PART(t, p) (w + mla_absorbed_shared(m) + (size_t)(t) * per + ((p) - SC))
             float mx = -INFINITY, ls = 0;
             for (int t = 0; t < nth; t++) mx = PART(t, M)[h] > mx ? PART(t, M)[h] : mx;
             memset(row, 0, sizeof(float) * (size_t)r);

@@ -435,6 +435,7 @@ typedef struct {
 
 struct moe__kda_head_s;
 struct moe__mla_block_s;
+struct moe__mla_block16_s;
 typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x, int64_t n);
 /* weight row . quantized activation row (n a multiple of 32) */
 typedef float (*moe__dotq_fn)(const void *w, const moe__block_q8a *x, int64_t n);
@@ -451,6 +452,8 @@ typedef struct {
     void (*kda_recurrent)(const struct moe__kda_head_s *a);    /* see moe__kda_recurrent */
     void (*mla_scores)(const struct moe__mla_block_s *b);      /* see moe__mla_scores_ref */
     void (*mla_ctx)(const struct moe__mla_block_s *b, int h0, int h1);
+    void (*mla_scores16)(const struct moe__mla_block16_s *b);  /* see moe__mla_scores16_ref */
+    void (*mla_ctx16)(const struct moe__mla_block16_s *b, int h0, int h1);
     void (*act)(float *y, const float *x, int64_t n, int kind); /* see moe__act_ref */
     float (*exp_sum)(float *y, const float *x, float shift, int64_t n); /* see moe__exp_sum_ref */
     void (*widen_bf16)(float *y, const uint16_t *x, int64_t n); /* bf16 -> f32, exact */
@@ -602,6 +605,23 @@ typedef struct moe__mla_block_s {
 } moe__mla_block;
 void moe__mla_scores_ref(const moe__mla_block *b);
 void moe__mla_ctx_ref(const moe__mla_block *b, int h0, int h1);
+
+/* The same over a bf16 latent cache, with the queries and the softmax weights in bf16 too: every
+ * product is of two bf16 values (exact in f32) and the sums are f32, as AVX512_BF16's dot product
+ * instruction computes them; levels without it widen to f32 and use the f32 kernels.
+ *   scores: sc[h][j] = (q[h] . c_j) * scale                           for keys j0 .. j1-1
+ *   ctx:    ctx[h][i] += sum_j bf16(p[h][j]) c_j[i], i < r            for heads h0 .. h1-1, all jn keys
+ * q: [H, cw] (per head its absorbed query, r values, then its kr query, d_r); p = sc: [H, ld];
+ * ctx: [H, r]; work: moe__mla_work16(H, cw, ld) floats (for the levels that widen; one per thread). */
+typedef struct moe__mla_block16_s {
+    int H, r, cw, jn, j0, j1, ld;
+    float scale;
+    const uint16_t *q, *cache; /* cache points at the block's first row */
+    float *sc, *ctx, *work;
+} moe__mla_block16;
+size_t moe__mla_work16(int H, int cw, int ld);
+void moe__mla_scores16_ref(const moe__mla_block16 *b);
+void moe__mla_ctx16_ref(const moe__mla_block16 *b, int h0, int h1);
 
 #endif /* MOE_INTERNAL */
 #endif /* MOE_H */

@@ -1002,6 +1002,12 @@ static int cpu_has_vnni(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
+/* AVX512_BF16: CPUID.(EAX=7,ECX=1):EAX bit 5 (not a __builtin_cpu_supports name in older compilers) */
+static int cpu_has_avx512bf16(void) {
+    unsigned a, b, c, d;
+    return cpu_has_avx512() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
+
 static int cpu_has_avx2(void) {
     unsigned a, b, c, d;
     __builtin_cpu_init();
@@ -1548,8 +1554,67 @@ void moe__mla_ctx_ref(const moe__mla_block *b, int h0, int h1) {
     }
 }
 
+
+size_t moe__mla_work16(int H, int cw, int ld) {
+    /* widened queries [H, cw], rows [ld, cw], rounded weights [H, ld + 32] (the AVX512_BF16
+     * kernel keeps its bf16 weight pairs there) */
+    return (size_t)H * cw + (size_t)ld * cw + (size_t)H * ((size_t)ld + 32);
+}
+
+static float round_bf16(float x) { return moe__bf16_to_f32(moe__f32_to_bf16(x)); }
+
+void moe__mla_scores16_ref(const moe__mla_block16 *b) {
+    for (int j = b->j0; j < b->j1; j++) {
+        const uint16_t *c = b->cache + (size_t)j * b->cw;
+        for (int h = 0; h < b->H; h++) {
+            const uint16_t *q = b->q + (size_t)h * b->cw;
+            float s = 0;
+            for (int i = 0; i < b->cw; i++) s += moe__bf16_to_f32(q[i]) * moe__bf16_to_f32(c[i]);
+            b->sc[(size_t)h * b->ld + j] = s * b->scale;
+        }
+    }
+}
+
+void moe__mla_ctx16_ref(const moe__mla_block16 *b, int h0, int h1) {
+    for (int j = 0; j < b->jn; j++) {
+        const uint16_t *c = b->cache + (size_t)j * b->cw;
+        for (int h = h0; h < h1; h++) {
+            const float p = round_bf16(b->sc[(size_t)h * b->ld + j]);
+            float *ctx = b->ctx + (size_t)h * b->r;
+            for (int i = 0; i < b->r; i++) ctx[i] += p * moe__bf16_to_f32(c[i]);
+        }
+    }
+}
+
+/* Levels without bf16 dot products: the block widened to f32 (exact), the weights rounded to
+ * bf16, through the level's f32 kernels: the same products, summed in another order. */
+typedef void (*mla_scores_fn)(const moe__mla_block *b);
+typedef void (*mla_ctx_fn)(const moe__mla_block *b, int h0, int h1);
+typedef void (*widen_fn)(float *y, const uint16_t *x, int64_t n);
+
+static void mla_scores16_widened(const moe__mla_block16 *b, mla_scores_fn scores, widen_fn widen) {
+    const int n = b->j1 - b->j0;
+    const int r = b->r, dr = b->cw - b->r;
+    float *qa = b->work, *qr = qa + (size_t)b->H * r, *rows = qa + (size_t)b->H * b->cw; /* qa [H, r], qr [H, d_r] */
+    for (int h = 0; h < b->H; h++) {
+        widen(qa + (size_t)h * r, b->q + (size_t)h * b->cw, r);
+        widen(qr + (size_t)h * dr, b->q + (size_t)h * b->cw + r, dr);
+    }
+    widen(rows, b->cache + (size_t)b->j0 * b->cw, (int64_t)n * b->cw);
+    const moe__mla_block f = {b->H, r, dr, b->cw, n, 0, n, b->ld, dr, b->scale, qa, qr, rows, b->sc + b->j0, NULL};
+    scores(&f);
+}
+
+static void mla_ctx16_widened(const moe__mla_block16 *b, int h0, int h1, mla_ctx_fn ctx, widen_fn widen) {
+    float *rows = b->work + (size_t)b->H * b->cw, *p = rows + (size_t)b->ld * b->cw;
+    widen(rows, b->cache, (int64_t)b->jn * b->cw);
+    for (int h = h0; h < h1; h++)
+        for (int j = 0; j < b->jn; j++) p[(size_t)h * b->ld + j] = round_bf16(b->sc[(size_t)h * b->ld + j]);
+    const moe__mla_block f = {b->H, b->r, b->cw - b->r, b->cw, b->jn, 0, b->jn, b->ld, b->cw, 1.0f, NULL, NULL, rows, p, b->ctx};
+    ctx(&f, h0, h1);
+}
+
 #ifdef MOE_X86
-/* scores, 4 heads at a time: each 8 floats of c_j are loaded once for four dot products */
 /* the scores of key j for heads h0 .. H-1: 4 heads at a time share each load of c_j */
 MOE_TARGET("avx2,fma") static void mla_scores1_avx2(const moe__mla_block *b, int j, int h0) {
     const int r = b->r, dr = b->dr;
@@ -1726,6 +1791,25 @@ MOE_TARGET(MOE_AVX512) static void mla_scores1_avx512(const moe__mla_block *b, i
     }
 }
 
+/* the sums of four vectors' lanes, [sum a, sum b, sum c, sum d]: 13 instructions, against 32
+ * for four separate reductions */
+MOE_TARGET(MOE_AVX512) static inline __m128 hsum4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define HALVES(x) _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(HALVES(a), HALVES(b)), _mm256_hadd_ps(HALVES(c), HALVES(d)));
+#undef HALVES
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* a 4 heads x 4 keys tile's sums t<head><key>, times the scale, into rows sc, sc + ld, ... */
+#define MLA_TILE_STORE(sc, ld, scale)                                                                     \
+    do {                                                                                                \
+        const __m128 k_ = _mm_set1_ps(scale);                                                           \
+        _mm_storeu_ps((sc), _mm_mul_ps(hsum4_avx512(t00, t01, t02, t03), k_));                          \
+        _mm_storeu_ps((sc) + (ld), _mm_mul_ps(hsum4_avx512(t10, t11, t12, t13), k_));                   \
+        _mm_storeu_ps((sc) + 2 * (size_t)(ld), _mm_mul_ps(hsum4_avx512(t20, t21, t22, t23), k_));       \
+        _mm_storeu_ps((sc) + 3 * (size_t)(ld), _mm_mul_ps(hsum4_avx512(t30, t31, t32, t33), k_));       \
+    } while (0)
+
 /* one 16-float step of a 4 heads x 4 keys tile: 8 loads feed 16 FMAs */
 #define MLA_TILE_STEP(A0, A1, A2, A3, C0, C1, C2, C3)                                                                       \
     do {                                                                                                                     \
@@ -1761,12 +1845,7 @@ MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
                 __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
                 for (int i = 0; i < r; i += 16) MLA_TILE_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i, c2 + i, c3 + i);
                 for (int i = 0; i < dr; i += 16) MLA_TILE_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i, c2 + r + i, c3 + r + i);
-                float *s0 = b->sc + (size_t)h * b->ld + j, *s1 = s0 + b->ld, *s2 = s1 + b->ld, *s3 = s2 + b->ld;
-                const float k = b->scale;
-                s0[0] = _mm512_reduce_add_ps(t00) * k, s0[1] = _mm512_reduce_add_ps(t01) * k, s0[2] = _mm512_reduce_add_ps(t02) * k, s0[3] = _mm512_reduce_add_ps(t03) * k;
-                s1[0] = _mm512_reduce_add_ps(t10) * k, s1[1] = _mm512_reduce_add_ps(t11) * k, s1[2] = _mm512_reduce_add_ps(t12) * k, s1[3] = _mm512_reduce_add_ps(t13) * k;
-                s2[0] = _mm512_reduce_add_ps(t20) * k, s2[1] = _mm512_reduce_add_ps(t21) * k, s2[2] = _mm512_reduce_add_ps(t22) * k, s2[3] = _mm512_reduce_add_ps(t23) * k;
-                s3[0] = _mm512_reduce_add_ps(t30) * k, s3[1] = _mm512_reduce_add_ps(t31) * k, s3[2] = _mm512_reduce_add_ps(t32) * k, s3[3] = _mm512_reduce_add_ps(t33) * k;
+                MLA_TILE_STORE(b->sc + (size_t)h * b->ld + j, b->ld, b->scale);
             }
             if (h < b->H) { /* the last heads of these keys */
                 moe__mla_block t = *b;
@@ -1817,6 +1896,141 @@ MOE_TARGET(MOE_AVX512) static void mla_ctx_avx512(const moe__mla_block *b, int h
     }
     if (h < h1) mla_ctx_avx2(b, h, h1);
 }
+
+static void mla_scores16_avx2(const moe__mla_block16 *b) { mla_scores16_widened(b, mla_scores_avx2, widen_bf16_avx2); }
+static void mla_ctx16_avx2(const moe__mla_block16 *b, int h0, int h1) { mla_ctx16_widened(b, h0, h1, mla_ctx_avx2, widen_bf16_avx2); }
+static void mla_scores16_avx512(const moe__mla_block16 *b) { mla_scores16_widened(b, mla_scores_avx512, widen_bf16_avx512); }
+static void mla_ctx16_avx512(const moe__mla_block16 *b, int h0, int h1) { mla_ctx16_widened(b, h0, h1, mla_ctx_avx512, widen_bf16_avx512); }
+
+/* ---- AVX512_BF16: absorbed MLA on a bf16 cache with the bf16 dot-product instruction ------- */
+
+#define MOE_AVX512BF16 MOE_AVX512 ",avx512bf16"
+
+/* the score of key j for head h (tails of the tiled kernel) */
+MOE_TARGET(MOE_AVX512BF16) static void mla_score16_one(const moe__mla_block16 *b, int h, int j) {
+    const uint16_t *q = b->q + (size_t)h * b->cw, *c = b->cache + (size_t)j * b->cw;
+    __m512 s = _mm512_setzero_ps();
+    for (int i = 0; i < b->cw; i += 32) {
+        const __mmask32 m = b->cw - i >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (b->cw - i)) - 1);
+        s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_maskz_loadu_epi16(m, q + i), (__m512bh)_mm512_maskz_loadu_epi16(m, c + i));
+    }
+    b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s) * b->scale;
+}
+
+/* one 32-value step of a 4 heads x 4 keys tile: 8 loads feed 16 dot products of 32 pairs */
+#define MLA_TILE16_STEP(LD)                                                                                      \
+    do {                                                                                                         \
+        const __m512bh c0_ = (__m512bh)LD(c0 + i), c1_ = (__m512bh)LD(c1 + i), c2_ = (__m512bh)LD(c2 + i), c3_ = (__m512bh)LD(c3 + i); \
+        __m512bh a_ = (__m512bh)LD(a0 + i);                                                                      \
+        t00 = _mm512_dpbf16_ps(t00, a_, c0_), t01 = _mm512_dpbf16_ps(t01, a_, c1_), t02 = _mm512_dpbf16_ps(t02, a_, c2_), t03 = _mm512_dpbf16_ps(t03, a_, c3_); \
+        a_ = (__m512bh)LD(a1 + i);                                                                               \
+        t10 = _mm512_dpbf16_ps(t10, a_, c0_), t11 = _mm512_dpbf16_ps(t11, a_, c1_), t12 = _mm512_dpbf16_ps(t12, a_, c2_), t13 = _mm512_dpbf16_ps(t13, a_, c3_); \
+        a_ = (__m512bh)LD(a2 + i);                                                                               \
+        t20 = _mm512_dpbf16_ps(t20, a_, c0_), t21 = _mm512_dpbf16_ps(t21, a_, c1_), t22 = _mm512_dpbf16_ps(t22, a_, c2_), t23 = _mm512_dpbf16_ps(t23, a_, c3_); \
+        a_ = (__m512bh)LD(a3 + i);                                                                               \
+        t30 = _mm512_dpbf16_ps(t30, a_, c0_), t31 = _mm512_dpbf16_ps(t31, a_, c1_), t32 = _mm512_dpbf16_ps(t32, a_, c2_), t33 = _mm512_dpbf16_ps(t33, a_, c3_); \
+    } while (0)
+
+/* scores in tiles of 4 heads x 4 keys, as mla_scores_avx512, at twice the products per
+ * instruction; the last partial step of a row through masked loads */
+MOE_TARGET(MOE_AVX512BF16) static void mla_scores16_avx512bf16(const moe__mla_block16 *b) {
+    const int cw = b->cw, full = cw / 32 * 32;
+    const __mmask32 tail = (__mmask32)((1u << (cw - full)) - 1);
+    int j = b->j0;
+    if (b->H >= 4)
+        for (; j + 4 <= b->j1; j += 4) {
+            const uint16_t *c0 = b->cache + (size_t)j * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
+            int h = 0;
+            for (; h + 4 <= b->H; h += 4) {
+                if (h < 16) prefetch_row(c0 + (size_t)(8 + h / 4) * cw, cw * 2); /* keys j+8 .. j+11, one per head group (measured best; 4 ahead: 10% slower) */
+                const uint16_t *a0 = b->q + (size_t)h * cw, *a1 = a0 + cw, *a2 = a1 + cw, *a3 = a2 + cw;
+                __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
+                __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
+                int i = 0;
+                for (; i < full; i += 32) MLA_TILE16_STEP(_mm512_loadu_si512);
+#define LD_TAIL(p) _mm512_maskz_loadu_epi16(tail, p)
+                if (i < cw) MLA_TILE16_STEP(LD_TAIL);
+#undef LD_TAIL
+                MLA_TILE_STORE(b->sc + (size_t)h * b->ld + j, b->ld, b->scale);
+            }
+            for (; h < b->H; h++)
+                for (int jj = j; jj < j + 4; jj++) mla_score16_one(b, h, jj);
+        }
+    for (; j < b->j1; j++)
+        for (int h = 0; h < b->H; h++) mla_score16_one(b, h, j);
+}
+#undef MLA_TILE16_STEP
+
+/* ctx: the weights of two consecutive keys form one bf16 pair, and so do the two keys' rows,
+ * interleaved (vpunpck{l,h}wd: pairs per 128-bit lane, so the sums come out in a fixed lane
+ * order, put back at the end); 4 heads x 64 latent values in 16 registers while the block's
+ * keys pass, two at a time: 4 loads, 4 interleaves and 4 broadcasts feed 16 dot products */
+MOE_TARGET(MOE_AVX512BF16) static void mla_ctx16_avx512bf16(const moe__mla_block16 *b, int h0, int h1) {
+    const int r = b->r, cw = b->cw, jn = b->jn, ps = (jn + 31) / 32 * 32;
+    if (r % 64) { mla_ctx16_avx512(b, h0, h1); return; }
+    /* the weights rounded to bf16, ps per head (zeros after jn) */
+    uint16_t *P = (uint16_t *)(b->work + (size_t)b->H * cw + (size_t)b->ld * cw);
+    for (int h = h0; h < h1; h++)
+        for (int j = 0; j < ps; j += 32) {
+            const float *p = b->sc + (size_t)h * b->ld + j;
+            const int n = jn - j;
+            const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << (n > 0 ? n : 0)) - 1);
+            const __mmask16 m1 = n >= 32 ? 0xffff : (__mmask16)((1u << (n > 16 ? n - 16 : 0)) - 1);
+            const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, p + 16), _mm512_maskz_loadu_ps(m0, p));
+            _mm512_storeu_si512(P + (size_t)(h - h0) * ps + j, (__m512i)w);
+        }
+    const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    int h = h0;
+    for (; h + 4 <= h1; h += 4) {
+        const uint16_t *p0 = P + (size_t)(h - h0) * ps, *p1 = p0 + ps, *p2 = p1 + ps, *p3 = p2 + ps;
+        for (int i = 0; i < r; i += 64) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, e0 = a0, e1 = a0, e2 = a0, e3 = a0;
+            __m512 f0 = a0, f1 = a0, f2 = a0, f3 = a0, g0 = a0, g1 = a0, g2 = a0, g3 = a0;
+            for (int j = 0; j < jn; j += 2) {
+                const uint16_t *c = b->cache + (size_t)j * cw + i;
+                const __m512i x0 = _mm512_loadu_si512(c), x1 = _mm512_loadu_si512(c + 32);
+                const __m512i y0 = j + 1 < jn ? _mm512_loadu_si512(c + cw) : _mm512_setzero_si512();
+                const __m512i y1 = j + 1 < jn ? _mm512_loadu_si512(c + cw + 32) : _mm512_setzero_si512();
+                const __m512bh v0 = (__m512bh)_mm512_unpacklo_epi16(x0, y0), v1 = (__m512bh)_mm512_unpackhi_epi16(x0, y0);
+                const __m512bh v2 = (__m512bh)_mm512_unpacklo_epi16(x1, y1), v3 = (__m512bh)_mm512_unpackhi_epi16(x1, y1);
+                uint32_t u0, u1, u2, u3;
+                memcpy(&u0, p0 + j, 4), memcpy(&u1, p1 + j, 4), memcpy(&u2, p2 + j, 4), memcpy(&u3, p3 + j, 4);
+#define DP4(x, u)                                                                                                  \
+    do {                                                                                                           \
+        const __m512bh w_ = (__m512bh)_mm512_set1_epi32((int)(u));                                                 \
+        x##0 = _mm512_dpbf16_ps(x##0, v0, w_), x##1 = _mm512_dpbf16_ps(x##1, v1, w_);                             \
+        x##2 = _mm512_dpbf16_ps(x##2, v2, w_), x##3 = _mm512_dpbf16_ps(x##3, v3, w_);                             \
+    } while (0)
+                DP4(a, u0);
+                DP4(e, u1);
+                DP4(f, u2);
+                DP4(g, u3);
+#undef DP4
+            }
+            /* lanes back in latent order, added to the heads' context rows */
+#define ADD4(x, hh)                                                                                                \
+    do {                                                                                                           \
+        float *o_ = b->ctx + (size_t)(hh) * r + i;                                                                 \
+        _mm512_storeu_ps(o_, _mm512_add_ps(_mm512_loadu_ps(o_), _mm512_permutex2var_ps(x##0, lo_idx, x##1)));      \
+        _mm512_storeu_ps(o_ + 16, _mm512_add_ps(_mm512_loadu_ps(o_ + 16), _mm512_permutex2var_ps(x##0, hi_idx, x##1))); \
+        _mm512_storeu_ps(o_ + 32, _mm512_add_ps(_mm512_loadu_ps(o_ + 32), _mm512_permutex2var_ps(x##2, lo_idx, x##3))); \
+        _mm512_storeu_ps(o_ + 48, _mm512_add_ps(_mm512_loadu_ps(o_ + 48), _mm512_permutex2var_ps(x##2, hi_idx, x##3))); \
+    } while (0)
+            ADD4(a, h);
+            ADD4(e, h + 1);
+            ADD4(f, h + 2);
+            ADD4(g, h + 3);
+#undef ADD4
+        }
+    }
+    if (h < h1) mla_ctx16_avx512(b, h, h1);
+}
+#endif
+
+#ifdef MOE_NEON
+static void mla_scores16_neon(const moe__mla_block16 *b) { mla_scores16_widened(b, mla_scores_neon, widen_bf16_neon); }
+static void mla_ctx16_neon(const moe__mla_block16 *b, int h0, int h1) { mla_ctx16_widened(b, h0, h1, mla_ctx_neon, widen_bf16_neon); }
 #endif
 
 /* ---- kernel table ---------------------------------------------------------------------- */
@@ -1844,6 +2058,8 @@ static void kernels_scalar(moe__kernels *k) {
     k->kda_recurrent = moe__kda_recurrent;
     k->mla_scores = moe__mla_scores_ref;
     k->mla_ctx = moe__mla_ctx_ref;
+    k->mla_scores16 = moe__mla_scores16_ref;
+    k->mla_ctx16 = moe__mla_ctx16_ref;
     k->act = moe__act_ref;
     k->exp_sum = moe__exp_sum_ref;
     k->widen_bf16 = moe__widen_bf16_ref;
@@ -1871,6 +2087,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->kda_recurrent = kda_recurrent_avx2;
         k->mla_scores = mla_scores_avx2;
         k->mla_ctx = mla_ctx_avx2;
+        k->mla_scores16 = mla_scores16_avx2;
+        k->mla_ctx16 = mla_ctx16_avx2;
         k->act = act_avx2;
         k->exp_sum = exp_sum_avx2;
         k->widen_bf16 = widen_bf16_avx2;
@@ -1888,6 +2106,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->kda_recurrent = kda_recurrent_avx512;
             v->mla_scores = mla_scores_avx512;
             v->mla_ctx = mla_ctx_avx512;
+            v->mla_scores16 = mla_scores16_avx512;
+            v->mla_ctx16 = mla_ctx16_avx512;
             v->act = act_avx512;
             v->exp_sum = exp_sum_avx512;
             v->widen_bf16 = widen_bf16_avx512;
@@ -1898,6 +2118,10 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->isa = "avx512vnni";
+            }
+            if (cpu_has_avx512bf16()) {
+                v->mla_scores16 = mla_scores16_avx512bf16;
+                v->mla_ctx16 = mla_ctx16_avx512bf16;
             }
         }
     }
@@ -1920,6 +2144,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_neon;
         k->mla_scores = mla_scores_neon;
         k->mla_ctx = mla_ctx_neon;
+        k->mla_scores16 = mla_scores16_neon;
+        k->mla_ctx16 = mla_ctx16_neon;
         k->act = act_neon;
         k->exp_sum = exp_sum_neon;
         k->widen_bf16 = widen_bf16_neon;

@@ -719,6 +719,57 @@ static void test_mla_kernels(void) {
     }
 }
 
+/* the bf16-cache MLA kernels of every level against their scalar references: queries, rows and
+ * weights in bf16 (rows of every width: the AVX512_BF16 kernel's masked tail), a block's keys
+ * scored in two halves and its heads summed in two groups, as two threads would */
+static void test_mla16_kernels(void) {
+    moe__kernels lv[4];
+    int nl = moe__kernel_levels(lv, 4);
+    const int shapes[][4] = {{16, 512, 64, 256}, {16, 512, 64, 37}, {8, 128, 16, 9}, {5, 64, 16, 37}, {3, 96, 32, 20}, {4, 40, 8, 3}, {1, 32, 0, 1}, {6, 64, 7, 4}}; /* H, r, d_r, keys */
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        const int H = shapes[si][0], r = shapes[si][1], dr = shapes[si][2], jn = shapes[si][3], cw = r + dr, ld = jn + 3;
+        uint16_t *q = malloc(sizeof(uint16_t) * (size_t)H * cw), *cache = malloc(sizeof(uint16_t) * (size_t)jn * cw);
+        float *sc = calloc((size_t)H * ld, sizeof(float)), *sc2 = calloc((size_t)H * ld, sizeof(float)), *p = malloc(sizeof(float) * (size_t)H * ld);
+        float *ctx = malloc(sizeof(float) * (size_t)H * r), *ctx2 = malloc(sizeof(float) * (size_t)H * r);
+        float *work = malloc(sizeof(float) * moe__mla_work16(H, cw, ld));
+        for (int i = 0; i < H * cw; i++) q[i] = moe__f32_to_bf16(nrand());
+        for (int i = 0; i < jn * cw; i++) cache[i] = moe__f32_to_bf16(nrand());
+        for (int i = 0; i < H * ld; i++) p[i] = (float)urand(); /* softmax weights: in [0, 1] */
+        for (int i = 0; i < H * r; i++) ctx[i] = nrand();
+        moe__mla_block16 b = {H, r, cw, jn, 0, jn, ld, 0.125f, q, cache, sc, NULL, work};
+        moe__mla_scores16_ref(&b);
+        memcpy(ctx2, ctx, sizeof(float) * (size_t)H * r);
+        b.sc = p, b.ctx = ctx;
+        moe__mla_ctx16_ref(&b, 0, H);
+        for (int l = 1; l < nl; l++) {
+            moe__mla_block16 b2 = b;
+            b2.sc = sc2, b2.j1 = jn / 2;
+            lv[l].mla_scores16(&b2);
+            b2.j0 = jn / 2, b2.j1 = jn;
+            lv[l].mla_scores16(&b2);
+            const double ds = max_abs_diff(sc, sc2, (size_t)H * ld);
+            float *c2 = malloc(sizeof(float) * (size_t)H * r);
+            memcpy(c2, ctx2, sizeof(float) * (size_t)H * r);
+            b2.sc = p, b2.ctx = c2;
+            lv[l].mla_ctx16(&b2, 0, H / 2);
+            lv[l].mla_ctx16(&b2, H / 2, H);
+            const double dc = max_abs_diff(ctx, c2, (size_t)H * r);
+            CHECKF(ds < 1e-4 * sqrt(cw) && dc < 1e-5 * jn + 1e-5, "%s H %d r %d d_r %d keys %d: scores %.3g, ctx %.3g", lv[l].isa, H, r, dr, jn, ds, dc);
+            free(c2);
+        }
+        /* the reference rounds the weights: 0.1 is not a bf16 value, its rounding is */
+        if (si == 0) {
+            for (int i = 0; i < H * ld; i++) p[i] = 0.1f;
+            memcpy(ctx, ctx2, sizeof(float) * (size_t)H * r);
+            moe__mla_ctx16_ref(&b, 0, 1);
+            double want = ctx2[0];
+            for (int j = 0; j < jn; j++) want += (double)moe__bf16_to_f32(moe__f32_to_bf16(0.1f)) * moe__bf16_to_f32(cache[(size_t)j * cw]);
+            CHECKF(fabs(ctx[0] - want) < 1e-4, "ctx16 reference %.6g, want %.6g", ctx[0], want);
+        }
+        free(q), free(cache), free(sc), free(sc2), free(p), free(ctx), free(ctx2), free(work);
+    }
+}
+
 /* ---- model-level equivalences --------------------------------------------------------------- */
 
 /* Token ids of golden prompt `pi` followed by its greedy continuation. Those ids were drawn so
@@ -881,7 +932,10 @@ static void test_kv_bf16(void) {
         for (size_t i = 0; i < nv; i++) mean += fabs((double)xf[i] - xb[i]);
         mean /= (double)nv;
         if (getenv("MOE_TEST_VERBOSE")) printf("  bf16 expanded vs absorbed %.3g; bf16 vs f32 cache max %.3g mean %.3g\n", d1, d2, mean);
-        CHECKF(d1 < 1e-3, "bf16 cache: expanded vs absorbed %.3g", d1);
+        /* the expanded form (prefill) widens the rows and works in f32; the absorbed form rounds
+         * its queries and softmax weights to bf16 as well (bf16 dot products): they differ by that
+         * rounding (0.0056 measured), less than a bf16 cache differs from an f32 one */
+        CHECKF(d1 < 0.03 && d1 < d2, "bf16 cache: expanded vs absorbed %.3g (bf16 vs f32 cache %.3g)", d1, d2);
         CHECKF(d2 > 0 && d2 < 0.1 && mean < 0.01, "bf16 vs f32 cache: max %.3g mean %.3g", d2, mean);
     }
     /* fork after the prompt: the copy continues as the original does */
@@ -3134,6 +3188,7 @@ static const struct {
     {"shipped_gguf_vocab", test_shipped_gguf_vocab},
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
     {"mla_kernels", test_mla_kernels},
+    {"mla16_kernels", test_mla16_kernels},
     {"golden_kimi", test_golden_kimi},
     {"golden_seed", test_golden_seed},
     {"golden_k3mx", test_golden_k3mx},
