@@ -2109,6 +2109,10 @@ static void mm_task(const moe_model *m, const mm_out *o, int64_t r0, const float
         return;
     }
     const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
+    if (T >= 4 && m->k.gemm[W->type]) { /* prefill, float weights: the kernel's register tiles */
+        m->k.gemm[W->type](base + r0 * moe__row_bytes(W->type, K), K, (int)(r1 - r0), x, ldx, T, K, o->y + r0, N);
+        return;
+    }
     for (int t = 0; t < T; t++)
         rows_times(m, W, r0, r1 - r0, x + (int64_t)t * ldx, xq ? xq + (int64_t)t * nb : NULL, o->y + (int64_t)t * N + r0, 1.0f);
 }

@@ -437,6 +437,9 @@ struct moe__kda_head_s;
 struct moe__mla_block_s;
 struct moe__mla_block16_s;
 typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x, int64_t n);
+/* y[t * ldy + i] = (row i of w) . x_t for nr rows of a float-format weight matrix (ldw elements
+ * apart) and nt activation rows (ldx floats apart), K values each */
+typedef void (*moe__gemm_fn)(const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy);
 /* weight row . quantized activation row (n a multiple of 32) */
 typedef float (*moe__dotq_fn)(const void *w, const moe__block_q8a *x, int64_t n);
 typedef void (*moe__quant_fn)(const float *x, moe__block_q8a *out, int64_t n);
@@ -445,6 +448,7 @@ typedef void (*moe__dotq8_fn)(const void *w, const moe__block_q8a *x, int64_t n,
 
 typedef struct {
     moe__dot_fn dot[MOE_T_COUNT];   /* weight row . f32 vector, per float weight type */
+    moe__gemm_fn gemm[MOE_T_COUNT]; /* F32 and BF16 weights times a batch of rows (moe__gemm_ref) */
     moe__dotq_fn dotq[MOE_T_COUNT]; /* weight row . q8a row, per integer weight type */
     moe__quant_fn quant_q8a;        /* f32 row -> q8a blocks */
     moe__dotq8_fn dotq8[MOE_T_COUNT]; /* x8 row group . q8a row, for Q4_0X8 / Q8_0X8 */
@@ -481,6 +485,7 @@ void moe__quant_q8a_ref(const float *x, moe__block_q8a *out, int64_t n);
 /* Bytes of one row of n values (MXFP4: packed bytes only). */
 int64_t moe__row_bytes(int type, int64_t n);
 extern const float moe__e2m1[16];
+void moe__gemm_ref(int type, const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy);
 float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x, int64_t n);
 /* Every kernel level this CPU can run (scalar first); returns how many were written. */
 int moe__kernel_levels(moe__kernels *out, int max);

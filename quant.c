@@ -378,6 +378,24 @@ float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x
     }
 }
 
+/* y[t * ldy + i] = (row i of w) . x_t through a level's dot kernel: the reference (with the
+ * scalar dots), and the levels without matrix tiles */
+static void gemm_by_dot(moe__dot_fn dot, int64_t row_bytes, const void *w, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) {
+    for (int t = 0; t < nt; t++)
+        for (int i = 0; i < nr; i++) y[(int64_t)t * ldy + i] = dot((const unsigned char *)w + i * row_bytes, NULL, x + (int64_t)t * ldx, K);
+}
+
+void moe__gemm_ref(int type, const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) {
+    gemm_by_dot(type == MOE_T_BF16 ? dot_bf16_ref : dot_f32_ref, ldw * (type == MOE_T_BF16 ? 2 : 4), w, nr, x, ldx, nt, K, y, ldy);
+}
+
+static void gemm_f32_ref(const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) {
+    moe__gemm_ref(MOE_T_F32, w, ldw, nr, x, ldx, nt, K, y, ldy);
+}
+static void gemm_bf16_ref(const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) {
+    moe__gemm_ref(MOE_T_BF16, w, ldw, nr, x, ldx, nt, K, y, ldy);
+}
+
 /* ---- elementwise functions: activations and softmax exponentials ------------------------ */
 
 /* The scalar references, as the forward pass always computed them (libm). The SIMD versions
@@ -463,6 +481,62 @@ MOE_TARGET("avx2,fma") static float dot_bf16_avx2(const void *w, const uint8_t *
     for (; i < n; i++) s += moe__bf16_to_f32(p[i]) * x[i];
     return s;
 }
+
+/* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
+ * L2 while each group of 4 weight rows meets them (all T rows at once ran from L3/memory: 4x
+ * slower); a multiple of 4 */
+#define GEMM_TOKEN_BLOCK(K) ((int)((K) >= 16384 ? 4 : 65536 / (K) / 4 * 4 > 4 ? 65536 / (K) / 4 * 4 : 4))
+
+/* matrix tiles for prefill, 4 weight rows x 2 activation rows in 8 accumulators (the AVX2
+ * kernel of GEMM_AVX512 below: same scheme, 8 lanes; a partial step at the end of a row through
+ * zero-padded copies) */
+#define GEMM_AVX2(NAME, WT, LW)                                                                                  \
+    MOE_TARGET("avx2,fma") static void NAME(const void *wv, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) { \
+        const WT *w = wv;                                                                                        \
+        const int64_t full = K / 8 * 8;                                                                          \
+        for (int tb = 0; tb < nt; tb += GEMM_TOKEN_BLOCK(K))                                                    \
+        for (int i = 0; i < nr; i += 4) {                                                                        \
+            const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < GEMM_TOKEN_BLOCK(K) ? nt : tb + GEMM_TOKEN_BLOCK(K); \
+            const WT *w0 = w + (int64_t)i * ldw, *w1 = w0 + (ri > 1 ? ldw : 0), *w2 = w0 + (ri > 2 ? 2 * ldw : 0), *w3 = w0 + (ri > 3 ? 3 * ldw : 0); \
+            for (int t = tb; t < te; t += 2) {                                                                   \
+                const float *x0 = x + (int64_t)t * ldx, *x1 = x0 + (te - t > 1 ? ldx : 0);                       \
+                __m256 t00 = _mm256_setzero_ps(), t01 = t00, t10 = t00, t11 = t00, t20 = t00, t21 = t00, t30 = t00, t31 = t00; \
+                for (int64_t k = 0; k < full; k += 8) {                                                          \
+                    const __m256 v0 = _mm256_loadu_ps(x0 + k), v1 = _mm256_loadu_ps(x1 + k);                    \
+                    __m256 a = LW(w0 + k);                                                                       \
+                    t00 = _mm256_fmadd_ps(a, v0, t00), t01 = _mm256_fmadd_ps(a, v1, t01);                         \
+                    a = LW(w1 + k), t10 = _mm256_fmadd_ps(a, v0, t10), t11 = _mm256_fmadd_ps(a, v1, t11);         \
+                    a = LW(w2 + k), t20 = _mm256_fmadd_ps(a, v0, t20), t21 = _mm256_fmadd_ps(a, v1, t21);         \
+                    a = LW(w3 + k), t30 = _mm256_fmadd_ps(a, v0, t30), t31 = _mm256_fmadd_ps(a, v1, t31);         \
+                }                                                                                                \
+                if (full < K) {                                                                                  \
+                    const int n = (int)(K - full);                                                               \
+                    WT wp[4][8] = {{0}};                                                                         \
+                    float xp[2][8] = {{0}};                                                                      \
+                    memcpy(wp[0], w0 + full, sizeof(WT) * (size_t)n), memcpy(wp[1], w1 + full, sizeof(WT) * (size_t)n); \
+                    memcpy(wp[2], w2 + full, sizeof(WT) * (size_t)n), memcpy(wp[3], w3 + full, sizeof(WT) * (size_t)n); \
+                    memcpy(xp[0], x0 + full, sizeof(float) * (size_t)n), memcpy(xp[1], x1 + full, sizeof(float) * (size_t)n); \
+                    const __m256 v0 = _mm256_loadu_ps(xp[0]), v1 = _mm256_loadu_ps(xp[1]);                      \
+                    __m256 a = LW(wp[0]);                                                                        \
+                    t00 = _mm256_fmadd_ps(a, v0, t00), t01 = _mm256_fmadd_ps(a, v1, t01);                         \
+                    a = LW(wp[1]), t10 = _mm256_fmadd_ps(a, v0, t10), t11 = _mm256_fmadd_ps(a, v1, t11);          \
+                    a = LW(wp[2]), t20 = _mm256_fmadd_ps(a, v0, t20), t21 = _mm256_fmadd_ps(a, v1, t21);          \
+                    a = LW(wp[3]), t30 = _mm256_fmadd_ps(a, v0, t30), t31 = _mm256_fmadd_ps(a, v1, t31);          \
+                }                                                                                                \
+                const float o0[4] = {hsum_avx2(t00), hsum_avx2(t10), hsum_avx2(t20), hsum_avx2(t30)};            \
+                const float o1[4] = {hsum_avx2(t01), hsum_avx2(t11), hsum_avx2(t21), hsum_avx2(t31)};            \
+                memcpy(y + (int64_t)t * ldy + i, o0, sizeof(float) * (size_t)ri);                                \
+                if (te - t > 1) memcpy(y + (int64_t)(t + 1) * ldy + i, o1, sizeof(float) * (size_t)ri);          \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+#define LW_F32(p) _mm256_loadu_ps(p)
+#define LW_BF16(p) load_bf16_avx2(p)
+GEMM_AVX2(gemm_f32_avx2, float, LW_F32)
+GEMM_AVX2(gemm_bf16_avx2, uint16_t, LW_BF16)
+#undef LW_F32
+#undef LW_BF16
+#undef GEMM_AVX2
 
 MOE_TARGET("avx2,fma,f16c") static float dot_f16_avx2(const void *w, const uint8_t *sc,
                                                       const float *x, int64_t n) {
@@ -848,6 +922,15 @@ MOE_TARGET(MOE_AVX512) static inline __m512 load_bf16_avx512(const uint16_t *p) 
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+/* the sums of four vectors' lanes, [sum a, sum b, sum c, sum d]: 13 instructions, against 32
+ * for four separate reductions */
+MOE_TARGET(MOE_AVX512) static inline __m128 hsum4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define HALVES(x) _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(HALVES(a), HALVES(b)), _mm256_hadd_ps(HALVES(c), HALVES(d)));
+#undef HALVES
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 MOE_TARGET(MOE_AVX512) static float dot_bf16_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     (void)sc;
     const uint16_t *p = w;
@@ -863,6 +946,67 @@ MOE_TARGET(MOE_AVX512) static float dot_bf16_avx512(const void *w, const uint8_t
     for (; i < n; i++) s += moe__bf16_to_f32(p[i]) * x[i];
     return s;
 }
+
+/* Matrix tiles for prefill (moe__gemm_ref): 4 weight rows x 4 activation rows in 16
+ * accumulators, each step's 8 loads feeding 16 FMAs (a row-by-row dot product loads both
+ * operands for every FMA). Every output, in a tile or not, is one 16-lane sum over K in the same
+ * order, reduced by hsum4: the results do not depend on how the rows fall into tiles. */
+#define GEMM_TILE_STEP(LW, LX)                                                                                   \
+    do {                                                                                                         \
+        const __m512 x0_ = LX(x0 + k), x1_ = LX(x1 + k), x2_ = LX(x2 + k), x3_ = LX(x3 + k);                     \
+        __m512 w_ = LW(w0 + k);                                                                                  \
+        t00 = _mm512_fmadd_ps(w_, x0_, t00), t01 = _mm512_fmadd_ps(w_, x1_, t01), t02 = _mm512_fmadd_ps(w_, x2_, t02), t03 = _mm512_fmadd_ps(w_, x3_, t03); \
+        w_ = LW(w1 + k);                                                                                         \
+        t10 = _mm512_fmadd_ps(w_, x0_, t10), t11 = _mm512_fmadd_ps(w_, x1_, t11), t12 = _mm512_fmadd_ps(w_, x2_, t12), t13 = _mm512_fmadd_ps(w_, x3_, t13); \
+        w_ = LW(w2 + k);                                                                                         \
+        t20 = _mm512_fmadd_ps(w_, x0_, t20), t21 = _mm512_fmadd_ps(w_, x1_, t21), t22 = _mm512_fmadd_ps(w_, x2_, t22), t23 = _mm512_fmadd_ps(w_, x3_, t23); \
+        w_ = LW(w3 + k);                                                                                         \
+        t30 = _mm512_fmadd_ps(w_, x0_, t30), t31 = _mm512_fmadd_ps(w_, x1_, t31), t32 = _mm512_fmadd_ps(w_, x2_, t32), t33 = _mm512_fmadd_ps(w_, x3_, t33); \
+    } while (0)
+
+/* the kernel for weights of element WT, loaded as 16 floats by LW (LWM: masked) */
+#define GEMM_AVX512(NAME, WT, LW, LWM)                                                                           \
+    MOE_TARGET(MOE_AVX512) static void NAME(const void *wv, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) { \
+        const WT *w = wv;                                                                                        \
+        const int64_t full = K / 16 * 16;                                                                        \
+        const __mmask16 tail = (__mmask16)((1u << (K - full)) - 1);                                              \
+        for (int tb = 0; tb < nt; tb += GEMM_TOKEN_BLOCK(K))                                                    \
+        for (int i = 0; i < nr; i += 4) {                                                                        \
+            const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < GEMM_TOKEN_BLOCK(K) ? nt : tb + GEMM_TOKEN_BLOCK(K); \
+            for (int t = tb; t < te; t += 4) {                                                                   \
+                const int tj = te - t < 4 ? te - t : 4;                                                          \
+                /* a partial tile repeats its last row / token (computed, not stored) */                         \
+                const WT *w0 = w + (int64_t)i * ldw, *w1 = w0 + (ri > 1 ? ldw : 0), *w2 = w0 + (ri > 2 ? 2 * ldw : 0), *w3 = w0 + (ri > 3 ? 3 * ldw : 0); \
+                const float *x0 = x + (int64_t)t * ldx, *x1 = x0 + (tj > 1 ? ldx : 0), *x2 = x0 + (tj > 2 ? 2 * ldx : 0), *x3 = x0 + (tj > 3 ? 3 * ldx : 0); \
+                __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00; \
+                __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;   \
+                int64_t k = 0;                                                                                   \
+                for (; k < full; k += 16) GEMM_TILE_STEP(LW, _mm512_loadu_ps);                                   \
+                if (k < K) GEMM_TILE_STEP(LWM, GEMM_LXM);                                                        \
+                const __m128 c_[4] = {hsum4_avx512(t00, t10, t20, t30), hsum4_avx512(t01, t11, t21, t31),              \
+                                hsum4_avx512(t02, t12, t22, t32), hsum4_avx512(t03, t13, t23, t33)};              \
+                for (int b = 0; b < tj; b++) {                                                                   \
+                    float o_[4];                                                                                 \
+                    _mm_storeu_ps(o_, c_[b]);                                                                    \
+                    memcpy(y + (int64_t)(t + b) * ldy + i, o_, sizeof(float) * (size_t)ri);                      \
+                }                                                                                                \
+            }                                                                                                    \
+        }                                                                                                        \
+    }
+#define GEMM_LXM(p) _mm512_maskz_loadu_ps(tail, p)
+#define LW_F32(p) _mm512_loadu_ps(p)
+#define LWM_F32(p) _mm512_maskz_loadu_ps(tail, p)
+#define LW_BF16(p) load_bf16_avx512(p)
+#define LWM_BF16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail, p)), 16))
+GEMM_AVX512(gemm_f32_avx512, float, LW_F32, LWM_F32)
+GEMM_AVX512(gemm_bf16_avx512, uint16_t, LW_BF16, LWM_BF16)
+#undef GEMM_LXM
+#undef LW_F32
+#undef LWM_F32
+#undef LW_BF16
+#undef LWM_BF16
+#undef GEMM_AVX512
+#undef GEMM_TILE_STEP
 
 /* MXFP4, both layouts: the 2*E2M1 codes of a block as 32 int8 (column order), widened 16 at a
  * time; the block sum is scaled by 2^(s-127)/2 */
@@ -1791,15 +1935,6 @@ MOE_TARGET(MOE_AVX512) static void mla_scores1_avx512(const moe__mla_block *b, i
     }
 }
 
-/* the sums of four vectors' lanes, [sum a, sum b, sum c, sum d]: 13 instructions, against 32
- * for four separate reductions */
-MOE_TARGET(MOE_AVX512) static inline __m128 hsum4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
-#define HALVES(x) _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(HALVES(a), HALVES(b)), _mm256_hadd_ps(HALVES(c), HALVES(d)));
-#undef HALVES
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
 /* a 4 heads x 4 keys tile's sums t<head><key>, times the scale, into rows sc, sc + ld, ... */
 #define MLA_TILE_STORE(sc, ld, scale)                                                                     \
     do {                                                                                                \
@@ -2029,6 +2164,12 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_ctx16_avx512bf16(const moe__mla_block
 #endif
 
 #ifdef MOE_NEON
+static void gemm_f32_neon(const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) {
+    gemm_by_dot(dot_f32_neon, ldw * 4, w, nr, x, ldx, nt, K, y, ldy);
+}
+static void gemm_bf16_neon(const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) {
+    gemm_by_dot(dot_bf16_neon, ldw * 2, w, nr, x, ldx, nt, K, y, ldy);
+}
 static void mla_scores16_neon(const moe__mla_block16 *b) { mla_scores16_widened(b, mla_scores_neon, widen_bf16_neon); }
 static void mla_ctx16_neon(const moe__mla_block16 *b, int h0, int h1) { mla_ctx16_widened(b, h0, h1, mla_ctx_neon, widen_bf16_neon); }
 #endif
@@ -2049,6 +2190,8 @@ static void kernels_scalar(moe__kernels *k) {
     k->dot[MOE_T_F16] = dot_f16_ref;
     k->dot[MOE_T_MXFP4] = dot_mxfp4_ref;
     k->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_ref;
+    k->gemm[MOE_T_F32] = gemm_f32_ref;
+    k->gemm[MOE_T_BF16] = gemm_bf16_ref;
     k->dotq[MOE_T_Q8_0] = dotq_q8_0_ref;
     k->dotq[MOE_T_Q4_0] = dotq_q4_0_ref;
     k->quant_q8a = moe__quant_q8a_ref;
@@ -2078,6 +2221,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dot[MOE_T_F16] = dot_f16_avx2;
         k->dot[MOE_T_MXFP4] = dot_mxfp4_avx2;
         k->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_avx2;
+        k->gemm[MOE_T_F32] = gemm_f32_avx2;
+        k->gemm[MOE_T_BF16] = gemm_bf16_avx2;
         k->dotq[MOE_T_Q8_0] = dotq_q8_0_avx2;
         k->dotq[MOE_T_Q4_0] = dotq_q4_0_avx2;
         k->quant_q8a = quant_q8a_avx2;
@@ -2101,6 +2246,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dot[MOE_T_MXFP4] = dot_mxfp4_avx512;
             v->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_avx512;
             v->dot[MOE_T_F16] = dot_f16_avx512;
+            v->gemm[MOE_T_F32] = gemm_f32_avx512;
+            v->gemm[MOE_T_BF16] = gemm_bf16_avx512;
             v->quant_q8a = quant_q8a_avx512;
             v->axpy = axpy_avx512;
             v->kda_recurrent = kda_recurrent_avx512;
@@ -2135,6 +2282,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dot[MOE_T_F16] = dot_f16_neon;
         k->dot[MOE_T_MXFP4] = dot_mxfp4_neon;
         k->dot[MOE_T_MXFP4_GGML] = dot_mxfp4g_neon;
+        k->gemm[MOE_T_F32] = gemm_f32_neon;
+        k->gemm[MOE_T_BF16] = gemm_bf16_neon;
         k->axpy = axpy_neon;
         k->kda_recurrent = kda_recurrent_neon;
         k->quant_q8a = quant_q8a_neon;

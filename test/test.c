@@ -719,6 +719,45 @@ static void test_mla_kernels(void) {
     }
 }
 
+/* the prefill matrix tiles (F32 and BF16 weights) of every level against the reference, with
+ * row and token counts that leave partial tiles and lengths that leave partial steps; and each
+ * output the same bits however the rows and tokens are grouped into calls */
+static void test_gemm_kernels(void) {
+    moe__kernels lv[4];
+    const int nl = moe__kernel_levels(lv, 4);
+    const int shapes[][3] = {{16, 37, 512}, {16, 4, 2048}, {5, 3, 40}, {4, 4, 16}, {1, 1, 7}, {7, 9, 100}, {3, 6, 33}}; /* rows, tokens, K */
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
+        for (int ty = 0; ty < 2; ty++) {
+            const int nr = shapes[si][0], nt = shapes[si][1], K = shapes[si][2], type = ty ? MOE_T_BF16 : MOE_T_F32;
+            const int64_t ldw = K + 3, ldx = K + 5, ldy = nr + 2;
+            float *wf = malloc(sizeof(float) * (size_t)(nr * ldw)), *x = malloc(sizeof(float) * (size_t)(nt * ldx));
+            uint16_t *wb = malloc(sizeof(uint16_t) * (size_t)(nr * ldw));
+            float *y = calloc((size_t)(nt * ldy), sizeof(float)), *y2 = calloc((size_t)(nt * ldy), sizeof(float)), *y3 = calloc((size_t)(nt * ldy), sizeof(float));
+            for (int64_t i = 0; i < nr * ldw; i++) wf[i] = nrand(), wb[i] = moe__f32_to_bf16(wf[i]);
+            for (int64_t i = 0; i < nt * ldx; i++) x[i] = nrand() * (i % 97 == 0 ? 1e3f : 1.0f);
+            const void *w = ty ? (const void *)wb : (const void *)wf;
+            const int64_t esz = ty ? 2 : 4;
+            moe__gemm_ref(type, w, ldw, nr, x, ldx, nt, K, y, ldy);
+            double scale = 0;
+            for (int64_t i = 0; i < nt * ldy; i++) scale = fmax(scale, fabs(y[i]));
+            for (int l = 0; l < nl; l++) {
+                memset(y2, 0, sizeof(float) * (size_t)(nt * ldy));
+                lv[l].gemm[type](w, ldw, nr, x, ldx, nt, K, y2, ldy);
+                const double d = max_abs_diff(y, y2, (size_t)(nt * ldy));
+                /* the same outputs in other groupings: the first rows / tokens, then the rest */
+                const int r1 = nr > 1 ? nr / 2 + 1 : 1, t1 = nt > 1 ? nt / 2 + 1 : 1;
+                memset(y3, 0, sizeof(float) * (size_t)(nt * ldy));
+                lv[l].gemm[type](w, ldw, r1, x, ldx, t1, K, y3, ldy);
+                if (nr > r1) lv[l].gemm[type]((const char *)w + r1 * ldw * esz, ldw, nr - r1, x, ldx, t1, K, y3 + r1, ldy);
+                if (nt > t1) lv[l].gemm[type](w, ldw, nr, x + t1 * ldx, ldx, nt - t1, K, y3 + t1 * ldy, ldy);
+                CHECKF(d <= 2e-6 * sqrt(K) * (1 + scale) && !memcmp(y2, y3, sizeof(float) * (size_t)(nt * ldy)),
+                       "%s %s rows %d tokens %d K %d: %.3g (max %.3g), grouping %s", lv[l].isa, ty ? "bf16" : "f32", nr, nt, K, d, scale,
+                       memcmp(y2, y3, sizeof(float) * (size_t)(nt * ldy)) ? "changes the bits" : "same");
+            }
+            free(wf), free(wb), free(x), free(y), free(y2), free(y3);
+        }
+}
+
 /* the bf16-cache MLA kernels of every level against their scalar references: queries, rows and
  * weights in bf16 (rows of every width: the AVX512_BF16 kernel's masked tail), a block's keys
  * scored in two halves and its heads summed in two groups, as two threads would */
@@ -3189,6 +3228,7 @@ static const struct {
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
     {"mla_kernels", test_mla_kernels},
     {"mla16_kernels", test_mla16_kernels},
+    {"gemm_kernels", test_gemm_kernels},
     {"golden_kimi", test_golden_kimi},
     {"golden_seed", test_golden_seed},
     {"golden_k3mx", test_golden_k3mx},
