@@ -2102,7 +2102,14 @@ static void mm_task(const moe_model *m, const mm_out *o, int64_t r0, const float
     if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs */
         const int64_t gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
         float o8[8];
-        for (int t = 0; t < T; t++) {
+        int t = 0;
+        if (m->k.dotq8x4[W->type]) /* prefill: 4 rows per pass over the group's weights */
+            for (; t + 4 <= T; t += 4) {
+                float o32[32];
+                m->k.dotq8x4[W->type](base + r0 / 8 * gb, xq + (int64_t)t * nb, nb, K, o32);
+                for (int i = 0; i < 4; i++) memcpy(o->y + (int64_t)(t + i) * N + r0, o32 + 8 * i, sizeof o8);
+            }
+        for (; t < T; t++) {
             m->k.dotq8[W->type](base + r0 / 8 * gb, xq + (int64_t)t * nb, K, o8);
             memcpy(o->y + (int64_t)t * N + r0, o8, sizeof o8);
         }

@@ -779,6 +779,93 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_v
     _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
 }
 
+/* Prefill: one x8 row group against 4 activation rows (x, x + xs, ... in blocks): the weights
+ * are loaded and unpacked once for the 4 rows, and each row's sums are formed by exactly the
+ * operations of dotq8_q4_0_vnni (integer sums, then the same float steps in the same order), so
+ * out[t * 8 ..] is bit for bit that kernel's result for row t. */
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q4_0x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    const int64_t nb = n / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
+        const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
+        const __m256i l0 = _mm256_and_si256(v0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+        const __m256i l1 = _mm256_and_si256(v1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+        const __m256i l2 = _mm256_and_si256(v2, m4), h2 = _mm256_and_si256(_mm256_srli_epi16(v2, 4), m4);
+        const __m256i l3 = _mm256_and_si256(v3, m4), h3 = _mm256_and_si256(_mm256_srli_epi16(v3, 4), m4);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
+#define ROW_Q4(t, A0, A1)                                                                                          \
+    do {                                                                                                           \
+        const moe__block_q8a *xb = x + (t) * xs + b;                                                               \
+        const int32_t *xq = (const int32_t *)xb->qs;                                                               \
+        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-8 * xb->sum), l0, _mm256_set1_epi32(xq[0]));           \
+        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), h0, _mm256_set1_epi32(xq[4]));                    \
+        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), l1, _mm256_set1_epi32(xq[1]));                    \
+        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), h1, _mm256_set1_epi32(xq[5]));                    \
+        s0 = _mm256_dpbusd_epi32(s0, l2, _mm256_set1_epi32(xq[2]));                                                \
+        s1 = _mm256_dpbusd_epi32(s1, h2, _mm256_set1_epi32(xq[6]));                                                \
+        s2 = _mm256_dpbusd_epi32(s2, l3, _mm256_set1_epi32(xq[3]));                                                \
+        s3 = _mm256_dpbusd_epi32(s3, h3, _mm256_set1_epi32(xq[7]));                                                \
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                   \
+        const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xb->d));                                                 \
+        if (b & 1) A1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A1);                                             \
+        else A0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A0);                                                   \
+    } while (0)
+        ROW_Q4(0, a00, a01);
+        ROW_Q4(1, a10, a11);
+        ROW_Q4(2, a20, a21);
+        ROW_Q4(3, a30, a31);
+#undef ROW_Q4
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(a00, a01));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11));
+    _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21));
+    _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31));
+}
+
+/* the same for Q8_0x8: dotq8_q8_0_vnni's operations per row, the 8 weight vectors loaded once */
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q8_0x8 *o = w;
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+#define QV(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
+        const __m256i q0 = QV(0), q1 = QV(1), q2 = QV(2), q3 = QV(3), q4 = QV(4), q5 = QV(5), q6 = QV(6), q7 = QV(7);
+#undef QV
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
+#define ROW_Q8(t, A0, A1)                                                                                          \
+    do {                                                                                                           \
+        const moe__block_q8a *xb = x + (t) * xs + b;                                                               \
+        const int32_t *xq = (const int32_t *)xb->qs;                                                               \
+        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-128 * xb->sum), q0, _mm256_set1_epi32(xq[0]));         \
+        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q1, _mm256_set1_epi32(xq[1]));                    \
+        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q2, _mm256_set1_epi32(xq[2]));                    \
+        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q3, _mm256_set1_epi32(xq[3]));                    \
+        s0 = _mm256_dpbusd_epi32(s0, q4, _mm256_set1_epi32(xq[4]));                                                \
+        s1 = _mm256_dpbusd_epi32(s1, q5, _mm256_set1_epi32(xq[5]));                                                \
+        s2 = _mm256_dpbusd_epi32(s2, q6, _mm256_set1_epi32(xq[6]));                                                \
+        s3 = _mm256_dpbusd_epi32(s3, q7, _mm256_set1_epi32(xq[7]));                                                \
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                   \
+        const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xb->d));                                                 \
+        if (b & 1) A1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A1);                                             \
+        else A0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A0);                                                   \
+    } while (0)
+        ROW_Q8(0, a00, a01);
+        ROW_Q8(1, a10, a11);
+        ROW_Q8(2, a20, a21);
+        ROW_Q8(3, a30, a31);
+#undef ROW_Q8
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(a00, a01));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11));
+    _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21));
+    _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31));
+}
+
+
 MOE_TARGET("avx2,fma") static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
     const __m256 va = _mm256_set1_ps(a);
     int64_t i = 0;
@@ -2264,6 +2351,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq[MOE_T_Q4_0] = dotq_q4_0_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
+                v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_vnni;
+                v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_vnni;
                 v->isa = "avx512vnni";
             }
             if (cpu_has_avx512bf16()) {

@@ -397,6 +397,27 @@ static void test_quant_blocks(void) {
             lv[0].quant_q8a(v, xq, n);
             moe__repack_x8(type, rows, rb, packed, n);
             const int xt = type == MOE_T_Q8_0 ? MOE_T_Q8_0X8 : MOE_T_Q4_0X8;
+            /* four activation rows (the first is xq), blocks 3 rows apart as in a strided batch:
+             * the 4-row kernels give each row's dotq8 bit for bit */
+            const int64_t nb = n / 32, xs = 3 * nb;
+            moe__block_q8a *x4 = malloc(sizeof *x4 * (size_t)(xs * 3 + nb));
+            for (int t = 0; t < 4; t++) {
+                for (int i = 0; i < n; i++) v[i] = t ? nrand() * (t == 2 ? 30.0f : 1.0f) : v[i];
+                if (t) lv[0].quant_q8a(v, x4 + t * xs, n);
+                else memcpy(x4, xq, sizeof *xq * (size_t)nb);
+            }
+            for (int li = 0; li < nl; li++) {
+                if (!lv[li].dotq8x4[xt]) continue;
+                float o32[32], o8[8];
+                lv[li].dotq8x4[xt](packed, x4, xs, n, o32);
+                int same = 1;
+                for (int t = 0; t < 4; t++) {
+                    lv[li].dotq8[xt](packed, x4 + t * xs, n, o8);
+                    same &= !memcmp(o8, o32 + 8 * t, sizeof o8);
+                }
+                CHECKF(same, "%s x8x4 type %d n %d: differs from the 1-row kernel", lv[li].isa, type, n);
+            }
+            free(x4);
             for (int li = 0; li < nl; li++) {
                 float out[8];
                 lv[li].dotq8[xt](packed, xq, n, out);
