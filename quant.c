@@ -703,6 +703,41 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q4_0_avx2(const void *w, const moe
     _mm256_storeu_ps(out, acc);
 }
 
+/* prefill: one x8 row group against 4 activation rows, each row bit for bit dotq8_q4_0_avx2's
+ * result (the same integer and float steps), each chunk of weights loaded and unpacked once and
+ * met by the 4 rows in turn (holding all 8 unpacked chunks needs more than AVX2's 16 registers:
+ * it spilled and ran slower than the 1-row kernel); int16 sums wrap, so their order does not
+ * change them */
+MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q4_0_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q4_0x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        const moe__block_q8a *x0 = x + b, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
+        const int32_t *q0 = (const int32_t *)x0->qs, *q1 = (const int32_t *)x1->qs, *q2 = (const int32_t *)x2->qs, *q3 = (const int32_t *)x3->qs;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c));
+            const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#define ROW(S, Q) S = _mm256_add_epi16(_mm256_add_epi16(S, _mm256_maddubs_epi16(lo, _mm256_set1_epi32(Q[c]))), _mm256_maddubs_epi16(hi, _mm256_set1_epi32(Q[c + 4])))
+            ROW(s0, q0);
+            ROW(s1, q1);
+            ROW(s2, q2);
+            ROW(s3, q3);
+#undef ROW
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
+#define ACC(A, S, X) A = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(X->d)), _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(S, ones), _mm256_set1_epi32(8 * X->sum))), A)
+        ACC(a0, s0, x0);
+        ACC(a1, s1, x1);
+        ACC(a2, s2, x2);
+        ACC(a3, s3, x3);
+#undef ACC
+    }
+    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2), _mm256_storeu_ps(out + 24, a3);
+}
+
 MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -865,6 +900,35 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q8_0
     _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31));
 }
 
+
+/* the same for Q8_0x8: dotq8_q8_0_avx2's steps per row, each chunk loaded once for the 4 rows */
+MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q8_0x8 *o = w;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        const moe__block_q8a *x0 = x + b, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
+        const int32_t *q0 = (const int32_t *)x0->qs, *q1 = (const int32_t *)x1->qs, *q2 = (const int32_t *)x2->qs, *q3 = (const int32_t *)x3->qs;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c)), _mm256_set1_epi8((char)0x80));
+            const __m256i av = _mm256_sign_epi8(v, v);
+#define ROW(S, Q) S = _mm256_add_epi32(S, _mm256_madd_epi16(_mm256_maddubs_epi16(av, _mm256_sign_epi8(_mm256_set1_epi32(Q[c]), v)), ones))
+            ROW(s0, q0);
+            ROW(s1, q1);
+            ROW(s2, q2);
+            ROW(s3, q3);
+#undef ROW
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
+        a0 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x0->d)), _mm256_cvtepi32_ps(s0), a0);
+        a1 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x1->d)), _mm256_cvtepi32_ps(s1), a1);
+        a2 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x2->d)), _mm256_cvtepi32_ps(s2), a2);
+        a3 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x3->d)), _mm256_cvtepi32_ps(s3), a3);
+    }
+    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2), _mm256_storeu_ps(out + 24, a3);
+}
 
 MOE_TARGET("avx2,fma") static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
     const __m256 va = _mm256_set1_ps(a);
@@ -2314,6 +2378,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq[MOE_T_Q4_0] = dotq_q4_0_avx2;
         k->quant_q8a = quant_q8a_avx2;
         k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avx2;
+        k->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_avx2;
+        k->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_avx2;
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avx2;
         k->axpy = axpy_avx2;
         k->kda_recurrent = kda_recurrent_avx2;
