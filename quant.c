@@ -703,20 +703,36 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q4_0_avx2(const void *w, const moe
     _mm256_storeu_ps(out, acc);
 }
 
-/* prefill: one x8 row group against 4 activation rows, each row bit for bit dotq8_q4_0_avx2's
- * result (the same integer and float steps), each chunk of weights loaded and unpacked once and
- * met by the 4 rows in turn (holding all 8 unpacked chunks needs more than AVX2's 16 registers:
- * it spilled and ran slower than the 1-row kernel); int16 sums wrap, so their order does not
- * change them */
+/* Prefill: one x8 row group against 4 activation rows, each row bit for bit the 1-row AVX2
+ * kernel's result (the same integer and float steps), each chunk of weights loaded and unpacked
+ * once and met by the 4 rows in turn (holding all 8 unpacked chunks needs more than AVX2's 16
+ * registers: it spilled and ran slower than the 1-row kernel); integer sums wrap, so their order
+ * does not change them. */
+/* the 4 rows' block b: x0..x3, their 4-byte groups q0..q3, integer sums s0..s3 */
+#define AVX2_X4_ROWS                                                                                               \
+    const moe__block_q8a *x0 = x + b, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;                                 \
+    const int32_t *q0 = (const int32_t *)x0->qs, *q1 = (const int32_t *)x1->qs, *q2 = (const int32_t *)x2->qs;     \
+    const int32_t *q3 = (const int32_t *)x3->qs;                                                                   \
+    __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0
+/* the block's int32 sums S(s) into the 4 rows' float sums */
+#define AVX2_X4_ACC(S)                                                                                             \
+    do {                                                                                                           \
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));                              \
+        a0 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x0->d)), _mm256_cvtepi32_ps(S(s0, x0)), a0);        \
+        a1 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x1->d)), _mm256_cvtepi32_ps(S(s1, x1)), a1);        \
+        a2 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x2->d)), _mm256_cvtepi32_ps(S(s2, x2)), a2);        \
+        a3 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x3->d)), _mm256_cvtepi32_ps(S(s3, x3)), a3);        \
+    } while (0)
+#define AVX2_X4_STORE() \
+    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2), _mm256_storeu_ps(out + 24, a3)
+
 MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q4_0_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q4_0x8 *o = w;
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
-        const moe__block_q8a *x0 = x + b, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
-        const int32_t *q0 = (const int32_t *)x0->qs, *q1 = (const int32_t *)x1->qs, *q2 = (const int32_t *)x2->qs, *q3 = (const int32_t *)x3->qs;
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        AVX2_X4_ROWS; /* int16 sums here */
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c));
             const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -727,15 +743,11 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q4_0_avx2(const void *w, const m
             ROW(s3, q3);
 #undef ROW
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
-#define ACC(A, S, X) A = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(X->d)), _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(S, ones), _mm256_set1_epi32(8 * X->sum))), A)
-        ACC(a0, s0, x0);
-        ACC(a1, s1, x1);
-        ACC(a2, s2, x2);
-        ACC(a3, s3, x3);
-#undef ACC
+#define S32(S, X) _mm256_sub_epi32(_mm256_madd_epi16(S, ones), _mm256_set1_epi32(8 * X->sum))
+        AVX2_X4_ACC(S32);
+#undef S32
     }
-    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2), _mm256_storeu_ps(out + 24, a3);
+    AVX2_X4_STORE();
 }
 
 MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
@@ -815,102 +827,82 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_v
 }
 
 /* Prefill: one x8 row group against 4 activation rows (x, x + xs, ... in blocks): the weights
- * are loaded and unpacked once for the 4 rows, and each row's sums are formed by exactly the
- * operations of dotq8_q4_0_vnni (integer sums, then the same float steps in the same order), so
- * out[t * 8 ..] is bit for bit that kernel's result for row t. */
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
-    const moe__block_q4_0x8 *o = w;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-    const int64_t nb = n / 32;
-    for (int64_t b = 0; b < nb; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
-        const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
-        const __m256i l0 = _mm256_and_si256(v0, m4), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-        const __m256i l1 = _mm256_and_si256(v1, m4), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
-        const __m256i l2 = _mm256_and_si256(v2, m4), h2 = _mm256_and_si256(_mm256_srli_epi16(v2, 4), m4);
-        const __m256i l3 = _mm256_and_si256(v3, m4), h3 = _mm256_and_si256(_mm256_srli_epi16(v3, 4), m4);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
-#define ROW_Q4(t, A0, A1)                                                                                          \
+ * are loaded (and unpacked) once for the 4 rows, and each row's sums are formed as the 1-row
+ * VNNI kernels form theirs (exact integer sums, then the same float steps in the same order),
+ * so out[t * 8 ..] is bit for bit that kernel's result for row t. u0..u7: the block's 8 weight
+ * vectors in the order of the activation's 4-byte groups; bias: -8 (Q4_0) or -128 (Q8_0) times
+ * the activation sum. */
+#define VNNI_X4_ROW(t, A0, A1, bias)                                                                               \
     do {                                                                                                           \
         const moe__block_q8a *xb = x + (t) * xs + b;                                                               \
         const int32_t *xq = (const int32_t *)xb->qs;                                                               \
-        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-8 * xb->sum), l0, _mm256_set1_epi32(xq[0]));           \
-        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), h0, _mm256_set1_epi32(xq[4]));                    \
-        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), l1, _mm256_set1_epi32(xq[1]));                    \
-        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), h1, _mm256_set1_epi32(xq[5]));                    \
-        s0 = _mm256_dpbusd_epi32(s0, l2, _mm256_set1_epi32(xq[2]));                                                \
-        s1 = _mm256_dpbusd_epi32(s1, h2, _mm256_set1_epi32(xq[6]));                                                \
-        s2 = _mm256_dpbusd_epi32(s2, l3, _mm256_set1_epi32(xq[3]));                                                \
-        s3 = _mm256_dpbusd_epi32(s3, h3, _mm256_set1_epi32(xq[7]));                                                \
+        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32((bias) * xb->sum), u0, _mm256_set1_epi32(xq[0]));       \
+        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, _mm256_set1_epi32(xq[1]));                    \
+        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u2, _mm256_set1_epi32(xq[2]));                    \
+        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u3, _mm256_set1_epi32(xq[3]));                    \
+        s0 = _mm256_dpbusd_epi32(s0, u4, _mm256_set1_epi32(xq[4]));                                                \
+        s1 = _mm256_dpbusd_epi32(s1, u5, _mm256_set1_epi32(xq[5]));                                                \
+        s2 = _mm256_dpbusd_epi32(s2, u6, _mm256_set1_epi32(xq[6]));                                                \
+        s3 = _mm256_dpbusd_epi32(s3, u7, _mm256_set1_epi32(xq[7]));                                                \
         const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                   \
         const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xb->d));                                                 \
         if (b & 1) A1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A1);                                             \
         else A0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A0);                                                   \
     } while (0)
-        ROW_Q4(0, a00, a01);
-        ROW_Q4(1, a10, a11);
-        ROW_Q4(2, a20, a21);
-        ROW_Q4(3, a30, a31);
-#undef ROW_Q4
+/* the block's 4 rows, then after the last block the sums of each row's even and odd blocks */
+#define VNNI_X4_BLOCK(bias)                                                                                        \
+    VNNI_X4_ROW(0, a00, a01, bias);                                                                                \
+    VNNI_X4_ROW(1, a10, a11, bias);                                                                                \
+    VNNI_X4_ROW(2, a20, a21, bias);                                                                                \
+    VNNI_X4_ROW(3, a30, a31, bias)
+#define VNNI_X4_STORE()                                                                                            \
+    _mm256_storeu_ps(out, _mm256_add_ps(a00, a01)), _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11)),             \
+        _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21)), _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31))
+
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q4_0x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
+        const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
+        /* chunk c (activation group c) in the low nibbles, chunk c + 4 in the high */
+        const __m256i u0 = _mm256_and_si256(v0, m4), u4 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
+        const __m256i u1 = _mm256_and_si256(v1, m4), u5 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
+        const __m256i u2 = _mm256_and_si256(v2, m4), u6 = _mm256_and_si256(_mm256_srli_epi16(v2, 4), m4);
+        const __m256i u3 = _mm256_and_si256(v3, m4), u7 = _mm256_and_si256(_mm256_srli_epi16(v3, 4), m4);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
+        VNNI_X4_BLOCK(-8);
     }
-    _mm256_storeu_ps(out, _mm256_add_ps(a00, a01));
-    _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11));
-    _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21));
-    _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31));
+    VNNI_X4_STORE();
 }
 
-/* the same for Q8_0x8: dotq8_q8_0_vnni's operations per row, the 8 weight vectors loaded once */
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
 #define QV(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
-        const __m256i q0 = QV(0), q1 = QV(1), q2 = QV(2), q3 = QV(3), q4 = QV(4), q5 = QV(5), q6 = QV(6), q7 = QV(7);
+        const __m256i u0 = QV(0), u1 = QV(1), u2 = QV(2), u3 = QV(3), u4 = QV(4), u5 = QV(5), u6 = QV(6), u7 = QV(7);
 #undef QV
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
-#define ROW_Q8(t, A0, A1)                                                                                          \
-    do {                                                                                                           \
-        const moe__block_q8a *xb = x + (t) * xs + b;                                                               \
-        const int32_t *xq = (const int32_t *)xb->qs;                                                               \
-        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-128 * xb->sum), q0, _mm256_set1_epi32(xq[0]));         \
-        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q1, _mm256_set1_epi32(xq[1]));                    \
-        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q2, _mm256_set1_epi32(xq[2]));                    \
-        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q3, _mm256_set1_epi32(xq[3]));                    \
-        s0 = _mm256_dpbusd_epi32(s0, q4, _mm256_set1_epi32(xq[4]));                                                \
-        s1 = _mm256_dpbusd_epi32(s1, q5, _mm256_set1_epi32(xq[5]));                                                \
-        s2 = _mm256_dpbusd_epi32(s2, q6, _mm256_set1_epi32(xq[6]));                                                \
-        s3 = _mm256_dpbusd_epi32(s3, q7, _mm256_set1_epi32(xq[7]));                                                \
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                   \
-        const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xb->d));                                                 \
-        if (b & 1) A1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A1);                                             \
-        else A0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A0);                                                   \
-    } while (0)
-        ROW_Q8(0, a00, a01);
-        ROW_Q8(1, a10, a11);
-        ROW_Q8(2, a20, a21);
-        ROW_Q8(3, a30, a31);
-#undef ROW_Q8
+        VNNI_X4_BLOCK(-128);
     }
-    _mm256_storeu_ps(out, _mm256_add_ps(a00, a01));
-    _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11));
-    _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21));
-    _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31));
+    VNNI_X4_STORE();
 }
+#undef VNNI_X4_ROW
+#undef VNNI_X4_BLOCK
+#undef VNNI_X4_STORE
 
-
-/* the same for Q8_0x8: dotq8_q8_0_avx2's steps per row, each chunk loaded once for the 4 rows */
+/* the same for Q8_0x8, each chunk loaded once for the 4 rows */
 MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
-        const moe__block_q8a *x0 = x + b, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;
-        const int32_t *q0 = (const int32_t *)x0->qs, *q1 = (const int32_t *)x1->qs, *q2 = (const int32_t *)x2->qs, *q3 = (const int32_t *)x3->qs;
-        __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+        AVX2_X4_ROWS;
         for (int c = 0; c < 8; c++) {
             const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c)), _mm256_set1_epi8((char)0x80));
             const __m256i av = _mm256_sign_epi8(v, v);
@@ -921,14 +913,15 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q8_0_avx2(const void *w, const m
             ROW(s3, q3);
 #undef ROW
         }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
-        a0 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x0->d)), _mm256_cvtepi32_ps(s0), a0);
-        a1 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x1->d)), _mm256_cvtepi32_ps(s1), a1);
-        a2 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x2->d)), _mm256_cvtepi32_ps(s2), a2);
-        a3 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x3->d)), _mm256_cvtepi32_ps(s3), a3);
+#define S32(S, X) S
+        AVX2_X4_ACC(S32);
+#undef S32
     }
-    _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1), _mm256_storeu_ps(out + 16, a2), _mm256_storeu_ps(out + 24, a3);
+    AVX2_X4_STORE();
 }
+#undef AVX2_X4_ROWS
+#undef AVX2_X4_ACC
+#undef AVX2_X4_STORE
 
 MOE_TARGET("avx2,fma") static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
     const __m256 va = _mm256_set1_ps(a);
@@ -1813,6 +1806,67 @@ MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *
     vst1q_f32(out + 4, acc1);
 }
 
+/* prefill: one x8 row group against 4 activation rows (x + t * xs), each row bit for bit the
+ * 1-row dotprod kernel's result (exact integer sums, the same float steps), each chunk of
+ * weights loaded and unpacked once */
+#define DOTPROD_X4_FLOAT(t, S0, S1)                                                                                \
+    do {                                                                                                           \
+        const moe__block_q8a *xb_ = x + (t) * xs + b;                                                              \
+        const float32x4_t d0 = vmulq_n_f32(dw0, xb_->d), d1 = vmulq_n_f32(dw1, xb_->d);                           \
+        acc[t][0] = vfmaq_f32(acc[t][0], d0, vcvtq_f32_s32(S0));                                                   \
+        acc[t][1] = vfmaq_f32(acc[t][1], d1, vcvtq_f32_s32(S1));                                                   \
+    } while (0)
+
+MOE_DOTPROD static void dotq8x4_q4_0_dotprod(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q4_0x8 *o = w;
+    float32x4_t acc[4][2];
+    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0);
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        int32x4_t s[4][2];
+        for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = vdupq_n_s32(-8 * x[t * xs + b].sum);
+        for (int c = 0; c < 4; c++) {
+            const uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
+            const int8x16_t l0 = vreinterpretq_s8_u8(vandq_u8(v0, vdupq_n_u8(15))), l1 = vreinterpretq_s8_u8(vandq_u8(v1, vdupq_n_u8(15)));
+            const int8x16_t h0 = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), h1 = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
+            for (int t = 0; t < 4; t++) {
+                const int32_t *xq = (const int32_t *)x[t * xs + b].qs;
+                const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(xq[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(xq[c + 4]));
+                s[t][0] = vdotq_s32(vdotq_s32(s[t][0], l0, xl), h0, xh);
+                s[t][1] = vdotq_s32(vdotq_s32(s[t][1], l1, xl), h1, xh);
+            }
+        }
+        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), dw1 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4)));
+        for (int t = 0; t < 4; t++) DOTPROD_X4_FLOAT(t, s[t][0], s[t][1]);
+    }
+    for (int t = 0; t < 4; t++) vst1q_f32(out + 8 * t, acc[t][0]), vst1q_f32(out + 8 * t + 4, acc[t][1]);
+}
+
+MOE_DOTPROD static void dotq8x4_q8_0_dotprod(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q8_0x8 *o = w;
+    const uint8x16_t flip = vdupq_n_u8(0x80);
+    float32x4_t acc[4][2];
+    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0);
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        int32x4_t s[4][2];
+        for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = vdupq_n_s32(0);
+        for (int c = 0; c < 8; c++) {
+            const int8x16_t v0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c), flip));
+            const int8x16_t v1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c + 16), flip));
+            for (int t = 0; t < 4; t++) {
+                const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(((const int32_t *)x[t * xs + b].qs)[c]));
+                s[t][0] = vdotq_s32(s[t][0], v0, xb);
+                s[t][1] = vdotq_s32(s[t][1], v1, xb);
+            }
+        }
+        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), dw1 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4)));
+        for (int t = 0; t < 4; t++) DOTPROD_X4_FLOAT(t, s[t][0], s[t][1]);
+    }
+    for (int t = 0; t < 4; t++) vst1q_f32(out + 8 * t, acc[t][0]), vst1q_f32(out + 8 * t + 4, acc[t][1]);
+}
+#undef DOTPROD_X4_FLOAT
+
 static int cpu_has_dotprod(void) {
 #if defined(__linux__) && defined(HWCAP_ASIMDDP)
     return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
@@ -2461,6 +2515,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq[MOE_T_Q4_0] = dotq_q4_0_dotprod;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_dotprod;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_dotprod;
+            v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_dotprod;
+            v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_dotprod;
             v->isa = "neon-dotprod";
         }
     }

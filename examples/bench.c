@@ -4,7 +4,7 @@
  *             [--prefill N] [--reps R]
  *
  * First it measures the memory read bandwidth (a large buffer summed by every thread) and the
- * int8 kernel peak (the interleaved Q8_0 kernel on cache-resident data: what the integer matmul
+ * int8 kernel peak (the interleaved Q8_0 kernel, 4 rows at a time, on cache-resident data: what the integer matmul
  * can do when memory is not the limit). Then per model and thread count: decode tok/s at each depth
  * (depth = tokens already in the context), with the bytes one decoded token reads (weights
  * actually touched: dense matrices, the routed experts chosen, plus KDA states and the MLA
@@ -122,7 +122,8 @@ static double membw(int threads, int reps) {
 }
 
 /* int8 peak: the best kernel level's interleaved Q8_0 kernel on cache-resident data (8 rows x
- * 2048 columns, 17 KB), in operations (multiply + add) per second: what the integer matmul does
+ * 2048 columns, 17 KB, against 4 activation rows at once where the level has that kernel, as
+ * prefill runs it), in operations (multiply + add) per second: what the integer matmul does
  * when memory is not the limit */
 static double int8_peak(int threads) {
     moe__kernels lv[4];
@@ -131,12 +132,14 @@ static double int8_peak(int threads) {
     const int n = 2048;
     moe__block_q8_0 *w = malloc(sizeof *w * (size_t)(n / 32 * 8));
     moe__block_q8_0x8 *wx = malloc(sizeof *wx * (size_t)(n / 32));
-    moe__block_q8a *x = malloc(sizeof *x * (size_t)(n / 32));
+    moe__block_q8a *x = malloc(sizeof *x * (size_t)(n / 32) * 4);
     float *xf = malloc(sizeof(float) * n);
     for (int i = 0; i < n; i++) xf[i] = (float)((i * 37) % 101 - 50) / 50.0f;
     for (int r = 0; r < 8; r++) moe__quantize_row(MOE_T_Q8_0, xf, w + (size_t)r * (n / 32), n);
     moe__repack_x8(MOE_T_Q8_0, w, (int64_t)(n / 32 * sizeof *w), wx, n);
-    k->quant_q8a(xf, x, n);
+    for (int t = 0; t < 4; t++) k->quant_q8a(xf, x + (size_t)t * (n / 32), n);
+    /* prefill's kernel: 4 activation rows per pass over the weights where the level has it */
+    const int rows = k->dotq8x4[MOE_T_Q8_0X8] ? 4 : 1;
     const long iters = 40000;
     double best = 0;
     float sink = 0;
@@ -146,11 +149,12 @@ static double int8_peak(int threads) {
 #pragma omp parallel for num_threads(threads) reduction(+ : sink) schedule(static)
 #endif
         for (long it = 0; it < iters; it++) {
-            float o[8];
-            k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
+            float o[32];
+            if (rows == 4) k->dotq8x4[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
+            else k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
             sink += o[it & 7];
         }
-        double ops = 2.0 * 8 * n * iters / (now() - t0);
+        double ops = 2.0 * 8 * rows * n * iters / (now() - t0);
         best = ops > best ? ops : best;
     }
     (void)threads;
