@@ -42,6 +42,11 @@ static inline void prefetch_row(const void *p, int bytes) {
 static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row((const void *)((uintptr_t)p + PREFETCH_AHEAD), bytes); }
 #endif
 
+/* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
+ * L2 while each group of 4 weight rows meets them (all T rows at once ran from L3/memory: 4x
+ * slower); a multiple of 4 */
+#define GEMM_TOKEN_BLOCK(K) ((int)((K) >= 16384 ? 4 : 65536 / (K) / 4 * 4 > 4 ? 65536 / (K) / 4 * 4 : 4))
+
 /* ---- number formats -------------------------------------------------------------------- */
 
 float moe__bf16_to_f32(uint16_t h) {
@@ -482,10 +487,6 @@ MOE_TARGET("avx2,fma") static float dot_bf16_avx2(const void *w, const uint8_t *
     return s;
 }
 
-/* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
- * L2 while each group of 4 weight rows meets them (all T rows at once ran from L3/memory: 4x
- * slower); a multiple of 4 */
-#define GEMM_TOKEN_BLOCK(K) ((int)((K) >= 16384 ? 4 : 65536 / (K) / 4 * 4 > 4 ? 65536 / (K) / 4 * 4 : 4))
 
 /* matrix tiles for prefill, 4 weight rows x 2 activation rows in 8 accumulators (the AVX2
  * kernel of GEMM_AVX512 below: same scheme, 8 lanes; a partial step at the end of a row through
@@ -2369,12 +2370,63 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_ctx16_avx512bf16(const moe__mla_block
 #endif
 
 #ifdef MOE_NEON
-static void gemm_f32_neon(const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) {
-    gemm_by_dot(dot_f32_neon, ldw * 4, w, nr, x, ldx, nt, K, y, ldy);
-}
-static void gemm_bf16_neon(const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) {
-    gemm_by_dot(dot_bf16_neon, ldw * 2, w, nr, x, ldx, nt, K, y, ldy);
-}
+/* matrix tiles for prefill: 4 weight rows x 4 activation rows in 16 named accumulators (the
+ * scheme of GEMM_AVX512 at 4 lanes: in an array gcc kept them in memory; a partial step at the
+ * end of a row through zero-padded copies; a partial tile repeats its last row / token, computed
+ * and not stored) */
+#define GEMM_NEON_STEP(W0, W1, W2, W3, X0, X1, X2, X3)                                                             \
+    do {                                                                                                           \
+        const float32x4_t x0_ = X0, x1_ = X1, x2_ = X2, x3_ = X3;                                                  \
+        float32x4_t w_ = W0;                                                                                       \
+        t00 = vfmaq_f32(t00, w_, x0_), t01 = vfmaq_f32(t01, w_, x1_), t02 = vfmaq_f32(t02, w_, x2_), t03 = vfmaq_f32(t03, w_, x3_); \
+        w_ = W1;                                                                                                   \
+        t10 = vfmaq_f32(t10, w_, x0_), t11 = vfmaq_f32(t11, w_, x1_), t12 = vfmaq_f32(t12, w_, x2_), t13 = vfmaq_f32(t13, w_, x3_); \
+        w_ = W2;                                                                                                   \
+        t20 = vfmaq_f32(t20, w_, x0_), t21 = vfmaq_f32(t21, w_, x1_), t22 = vfmaq_f32(t22, w_, x2_), t23 = vfmaq_f32(t23, w_, x3_); \
+        w_ = W3;                                                                                                   \
+        t30 = vfmaq_f32(t30, w_, x0_), t31 = vfmaq_f32(t31, w_, x1_), t32 = vfmaq_f32(t32, w_, x2_), t33 = vfmaq_f32(t33, w_, x3_); \
+    } while (0)
+#define GEMM_NEON(NAME, WT, LW)                                                                                    \
+    static void NAME(const void *wv, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) { \
+        const WT *w = wv;                                                                                          \
+        const int64_t full = K / 4 * 4;                                                                            \
+        for (int tb = 0; tb < nt; tb += GEMM_TOKEN_BLOCK(K))                                                      \
+            for (int i = 0; i < nr; i += 4) {                                                                      \
+                const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < GEMM_TOKEN_BLOCK(K) ? nt : tb + GEMM_TOKEN_BLOCK(K); \
+                const WT *w0 = w + (int64_t)i * ldw, *w1 = w0 + (ri > 1 ? ldw : 0), *w2 = w0 + (ri > 2 ? 2 * ldw : 0), *w3 = w0 + (ri > 3 ? 3 * ldw : 0); \
+                for (int t = tb; t < te; t += 4) {                                                                 \
+                    const int tj = te - t < 4 ? te - t : 4;                                                        \
+                    const float *x0 = x + (int64_t)t * ldx, *x1 = x0 + (tj > 1 ? ldx : 0), *x2 = x0 + (tj > 2 ? 2 * ldx : 0), *x3 = x0 + (tj > 3 ? 3 * ldx : 0); \
+                    float32x4_t t00 = vdupq_n_f32(0), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00; \
+                    float32x4_t t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00; \
+                    for (int64_t k = 0; k < full; k += 4)                                                          \
+                        GEMM_NEON_STEP(LW(w0 + k), LW(w1 + k), LW(w2 + k), LW(w3 + k), vld1q_f32(x0 + k), vld1q_f32(x1 + k), vld1q_f32(x2 + k), vld1q_f32(x3 + k)); \
+                    if (full < K) { /* the last K - full values, zero-padded */                                     \
+                        const size_t n_ = (size_t)(K - full);                                                      \
+                        WT wp[4][4] = {{0}};                                                                       \
+                        float xp[4][4] = {{0}};                                                                    \
+                        memcpy(wp[0], w0 + full, sizeof(WT) * n_), memcpy(wp[1], w1 + full, sizeof(WT) * n_);     \
+                        memcpy(wp[2], w2 + full, sizeof(WT) * n_), memcpy(wp[3], w3 + full, sizeof(WT) * n_);     \
+                        memcpy(xp[0], x0 + full, sizeof(float) * n_), memcpy(xp[1], x1 + full, sizeof(float) * n_); \
+                        memcpy(xp[2], x2 + full, sizeof(float) * n_), memcpy(xp[3], x3 + full, sizeof(float) * n_); \
+                        GEMM_NEON_STEP(LW(wp[0]), LW(wp[1]), LW(wp[2]), LW(wp[3]), vld1q_f32(xp[0]), vld1q_f32(xp[1]), vld1q_f32(xp[2]), vld1q_f32(xp[3])); \
+                    }                                                                                              \
+                    const float o_[4][4] = {{vaddvq_f32(t00), vaddvq_f32(t10), vaddvq_f32(t20), vaddvq_f32(t30)},  \
+                                            {vaddvq_f32(t01), vaddvq_f32(t11), vaddvq_f32(t21), vaddvq_f32(t31)},  \
+                                            {vaddvq_f32(t02), vaddvq_f32(t12), vaddvq_f32(t22), vaddvq_f32(t32)},  \
+                                            {vaddvq_f32(t03), vaddvq_f32(t13), vaddvq_f32(t23), vaddvq_f32(t33)}}; \
+                    for (int c = 0; c < tj; c++) memcpy(y + (int64_t)(t + c) * ldy + i, o_[c], sizeof(float) * (size_t)ri); \
+                }                                                                                                  \
+            }                                                                                                      \
+    }
+#define LW_F32(p) vld1q_f32(p)
+#define LW_BF16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))
+GEMM_NEON(gemm_f32_neon, float, LW_F32)
+GEMM_NEON(gemm_bf16_neon, uint16_t, LW_BF16)
+#undef LW_F32
+#undef LW_BF16
+#undef GEMM_NEON
+#undef GEMM_NEON_STEP
 static void mla_scores16_neon(const moe__mla_block16 *b) { mla_scores16_widened(b, mla_scores_neon, widen_bf16_neon); }
 static void mla_ctx16_neon(const moe__mla_block16 *b, int h0, int h1) { mla_ctx16_widened(b, h0, h1, mla_ctx_neon, widen_bf16_neon); }
 #endif
