@@ -773,6 +773,7 @@ struct moe_model {
     void **owned; /* weights converted at load */
     int n_owned, cap_owned;
     struct expert_cache *cache; /* CACHE mode */
+    int mla_key_block; /* test hook: keys per block of the expanded MLA form (0: by MLA_EXPANDED_BLOCK_BYTES) */
 };
 
 struct moe_session {
@@ -2346,7 +2347,7 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
 
 #define MLA_KEY_BLOCK 256 /* keys scored at once: per-head online softmax across blocks */
 #define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
-#define MLA_EXPANDED_MAX_BYTES (1024.0 * 1024 * 1024) /* the expanded form's keys and values, at most */
+#define MLA_EXPANDED_BLOCK_BYTES (256.0 * 1024 * 1024) /* one key block's keys and values (all heads), at most */
 
 /* Absorbed attention of one query token over `len` cached latents, all heads at once (the heads
  * share the latent, as in MQA). The keys are split across the threads (split-K, as in flash
@@ -2485,6 +2486,101 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
     }
 }
 
+void moe__set_mla_key_block(moe_model *m, int keys) {
+    if (m) m->mla_key_block = keys > 0 ? keys : 0;
+}
+
+/* Expanded attention of the n query rows at positions pos .. pos+n-1 over the pos+n cached
+ * latents, in blocks of keys: each block's keys and values are rebuilt from its latents through
+ * kv_b for all heads (at most MLA_EXPANDED_BLOCK_BYTES of them), then the heads in parallel: the
+ * head's keys and values of the block made contiguous, its query rows scored against them in
+ * blocks of MLA_QUERY_BLOCK through the absorbed form's register-tiled kernels (the rows standing
+ * in for its heads), keys after a row's position masked out, and the row's context sums updated
+ * under an online softmax (running max and sum, rescaled when the max grows), as the absorbed
+ * form does across its key blocks. Memory does not grow with the context.
+ * q: [n, H, d_n + d_r]; y: [n, H, d_v]. */
+static moe_status mla_expanded(const moe_model *m, const layer *L, const void *cache, int pos, int n, const float *q, float *y, int nt) {
+    const moe_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, S = pos + n, QB = MLA_QUERY_BLOCK;
+    const size_t kvw = (size_t)H * (dn + dv);
+    const float scale = 1.0f / sqrtf((float)dq);
+    int KB = m->mla_key_block ? m->mla_key_block : (int)(MLA_EXPANDED_BLOCK_BYTES / (kvw * sizeof(float)));
+    KB = KB < 16 ? 16 : KB > S ? S : KB;
+    /* the block's latents in f32 [KB, cw] (copied from a bf16 cache) and keys/values [KB, H(d_n +
+     * d_v)]; per query row and head the running max and sum [n, H]; per thread one head's block
+     * keys [KB, d_q] and values [KB, d_v], its query rows [n, d_n] and [n, d_r], one query block's
+     * scores [QB, KB], context [QB, d_v] and rescale factors [QB] */
+    const size_t scratch = (size_t)KB * (dq + dv) + (size_t)n * dq + (size_t)QB * ((size_t)KB + dv + 1) + 16;
+    float *buf = malloc(sizeof(float) * ((size_t)KB * cw + (size_t)KB * kvw + (size_t)n * H + scratch * (size_t)nt));
+    double *LS = malloc(sizeof(double) * (size_t)n * H);
+    if (!buf || !LS) {
+        free(buf), free(LS);
+        return MOE_ERR_NOMEM;
+    }
+    float *wide = buf, *kv = wide + (size_t)KB * cw, *MX = kv + (size_t)KB * kvw, *scr = MX + (size_t)n * H;
+    for (size_t i = 0; i < (size_t)n * H; i++) MX[i] = -INFINITY, LS[i] = 0;
+    memset(y, 0, sizeof(float) * (size_t)n * H * dv);
+    moe_status st = MOE_OK;
+    for (int k0 = 0; k0 < S && !st; k0 += KB) {
+        const int kn = S - k0 < KB ? S - k0 : KB;
+        const float *rows = kv_rows_f32(m, cache, k0, kn, cw, wide);
+        if ((st = matmul_ld(m, kv, rows, cw, kn, &L->kv_b))) break; /* [kn, H (d_n + d_v)] */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && H > 1)
+#endif
+        for (int h = 0; h < H; h++) {
+            float *K = scr + scratch * (size_t)thread_id(), *V = K + (size_t)KB * dq, *QN = V + (size_t)KB * dv;
+            float *QR = QN + (size_t)n * dn, *SC = QR + (size_t)n * dr, *CT = SC + (size_t)QB * KB, *F = CT + (size_t)QB * dv;
+            for (int j = 0; j < kn; j++) {
+                const float *src = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
+                memcpy(K + (size_t)j * dq, src, sizeof(float) * dn);
+                memcpy(K + (size_t)j * dq + dn, rows + (size_t)j * cw + r, sizeof(float) * dr);
+                memcpy(V + (size_t)j * dv, src + dn, sizeof(float) * dv);
+            }
+            for (int t = 0; t < n; t++) {
+                memcpy(QN + (size_t)t * dn, q + (size_t)t * H * dq + (size_t)h * dq, sizeof(float) * dn);
+                memcpy(QR + (size_t)t * dr, q + (size_t)t * H * dq + (size_t)h * dq + dn, sizeof(float) * dr);
+            }
+            for (int t0 = 0; t0 < n; t0 += QB) {
+                const int nq = n - t0 < QB ? n - t0 : QB, last = pos + t0 + nq - 1; /* the query block's last position */
+                if (k0 > last) continue;                                            /* it sees no key of this block */
+                const int keys = last + 1 - k0 < kn ? last + 1 - k0 : kn;
+                moe__mla_block b = {nq, dn, dr, dq, keys, 0, keys, KB, dr, scale, QN + (size_t)t0 * dn, QR + (size_t)t0 * dr, K, SC, CT};
+                m->k.mla_scores(&b);
+                for (int i = 0; i < nq; i++) { /* row t0 + i sees keys up to position pos + t0 + i */
+                    float *sc = SC + (size_t)i * KB, mx = -INFINITY;
+                    const int vis = pos + t0 + i + 1 - k0 < keys ? pos + t0 + i + 1 - k0 : keys;
+                    const size_t at = (size_t)(t0 + i) * H + h;
+                    for (int j = 0; j < vis; j++) mx = sc[j] > mx ? sc[j] : mx;
+                    const float mnew = mx > MX[at] ? mx : MX[at];
+                    F[i] = vis > 0 && MX[at] != -INFINITY ? expf(MX[at] - mnew) : 1.0f; /* the old sums' rescale */
+                    if (vis > 0) {
+                        LS[at] = LS[at] * F[i] + m->k.exp_sum(sc, sc, mnew, vis);
+                        MX[at] = mnew;
+                    }
+                    for (int j = vis > 0 ? vis : 0; j < keys; j++) sc[j] = 0;
+                }
+                memset(CT, 0, sizeof(float) * (size_t)nq * dv);
+                moe__mla_block bv = {nq, dv, 0, dv, keys, 0, keys, KB, 0, 1.0f, NULL, NULL, V, SC, CT};
+                m->k.mla_ctx(&bv, 0, nq);
+                for (int i = 0; i < nq; i++) {
+                    float *yo = y + (size_t)(t0 + i) * H * dv + (size_t)h * dv;
+                    for (int d = 0; d < dv; d++) yo[d] = yo[d] * F[i] + CT[(size_t)i * dv + d];
+                }
+            }
+        }
+    }
+    for (int t = 0; t < n && !st; t++) /* every row saw at least its own key */
+        for (int h = 0; h < H; h++) {
+            const float inv = (float)(1.0 / LS[(size_t)t * H + h]);
+            float *yo = y + (size_t)t * H * dv + (size_t)h * dv;
+            for (int d = 0; d < dv; d++) yo[d] *= inv;
+        }
+    free(buf), free(LS);
+    return st;
+}
+
 static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s, int li,
                               const float *x, int n, float *out) {
     const moe_config *c = &m->cfg;
@@ -2498,10 +2594,6 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     const double absorbed = (double)n * H * (savg * (2.0 * r + dr) + (double)(dn + dv) * r);
     const double expanded = (double)S * H * (dn + dv) * r + (double)n * H * savg * (dq + dv);
     int use_expanded = expanded < absorbed;
-    /* the expanded form holds the keys and values of every cached token for all heads at once
-     * (S x H x (d_n + d_v) floats: K3 at 16k tokens 1.6 GB); past MLA_EXPANDED_MAX_BYTES the
-     * absorbed form, whose memory does not grow with the context, runs instead */
-    if ((double)S * H * (dn + dv) * sizeof(float) > MLA_EXPANDED_MAX_BYTES) use_expanded = 0;
     if (m->opt.flags & MOE_FLAG_MLA_ABSORBED) use_expanded = 0;
     if (m->opt.flags & MOE_FLAG_MLA_EXPANDED) use_expanded = 1;
 #ifdef _OPENMP
@@ -2510,21 +2602,14 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     const int nt = 1;
 #endif
     size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
-    size_t kvn = use_expanded ? (size_t)S * H * (dn + dv) : 0;
-    /* scratch: the absorbed form's work area, or the expanded form's per-thread scratch: one head's keys [S, d_n + d_r] and values [S, d_v]
-     * made contiguous, its queries [n, d_n] and [n, d_r], and one block of query rows' scores
-     * [MLA_QUERY_BLOCK, S] and outputs [MLA_QUERY_BLOCK, d_v] */
-    const int QB = MLA_QUERY_BLOCK;
-    size_t scratch = use_expanded ? (size_t)S * (dq + dv) + (size_t)n * dq + (size_t)QB * ((size_t)S + dv) + 16 : 0;
-    size_t work = use_expanded ? scratch * (size_t)nt : mla_absorbed_work(m, nt);
+    size_t work = use_expanded ? 0 : mla_absorbed_work(m, nt); /* the expanded form allocates its own */
     const int bf16 = m->opt.kv_type == MOE_KV_BF16;
-    size_t wide = use_expanded && bf16 ? (size_t)S * cw : 0; /* the whole cache in f32 for the expanded form */
     size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
     size_t gn = c->mla_output_gate ? yn : 0;
-    float *buf = malloc(sizeof(float) * (qn + yn + gn + kvn + qa + (size_t)n * cw + work + wide));
+    float *buf = malloc(sizeof(float) * (qn + yn + gn + qa + (size_t)n * cw + work));
     if (!buf) return MOE_ERR_NOMEM;
-    float *q = buf, *y = q + qn, *gate = y + yn, *kv = gate + gn, *qa_buf = kv + kvn;
-    float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw, *widened = scr + work;
+    float *q = buf, *y = q + qn, *gate = y + yn, *qa_buf = gate + gn;
+    float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
     /* 1, 2, 5. the projections of x in one pass: queries (or their LoRA's first factor), the
      * latents, the output gate */
     {
@@ -2545,55 +2630,9 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         else
             memcpy((float *)cache + (size_t)(pos + t) * cw, l, sizeof(float) * cw);
     }
-    const float *cachef = use_expanded ? kv_rows_f32(m, cache, 0, S, cw, widened) : NULL; /* expanded: all rows in f32 */
-    if (use_expanded && !st) st = matmul_ld(m, kv, cachef, cw, S, &L->kv_b); /* [S, H*(dn+dv)] */
-    const float scale = 1.0f / sqrtf((float)dq);
-    if (!use_expanded) {
-        for (int t = 0; t < n; t++)
-            mla_absorbed_token(m, L, cache, pos + t + 1, q + (size_t)t * H * dq, y + (size_t)t * H * dv, scr, nt);
-    } else {
-        /* per head, the heads in parallel: the head's keys and values copied into contiguous rows,
-         * then blocks of query rows through the absorbed form's register-tiled kernels, the head's
-         * queries standing in for its heads (scores against keys [k_nope | kr], the context
-         * against the values); keys after a row's position are masked out */
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && H > 1)
-#endif
-        for (int h = 0; h < H; h++) {
-            float *K = scr + scratch * (size_t)thread_id(), *V = K + (size_t)S * dq, *QN = V + (size_t)S * dv;
-            float *QR = QN + (size_t)n * dn, *SC = QR + (size_t)n * dr, *CT = SC + (size_t)QB * S;
-            const size_t kvw = (size_t)H * (dn + dv);
-            for (int j = 0; j < S; j++) {
-                const float *src = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
-                memcpy(K + (size_t)j * dq, src, sizeof(float) * dn);
-                memcpy(K + (size_t)j * dq + dn, cachef + (size_t)j * cw + r, sizeof(float) * dr);
-                memcpy(V + (size_t)j * dv, src + dn, sizeof(float) * dv);
-            }
-            for (int t = 0; t < n; t++) {
-                memcpy(QN + (size_t)t * dn, q + (size_t)t * H * dq + (size_t)h * dq, sizeof(float) * dn);
-                memcpy(QR + (size_t)t * dr, q + (size_t)t * H * dq + (size_t)h * dq + dn, sizeof(float) * dr);
-            }
-            for (int t0 = 0; t0 < n; t0 += QB) {
-                const int nq = n - t0 < QB ? n - t0 : QB, keys = pos + t0 + nq; /* keys the block's last row sees */
-                moe__mla_block b = {nq, dn, dr, dq, keys, 0, keys, S, dr, scale, QN + (size_t)t0 * dn, QR + (size_t)t0 * dr, K, SC, CT};
-                m->k.mla_scores(&b);
-                for (int i = 0; i < nq; i++) { /* causal softmax of row t0 + i over keys 0 .. pos + t0 + i */
-                    float *sc = SC + (size_t)i * S, mx = -INFINITY;
-                    const int last = pos + t0 + i;
-                    for (int j = 0; j <= last; j++) mx = sc[j] > mx ? sc[j] : mx;
-                    double sum = 0; /* partial sums of 4096 keys in double: a million keys stay exact enough */
-                    for (int j = 0; j <= last; j += 4096) sum += m->k.exp_sum(sc + j, sc + j, mx, last + 1 - j < 4096 ? last + 1 - j : 4096);
-                    const float inv = (float)(1.0 / sum);
-                    for (int j = 0; j <= last; j++) sc[j] *= inv;
-                    for (int j = last + 1; j < keys; j++) sc[j] = 0;
-                }
-                memset(CT, 0, sizeof(float) * (size_t)nq * dv);
-                moe__mla_block bv = {nq, dv, 0, dv, keys, 0, keys, S, 0, 1.0f, NULL, NULL, V, SC, CT};
-                m->k.mla_ctx(&bv, 0, nq);
-                for (int i = 0; i < nq; i++) memcpy(y + (size_t)(t0 + i) * H * dv + (size_t)h * dv, CT + (size_t)i * dv, sizeof(float) * dv);
-            }
-        }
-    }
+    if (!st && use_expanded) st = mla_expanded(m, L, cache, pos, n, q, y, nt);
+    for (int t = 0; t < n && !st && !use_expanded; t++)
+        mla_absorbed_token(m, L, cache, pos + t + 1, q + (size_t)t * H * dq, y + (size_t)t * H * dv, scr, nt);
     /* 5. output gate; 6. output projection */
     if (c->mla_output_gate) {
         m->k.act(gate, gate, (int64_t)yn, MOE__ACT_SIGMOID);

@@ -557,6 +557,8 @@ moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size
 /* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);
+/* Test hook: keys per block of the expanded MLA form (0: sized by memory, the default). */
+void moe__set_mla_key_block(moe_model *m, int keys);
 /* CACHE mode: bytes read from the files since open, by every thread. */
 uint64_t moe__expert_bytes_read(const moe_model *m);
 /* CACHE mode: bytes the expert cache holds now, and the most it ever held. */

@@ -928,6 +928,21 @@ static void test_mla_split_keys(void) {
         free(b);
         moe_model_close(m);
     }
+    /* the expanded form in blocks of 37 and 16 keys (its online softmax across blocks, blocks
+     * before, across and after each query block's positions) against one block */
+    const int kpieces[] = {250, 250, 97, 1, 1, 1, 0}, kb[2] = {37, 16};
+    for (int i = 0; i < 2 && a; i++) {
+        moe_model *m = open_model("kimi", MOE_FLAG_MLA_EXPANDED, 1 + i * 2);
+        if (m) moe__set_mla_key_block(m, kb[i]);
+        float *b = m ? logits_in_pieces(m, ids, n, kpieces) : NULL;
+        CHECK(b != NULL);
+        if (b) {
+            const double d = max_abs_diff(a, b, (size_t)n * V);
+            CHECKF(d < 1e-3, "expanded in blocks of %d keys vs one block: %.3g", kb[i], d);
+        }
+        free(b);
+        moe_model_close(m);
+    }
     free(a);
     moe_model_close(ref);
     /* a split GGUF: absorbed decode from attn_k_b / attn_v_b as stored (f32: the float dots;
