@@ -45,7 +45,10 @@ static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row((cons
 /* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
  * L2 while each group of 4 weight rows meets them (all T rows at once ran from L3/memory: 4x
  * slower); a multiple of 4 */
-#define GEMM_TOKEN_BLOCK(K) ((int)((K) >= 16384 ? 4 : 65536 / (K) / 4 * 4 > 4 ? 65536 / (K) / 4 * 4 : 4))
+static inline int gemm_token_block(int64_t K) {
+    const int64_t t = 65536 / K / 4 * 4;
+    return t > 4 ? (int)t : 4;
+}
 
 /* ---- number formats -------------------------------------------------------------------- */
 
@@ -495,9 +498,9 @@ MOE_TARGET("avx2,fma") static float dot_bf16_avx2(const void *w, const uint8_t *
     MOE_TARGET("avx2,fma") static void NAME(const void *wv, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) { \
         const WT *w = wv;                                                                                        \
         const int64_t full = K / 8 * 8;                                                                          \
-        for (int tb = 0; tb < nt; tb += GEMM_TOKEN_BLOCK(K))                                                    \
+        for (int tb = 0; tb < nt; tb += gemm_token_block(K))                                                    \
         for (int i = 0; i < nr; i += 4) {                                                                        \
-            const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < GEMM_TOKEN_BLOCK(K) ? nt : tb + GEMM_TOKEN_BLOCK(K); \
+            const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < gemm_token_block(K) ? nt : tb + gemm_token_block(K); \
             const WT *w0 = w + (int64_t)i * ldw, *w1 = w0 + (ri > 1 ? ldw : 0), *w2 = w0 + (ri > 2 ? 2 * ldw : 0), *w3 = w0 + (ri > 3 ? 3 * ldw : 0); \
             for (int t = tb; t < te; t += 2) {                                                                   \
                 const float *x0 = x + (int64_t)t * ldx, *x1 = x0 + (te - t > 1 ? ldx : 0);                       \
@@ -1115,9 +1118,9 @@ MOE_TARGET(MOE_AVX512) static float dot_bf16_avx512(const void *w, const uint8_t
         const WT *w = wv;                                                                                        \
         const int64_t full = K / 16 * 16;                                                                        \
         const __mmask16 tail = (__mmask16)((1u << (K - full)) - 1);                                              \
-        for (int tb = 0; tb < nt; tb += GEMM_TOKEN_BLOCK(K))                                                    \
+        for (int tb = 0; tb < nt; tb += gemm_token_block(K))                                                    \
         for (int i = 0; i < nr; i += 4) {                                                                        \
-            const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < GEMM_TOKEN_BLOCK(K) ? nt : tb + GEMM_TOKEN_BLOCK(K); \
+            const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < gemm_token_block(K) ? nt : tb + gemm_token_block(K); \
             for (int t = tb; t < te; t += 4) {                                                                   \
                 const int tj = te - t < 4 ? te - t : 4;                                                          \
                 /* a partial tile repeats its last row / token (computed, not stored) */                         \
@@ -1809,64 +1812,94 @@ MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *
 
 /* prefill: one x8 row group against 4 activation rows (x + t * xs), each row bit for bit the
  * 1-row dotprod kernel's result (exact integer sums, the same float steps), each chunk of
- * weights loaded and unpacked once */
-#define DOTPROD_X4_FLOAT(t, S0, S1)                                                                                \
+ * weights loaded and unpacked once. Named sums and accumulators: in arrays gcc kept them on the
+ * stack. */
+/* the 4 rows' block b: x0..x3, their 4-byte groups q0..q3, the integer sums s<row><half> set to
+ * INIT(row's block) */
+#define DOTPROD_X4_ROWS(INIT)                                                                                      \
+    const moe__block_q8a *x0 = x + b, *x1 = x0 + xs, *x2 = x1 + xs, *x3 = x2 + xs;                                 \
+    const int32_t *q0 = (const int32_t *)x0->qs, *q1 = (const int32_t *)x1->qs, *q2 = (const int32_t *)x2->qs;     \
+    const int32_t *q3 = (const int32_t *)x3->qs;                                                                   \
+    int32x4_t s00 = vdupq_n_s32(INIT(x0)), s01 = s00, s10 = vdupq_n_s32(INIT(x1)), s11 = s10;                      \
+    int32x4_t s20 = vdupq_n_s32(INIT(x2)), s21 = s20, s30 = vdupq_n_s32(INIT(x3)), s31 = s30
+/* the block's sums into the 4 rows' float sums a<row><half> */
+#define DOTPROD_X4_ACC()                                                                                           \
     do {                                                                                                           \
-        const moe__block_q8a *xb_ = x + (t) * xs + b;                                                              \
-        const float32x4_t d0 = vmulq_n_f32(dw0, xb_->d), d1 = vmulq_n_f32(dw1, xb_->d);                           \
-        acc[t][0] = vfmaq_f32(acc[t][0], d0, vcvtq_f32_s32(S0));                                                   \
-        acc[t][1] = vfmaq_f32(acc[t][1], d1, vcvtq_f32_s32(S1));                                                   \
+        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d)));                              \
+        const float32x4_t dw1 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4)));                          \
+        a00 = vfmaq_f32(a00, vmulq_n_f32(dw0, x0->d), vcvtq_f32_s32(s00));                                         \
+        a01 = vfmaq_f32(a01, vmulq_n_f32(dw1, x0->d), vcvtq_f32_s32(s01));                                         \
+        a10 = vfmaq_f32(a10, vmulq_n_f32(dw0, x1->d), vcvtq_f32_s32(s10));                                         \
+        a11 = vfmaq_f32(a11, vmulq_n_f32(dw1, x1->d), vcvtq_f32_s32(s11));                                         \
+        a20 = vfmaq_f32(a20, vmulq_n_f32(dw0, x2->d), vcvtq_f32_s32(s20));                                         \
+        a21 = vfmaq_f32(a21, vmulq_n_f32(dw1, x2->d), vcvtq_f32_s32(s21));                                         \
+        a30 = vfmaq_f32(a30, vmulq_n_f32(dw0, x3->d), vcvtq_f32_s32(s30));                                         \
+        a31 = vfmaq_f32(a31, vmulq_n_f32(dw1, x3->d), vcvtq_f32_s32(s31));                                         \
     } while (0)
+#define DOTPROD_X4_STORE()                                                                                         \
+    vst1q_f32(out, a00), vst1q_f32(out + 4, a01), vst1q_f32(out + 8, a10), vst1q_f32(out + 12, a11),               \
+        vst1q_f32(out + 16, a20), vst1q_f32(out + 20, a21), vst1q_f32(out + 24, a30), vst1q_f32(out + 28, a31)
 
 MOE_DOTPROD static void dotq8x4_q4_0_dotprod(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q4_0x8 *o = w;
-    float32x4_t acc[4][2];
-    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0);
+    float32x4_t a00 = vdupq_n_f32(0), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
-        int32x4_t s[4][2];
-        for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = vdupq_n_s32(-8 * x[t * xs + b].sum);
+#define BIAS(X) -8 * (X)->sum
+        DOTPROD_X4_ROWS(BIAS);
+#undef BIAS
         for (int c = 0; c < 4; c++) {
             const uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
             const int8x16_t l0 = vreinterpretq_s8_u8(vandq_u8(v0, vdupq_n_u8(15))), l1 = vreinterpretq_s8_u8(vandq_u8(v1, vdupq_n_u8(15)));
             const int8x16_t h0 = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), h1 = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
-            for (int t = 0; t < 4; t++) {
-                const int32_t *xq = (const int32_t *)x[t * xs + b].qs;
-                const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(xq[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(xq[c + 4]));
-                s[t][0] = vdotq_s32(vdotq_s32(s[t][0], l0, xl), h0, xh);
-                s[t][1] = vdotq_s32(vdotq_s32(s[t][1], l1, xl), h1, xh);
-            }
+#define ROW(S0, S1, Q)                                                                                             \
+    do {                                                                                                           \
+        const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(Q[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(Q[c + 4])); \
+        S0 = vdotq_s32(vdotq_s32(S0, l0, xl), h0, xh);                                                             \
+        S1 = vdotq_s32(vdotq_s32(S1, l1, xl), h1, xh);                                                             \
+    } while (0)
+            ROW(s00, s01, q0);
+            ROW(s10, s11, q1);
+            ROW(s20, s21, q2);
+            ROW(s30, s31, q3);
+#undef ROW
         }
-        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), dw1 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4)));
-        for (int t = 0; t < 4; t++) DOTPROD_X4_FLOAT(t, s[t][0], s[t][1]);
+        DOTPROD_X4_ACC();
     }
-    for (int t = 0; t < 4; t++) vst1q_f32(out + 8 * t, acc[t][0]), vst1q_f32(out + 8 * t + 4, acc[t][1]);
+    DOTPROD_X4_STORE();
 }
 
 MOE_DOTPROD static void dotq8x4_q8_0_dotprod(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
     const uint8x16_t flip = vdupq_n_u8(0x80);
-    float32x4_t acc[4][2];
-    for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = vdupq_n_f32(0);
+    float32x4_t a00 = vdupq_n_f32(0), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
-        int32x4_t s[4][2];
-        for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = vdupq_n_s32(0);
+#define ZERO(X) 0
+        DOTPROD_X4_ROWS(ZERO);
+#undef ZERO
         for (int c = 0; c < 8; c++) {
             const int8x16_t v0 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c), flip));
             const int8x16_t v1 = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c + 16), flip));
-            for (int t = 0; t < 4; t++) {
-                const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(((const int32_t *)x[t * xs + b].qs)[c]));
-                s[t][0] = vdotq_s32(s[t][0], v0, xb);
-                s[t][1] = vdotq_s32(s[t][1], v1, xb);
-            }
+#define ROW(S0, S1, Q)                                                                                             \
+    do {                                                                                                           \
+        const int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(Q[c]));                                              \
+        S0 = vdotq_s32(S0, v0, xb);                                                                                \
+        S1 = vdotq_s32(S1, v1, xb);                                                                                \
+    } while (0)
+            ROW(s00, s01, q0);
+            ROW(s10, s11, q1);
+            ROW(s20, s21, q2);
+            ROW(s30, s31, q3);
+#undef ROW
         }
-        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), dw1 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4)));
-        for (int t = 0; t < 4; t++) DOTPROD_X4_FLOAT(t, s[t][0], s[t][1]);
+        DOTPROD_X4_ACC();
     }
-    for (int t = 0; t < 4; t++) vst1q_f32(out + 8 * t, acc[t][0]), vst1q_f32(out + 8 * t + 4, acc[t][1]);
+    DOTPROD_X4_STORE();
 }
-#undef DOTPROD_X4_FLOAT
+#undef DOTPROD_X4_ROWS
+#undef DOTPROD_X4_ACC
+#undef DOTPROD_X4_STORE
 
 static int cpu_has_dotprod(void) {
 #if defined(__linux__) && defined(HWCAP_ASIMDDP)
@@ -2390,9 +2423,9 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_ctx16_avx512bf16(const moe__mla_block
     static void NAME(const void *wv, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy) { \
         const WT *w = wv;                                                                                          \
         const int64_t full = K / 4 * 4;                                                                            \
-        for (int tb = 0; tb < nt; tb += GEMM_TOKEN_BLOCK(K))                                                      \
+        for (int tb = 0; tb < nt; tb += gemm_token_block(K))                                                      \
             for (int i = 0; i < nr; i += 4) {                                                                      \
-                const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < GEMM_TOKEN_BLOCK(K) ? nt : tb + GEMM_TOKEN_BLOCK(K); \
+                const int ri = nr - i < 4 ? nr - i : 4, te = nt - tb < gemm_token_block(K) ? nt : tb + gemm_token_block(K); \
                 const WT *w0 = w + (int64_t)i * ldw, *w1 = w0 + (ri > 1 ? ldw : 0), *w2 = w0 + (ri > 2 ? 2 * ldw : 0), *w3 = w0 + (ri > 3 ? 3 * ldw : 0); \
                 for (int t = tb; t < te; t += 4) {                                                                 \
                     const int tj = te - t < 4 ? te - t : 4;                                                        \
