@@ -746,7 +746,8 @@ static void test_mla_kernels(void) {
 static void test_gemm_kernels(void) {
     moe__kernels lv[4];
     const int nl = moe__kernel_levels(lv, 4);
-    const int shapes[][3] = {{16, 37, 512}, {16, 4, 2048}, {5, 3, 40}, {4, 4, 16}, {1, 1, 7}, {7, 9, 100}, {3, 6, 33}}; /* rows, tokens, K */
+    /* rows, tokens, K; {5, 37, 4100}: more tokens than one block of activation rows (16 at this K) */
+    const int shapes[][3] = {{16, 37, 512}, {16, 4, 2048}, {5, 3, 40}, {4, 4, 16}, {1, 1, 7}, {7, 9, 100}, {3, 6, 33}, {5, 37, 4100}};
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
         for (int ty = 0; ty < 2; ty++) {
             const int nr = shapes[si][0], nt = shapes[si][1], K = shapes[si][2], type = ty ? MOE_T_BF16 : MOE_T_F32;
