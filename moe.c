@@ -2081,7 +2081,6 @@ typedef struct {
 /* rows per task: an interleaved row group, or a tile */
 static int mm_per(const moe__weight *W) { return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 ? 8 : MM_ROW_TILE; }
 
-/* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of o, for every token. */
 /* y[i] = scale * (row row0 + i of W) . x for n rows of a matrix that is not interleaved: x as f32
  * for the float formats, as xq (x quantized by quant_q8a) for Q8_0/Q4_0 */
 static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
@@ -2096,6 +2095,7 @@ static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, i
         y[i] = scale * m->k.dot[W->type](base + (row0 + i) * rb, W->scale ? W->scale + (row0 + i) * sb : NULL, x, K);
 }
 
+/* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of o, for every token. */
 static void mm_task(const moe_model *m, const mm_out *o, int64_t r0, const float *x, int64_t ldx, const moe__block_q8a *xq, int T) {
     const moe__weight *W = o->W;
     const int64_t N = W->rows, K = W->cols, nb = K / 32;

@@ -70,7 +70,7 @@ static int usage(const char *msg) {
             "                        are read from disk every step through the cache (default: all resident)\n"
             "  --io-threads N        cache mode: threads reading experts from disk, in file order (default 4)\n"
             "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
-            "  --kv-type f32|bf16    MLA latent cache element (f32, exact; bf16 halves it)\n"
+            "  --kv-type f32|bf16    MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16 products)\n"
             "  -h, --help      this text\n");
     return msg ? 2 : 0;
 }
