@@ -2072,14 +2072,86 @@ moe_model_info moe_model_get_info(const moe_model *m) {
 
 #define MM_ROW_TILE 16 /* weight rows per task: they stay in cache while every token passes */
 
+/* Tasks split with stealing. Each thread owns a contiguous range of a loop's tasks and takes them
+ * from its front, a few at a time, so that its weight stream stays sequential for the
+ * prefetchers; a thread done with its own range takes tasks from the back of the range with
+ * the most left. The threads of a step then finish together even when one is slowed (the other
+ * core's memory traffic, an interrupt): with a static split the master spent ~9% of a decode
+ * step's samples waiting at closing barriers for the other thread. Which thread runs a task
+ * does not change its result. Needs C11 atomics; without them (or OpenMP) loops split
+ * statically. */
+#if defined(_OPENMP) && !defined(__STDC_NO_ATOMICS__)
+#include <stdatomic.h>
+#define TASK_STEALING 1
+#define STEAL_MAX_THREADS 64
+#define OWN_TASKS 4 /* tasks a thread takes from its own range at a time */
+
+typedef struct {
+    _Alignas(64) _Atomic uint64_t fb; /* front << 32 | back: tasks front .. back-1 are left */
+} task_range;
+
+/* ranges[0..nr-1]: n tasks in nr contiguous ranges */
+static void task_ranges_init(task_range *rg, int nr, int64_t n) {
+    for (int i = 0; i < nr; i++) {
+        const uint64_t f = (uint64_t)(n * i / nr), b = (uint64_t)(n * (i + 1) / nr);
+        atomic_init(&rg[i].fb, f << 32 | b);
+    }
+}
+
+/* up to want tasks from the front (or back) of r: how many, the first in *first */
+static int range_take(task_range *r, int from_back, uint32_t want, int64_t *first) {
+    uint64_t v = atomic_load_explicit(&r->fb, memory_order_relaxed);
+    for (;;) {
+        const uint32_t f = (uint32_t)(v >> 32), b = (uint32_t)v, n = b - f < want ? b - f : want;
+        if (f >= b) return 0;
+        const uint64_t nv = from_back ? v - n : v + ((uint64_t)n << 32);
+        if (atomic_compare_exchange_weak_explicit(&r->fb, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
+            *first = from_back ? (int64_t)(b - n) : (int64_t)f;
+            return (int)n;
+        }
+    }
+}
+
+/* thread me's next tasks: from its own range, else stolen; 0 when every range is empty */
+static int task_next(task_range *rg, int nr, int me, int64_t *first) {
+    int n = me < nr ? range_take(&rg[me], 0, OWN_TASKS, first) : 0;
+    while (!n) {
+        int victim = -1;
+        uint32_t most = 0;
+        for (int i = 0; i < nr; i++) {
+            const uint64_t v = atomic_load_explicit(&rg[i].fb, memory_order_relaxed);
+            const uint32_t left = (uint32_t)v > (uint32_t)(v >> 32) ? (uint32_t)v - (uint32_t)(v >> 32) : 0;
+            if (left > most) most = left, victim = i;
+        }
+        if (victim < 0) return 0;
+        n = range_take(&rg[victim], 1, most > 2 * OWN_TASKS ? OWN_TASKS : (most + 1) / 2, first);
+    }
+    return n;
+}
+#endif
+
 /* One product of a group: y[T, W->rows] = x[T, K] W^T. */
 typedef struct {
     float *y;
     const moe__weight *W;
 } mm_out;
 
+/* One product with its own input: y[T, W->rows] = x[T, K] W^T, x with row stride ldx, and xq:
+ * x quantized by quant_q8a (needed when W is an integer format) */
+typedef struct {
+    float *y;
+    const moe__weight *W;
+    const float *x;
+    int64_t ldx;
+    const moe__block_q8a *xq;
+    int T;
+} mm_job;
+
 /* rows per task: an interleaved row group, or a tile */
 static int mm_per(const moe__weight *W) { return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 ? 8 : MM_ROW_TILE; }
+
+/* whether W's kernels read the activations quantized to 8-bit blocks */
+static int mm_quantized(const moe__weight *W) { return mm_per(W) == 8 || moe__is_quant(W->type); }
 
 /* y[i] = scale * (row row0 + i of W) . x for n rows of a matrix that is not interleaved: x as f32
  * for the float formats, as xq (x quantized by quant_q8a) for Q8_0/Q4_0 */
@@ -2095,11 +2167,12 @@ static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, i
         y[i] = scale * m->k.dot[W->type](base + (row0 + i) * rb, W->scale ? W->scale + (row0 + i) * sb : NULL, x, K);
 }
 
-/* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of o, for every token. */
-static void mm_task(const moe_model *m, const mm_out *o, int64_t r0, const float *x, int64_t ldx, const moe__block_q8a *xq, int T) {
-    const moe__weight *W = o->W;
+/* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of job j, for every token. */
+static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
+    const moe__weight *W = j->W;
     const int64_t N = W->rows, K = W->cols, nb = K / 32;
     const unsigned char *base = W->data;
+    const int T = j->T;
     if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs */
         const int64_t gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
         float o8[8];
@@ -2107,63 +2180,96 @@ static void mm_task(const moe_model *m, const mm_out *o, int64_t r0, const float
         if (m->k.dotq8x4[W->type]) /* prefill: 4 rows per pass over the group's weights */
             for (; t + 4 <= T; t += 4) {
                 float o32[32];
-                m->k.dotq8x4[W->type](base + r0 / 8 * gb, xq + (int64_t)t * nb, nb, K, o32);
-                for (int i = 0; i < 4; i++) memcpy(o->y + (int64_t)(t + i) * N + r0, o32 + 8 * i, sizeof o8);
+                m->k.dotq8x4[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, nb, K, o32);
+                for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(t + i) * N + r0, o32 + 8 * i, sizeof o8);
             }
         for (; t < T; t++) {
-            m->k.dotq8[W->type](base + r0 / 8 * gb, xq + (int64_t)t * nb, K, o8);
-            memcpy(o->y + (int64_t)t * N + r0, o8, sizeof o8);
+            m->k.dotq8[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, K, o8);
+            memcpy(j->y + (int64_t)t * N + r0, o8, sizeof o8);
         }
         return;
     }
     const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
     if (T >= 4 && m->k.gemm[W->type]) { /* prefill, float weights: the kernel's register tiles */
-        m->k.gemm[W->type](base + r0 * moe__row_bytes(W->type, K), K, (int)(r1 - r0), x, ldx, T, K, o->y + r0, N);
+        m->k.gemm[W->type](base + r0 * moe__row_bytes(W->type, K), K, (int)(r1 - r0), j->x, j->ldx, T, K, j->y + r0, N);
         return;
     }
     for (int t = 0; t < T; t++)
-        rows_times(m, W, r0, r1 - r0, x + (int64_t)t * ldx, xq ? xq + (int64_t)t * nb : NULL, o->y + (int64_t)t * N + r0, 1.0f);
+        rows_times(m, W, r0, r1 - r0, j->x + (int64_t)t * j->ldx, j->xq ? j->xq + (int64_t)t * nb : NULL, j->y + (int64_t)t * N + r0, 1.0f);
 }
 
-/* Several products of one input x[T, K] (row stride ldx) in one parallel loop: the activations
- * are quantized to 8-bit blocks once (if any matrix is an integer format), and the threads split
- * the row tasks of all the matrices, so that a decode step pays one fork and join for its
- * projections instead of one each. Each output is the same kernel call on the same data whatever
- * the grouping and thread count. */
+/* tasks u0 .. u0+n-1 of the jobs whose tasks start at start[0..] (job i: start[i] .. start[i+1]-1) */
+static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, int64_t u0, int64_t n) {
+    int i = 0;
+    for (int64_t u = u0; u < u0 + n; u++) {
+        while (u >= start[i + 1]) i++;
+        mm_task(m, &j[i], (u - start[i]) * mm_per(j[i].W));
+    }
+}
+
+/* n products in one parallel loop: the threads split the row tasks of all of them (with stealing
+ * where available), so that a step pays one fork and join for them instead of one each. Each
+ * output is the same kernel call on the same data whatever the grouping and thread count. */
+static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
+    int64_t start_small[17], *start = n < 17 ? start_small : malloc(sizeof(int64_t) * ((size_t)n + 1)), work = 0;
+    if (!start) return MOE_ERR_NOMEM;
+    start[0] = 0;
+    for (int i = 0; i < n; i++) {
+        start[i + 1] = start[i] + (j[i].W->rows + mm_per(j[i].W) - 1) / mm_per(j[i].W);
+        work += j[i].W->rows * (int64_t)j[i].T * j[i].W->cols;
+    }
+    const int64_t tasks = start[n];
+    const int par = nt > 1 && work > (1 << 18);
+    if (!par) {
+        mm_tasks(m, j, start, 0, tasks);
+#ifdef TASK_STEALING
+    } else if (nt <= STEAL_MAX_THREADS && tasks < UINT32_MAX) {
+        task_range rg[STEAL_MAX_THREADS];
+        task_ranges_init(rg, nt, tasks);
+#pragma omp parallel num_threads(nt)
+        {
+            const int me = omp_get_thread_num();
+            int64_t u0;
+            for (int got; (got = task_next(rg, nt, me, &u0));) mm_tasks(m, j, start, u0, got);
+        }
+#endif
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static)
+#endif
+        for (int64_t u = 0; u < tasks; u++) mm_tasks(m, j, start, u, 1);
+    }
+    if (start != start_small) free(start);
+    return MOE_OK;
+}
+
+/* Several products of one input x[T, K] (row stride ldx) in one parallel loop (mm_run), the
+ * activations quantized to 8-bit blocks once if any matrix is an integer format. */
 static moe_status matmul_multi(const moe_model *m, const float *x, int64_t ldx, int T, const mm_out *o, int n, int nt) {
-    int64_t start[9] = {0}, work = 0; /* matrix i's tasks are start[i] .. start[i+1]-1 */
+    mm_job j[8];
     int quant = 0;
     if (n < 1 || n > 8) return MOE_ERR_ARG;
     const int64_t K = o[0].W->cols;
+    int64_t work = 0;
     for (int i = 0; i < n; i++) {
-        const moe__weight *W = o[i].W;
-        if (W->cols != K) return MOE_ERR_ARG;
-        quant |= mm_per(W) == 8 || moe__is_quant(W->type);
-        start[i + 1] = start[i] + (W->rows + mm_per(W) - 1) / mm_per(W);
-        work += W->rows * (int64_t)T * K;
+        if (o[i].W->cols != K) return MOE_ERR_ARG;
+        quant |= mm_quantized(o[i].W);
+        work += o[i].W->rows * (int64_t)T * K;
     }
-    const int par = nt > 1 && work > (1 << 18);
-    (void)par; /* used by the OpenMP pragmas only */
     moe__block_q8a *xq = NULL;
     if (quant) {
         const int64_t nb = K / 32;
         if (!(xq = malloc(sizeof *xq * (size_t)(nb * T)))) return MOE_ERR_NOMEM;
+        (void)work;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (par && T > 1)
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && work > (1 << 18) && T > 1)
 #endif
         for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
     }
-    const int64_t tasks = start[n];
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (par)
-#endif
-    for (int64_t u = 0; u < tasks; u++) {
-        int i = 0;
-        while (u >= start[i + 1]) i++;
-        mm_task(m, &o[i], (u - start[i]) * mm_per(o[i].W), x, ldx, xq, T);
-    }
+    for (int i = 0; i < n; i++) j[i] = (mm_job){o[i].y, o[i].W, x, ldx, xq, T};
+    const moe_status st = mm_run(m, j, n, nt);
     free(xq);
-    return MOE_OK;
+    return st;
 }
 
 static moe_status matmul_nt(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
@@ -3396,6 +3502,53 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
 /* pred/pred_layer: the experts predicted for layer *pred_layer by the previous MoE layer (CACHE
  * mode prefetch); checked against this layer's routing, then replaced by this layer's guess for
  * the next MoE layer. */
+/* The few rows of each routed expert (decode) through the mapping, as two parallel products for
+ * the whole layer: the gate and up rows of every routed expert split across the threads, then
+ * their down rows. One thread per expert (what the cache needs: each thread pins its expert)
+ * leaves one thread waiting for the other's last expert; this way they finish together. Same
+ * kernel calls on the same data as one expert at a time. Expert e's rows cnt[e] .. cnt[e+1]-1
+ * (positions rows[] in xe) get their buffers at eb + cnt[e] * (2 de + 2 Ie): inputs, gate, up,
+ * output. */
+static moe_status experts_by_rows(const moe_model *m, const layer *L, const int *cnt, const int *rows, const float *xe, int de, int Ie,
+                                  float *eb) {
+    const int E = m->cfg.n_experts;
+    const int64_t nk = cnt[E], per = 2 * (int64_t)de + 2 * (int64_t)Ie;
+    int na = 0;
+    for (int e = 0; e < E; e++) na += cnt[e + 1] > cnt[e];
+    mm_job *j = malloc(sizeof *j * 2 * (size_t)na);
+    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nk * (de / 32 + Ie / 32) + 1)), *xqd = xq + nk * (de / 32);
+    moe_status st = j && xq ? MOE_OK : MOE_ERR_NOMEM;
+    int nj = 0;
+    for (int e = 0; e < E && !st; e++) {
+        const int c0 = cnt[e], ce = cnt[e + 1] - c0;
+        if (!ce) continue;
+        const expert *ex = &L->experts[e];
+        float *bx = eb + c0 * per, *ba = bx + (size_t)ce * de, *bb = ba + (size_t)ce * Ie;
+        moe__block_q8a *q = mm_quantized(&ex->w1) || mm_quantized(&ex->w3) ? xq + (int64_t)c0 * (de / 32) : NULL;
+        for (int i = 0; i < ce; i++) {
+            memcpy(bx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
+            if (q) m->k.quant_q8a(bx + (size_t)i * de, q + (int64_t)i * (de / 32), de);
+        }
+        j[nj++] = (mm_job){ba, &ex->w1, bx, de, q, ce};
+        j[nj++] = (mm_job){bb, &ex->w3, bx, de, q, ce};
+    }
+    if (!st) st = mm_run(m, j, nj, m->opt.n_threads);
+    nj = 0;
+    for (int e = 0; e < E && !st; e++) {
+        const int c0 = cnt[e], ce = cnt[e + 1] - c0;
+        if (!ce) continue;
+        const expert *ex = &L->experts[e];
+        float *ba = eb + c0 * per + (size_t)ce * de, *bb = ba + (size_t)ce * Ie, *bo = bb + (size_t)ce * Ie;
+        moe__block_q8a *q = mm_quantized(&ex->w2) ? xqd + (int64_t)c0 * (Ie / 32) : NULL;
+        glu(m, ba, bb, (int64_t)ce * Ie);
+        for (int i = 0; i < ce && q; i++) m->k.quant_q8a(ba + (size_t)i * Ie, q + (int64_t)i * (Ie / 32), Ie);
+        j[nj++] = (mm_job){bo, &ex->w2, ba, Ie, q, ce};
+    }
+    if (!st) st = mm_run(m, j, nj, m->opt.n_threads);
+    free(j), free(xq);
+    return st;
+}
+
 static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, const float *x, int n, float *out,
                                   const int32_t *const *forced, int32_t *ids, moe_step_stats *stats,
                                   unsigned char *pred, int *pred_layer) {
@@ -3459,10 +3612,12 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     if (c->latent_dim) MM(xe, x, n, &L->lat_down);
     else memcpy(xe, x, sizeof(float) * (size_t)n * d);
     memset(ye, 0, sizeof(float) * (size_t)n * de);
-    /* Few rows per expert (decode, lockstep decode): the experts run in parallel, one thread
-     * each, each product single-threaded; many rows (prefill): one expert at a time with its
-     * rows split across threads. Outputs are added in expert order either way, so results do
-     * not depend on the path or the thread count. */
+    /* Few rows per expert (decode, lockstep decode): through the mapping, the weight rows of all
+     * the routed experts split across the threads (experts_by_rows); through the cache, the
+     * experts in parallel, one thread each (each pins its own), each product single-threaded.
+     * Many rows (prefill): one expert at a time with its rows split across threads. Outputs are
+     * added in expert order in every case, so results do not depend on the path or the thread
+     * count. */
     int na = 0, maxce = 0;
     for (int e = 0; e < E; e++) {
         const int ce = cnt[e + 1] - cnt[e];
@@ -3473,12 +3628,14 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     float *eb = by_expert ? malloc(sizeof(float) * nk * (2 * (size_t)de + 2 * (size_t)Ie)) : NULL;
     if (by_expert && !eb) { st = MOE_ERR_NOMEM; goto done; }
     (void)nt;
+    const int rows_split = by_expert && !m->cache;
+    if (rows_split) st = experts_by_rows(m, L, cnt, rows, xe, de, Ie, eb);
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (by_expert)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (by_expert && !rows_split)
 #endif
     for (int e = 0; e < E; e++) {
         const int c0 = cnt[e], ce = cnt[e + 1] - c0;
-        if (!ce || !by_expert) continue;
+        if (!ce || !by_expert || rows_split) continue;
         const expert *ex;
         float *bx = eb + (size_t)c0 * (2 * (size_t)de + 2 * (size_t)Ie), *ba = bx + (size_t)ce * de, *bb = ba + (size_t)ce * Ie, *bo = bb + (size_t)ce * Ie;
         moe_status es = expert_get(m, li, e, &ex, stats);
