@@ -2207,19 +2207,28 @@ static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, 
     }
 }
 
+/* Whether products of `macs` multiply-adds over `bytes` of weights are worth a fork and join:
+ * by arithmetic (prefill), or by the weights' bytes (decode: a thread alone streams only part of
+ * the machine's bandwidth; one core of a 16-core Xeon read a 512 KB f32 router at ~11 GB/s, 47 us,
+ * against a few us to start and join the team). */
+#define MM_PAR_MACS (1 << 18)
+#define MM_PAR_BYTES (128 << 10)
+static int mm_parallel(int nt, int64_t macs, int64_t bytes) { return nt > 1 && (macs > MM_PAR_MACS || bytes > MM_PAR_BYTES); }
+
 /* n products in one parallel loop: the threads split the row tasks of all of them (with stealing
  * where available), so that a step pays one fork and join for them instead of one each. Each
  * output is the same kernel call on the same data whatever the grouping and thread count. */
 static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
-    int64_t start_small[17], *start = n < 17 ? start_small : malloc(sizeof(int64_t) * ((size_t)n + 1)), work = 0;
+    int64_t start_small[17], *start = n < 17 ? start_small : malloc(sizeof(int64_t) * ((size_t)n + 1)), work = 0, bytes = 0;
     if (!start) return MOE_ERR_NOMEM;
     start[0] = 0;
     for (int i = 0; i < n; i++) {
         start[i + 1] = start[i] + (j[i].W->rows + mm_per(j[i].W) - 1) / mm_per(j[i].W);
         work += j[i].W->rows * (int64_t)j[i].T * j[i].W->cols;
+        bytes += (int64_t)weight_bytes(j[i].W);
     }
     const int64_t tasks = start[n];
-    const int par = nt > 1 && work > (1 << 18);
+    const int par = mm_parallel(nt, work, bytes);
     if (!par) {
         mm_tasks(m, j, start, 0, tasks);
 #ifdef TASK_STEALING
@@ -2243,6 +2252,19 @@ static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
     return MOE_OK;
 }
 
+/* x[T, K] (row stride ldx) quantized by quant_q8a into a new array (NULL: out of memory) */
+static moe__block_q8a *quantized_rows(const moe_model *m, const float *x, int64_t ldx, int T, int64_t K, int nt) {
+    const int64_t nb = K / 32;
+    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nb * T) + 1);
+    if (!xq) return NULL;
+    (void)nt;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && T > 1 && (int64_t)T * K > MM_PAR_MACS / 64)
+#endif
+    for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
+    return xq;
+}
+
 /* Several products of one input x[T, K] (row stride ldx) in one parallel loop (mm_run), the
  * activations quantized to 8-bit blocks once if any matrix is an integer format. */
 static moe_status matmul_multi(const moe_model *m, const float *x, int64_t ldx, int T, const mm_out *o, int n, int nt) {
@@ -2250,25 +2272,26 @@ static moe_status matmul_multi(const moe_model *m, const float *x, int64_t ldx, 
     int quant = 0;
     if (n < 1 || n > 8) return MOE_ERR_ARG;
     const int64_t K = o[0].W->cols;
-    int64_t work = 0;
     for (int i = 0; i < n; i++) {
         if (o[i].W->cols != K) return MOE_ERR_ARG;
         quant |= mm_quantized(o[i].W);
-        work += o[i].W->rows * (int64_t)T * K;
     }
     moe__block_q8a *xq = NULL;
-    if (quant) {
-        const int64_t nb = K / 32;
-        if (!(xq = malloc(sizeof *xq * (size_t)(nb * T)))) return MOE_ERR_NOMEM;
-        (void)work;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && work > (1 << 18) && T > 1)
-#endif
-        for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
-    }
+    if (quant && !(xq = quantized_rows(m, x, ldx, T, K, nt))) return MOE_ERR_NOMEM;
     for (int i = 0; i < n; i++) j[i] = (mm_job){o[i].y, o[i].W, x, ldx, xq, T};
     const moe_status st = mm_run(m, j, n, nt);
     free(xq);
+    return st;
+}
+
+/* Products with inputs of their own (j[i].x, j[i].T; xq filled here where a matrix needs it) in
+ * one parallel loop: the small second factors of KDA's gates, each too small to split alone. */
+static moe_status matmul_each(const moe_model *m, mm_job *j, int n, int nt) {
+    moe_status st = MOE_OK;
+    for (int i = 0; i < n && !st; i++)
+        if (mm_quantized(j[i].W) && !(j[i].xq = quantized_rows(m, j[i].x, j[i].ldx, j[i].T, j[i].W->cols, nt))) st = MOE_ERR_NOMEM;
+    if (!st) st = mm_run(m, j, n, nt);
+    for (int i = 0; i < n; i++) free((void *)j[i].xq), j[i].xq = NULL;
     return st;
 }
 
@@ -2346,11 +2369,10 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
         st = matmul_multi(m, x, d, n, proj, 6, m->opt.n_threads);
     }
     /* 4, 7. the second factors of the decay gate and of a low-rank output gate */
-    float *gate = og; /* turned into the sigmoid gate in place */
-    MM(g, tmp, n, &L->f_b);
-    if (!c->kda_full_rank_gate) {
-        MM(gl, og, n, &L->g_b);
-        gate = gl;
+    float *gate = c->kda_full_rank_gate ? og : gl; /* turned into the sigmoid gate in place */
+    if (!st) {
+        mm_job second[2] = {{g, &L->f_b, tmp, L->f_b.cols, NULL, n}, {gl, &L->g_b, og, L->g_b.cols, NULL, n}};
+        st = matmul_each(m, second, c->kda_full_rank_gate ? 1 : 2, m->opt.n_threads);
     }
     if (st) { free(buf); return st; }
     const unsigned fl = m->opt.flags;
