@@ -2614,6 +2614,18 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
     }
 }
 
+moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, const float *x, int T, int nt, unsigned flags) {
+    if (n < 1 || n > 8 || nt < 1 || T < 1) return MOE_ERR_ARG;
+    moe_model *m = calloc(1, sizeof *m);
+    if (!m) return MOE_ERR_NOMEM;
+    moe__kernels_init(&m->k, flags);
+    mm_out o[8];
+    for (int i = 0; i < n; i++) o[i] = (mm_out){y[i], W[i]};
+    const moe_status st = matmul_multi(m, x, W[0]->cols, T, o, n, nt);
+    free(m);
+    return st;
+}
+
 void moe__set_mla_key_block(moe_model *m, int keys) {
     if (m) m->mla_key_block = keys > 0 ? keys : 0;
 }

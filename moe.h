@@ -557,6 +557,9 @@ moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size
 /* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);
+/* Test hook: y[i] = x W[i]^T for n (<= 8) matrices with x's cols, x [T, cols], through the
+ * runtime's parallel product on nt threads (the kernels flags selects: 0 or MOE_FLAG_FORCE_SCALAR). */
+moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, const float *x, int T, int nt, unsigned flags);
 /* Test hook: keys per block of the expanded MLA form (0: sized by memory, the default). */
 void moe__set_mla_key_block(moe_model *m, int keys);
 /* CACHE mode: bytes read from the files since open, by every thread. */

@@ -780,6 +780,63 @@ static void test_gemm_kernels(void) {
         }
 }
 
+/* The runtime's parallel product (a contiguous range of row tasks per thread, the rest stolen
+ * from the back): on 2, 3, 7 and 16 threads (oversubscribed: threads finish at odd times and
+ * steal) every output is the one-thread value bit for bit and none is left unwritten (outputs
+ * start as NaN); float, plain and interleaved integer matrices whose task counts do not divide
+ * evenly, one and five activation rows */
+static void test_matmul_threads(void) {
+    enum { NW = 5, K = 256 };
+    const int types[NW] = {MOE_T_F32, MOE_T_BF16, MOE_T_Q8_0, MOE_T_Q4_0X8, MOE_T_Q8_0X8};
+    const int64_t rows[NW] = {301, 77, 53, 8 * 37, 8 * 41};
+    moe__weight w[NW];
+    const moe__weight *wp[NW];
+    void *data[NW];
+    float *v = malloc(sizeof(float) * K);
+    for (int i = 0; i < NW; i++) {
+        const int t = types[i], x8 = t == MOE_T_Q4_0X8 || t == MOE_T_Q8_0X8, base = t == MOE_T_Q4_0X8 ? MOE_T_Q4_0 : MOE_T_Q8_0;
+        const int64_t rb = moe__row_bytes(x8 ? base : t, K);
+        unsigned char *d = malloc((size_t)(rb * rows[i])), *p = x8 ? malloc((size_t)(rb * rows[i])) : NULL;
+        for (int64_t r = 0; r < rows[i]; r++) {
+            for (int k = 0; k < K; k++) v[k] = nrand() * 0.1f;
+            if (t == MOE_T_F32) memcpy(d + r * rb, v, sizeof(float) * K);
+            else if (t == MOE_T_BF16)
+                for (int k = 0; k < K; k++) ((uint16_t *)(void *)(d + r * rb))[k] = moe__f32_to_bf16(v[k]);
+            else moe__quantize_row(x8 ? base : t, v, d + r * rb, K);
+        }
+        for (int64_t g = 0; x8 && g < rows[i] / 8; g++) moe__repack_x8(base, d + g * 8 * rb, rb, p + g * 8 * rb, K);
+        if (x8) free(d), d = p;
+        data[i] = d;
+        w[i] = (moe__weight){t, rows[i], K, d, NULL};
+        wp[i] = &w[i];
+    }
+    for (int T = 1; T <= 5; T += 4) {
+        float *x = malloc(sizeof(float) * T * K), *ref[NW], *y[NW];
+        for (int k = 0; k < T * K; k++) x[k] = nrand();
+        for (int i = 0; i < NW; i++) {
+            ref[i] = malloc(sizeof(float) * (size_t)(T * rows[i])), y[i] = malloc(sizeof(float) * (size_t)(T * rows[i]));
+            for (int64_t k = 0; k < T * rows[i]; k++) ref[i][k] = NAN;
+        }
+        CHECK(moe__matmul(wp, ref, NW, x, T, 1, 0) == MOE_OK);
+        const int nts[] = {2, 3, 7, 16};
+        for (int ti = 0; ti < 4; ti++) {
+            for (int i = 0; i < NW; i++)
+                for (int64_t k = 0; k < T * rows[i]; k++) y[i][k] = NAN;
+            CHECK(moe__matmul(wp, y, NW, x, T, nts[ti], 0) == MOE_OK);
+            for (int i = 0; i < NW; i++) {
+                int64_t bad = 0;
+                for (int64_t k = 0; k < T * rows[i]; k++) bad += ref[i][k] != y[i][k]; /* NaN: unwritten */
+                CHECKF(bad == 0, "matrix %d (type %d) T %d, %d threads: %lld outputs differ from one thread's", i, types[i], T, nts[ti],
+                       (long long)bad);
+            }
+        }
+        for (int i = 0; i < NW; i++) free(ref[i]), free(y[i]);
+        free(x);
+    }
+    for (int i = 0; i < NW; i++) free(data[i]);
+    free(v);
+}
+
 /* the bf16-cache MLA kernels of every level against their scalar references: queries, rows and
  * weights in bf16 (rows of every width: the AVX512_BF16 kernel's masked tail), a block's keys
  * scored in two halves and its heads summed in two groups, as two threads would */
@@ -3265,6 +3322,7 @@ static const struct {
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
     {"mla_kernels", test_mla_kernels},
     {"mla16_kernels", test_mla16_kernels},
+    {"matmul_threads", test_matmul_threads},
     {"gemm_kernels", test_gemm_kernels},
     {"golden_kimi", test_golden_kimi},
     {"golden_seed", test_golden_seed},
