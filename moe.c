@@ -3552,28 +3552,36 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
  * kernel calls on the same data as one expert at a time. Expert e's rows cnt[e] .. cnt[e+1]-1
  * (positions rows[] in xe) get their buffers at eb + cnt[e] * (2 de + 2 Ie): inputs, gate, up,
  * output. */
-static moe_status experts_by_rows(const moe_model *m, const layer *L, const int *cnt, const int *rows, const float *xe, int de, int Ie,
-                                  float *eb) {
+static moe_status experts_by_rows(const moe_model *m, const layer *L, const int *cnt, const int *rows, const float *xe, int n, int de,
+                                  int Ie, float *eb) {
     const int E = m->cfg.n_experts;
-    const int64_t nk = cnt[E], per = 2 * (int64_t)de + 2 * (int64_t)Ie;
-    int na = 0;
-    for (int e = 0; e < E; e++) na += cnt[e + 1] > cnt[e];
+    const int64_t nk = cnt[E], per = 2 * (int64_t)de + 2 * (int64_t)Ie, nb = de / 32;
+    int na = 0, quant = 0;
+    for (int e = 0; e < E; e++)
+        if (cnt[e + 1] > cnt[e]) na++, quant |= mm_quantized(&L->experts[e].w1) || mm_quantized(&L->experts[e].w3);
     mm_job *j = malloc(sizeof *j * 2 * (size_t)na);
-    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nk * (de / 32 + Ie / 32) + 1)), *xqd = xq + nk * (de / 32);
+    /* the n input rows quantized once; the gathered rows of experts with several; their down inputs */
+    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)((n + nk) * nb + nk * (Ie / 32) + 1)), *xqg = xq + n * nb, *xqd = xqg + nk * nb;
     moe_status st = j && xq ? MOE_OK : MOE_ERR_NOMEM;
+    for (int t = 0; t < n && quant && !st; t++) m->k.quant_q8a(xe + (size_t)t * de, xq + t * nb, de);
     int nj = 0;
     for (int e = 0; e < E && !st; e++) {
         const int c0 = cnt[e], ce = cnt[e + 1] - c0;
         if (!ce) continue;
         const expert *ex = &L->experts[e];
         float *bx = eb + c0 * per, *ba = bx + (size_t)ce * de, *bb = ba + (size_t)ce * Ie;
-        moe__block_q8a *q = mm_quantized(&ex->w1) || mm_quantized(&ex->w3) ? xq + (int64_t)c0 * (de / 32) : NULL;
-        for (int i = 0; i < ce; i++) {
-            memcpy(bx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
-            if (q) m->k.quant_q8a(bx + (size_t)i * de, q + (int64_t)i * (de / 32), de);
+        const int q = mm_quantized(&ex->w1) || mm_quantized(&ex->w3);
+        const float *x = xe + (size_t)rows[c0] * de;         /* one row: read in place */
+        const moe__block_q8a *xqe = q ? xq + rows[c0] * nb : NULL;
+        if (ce > 1) { /* several: gathered into the expert's buffer */
+            for (int i = 0; i < ce; i++) {
+                memcpy(bx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
+                if (q) memcpy(xqg + (c0 + i) * nb, xq + rows[c0 + i] * nb, sizeof *xq * (size_t)nb);
+            }
+            x = bx, xqe = q ? xqg + c0 * nb : NULL;
         }
-        j[nj++] = (mm_job){ba, &ex->w1, bx, de, q, ce};
-        j[nj++] = (mm_job){bb, &ex->w3, bx, de, q, ce};
+        j[nj++] = (mm_job){ba, &ex->w1, x, de, xqe, ce};
+        j[nj++] = (mm_job){bb, &ex->w3, x, de, xqe, ce};
     }
     if (!st) st = mm_run(m, j, nj, m->opt.n_threads);
     nj = 0;
@@ -3672,7 +3680,7 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     if (by_expert && !eb) { st = MOE_ERR_NOMEM; goto done; }
     (void)nt;
     const int rows_split = by_expert && !m->cache;
-    if (rows_split) st = experts_by_rows(m, L, cnt, rows, xe, de, Ie, eb);
+    if (rows_split) st = experts_by_rows(m, L, cnt, rows, xe, n, de, Ie, eb);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (by_expert && !rows_split)
 #endif

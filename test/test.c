@@ -936,6 +936,35 @@ static float *logits_in_pieces(moe_model *m, const int32_t *ids, int n, const in
     return logits_routed(m, ids, n, pieces, NULL, NULL);
 }
 
+static moe_model *open_golden_with(const char *name, const moe_options *o);
+
+/* Routed experts of short steps through the mapping (the rows of all of a layer's experts split
+ * across the threads) and through the cache (one thread per expert) give the same logits bit for
+ * bit; steps of 1-3 tokens, so that an expert gets one row (read in place) or several (gathered) */
+static void test_expert_paths(void) {
+    const char *cases[] = {"kimi", "seed", "k3mx"};
+    const int pieces[] = {5, 1, 3, 2, 3, 1, 3, 3, 2, 1, 3, 3, 3, 2, 3, 1, 3, 3, 3, 0};
+    for (int ci = 0; ci < 3; ci++) {
+        moe_options o = moe_default_options();
+        o.n_threads = 2;
+        moe_model *a = open_golden_with(cases[ci], &o);
+        o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 256 << 20;
+        moe_model *b = open_golden_with(cases[ci], &o);
+        int n;
+        int32_t *ids = golden_ids(cases[ci], 2, &n);
+        if (a && b && ids && n >= 48) {
+            const size_t nv = (size_t)48 * moe_model_config(a)->vocab_size;
+            float *la = logits_in_pieces(a, ids, 48, pieces), *lb = logits_in_pieces(b, ids, 48, pieces);
+            CHECKF(la && lb && max_abs_diff(la, lb, nv) == 0, "%s: mapping vs cache %.3g", cases[ci], la && lb ? max_abs_diff(la, lb, nv) : -1.0);
+            free(la), free(lb);
+        } else {
+            CHECKF(0, "%s: open or ids (%d tokens)", cases[ci], n);
+        }
+        free(ids);
+        moe_model_close(a), moe_model_close(b);
+    }
+}
+
 static void test_cached_decode_vs_recompute(void) {
     const char *cases[] = {"seed", "kimi"};
     for (int ci = 0; ci < 2; ci++) {
@@ -3323,6 +3352,7 @@ static const struct {
     {"mla_kernels", test_mla_kernels},
     {"mla16_kernels", test_mla16_kernels},
     {"matmul_threads", test_matmul_threads},
+    {"expert_paths", test_expert_paths},
     {"gemm_kernels", test_gemm_kernels},
     {"golden_kimi", test_golden_kimi},
     {"golden_seed", test_golden_seed},
