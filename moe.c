@@ -2356,14 +2356,37 @@ static void glu(const moe_model *m, float *a, const float *b, int64_t n) {
 
 #define KDA_CHUNK_MIN 16 /* below this many tokens the recurrence is used */
 
+/* Work memory of one step that each layer's attention and MoE take in turn: a prefill chunk's
+ * per-layer buffers are tens of MB (KDA: 42 MB for 512 rows on the benchmark shape), and a fresh
+ * allocation that size came as new zeroed pages from the kernel in every layer (page faults and
+ * clearing were ~7% of a 512-token prefill). Freed when the step ends. */
+typedef struct {
+    void *p;
+    size_t cap;
+} step_work;
+
+/* at least `bytes` of w's memory (contents not kept); NULL if out of memory */
+static void *work_get(step_work *w, size_t bytes) {
+    if (bytes > w->cap) {
+        free(w->p);
+        w->p = malloc(bytes);
+        w->cap = w->p ? bytes : 0;
+    }
+    return w->p;
+}
+
 static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s, int li,
-                              const float *x, int n, float *out) {
+                              const float *x, int n, float *out, step_work *wk) {
     const moe_config *c = &m->cfg;
     const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
     const int W = c->conv_kernel, Wm = W - 1;
     const size_t ext = (size_t)(Wm + n) * HD;
-    float *buf = malloc(sizeof(float) * (3 * ext + 7 * (size_t)n * HD + (size_t)n * H + (size_t)n * D));
+    const unsigned fl = m->opt.flags;
+    const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
+    const size_t wsz = moe__kda_chunk_work(D), nbuf = 3 * ext + 7 * (size_t)n * HD + (size_t)n * H + (size_t)n * D;
+    float *buf = work_get(wk, sizeof(float) * (nbuf + (chunked ? wsz * (size_t)H : 0)));
     if (!buf) return MOE_ERR_NOMEM;
+    float *work = chunked ? buf + nbuf : NULL;
     float *qe = buf, *ke = qe + ext, *ve = ke + ext, *q = ve + ext, *k = q + (size_t)n * HD;
     float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD, *og = o + (size_t)n * HD;
     float *gl = og + (size_t)n * HD, *beta = gl + (size_t)n * HD, *tmp = beta + (size_t)n * H;
@@ -2384,13 +2407,8 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
         mm_job second[2] = {{g, &L->f_b, tmp, L->f_b.cols, NULL, n}, {gl, &L->g_b, og, L->g_b.cols, NULL, n}};
         st = matmul_each(m, second, c->kda_full_rank_gate ? 1 : 2, m->opt.n_threads);
     }
-    if (st) { free(buf); return st; }
-    const unsigned fl = m->opt.flags;
-    const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
+    if (st) return st;
     const int bounded = c->kda_gate_bounded && c->kda_gate_lower_bound >= -5.0f;
-    const size_t wsz = moe__kda_chunk_work(D);
-    float *work = chunked ? malloc(sizeof(float) * wsz * (size_t)H) : NULL;
-    if (chunked && !work) { free(buf); return MOE_ERR_NOMEM; }
     const float qscale = 1.0f / sqrtf((float)D);
     /* 2-7 per head, the heads in parallel: everything from here to the output projection
      * touches only its head's channels (a decode step has no serial part left) */
@@ -2445,10 +2463,8 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
             for (int i = 0; i < D; i++) oh[i] *= gt[i];
         }
     }
-    free(work);
     /* 8. output projection */
     MM(out, o, n, &L->o);
-    free(buf);
     return st;
 }
 
@@ -2731,7 +2747,7 @@ static moe_status mla_expanded(const moe_model *m, const layer *L, const void *c
 }
 
 static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s, int li,
-                              const float *x, int n, float *out) {
+                              const float *x, int n, float *out, step_work *wk) {
     const moe_config *c = &m->cfg;
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
     const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, pos = s->pos;
@@ -2755,7 +2771,7 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     const int bf16 = m->opt.kv_type == MOE_KV_BF16;
     size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
     size_t gn = c->mla_output_gate ? yn : 0;
-    float *buf = malloc(sizeof(float) * (qn + yn + gn + qa + (size_t)n * cw + work));
+    float *buf = work_get(wk, sizeof(float) * (qn + yn + gn + qa + (size_t)n * cw + work));
     if (!buf) return MOE_ERR_NOMEM;
     float *q = buf, *y = q + qn, *gate = y + yn, *qa_buf = gate + gn;
     float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
@@ -2788,7 +2804,6 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         for (size_t i = 0; i < yn; i++) y[i] *= gate[i];
     }
     MM(out, y, n, &L->o);
-    free(buf);
     return st;
 }
 
@@ -3602,13 +3617,13 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
 
 static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, const float *x, int n, float *out,
                                   const int32_t *const *forced, int32_t *ids, moe_step_stats *stats,
-                                  unsigned char *pred, int *pred_layer) {
+                                  unsigned char *pred, int *pred_layer, step_work *wk) {
     const moe_config *c = &m->cfg;
     const int d = c->hidden_size, E = c->n_experts, K = c->n_active, Ie = c->moe_intermediate_size;
     const int de = c->latent_dim ? c->latent_dim : d;
     moe_status st = MOE_OK;
     size_t nk = (size_t)n * K;
-    float *logits = malloc(sizeof(float) * ((size_t)n * E + 4 * (size_t)E + nk + (size_t)n * de * 2 +
+    float *logits = work_get(wk, sizeof(float) * ((size_t)n * E + 4 * (size_t)E + nk + (size_t)n * de * 2 +
                                             (size_t)n * (2 * (size_t)Ie + de) + (size_t)n * de));
     int *cnt = xcalloc((size_t)E + 1, sizeof *cnt), *rows = malloc(sizeof(int) * nk);
     float *rw = malloc(sizeof(float) * nk);
@@ -3751,7 +3766,6 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
         free(sh);
     }
 done:
-    free(logits);
     free(cnt);
     free(rows);
     free(rw);
@@ -3807,6 +3821,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     const int nbmax = B ? Lc / B + 2 : 0, K = c->n_active;
     const size_t Rd = (size_t)R * d;
     moe_status st = MOE_OK;
+    step_work wk = {NULL, 0};
     float *h = malloc(sizeof(float) * Rd * (4 + (size_t)nbmax));
     int32_t *ids = c->n_experts ? malloc(sizeof(int32_t) * (size_t)R * K) : NULL;
     const int32_t **frc = NULL;
@@ -3845,8 +3860,8 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
             moe_session *s = sg[i].q->s;
             const float *xi = x + (size_t)sg[i].row0 * d;
             float *oi = out + (size_t)sg[i].row0 * d;
-            st = L->kind == MOE_LAYER_KDA ? kda_forward(m, L, s, li, xi, sg[i].n, oi)
-                                          : mla_forward(m, L, s, li, xi, sg[i].n, oi);
+            st = L->kind == MOE_LAYER_KDA ? kda_forward(m, L, s, li, xi, sg[i].n, oi, &wk)
+                                          : mla_forward(m, L, s, li, xi, sg[i].n, oi, &wk);
         }
         if (st) goto done;
         if (p_none) memcpy(h, out, sizeof(float) * Rd);
@@ -3861,7 +3876,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
             for (int i = 0; frc && i < nsg; i++)
                 for (int t = 0; t < sg[i].n; t++)
                     frc[sg[i].row0 + t] = sg[i].q->force_routes ? sg[i].q->force_routes + ((size_t)(sg[i].start + t) * Lc + li) * K : NULL;
-            st = moe_ffn_forward(m, L, li, x, R, out, frc, ids, stats, pred, &pred_layer);
+            st = moe_ffn_forward(m, L, li, x, R, out, frc, ids, stats, pred, &pred_layer, &wk);
         }
         else st = ffn_forward(m, &L->gate, &L->up, &L->down, x, R, out);
         if (st) goto done;
@@ -3901,6 +3916,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     for (int i = 0; i < nsg; i++) sg[i].q->s->pos += sg[i].n;
 done:
     if (pinned >= 0) dense_put(m, pinned);
+    free(wk.p);
     free(h);
     free(ids);
     free(frc);
