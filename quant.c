@@ -2651,8 +2651,9 @@ void moe__kda_recurrent(const moe__kda_head *a) {
 #define KDA_C 16 /* chunk length: with g >= -5, e^{-G} stays below e^80 < FLT_MAX */
 
 size_t moe__kda_chunk_work(int D) {
-    /* G, Kt (k e^G), Kh (k e^-G), Qt (q e^G), U: [C,D] each; A, P: [C,C]; gn, X: [D] */
-    return (size_t)5 * KDA_C * D + 2 * KDA_C * KDA_C + 2 * (size_t)D;
+    /* G, Kt (k e^G), Kh (k e^-G), Qt (q e^G), U: [C,D] each; A, P: [C,C]; gn, X: [D];
+     * St (the state transposed), Y: [D,D]; Ut, Ft: [D,C] */
+    return (size_t)5 * KDA_C * D + 2 * KDA_C * KDA_C + 2 * (size_t)D + 2 * (size_t)D * D + 2 * (size_t)D * KDA_C;
 }
 
 /* One chunk of n <= 16 tokens from state S0 (updated to S_next in place):
@@ -2665,8 +2666,15 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
     const int D = a->D, C = KDA_C;
     float *G = work, *Kt = G + C * D, *Kh = Kt + C * D, *Qt = Kh + C * D, *U = Qt + C * D;
     float *A = U + C * D, *P = A + C * C, *gn = P + C * C, *X = gn + D;
+    float *St = X + D, *Y = St + (size_t)D * D, *Ut = Y + (size_t)D * D, *Ft = Ut + (size_t)D * C;
     float *S = a->S;
     const moe__dot_fn dot = kk->dot[MOE_T_F32];
+    const moe__gemm_fn gemm = kk->gemm[MOE_T_F32];
+    /* The three products per chunk (K~ S0, Q~ S0 and the state update) go through the matrix
+     * kernel, which takes its right-hand factor as rows along the summed index: the state is kept
+     * transposed (St[j][c] = S[c][j]) while the chunks run. */
+    for (int c = 0; c < D; c++)
+        for (int j = 0; j < D; j++) St[(size_t)j * D + c] = S[(size_t)c * D + j];
     for (int t0 = 0; t0 < a->n; t0 += C) {
         const int n = a->n - t0 < C ? a->n - t0 : C;
 #define ROW(p, t) ((p) + (size_t)(t0 + (t)) * a->stride)
@@ -2702,36 +2710,41 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
             }
         }
         /* rhs = beta (V - K~ S0), then forward substitution U_i = rhs_i - sum_{j<i} A_ij U_j */
+        gemm(St, D, D, Kt, D, n, D, U, D);
         for (int i = 0; i < n; i++) {
             float beta = a->beta[(size_t)(t0 + i) * a->beta_stride], *u = U + i * D;
             const float *v = ROW(a->v, i);
-            for (int j = 0; j < D; j++) u[j] = 0;
-            for (int c = 0; c < D; c++) kk->axpy(u, Kt[i * D + c], S + (size_t)c * D, D);
             for (int j = 0; j < D; j++) u[j] = beta * (v[j] - u[j]);
             for (int m = 0; m < i; m++) kk->axpy(u, -A[i * C + m], U + m * D, D);
         }
         /* O = Q~ S0 + P U */
-        for (int i = 0; i < n; i++) {
-            float *o = ROW(a->o, i);
-            for (int j = 0; j < D; j++) o[j] = 0;
-            for (int c = 0; c < D; c++) kk->axpy(o, Qt[i * D + c], S + (size_t)c * D, D);
-            for (int m = 0; m <= i; m++) kk->axpy(o, P[i * C + m], U + m * D, D);
-        }
-        /* S_next */
+        gemm(St, D, D, Qt, D, n, D, ROW(a->o, 0), a->stride);
+        for (int i = 0; i < n; i++)
+            for (int m = 0; m <= i; m++) kk->axpy(ROW(a->o, i), P[i * C + m], U + m * D, D);
+        /* S_next = diag(e^{G_n}) S0 + F^T U, F_m = k_m e^{G_n - G_m}; transposed:
+         * St[j][c] = e^{G_n,c} St[j][c] + sum_m U[m][j] F[m][c] */
         for (int c = 0; c < D; c++) gn[c] = G[(n - 1) * D + c];
-        if (!bounded) /* Kh_m = k_m e^{G_n - G_m} */
-            for (int m = 0; m < n; m++) {
-                float *f = Kh + m * D;
+        kk->exp_sum(X, gn, 0.0f, D); /* the chunk's decay e^{G_n} */
+        for (int m = 0; m < n; m++) {
+            float *f = Kh + m * D;
+            if (bounded) { /* Kh_m = k_m e^{-G_m}: times e^{G_n} */
+                for (int c = 0; c < D; c++) f[c] *= X[c];
+            } else {
                 for (int c = 0; c < D; c++) f[c] = gn[c] - G[m * D + c];
                 kk->exp_sum(f, f, 0.0f, D);
                 for (int c = 0; c < D; c++) f[c] *= ROW(a->k, m)[c];
             }
-        kk->exp_sum(X, gn, 0.0f, D); /* the chunk's decay e^{G_n} */
-        for (int c = 0; c < D; c++) {
-            float *row = S + (size_t)c * D, d = X[c];
-            for (int j = 0; j < D; j++) row[j] *= d;
-            for (int m = 0; m < n; m++) kk->axpy(row, bounded ? Kh[m * D + c] * d : Kh[m * D + c], U + m * D, D);
+            for (int c = 0; c < D; c++) Ft[(size_t)c * C + m] = f[c];
+            for (int j = 0; j < D; j++) Ut[(size_t)j * C + m] = U[m * D + j];
+        }
+        gemm(Ft, C, D, Ut, C, D, n, Y, D);
+        for (int j = 0; j < D; j++) {
+            float *row = St + (size_t)j * D;
+            const float *y = Y + (size_t)j * D;
+            for (int c = 0; c < D; c++) row[c] = row[c] * X[c] + y[c];
         }
 #undef ROW
     }
+    for (int c = 0; c < D; c++)
+        for (int j = 0; j < D; j++) S[(size_t)c * D + j] = St[(size_t)j * D + c];
 }
