@@ -2150,6 +2150,13 @@ typedef struct {
 /* rows per task: an interleaved row group, or a tile */
 static int mm_per(const moe__weight *W) { return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 ? 8 : MM_ROW_TILE; }
 
+/* weight rows per task of job j: an interleaved row group (two for prefill where the level has
+ * the two-group kernel), or a tile */
+static int mm_task_rows(const moe_model *m, const mm_job *j) {
+    if (mm_per(j->W) != 8) return MM_ROW_TILE;
+    return j->T >= 4 && m->k.dotq8x4x2[j->W->type] ? 16 : 8;
+}
+
 /* whether W's kernels read the activations quantized to 8-bit blocks */
 static int mm_quantized(const moe__weight *W) { return mm_per(W) == 8 || moe__is_quant(W->type); }
 
@@ -2173,19 +2180,30 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
     const int64_t N = W->rows, K = W->cols, nb = K / 32;
     const unsigned char *base = W->data;
     const int T = j->T;
-    if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs */
+    if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs per group */
         const int64_t gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
+        const int64_t per = mm_task_rows(m, j), ng = (N - r0 < per ? N - r0 : per) / 8; /* groups in this task */
         float o8[8];
         int t = 0;
-        if (m->k.dotq8x4[W->type]) /* prefill: 4 rows per pass over the group's weights */
+        if (ng == 2) /* prefill: two groups and 4 rows per pass */
             for (; t + 4 <= T; t += 4) {
-                float o32[32];
-                m->k.dotq8x4[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, nb, K, o32);
-                for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(t + i) * N + r0, o32 + 8 * i, sizeof o8);
+                float o64[64];
+                m->k.dotq8x4x2[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, nb, K, o64);
+                for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(t + i) * N + r0, o64 + 16 * i, sizeof(float) * 16);
             }
-        for (; t < T; t++) {
-            m->k.dotq8[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, K, o8);
-            memcpy(j->y + (int64_t)t * N + r0, o8, sizeof o8);
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t rg = r0 + 8 * g;
+            int tg = t;
+            if (m->k.dotq8x4[W->type]) /* prefill: 4 rows per pass over the group's weights */
+                for (; tg + 4 <= T; tg += 4) {
+                    float o32[32];
+                    m->k.dotq8x4[W->type](base + rg / 8 * gb, j->xq + (int64_t)tg * nb, nb, K, o32);
+                    for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(tg + i) * N + rg, o32 + 8 * i, sizeof o8);
+                }
+            for (; tg < T; tg++) {
+                m->k.dotq8[W->type](base + rg / 8 * gb, j->xq + (int64_t)tg * nb, K, o8);
+                memcpy(j->y + (int64_t)tg * N + rg, o8, sizeof o8);
+            }
         }
         return;
     }
@@ -2203,7 +2221,7 @@ static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, 
     int i = 0;
     for (int64_t u = u0; u < u0 + n; u++) {
         while (u >= start[i + 1]) i++;
-        mm_task(m, &j[i], (u - start[i]) * mm_per(j[i].W));
+        mm_task(m, &j[i], (u - start[i]) * mm_task_rows(m, &j[i]));
     }
 }
 
@@ -2223,7 +2241,7 @@ static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
     if (!start) return MOE_ERR_NOMEM;
     start[0] = 0;
     for (int i = 0; i < n; i++) {
-        start[i + 1] = start[i] + (j[i].W->rows + mm_per(j[i].W) - 1) / mm_per(j[i].W);
+        start[i + 1] = start[i] + (j[i].W->rows + mm_task_rows(m, &j[i]) - 1) / mm_task_rows(m, &j[i]);
         work += j[i].W->rows * (int64_t)j[i].T * j[i].W->cols;
         bytes += (int64_t)weight_bytes(j[i].W);
     }

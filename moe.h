@@ -455,6 +455,8 @@ typedef struct {
     /* x8 row group . 4 q8a rows (x + t * xs blocks) -> out[t * 8 + i], each row bit for bit the
      * level's dotq8 (prefill; NULL where a level has none) */
     void (*dotq8x4[MOE_T_COUNT])(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out);
+    /* the same for two adjacent groups (16 rows) -> out[t * 16 + i] (NULL where a level has none) */
+    void (*dotq8x4x2[MOE_T_COUNT])(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out);
     void (*axpy)(float *y, float a, const float *x, int64_t n); /* y += a x */
     void (*kda_recurrent)(const struct moe__kda_head_s *a);    /* see moe__kda_recurrent */
     void (*mla_scores)(const struct moe__mla_block_s *b);      /* see moe__mla_scores_ref */

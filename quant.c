@@ -899,6 +899,79 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q8_0
 #undef VNNI_X4_BLOCK
 #undef VNNI_X4_STORE
 
+/* Two adjacent x8 groups (16 weight rows) times 4 activation rows in 512-bit registers: group A in
+ * the low half of each register, B in the high half, so one dpbusd serves both groups. Each
+ * lane does what the 256-bit kernel's lane does (same integer sums, same float operations), so
+ * every output is bit for bit the level's dotq8: out[t * 16 + i], rows 0-7 of A then 0-7 of B. */
+#define VNNI_X4X2_ROW(t, A0, A1, bias)                                                                             \
+    do {                                                                                                           \
+        const moe__block_q8a *xb = x + (t) * xs + b;                                                               \
+        const int32_t *xq = (const int32_t *)xb->qs;                                                               \
+        __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32((bias) * xb->sum), u0, _mm512_set1_epi32(xq[0]));       \
+        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, _mm512_set1_epi32(xq[1]));                    \
+        __m512i s2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u2, _mm512_set1_epi32(xq[2]));                    \
+        __m512i s3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u3, _mm512_set1_epi32(xq[3]));                    \
+        s0 = _mm512_dpbusd_epi32(s0, u4, _mm512_set1_epi32(xq[4]));                                                \
+        s1 = _mm512_dpbusd_epi32(s1, u5, _mm512_set1_epi32(xq[5]));                                                \
+        s2 = _mm512_dpbusd_epi32(s2, u6, _mm512_set1_epi32(xq[6]));                                                \
+        s3 = _mm512_dpbusd_epi32(s3, u7, _mm512_set1_epi32(xq[7]));                                                \
+        const __m512i s = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));                   \
+        const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(xb->d));                                                 \
+        if (b & 1) A1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), A1);                                             \
+        else A0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), A0);                                                   \
+    } while (0)
+#define VNNI_X4X2_BLOCK(bias)                                                                                      \
+    VNNI_X4X2_ROW(0, a00, a01, bias);                                                                              \
+    VNNI_X4X2_ROW(1, a10, a11, bias);                                                                              \
+    VNNI_X4X2_ROW(2, a20, a21, bias);                                                                              \
+    VNNI_X4X2_ROW(3, a30, a31, bias)
+#define VNNI_X4X2_STORE()                                                                                          \
+    _mm512_storeu_ps(out, _mm512_add_ps(a00, a01)), _mm512_storeu_ps(out + 16, _mm512_add_ps(a10, a11)),          \
+        _mm512_storeu_ps(out + 32, _mm512_add_ps(a20, a21)), _mm512_storeu_ps(out + 48, _mm512_add_ps(a30, a31))
+/* 32 bytes at p (group A) and q (group B) as one register */
+#define PAIR256(p, q) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))), _mm256_loadu_si256((const __m256i *)(q)), 1)
+/* the two groups' 8 fp16 scales each as 16 floats */
+#define PAIR_SCALES(oa, ob) _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(oa).d)), _mm_loadu_si128((const __m128i *)(ob).d), 1))
+
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q4_0x8 *oa = w, *ob = oa + n / 32;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(oa + b, sizeof *oa);
+        prefetch_ahead(ob + b, sizeof *ob);
+        const __m512i v0 = PAIR256(oa[b].qs, ob[b].qs), v1 = PAIR256(oa[b].qs + 32, ob[b].qs + 32);
+        const __m512i v2 = PAIR256(oa[b].qs + 64, ob[b].qs + 64), v3 = PAIR256(oa[b].qs + 96, ob[b].qs + 96);
+        const __m512i u0 = _mm512_and_si512(v0, m4), u4 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
+        const __m512i u1 = _mm512_and_si512(v1, m4), u5 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
+        const __m512i u2 = _mm512_and_si512(v2, m4), u6 = _mm512_and_si512(_mm512_srli_epi16(v2, 4), m4);
+        const __m512i u3 = _mm512_and_si512(v3, m4), u7 = _mm512_and_si512(_mm512_srli_epi16(v3, 4), m4);
+        const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
+        VNNI_X4X2_BLOCK(-8);
+    }
+    VNNI_X4X2_STORE();
+}
+
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_q8_0x8 *oa = w, *ob = oa + n / 32;
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(oa + b, sizeof *oa);
+        prefetch_ahead(ob + b, sizeof *ob);
+#define QV(c) PAIR256(oa[b].qs + 32 * (c), ob[b].qs + 32 * (c))
+        const __m512i u0 = QV(0), u1 = QV(1), u2 = QV(2), u3 = QV(3), u4 = QV(4), u5 = QV(5), u6 = QV(6), u7 = QV(7);
+#undef QV
+        const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
+        VNNI_X4X2_BLOCK(-128);
+    }
+    VNNI_X4X2_STORE();
+}
+#undef VNNI_X4X2_ROW
+#undef VNNI_X4X2_BLOCK
+#undef VNNI_X4X2_STORE
+#undef PAIR256
+#undef PAIR_SCALES
+
 /* the same for Q8_0x8, each chunk loaded once for the 4 rows */
 MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
@@ -2558,6 +2631,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_vnni;
                 v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_vnni;
+                v->dotq8x4x2[MOE_T_Q4_0X8] = dotq8x4x2_q4_0_vnni;
+                v->dotq8x4x2[MOE_T_Q8_0X8] = dotq8x4x2_q8_0_vnni;
                 v->isa = "avx512vnni";
             }
             if (cpu_has_avx512bf16()) {

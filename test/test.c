@@ -417,6 +417,28 @@ static void test_quant_blocks(void) {
                 }
                 CHECKF(same, "%s x8x4 type %d n %d: differs from the 1-row kernel", lv[li].isa, type, n);
             }
+            /* two adjacent groups (the second of other random rows): the 2-group kernel gives
+             * each group's 4-row outputs bit for bit */
+            const int64_t gsz = moe__row_bytes(xt, n) * 8;
+            unsigned char *pair = malloc((size_t)gsz * 2), *rows_b = malloc((size_t)rb * 8);
+            memcpy(pair, packed, (size_t)gsz);
+            for (int r = 0; r < 8; r++) {
+                for (int i = 0; i < n; i++) v[i] = nrand() * (r == 6 ? 3.0f : 0.05f);
+                moe__quantize_row(type, v, rows_b + r * rb, n);
+            }
+            moe__repack_x8(type, rows_b, rb, pair + gsz, n);
+            free(rows_b);
+            for (int li = 0; li < nl; li++) {
+                if (!lv[li].dotq8x4x2[xt]) continue;
+                float o64[64], oa[32], ob[32];
+                lv[li].dotq8x4x2[xt](pair, x4, xs, n, o64);
+                lv[li].dotq8x4[xt](pair, x4, xs, n, oa);
+                lv[li].dotq8x4[xt](pair + gsz, x4, xs, n, ob);
+                int same = 1;
+                for (int t = 0; t < 4; t++) same &= !memcmp(o64 + 16 * t, oa + 8 * t, 32) && !memcmp(o64 + 16 * t + 8, ob + 8 * t, 32);
+                CHECKF(same, "%s x8x4x2 type %d n %d: differs from the 4-row kernel on each group", lv[li].isa, type, n);
+            }
+            free(pair);
             free(x4);
             for (int li = 0; li < nl; li++) {
                 float out[8];
