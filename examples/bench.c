@@ -131,15 +131,17 @@ static double int8_peak(int threads) {
     const moe__kernels *k = &lv[nl - 1];
     const int n = 2048;
     moe__block_q8_0 *w = malloc(sizeof *w * (size_t)(n / 32 * 8));
-    moe__block_q8_0x8 *wx = malloc(sizeof *wx * (size_t)(n / 32));
+    moe__block_q8_0x8 *wx = malloc(sizeof *wx * (size_t)(n / 32) * 2); /* two groups: the 16-row kernel reads both */
     moe__block_q8a *x = malloc(sizeof *x * (size_t)(n / 32) * 4);
     float *xf = malloc(sizeof(float) * n);
     for (int i = 0; i < n; i++) xf[i] = (float)((i * 37) % 101 - 50) / 50.0f;
     for (int r = 0; r < 8; r++) moe__quantize_row(MOE_T_Q8_0, xf, w + (size_t)r * (n / 32), n);
     moe__repack_x8(MOE_T_Q8_0, w, (int64_t)(n / 32 * sizeof *w), wx, n);
+    memcpy(wx + n / 32, wx, sizeof *wx * (size_t)(n / 32));
     for (int t = 0; t < 4; t++) k->quant_q8a(xf, x + (size_t)t * (n / 32), n);
-    /* prefill's kernel: 4 activation rows per pass over the weights where the level has it */
-    const int rows = k->dotq8x4[MOE_T_Q8_0X8] ? 4 : 1;
+    /* prefill's kernel: 4 activation rows per pass over the weights (and two row groups at once)
+     * where the level has it */
+    const int rows = k->dotq8x4[MOE_T_Q8_0X8] ? 4 : 1, groups = k->dotq8x4x2[MOE_T_Q8_0X8] ? 2 : 1;
     const long iters = 40000;
     double best = 0;
     float sink = 0;
@@ -149,12 +151,13 @@ static double int8_peak(int threads) {
 #pragma omp parallel for num_threads(threads) reduction(+ : sink) schedule(static)
 #endif
         for (long it = 0; it < iters; it++) {
-            float o[32];
-            if (rows == 4) k->dotq8x4[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
+            float o[64];
+            if (groups == 2) k->dotq8x4x2[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
+            else if (rows == 4) k->dotq8x4[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
             else k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
             sink += o[it & 7];
         }
-        double ops = 2.0 * 8 * rows * n * iters / (now() - t0);
+        double ops = 2.0 * 8 * groups * rows * n * iters / (now() - t0);
         best = ops > best ? ops : best;
     }
     (void)threads;
