@@ -3575,9 +3575,6 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
     }
 }
 
-/* pred/pred_layer: the experts predicted for layer *pred_layer by the previous MoE layer (CACHE
- * mode prefetch); checked against this layer's routing, then replaced by this layer's guess for
- * the next MoE layer. */
 /* The few rows of each routed expert (decode) through the mapping, as two parallel products for
  * the whole layer: the gate and up rows of every routed expert split across the threads, then
  * their down rows. One thread per expert (what the cache needs: each thread pins its expert)
@@ -3633,6 +3630,9 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
     return st;
 }
 
+/* pred/pred_layer: the experts predicted for layer *pred_layer by the previous MoE layer (CACHE
+ * mode prefetch); checked against this layer's routing, then replaced by this layer's guess for
+ * the next MoE layer. */
 static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, const float *x, int n, float *out,
                                   const int32_t *const *forced, int32_t *ids, moe_step_stats *stats,
                                   unsigned char *pred, int *pred_layer, step_work *wk) {
