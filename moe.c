@@ -2073,9 +2073,10 @@ moe_model_info moe_model_get_info(const moe_model *m) {
 #define MM_ROW_TILE 16 /* weight rows per task: they stay in cache while every token passes */
 
 /* Tasks split with stealing. Each thread owns a contiguous range of a loop's tasks and takes them
- * from its front, a few at a time, so that its weight stream stays sequential for the
- * prefetchers; a thread done with its own range takes tasks from the back of the range with
- * the most left. The threads of a step then finish together even when one is slowed (the other
+ * from its front, a quarter of what is left at a time (at least OWN_TASKS), so that its weight
+ * stream stays sequential for the prefetchers and it pays few atomic operations (each drains
+ * the core's pending loads: taking 4 tasks at a time, they were 5% of a 2-thread decode); a
+ * thread done with its own range takes tasks from the back of the range with the most left. The threads of a step then finish together even when one is slowed (the other
  * core's memory traffic, an interrupt): with a static split the master spent ~9% of a decode
  * step's samples waiting at closing barriers for the other thread. Which thread runs a task
  * does not change its result. Needs C11 atomics; without them (or OpenMP) loops split
@@ -2098,11 +2099,13 @@ static void task_ranges_init(task_range *rg, int nr, int64_t n) {
     }
 }
 
-/* up to want tasks from the front (or back) of r: how many, the first in *first */
+/* up to want tasks from the back of r, or from its front the larger of want and a quarter of
+ * what is left: how many, the first in *first */
 static int range_take(task_range *r, int from_back, uint32_t want, int64_t *first) {
     uint64_t v = atomic_load_explicit(&r->fb, memory_order_relaxed);
     for (;;) {
-        const uint32_t f = (uint32_t)(v >> 32), b = (uint32_t)v, n = b - f < want ? b - f : want;
+        const uint32_t f = (uint32_t)(v >> 32), b = (uint32_t)v, w = from_back || (b - f) / 4 < want ? want : (b - f) / 4;
+        const uint32_t n = b - f < w ? b - f : w;
         if (f >= b) return 0;
         const uint64_t nv = from_back ? v - n : v + ((uint64_t)n << 32);
         if (atomic_compare_exchange_weak_explicit(&r->fb, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
@@ -2377,14 +2380,20 @@ static void glu(const moe_model *m, float *a, const float *b, int64_t n) {
 /* Work memory of one step that each layer's attention and MoE take in turn: a prefill chunk's
  * per-layer buffers are tens of MB (KDA: 42 MB for 512 rows on the benchmark shape), and a fresh
  * allocation that size came as new zeroed pages from the kernel in every layer (page faults and
- * clearing were ~7% of a 512-token prefill). Freed when the step ends. */
+ * clearing were ~7% of a 512-token prefill). The routed experts' buffers of a decode step have
+ * their own (160 KB on the benchmark shape: allocated and freed per layer, glibc gave the heap's
+ * top back and took it again each time, 23 times a token). Freed when the step ends. */
 typedef struct {
     void *p;
     size_t cap;
+} work_buf;
+
+typedef struct {
+    work_buf layer, experts;
 } step_work;
 
 /* at least `bytes` of w's memory (contents not kept); NULL if out of memory */
-static void *work_get(step_work *w, size_t bytes) {
+static void *work_get(work_buf *w, size_t bytes) {
     if (bytes > w->cap) {
         free(w->p);
         w->p = malloc(bytes);
@@ -2402,7 +2411,7 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     const unsigned fl = m->opt.flags;
     const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
     const size_t wsz = moe__kda_chunk_work(D), nbuf = 3 * ext + 7 * (size_t)n * HD + (size_t)n * H + (size_t)n * D;
-    float *buf = work_get(wk, sizeof(float) * (nbuf + (chunked ? wsz * (size_t)H : 0)));
+    float *buf = work_get(&wk->layer, sizeof(float) * (nbuf + (chunked ? wsz * (size_t)H : 0)));
     if (!buf) return MOE_ERR_NOMEM;
     float *work = chunked ? buf + nbuf : NULL;
     float *qe = buf, *ke = qe + ext, *ve = ke + ext, *q = ve + ext, *k = q + (size_t)n * HD;
@@ -2789,7 +2798,7 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     const int bf16 = m->opt.kv_type == MOE_KV_BF16;
     size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
     size_t gn = c->mla_output_gate ? yn : 0;
-    float *buf = work_get(wk, sizeof(float) * (qn + yn + gn + qa + (size_t)n * cw + work));
+    float *buf = work_get(&wk->layer, sizeof(float) * (qn + yn + gn + qa + (size_t)n * cw + work));
     if (!buf) return MOE_ERR_NOMEM;
     float *q = buf, *y = q + qn, *gate = y + yn, *qa_buf = gate + gn;
     float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
@@ -3583,18 +3592,27 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
  * (positions rows[] in xe) get their buffers at eb + cnt[e] * (2 de + 2 Ie): inputs, gate, up,
  * output. */
 static moe_status experts_by_rows(const moe_model *m, const layer *L, const int *cnt, const int *rows, const float *xe, int n, int de,
-                                  int Ie, float *eb) {
-    const int E = m->cfg.n_experts;
+                                  int Ie, float *eb, const float *x, float *sh) {
+    const int E = m->cfg.n_experts, d = m->cfg.hidden_size;
     const int64_t nk = cnt[E], per = 2 * (int64_t)de + 2 * (int64_t)Ie, nb = de / 32;
+    const int64_t Is = sh ? L->gate.rows : 0, sq = mm_quantized(&L->gate) || mm_quantized(&L->up), dq = sh && mm_quantized(&L->down);
     int na = 0, quant = 0;
     for (int e = 0; e < E; e++)
         if (cnt[e + 1] > cnt[e]) na++, quant |= mm_quantized(&L->experts[e].w1) || mm_quantized(&L->experts[e].w3);
-    mm_job *j = malloc(sizeof *j * 2 * (size_t)na);
-    /* the n input rows quantized once; the gathered rows of experts with several; their down inputs */
-    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)((n + nk) * nb + nk * (Ie / 32) + 1)), *xqg = xq + n * nb, *xqd = xqg + nk * nb;
-    moe_status st = j && xq ? MOE_OK : MOE_ERR_NOMEM;
+    mm_job *j = malloc(sizeof *j * (2 * (size_t)na + 2));
+    /* the n input rows quantized once; the gathered rows of experts with several; their down
+     * inputs; the shared experts' inputs (full width) and down inputs */
+    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)((n + nk) * nb + nk * (Ie / 32) + n * (d / 32 + Is / 32) + 1));
+    moe__block_q8a *xqg = xq + n * nb, *xqd = xqg + nk * nb, *xqs = xqd + nk * (Ie / 32), *xqsd = xqs + n * (d / 32);
+    float *sa = sh ? malloc(sizeof(float) * 2 * (size_t)n * (size_t)Is) : NULL, *sb = sa ? sa + (size_t)n * Is : NULL;
+    moe_status st = j && xq && (sa || !sh) ? MOE_OK : MOE_ERR_NOMEM;
     for (int t = 0; t < n && quant && !st; t++) m->k.quant_q8a(xe + (size_t)t * de, xq + t * nb, de);
+    for (int t = 0; t < n && sh && sq && !st; t++) m->k.quant_q8a(x + (size_t)t * d, xqs + t * (d / 32), d);
     int nj = 0;
+    if (sh) { /* the shared experts' products join the routed experts' (one parallel loop each) */
+        j[nj++] = (mm_job){sa, &L->gate, x, d, sq ? xqs : NULL, n};
+        j[nj++] = (mm_job){sb, &L->up, x, d, sq ? xqs : NULL, n};
+    }
     for (int e = 0; e < E && !st; e++) {
         const int c0 = cnt[e], ce = cnt[e + 1] - c0;
         if (!ce) continue;
@@ -3615,6 +3633,11 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
     }
     if (!st) st = mm_run(m, j, nj, m->opt.n_threads);
     nj = 0;
+    if (sh && !st) {
+        glu(m, sa, sb, (int64_t)n * Is);
+        for (int t = 0; t < n && dq; t++) m->k.quant_q8a(sa + (size_t)t * Is, xqsd + t * (Is / 32), Is);
+        j[nj++] = (mm_job){sh, &L->down, sa, Is, dq ? xqsd : NULL, n};
+    }
     for (int e = 0; e < E && !st; e++) {
         const int c0 = cnt[e], ce = cnt[e + 1] - c0;
         if (!ce) continue;
@@ -3626,7 +3649,7 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
         j[nj++] = (mm_job){bo, &ex->w2, ba, Ie, q, ce};
     }
     if (!st) st = mm_run(m, j, nj, m->opt.n_threads);
-    free(j), free(xq);
+    free(j), free(xq), free(sa);
     return st;
 }
 
@@ -3641,7 +3664,7 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     const int de = c->latent_dim ? c->latent_dim : d;
     moe_status st = MOE_OK;
     size_t nk = (size_t)n * K;
-    float *logits = work_get(wk, sizeof(float) * ((size_t)n * E + 4 * (size_t)E + nk + (size_t)n * de * 2 +
+    float *logits = work_get(&wk->layer, sizeof(float) * ((size_t)n * E + 4 * (size_t)E + nk + (size_t)n * de * 2 +
                                             (size_t)n * (2 * (size_t)Ie + de) + (size_t)n * de));
     int *cnt = xcalloc((size_t)E + 1, sizeof *cnt), *rows = malloc(sizeof(int) * nk);
     float *rw = malloc(sizeof(float) * nk);
@@ -3709,11 +3732,14 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
         if (ce) expert_advise(m, li, e);
     }
     const int nt = m->opt.n_threads, by_expert = nt > 1 && na > 1 && maxce <= 8;
-    float *eb = by_expert ? malloc(sizeof(float) * nk * (2 * (size_t)de + 2 * (size_t)Ie)) : NULL;
+    float *eb = by_expert ? work_get(&wk->experts, sizeof(float) * nk * (2 * (size_t)de + 2 * (size_t)Ie)) : NULL;
     if (by_expert && !eb) { st = MOE_ERR_NOMEM; goto done; }
     (void)nt;
     const int rows_split = by_expert && !m->cache;
-    if (rows_split) st = experts_by_rows(m, L, cnt, rows, xe, n, de, Ie, eb);
+    /* the shared experts' output, computed with the routed experts' products on that path */
+    float *sh = c->n_shared ? malloc(sizeof(float) * (size_t)n * d) : NULL;
+    if (c->n_shared && !sh) { st = MOE_ERR_NOMEM; goto done; }
+    if (rows_split) st = experts_by_rows(m, L, cnt, rows, xe, n, de, Ie, eb, x, sh);
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (by_expert && !rows_split)
 #endif
@@ -3767,22 +3793,18 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
             stats->expert_bytes += expert_bytes(ex);
         }
     }
-    free(eb);
-    if (st) goto done;
-    if (c->latent_dim) {
+    if (c->latent_dim && !st) {
         if (c->latent_norm) rmsnorm_rows(ye, ye, L->lat_norm, n, de, c->rms_norm_eps);
         MM(out, ye, n, &L->lat_up);
-    } else {
+    } else if (!st) {
         memcpy(out, ye, sizeof(float) * (size_t)n * d);
     }
     /* 6. shared experts on the full-width input */
-    if (c->n_shared) {
-        float *sh = malloc(sizeof(float) * (size_t)n * d);
-        if (!sh) { st = MOE_ERR_NOMEM; goto done; }
-        st = ffn_forward(m, &L->gate, &L->up, &L->down, x, n, sh);
-        m->k.axpy(out, 1.0f, sh, (int64_t)n * d);
-        free(sh);
+    if (c->n_shared && !st) {
+        if (!rows_split) st = ffn_forward(m, &L->gate, &L->up, &L->down, x, n, sh);
+        if (!st) m->k.axpy(out, 1.0f, sh, (int64_t)n * d);
     }
+    free(sh);
 done:
     free(cnt);
     free(rows);
@@ -3839,7 +3861,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     const int nbmax = B ? Lc / B + 2 : 0, K = c->n_active;
     const size_t Rd = (size_t)R * d;
     moe_status st = MOE_OK;
-    step_work wk = {NULL, 0};
+    step_work wk = {{NULL, 0}, {NULL, 0}};
     float *h = malloc(sizeof(float) * Rd * (4 + (size_t)nbmax));
     int32_t *ids = c->n_experts ? malloc(sizeof(int32_t) * (size_t)R * K) : NULL;
     const int32_t **frc = NULL;
@@ -3934,7 +3956,7 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     for (int i = 0; i < nsg; i++) sg[i].q->s->pos += sg[i].n;
 done:
     if (pinned >= 0) dense_put(m, pinned);
-    free(wk.p);
+    free(wk.layer.p), free(wk.experts.p);
     free(h);
     free(ids);
     free(frc);
