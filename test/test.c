@@ -730,7 +730,7 @@ static void test_kda_chunked_vs_recurrent(void) {
 static void test_mla_kernels(void) {
     moe__kernels lv[4];
     int nl = moe__kernel_levels(lv, 4);
-    const int shapes[][4] = {{16, 512, 64, 256}, {10, 64, 16, 9}, {5, 64, 16, 37}, {3, 96, 32, 20}, {4, 40, 8, 3}, {1, 32, 0, 1}}; /* H, r, d_r, keys */
+    const int shapes[][4] = {{16, 512, 64, 256}, {10, 64, 16, 9}, {5, 64, 16, 37}, {3, 96, 32, 20}, {4, 40, 8, 3}, {1, 32, 0, 1}, {8, 128, 16, 300}}; /* H, r, d_r, keys */
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
         const int H = shapes[si][0], r = shapes[si][1], dr = shapes[si][2], jn = shapes[si][3], cw = r + dr, dq = 8 + dr;
         float *qa = malloc(sizeof(float) * (size_t)H * r), *qr = malloc(sizeof(float) * (size_t)H * dq + 1);
