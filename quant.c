@@ -2147,27 +2147,30 @@ MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
 
 /* ctx: 2 heads x 32 latent floats stay in 8 registers while every key of the block passes */
 MOE_TARGET("avx2,fma") static void mla_ctx_avx2(const moe__mla_block *b, int h0, int h1) {
-    const int r = b->r;
+    /* key chunks, slices outside, head pairs inside, as mla_ctx_avx512: a chunk's 32-float slice
+     * (16 KB) stays in L1 while the head pairs pass over it */
+    const int r = b->r, hn = h0 + (h1 - h0) / 2 * 2;
     if (r % 32) { moe__mla_ctx_ref(b, h0, h1); return; }
-    int h = h0;
-    for (; h + 2 <= h1; h += 2) {
-        const float *p0 = b->sc + (size_t)h * b->ld, *p1 = p0 + b->ld;
-        float *c0 = b->ctx + (size_t)h * r, *c1 = c0 + r;
-        for (int i = 0; i < r; i += 32) {
-            __m256 x0 = _mm256_loadu_ps(c0 + i), x1 = _mm256_loadu_ps(c0 + i + 8), x2 = _mm256_loadu_ps(c0 + i + 16), x3 = _mm256_loadu_ps(c0 + i + 24);
-            __m256 y0 = _mm256_loadu_ps(c1 + i), y1 = _mm256_loadu_ps(c1 + i + 8), y2 = _mm256_loadu_ps(c1 + i + 16), y3 = _mm256_loadu_ps(c1 + i + 24);
-            for (int j = 0; j < b->jn; j++) {
-                const float *c = b->cache + (size_t)j * b->cw + i;
-                const __m256 a = _mm256_set1_ps(p0[j]), bb = _mm256_set1_ps(p1[j]);
-                const __m256 v0 = _mm256_loadu_ps(c), v1 = _mm256_loadu_ps(c + 8), v2 = _mm256_loadu_ps(c + 16), v3 = _mm256_loadu_ps(c + 24);
-                x0 = _mm256_fmadd_ps(a, v0, x0), x1 = _mm256_fmadd_ps(a, v1, x1), x2 = _mm256_fmadd_ps(a, v2, x2), x3 = _mm256_fmadd_ps(a, v3, x3);
-                y0 = _mm256_fmadd_ps(bb, v0, y0), y1 = _mm256_fmadd_ps(bb, v1, y1), y2 = _mm256_fmadd_ps(bb, v2, y2), y3 = _mm256_fmadd_ps(bb, v3, y3);
+    for (int j0 = 0; j0 < b->jn; j0 += 128) {
+        const int j1 = b->jn - j0 < 128 ? b->jn : j0 + 128;
+        for (int i = 0; i < r; i += 32)
+            for (int h = h0; h < hn; h += 2) {
+                const float *p0 = b->sc + (size_t)h * b->ld, *p1 = p0 + b->ld;
+                float *c0 = b->ctx + (size_t)h * r, *c1 = c0 + r;
+                __m256 x0 = _mm256_loadu_ps(c0 + i), x1 = _mm256_loadu_ps(c0 + i + 8), x2 = _mm256_loadu_ps(c0 + i + 16), x3 = _mm256_loadu_ps(c0 + i + 24);
+                __m256 y0 = _mm256_loadu_ps(c1 + i), y1 = _mm256_loadu_ps(c1 + i + 8), y2 = _mm256_loadu_ps(c1 + i + 16), y3 = _mm256_loadu_ps(c1 + i + 24);
+                for (int j = j0; j < j1; j++) {
+                    const float *c = b->cache + (size_t)j * b->cw + i;
+                    const __m256 a = _mm256_set1_ps(p0[j]), bb = _mm256_set1_ps(p1[j]);
+                    const __m256 v0 = _mm256_loadu_ps(c), v1 = _mm256_loadu_ps(c + 8), v2 = _mm256_loadu_ps(c + 16), v3 = _mm256_loadu_ps(c + 24);
+                    x0 = _mm256_fmadd_ps(a, v0, x0), x1 = _mm256_fmadd_ps(a, v1, x1), x2 = _mm256_fmadd_ps(a, v2, x2), x3 = _mm256_fmadd_ps(a, v3, x3);
+                    y0 = _mm256_fmadd_ps(bb, v0, y0), y1 = _mm256_fmadd_ps(bb, v1, y1), y2 = _mm256_fmadd_ps(bb, v2, y2), y3 = _mm256_fmadd_ps(bb, v3, y3);
+                }
+                _mm256_storeu_ps(c0 + i, x0), _mm256_storeu_ps(c0 + i + 8, x1), _mm256_storeu_ps(c0 + i + 16, x2), _mm256_storeu_ps(c0 + i + 24, x3);
+                _mm256_storeu_ps(c1 + i, y0), _mm256_storeu_ps(c1 + i + 8, y1), _mm256_storeu_ps(c1 + i + 16, y2), _mm256_storeu_ps(c1 + i + 24, y3);
             }
-            _mm256_storeu_ps(c0 + i, x0), _mm256_storeu_ps(c0 + i + 8, x1), _mm256_storeu_ps(c0 + i + 16, x2), _mm256_storeu_ps(c0 + i + 24, x3);
-            _mm256_storeu_ps(c1 + i, y0), _mm256_storeu_ps(c1 + i + 8, y1), _mm256_storeu_ps(c1 + i + 16, y2), _mm256_storeu_ps(c1 + i + 24, y3);
-        }
     }
-    if (h < h1) moe__mla_ctx_ref(b, h, h1);
+    if (hn < h1) moe__mla_ctx_ref(b, hn, h1);
 }
 
 /* ---- AVX-512 linear and latent attention: the AVX2 kernels at 16 lanes -------------------- */
