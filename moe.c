@@ -2076,16 +2076,16 @@ moe_model_info moe_model_get_info(const moe_model *m) {
  * from its front, a quarter of what is left at a time (at least OWN_TASKS), so that its weight
  * stream stays sequential for the prefetchers and it pays few atomic operations (each drains
  * the core's pending loads: taking 4 tasks at a time, they were 5% of a 2-thread decode); a
- * thread done with its own range takes tasks from the back of the range with the most left. The threads of a step then finish together even when one is slowed (the other
- * core's memory traffic, an interrupt): with a static split the master spent ~9% of a decode
- * step's samples waiting at closing barriers for the other thread. Which thread runs a task
- * does not change its result. Needs C11 atomics; without them (or OpenMP) loops split
- * statically. */
+ * thread done with its own range takes tasks from the back of the range with the most left.
+ * The threads of a step then finish together even when one is slowed (the other core's memory
+ * traffic, an interrupt): with a static split the master spent ~9% of a decode step's samples
+ * waiting at closing barriers for the other thread. Which thread runs a task does not change
+ * its result. Needs C11 atomics; without them (or OpenMP) loops split statically. */
 #if defined(_OPENMP) && !defined(__STDC_NO_ATOMICS__)
 #include <stdatomic.h>
 #define TASK_STEALING 1
 #define STEAL_MAX_THREADS 64
-#define OWN_TASKS 4 /* tasks a thread takes from its own range at a time */
+#define OWN_TASKS 4 /* the fewest tasks a thread takes from its own range at a time */
 
 typedef struct {
     _Alignas(64) _Atomic uint64_t fb; /* front << 32 | back: tasks front .. back-1 are left */
@@ -3602,7 +3602,9 @@ static void route_rows(const moe_config *c, const float *logits, const float *bi
  * leaves one thread waiting for the other's last expert; this way they finish together. Same
  * kernel calls on the same data as one expert at a time. Expert e's rows cnt[e] .. cnt[e+1]-1
  * (positions rows[] in xe) get their buffers at eb + cnt[e] * (2 de + 2 Ie): inputs, gate, up,
- * output. */
+ * output. With sh, the shared experts' products on the full-width rows x join those two loops
+ * (5 fork/joins per MoE layer -> 3: 4% of a decode step at 16 threads) and their output goes to
+ * sh, as ffn_forward would compute it. */
 static moe_status experts_by_rows(const moe_model *m, const layer *L, const int *cnt, const int *rows, const float *xe, int n, int de,
                                   int Ie, float *eb, const float *x, float *sh) {
     const int E = m->cfg.n_experts, d = m->cfg.hidden_size;
