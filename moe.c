@@ -2186,7 +2186,6 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
     if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs per group */
         const int64_t gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
         const int64_t per = mm_task_rows(m, j), ng = (N - r0 < per ? N - r0 : per) / 8; /* groups in this task */
-        float o8[8];
         int t = 0;
         if (ng == 2) /* prefill: two groups and 4 rows per pass */
             for (; t + 4 <= T; t += 4) {
@@ -2201,12 +2200,10 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
                 for (; tg + 4 <= T; tg += 4) {
                     float o32[32];
                     m->k.dotq8x4[W->type](base + rg / 8 * gb, j->xq + (int64_t)tg * nb, nb, K, o32);
-                    for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(tg + i) * N + rg, o32 + 8 * i, sizeof o8);
+                    for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(tg + i) * N + rg, o32 + 8 * i, sizeof(float) * 8);
                 }
-            for (; tg < T; tg++) {
-                m->k.dotq8[W->type](base + rg / 8 * gb, j->xq + (int64_t)tg * nb, K, o8);
-                memcpy(j->y + (int64_t)tg * N + rg, o8, sizeof o8);
-            }
+            for (; tg < T; tg++) /* decode: the 8 outputs straight into y */
+                m->k.dotq8[W->type](base + rg / 8 * gb, j->xq + (int64_t)tg * nb, K, j->y + (int64_t)tg * N + rg);
         }
         return;
     }
