@@ -2290,18 +2290,18 @@ MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
             int h = 0;
             for (; h + 4 <= b->H; h += 4)
                 for (int jq = j; jq < j + jg; jq += 4) {
-                const float *c0 = b->cache + (size_t)jq * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
-                /* the first four head groups prefetch one row each of the next jg keys per tile: a
-                 * decode step reads the latent cache from memory, once */
-                if (h < 16) prefetch_row(b->cache + (size_t)(j + jg + h / 4 * (jg / 4) + (jq - j) / 4) * cw, cw * 4);
-                const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
-                const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
-                __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
-                __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
-                for (int i = 0; i < r; i += 16) MLA_TILE_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i, c2 + i, c3 + i);
-                for (int i = 0; i < dr; i += 16) MLA_TILE_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i, c2 + r + i, c3 + r + i);
-                MLA_TILE_STORE(b->sc + (size_t)h * b->ld + jq, b->ld, b->scale);
-            }
+                    const float *c0 = b->cache + (size_t)jq * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
+                    /* the first four head groups prefetch one row each of the next jg keys per tile: a
+                     * decode step reads the latent cache from memory, once */
+                    if (h < 16) prefetch_row(b->cache + (size_t)(j + jg + h / 4 * (jg / 4) + (jq - j) / 4) * cw, cw * 4);
+                    const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
+                    const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
+                    __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
+                    __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
+                    for (int i = 0; i < r; i += 16) MLA_TILE_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i, c2 + i, c3 + i);
+                    for (int i = 0; i < dr; i += 16) MLA_TILE_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i, c2 + r + i, c3 + r + i);
+                    MLA_TILE_STORE(b->sc + (size_t)h * b->ld + jq, b->ld, b->scale);
+                }
             if (h < b->H) { /* the last heads of these keys */
                 moe__mla_block t = *b;
                 t.qa += (size_t)h * r, t.qr += (size_t)h * qs, t.sc += (size_t)h * b->ld, t.H -= h;
