@@ -3618,11 +3618,13 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
     float *sa = sh ? malloc(sizeof(float) * 2 * (size_t)n * (size_t)Is) : NULL, *sb = sa ? sa + (size_t)n * Is : NULL;
     moe_status st = j && xq && (sa || !sh) ? MOE_OK : MOE_ERR_NOMEM;
     for (int t = 0; t < n && quant && !st; t++) m->k.quant_q8a(xe + (size_t)t * de, xq + t * nb, de);
-    for (int t = 0; t < n && sh && sq && !st; t++) m->k.quant_q8a(x + (size_t)t * d, xqs + t * (d / 32), d);
+    /* without a latent projection xe holds x's values: its quantized rows serve the shared experts */
+    const moe__block_q8a *xsq = sh && sq ? (!m->cfg.latent_dim && quant ? xq : xqs) : NULL;
+    for (int t = 0; t < n && xsq == xqs && !st; t++) m->k.quant_q8a(x + (size_t)t * d, xqs + t * (d / 32), d);
     int nj = 0;
     if (sh) { /* the shared experts' products join the routed experts' (one parallel loop each) */
-        j[nj++] = (mm_job){sa, &L->gate, x, d, sq ? xqs : NULL, n};
-        j[nj++] = (mm_job){sb, &L->up, x, d, sq ? xqs : NULL, n};
+        j[nj++] = (mm_job){sa, &L->gate, x, d, xsq, n};
+        j[nj++] = (mm_job){sb, &L->up, x, d, xsq, n};
     }
     for (int e = 0; e < E && !st; e++) {
         const int c0 = cnt[e], ce = cnt[e + 1] - c0;
@@ -3630,17 +3632,17 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
         const expert *ex = &L->experts[e];
         float *bx = eb + c0 * per, *ba = bx + (size_t)ce * de, *bb = ba + (size_t)ce * Ie;
         const int q = mm_quantized(&ex->w1) || mm_quantized(&ex->w3);
-        const float *x = xe + (size_t)rows[c0] * de;         /* one row: read in place */
+        const float *in = xe + (size_t)rows[c0] * de; /* one row: read in place */
         const moe__block_q8a *xqe = q ? xq + rows[c0] * nb : NULL;
         if (ce > 1) { /* several: gathered into the expert's buffer */
             for (int i = 0; i < ce; i++) {
                 memcpy(bx + (size_t)i * de, xe + (size_t)rows[c0 + i] * de, sizeof(float) * de);
                 if (q) memcpy(xqg + (c0 + i) * nb, xq + rows[c0 + i] * nb, sizeof *xq * (size_t)nb);
             }
-            x = bx, xqe = q ? xqg + c0 * nb : NULL;
+            in = bx, xqe = q ? xqg + c0 * nb : NULL;
         }
-        j[nj++] = (mm_job){ba, &ex->w1, x, de, xqe, ce};
-        j[nj++] = (mm_job){bb, &ex->w3, x, de, xqe, ce};
+        j[nj++] = (mm_job){ba, &ex->w1, in, de, xqe, ce};
+        j[nj++] = (mm_job){bb, &ex->w3, in, de, xqe, ce};
     }
     if (!st) st = mm_run(m, j, nj, m->opt.n_threads);
     nj = 0;
