@@ -781,7 +781,8 @@ struct moe_session {
     int n_ctx, pos;
     float **kda_state; /* per layer: [H_k, D, D] or NULL */
     float **conv_tail; /* per layer: [W-1, 3*H_k*D] (pre-convolution q,k,v rows) */
-    void **mla_cache; /* per layer: [cap, r + d_r] latents c (normalised) and kr, f32 or bf16 (kv_type) */
+    void **mla_cache; /* per layer: [cap, r + d_r] latents c (normalised) and kr, f32, bf16 or int8 (kv_type) */
+    moe__kv8_meta **mla_meta; /* per layer with an int8 cache: [cap] the rows' scales and sums */
     int *mla_cap;
 };
 
@@ -2007,7 +2008,7 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
     if (!(m->path = strdup(path))) st = MOE_ERR_NOMEM;
     if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)
         st = fail(err, errlen, MOE_ERR_ARG, "unknown expert_mode %d", m->opt.expert_mode);
-    if (!st && m->opt.kv_type != MOE_KV_F32 && m->opt.kv_type != MOE_KV_BF16)
+    if (!st && m->opt.kv_type != MOE_KV_F32 && m->opt.kv_type != MOE_KV_BF16 && m->opt.kv_type != MOE_KV_Q8)
         st = fail(err, errlen, MOE_ERR_ARG, "unknown kv_type %d", m->opt.kv_type);
     if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && m->opt.expert_type != MOE_WTYPE_ASIS)
         st = fail(err, errlen, MOE_ERR_ARG, "expert_type conversion makes experts resident: it needs the mmap expert mode");
@@ -2498,13 +2499,24 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
  * meet a long cache, i.e. decode) or expanded (keys/values rebuilt from the cache: cheaper when
  * many queries share the keys, i.e. prefill); the cost model below picks per call. */
 
-/* bytes of one latent cache element */
-static size_t kv_elem(const moe_model *m) { return m->opt.kv_type == MOE_KV_BF16 ? 2 : 4; }
+/* bytes of one latent cache element (an int8 cache adds a moe__kv8_meta per row) */
+static size_t kv_elem(const moe_model *m) { return m->opt.kv_type == MOE_KV_Q8 ? 1 : m->opt.kv_type == MOE_KV_BF16 ? 2 : 4; }
 
-/* rows [j0, j0 + n) of a latent cache as f32 into out (a bf16 cache is widened: exact) */
-static const float *kv_rows_f32(const moe_model *m, const void *cache, int64_t j0, int64_t n, int64_t cw, float *out) {
-    if (m->opt.kv_type != MOE_KV_BF16) return (const float *)cache + j0 * cw;
-    m->k.widen_bf16(out, (const uint16_t *)cache + j0 * cw, n * cw);
+/* rows [j0, j0 + n) of a latent cache as f32 into out (a bf16 cache is widened: exact; an int8
+ * one dequantized, c_i = dc q_i and kr_i = dr q_i) */
+static const float *kv_rows_f32(const moe_model *m, const void *cache, const moe__kv8_meta *meta, int64_t j0, int64_t n, int64_t cw,
+                                float *out) {
+    if (m->opt.kv_type == MOE_KV_F32) return (const float *)cache + j0 * cw;
+    if (m->opt.kv_type == MOE_KV_BF16) {
+        m->k.widen_bf16(out, (const uint16_t *)cache + j0 * cw, n * cw);
+        return out;
+    }
+    const int64_t r = m->cfg.kv_lora_rank;
+    for (int64_t j = 0; j < n; j++) {
+        const int8_t *q = (const int8_t *)cache + (j0 + j) * cw;
+        const moe__kv8_meta *mt = meta + j0 + j;
+        for (int64_t i = 0; i < cw; i++) out[j * cw + i] = (float)q[i] * (i < r ? mt->dc : mt->dr);
+    }
     return out;
 }
 
@@ -2518,6 +2530,11 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
     void *p = realloc(s->mla_cache[li], kv_elem(s->m) * w * (size_t)cap);
     if (!p) return MOE_ERR_NOMEM;
     s->mla_cache[li] = p;
+    if (s->m->opt.kv_type == MOE_KV_Q8) {
+        moe__kv8_meta *mp = realloc(s->mla_meta[li], sizeof *mp * (size_t)cap);
+        if (!mp) return MOE_ERR_NOMEM; /* the larger cache is kept; its capacity is not raised */
+        s->mla_meta[li] = mp;
+    }
     s->mla_cap[li] = cap;
     return MOE_OK;
 }
@@ -2537,23 +2554,32 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
  * back out, with a split GGUF's k_b / v_b as stored (integer kernels for Q8_0/Q4_0, activations
  * quantized like any matmul's) where the layer has them, else with kv_b's rows in floats.
  * With a bf16 cache the queries are rounded to bf16 and the block kernels take bf16 products
- * (moe__mla_block16: AVX512_BF16's dot product where the CPU has it), summed in f32.
+ * (moe__mla_block16: AVX512_BF16's dot product where the CPU has it), summed in f32. With an
+ * int8 cache the queries are quantized per head like the rows (the latent part and the kr part
+ * each with its scale) and the block's softmax weights per head to bytes (moe__mla_block8).
  * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r] (and with a bf16
- * cache the bf16 queries [H, r + d_r]), then per thread SC [H, KB], CTX [H, r], M [H], LS [H],
- * one row [r], room for r quantized values [r] and, with a bf16 cache, the bf16 kernels' work
- * area (moe__mla_work16). */
+ * cache the bf16 queries [H, r + d_r]; with an int8 one the int8 queries [H, r + d_r], their
+ * transposed copy and their scales [H, 2]), then per thread SC [H, KB], CTX [H, r], M [H],
+ * LS [H], one row [r], room for r quantized values [r] and, with a bf16 cache, the bf16 kernels'
+ * work area (moe__mla_work16); with an int8 one the weights in bytes [H, KB], their scales [H] and
+ * moe__mla_weights8's work [KB]. */
 static size_t mla_absorbed_part(const moe_model *m) {
     const moe_config *c = &m->cfg;
     const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank, cw = r + (size_t)c->qk_rope_dim;
-    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + (m->opt.kv_type == MOE_KV_BF16 ? moe__mla_work16((int)H, (int)cw, MLA_KEY_BLOCK) : 0);
+    const size_t kv = m->opt.kv_type == MOE_KV_BF16 ? moe__mla_work16((int)H, (int)cw, MLA_KEY_BLOCK)
+                      : m->opt.kv_type == MOE_KV_Q8 ? H * MLA_KEY_BLOCK / 4 + H + MLA_KEY_BLOCK
+                                                    : 0;
+    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + kv;
 }
 
-/* the shared part (QA, and with a bf16 cache the queries in bf16: [H, r + d_r] halves of floats),
- * then each thread's */
+/* the shared part (QA, and the queries in the cache's element), then each thread's */
 static size_t mla_absorbed_shared(const moe_model *m) {
     const moe_config *c = &m->cfg;
     const size_t H = (size_t)c->mla_heads, cw = (size_t)c->kv_lora_rank + c->qk_rope_dim;
-    return H * (size_t)c->kv_lora_rank + (m->opt.kv_type == MOE_KV_BF16 ? (H * cw + 1) / 2 : 0);
+    const size_t kv = m->opt.kv_type == MOE_KV_BF16 ? (H * cw + 1) / 2
+                      : m->opt.kv_type == MOE_KV_Q8 ? (H * cw + moe__mla_qt8_bytes((int)H, (int)cw) + 3) / 4 + 2 * H
+                                                    : 0;
+    return H * (size_t)c->kv_lora_rank + kv;
 }
 
 static size_t mla_absorbed_work(const moe_model *m, int nt) {
@@ -2572,8 +2598,8 @@ static float max_of(const float *x, int n) {
     return m[0];
 }
 
-static void mla_absorbed_token(const moe_model *m, const layer *L, const void *cache, int len, const float *q, float *y,
-                               float *w, int nt) {
+static void mla_absorbed_token(const moe_model *m, const layer *L, const void *cache, const moe__kv8_meta *meta, int len,
+                               const float *q, float *y, float *w, int nt) {
     const moe_config *c = &m->cfg;
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
     const int dq = dn + dr, cw = r + dr, KB = MLA_KEY_BLOCK;
@@ -2581,7 +2607,9 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
     const size_t per = mla_absorbed_part(m);
     float *QA = w;
     uint16_t *Q16 = (uint16_t *)(QA + (size_t)H * r); /* a bf16 cache: the queries in bf16 [H, cw] */
-    const int bf16 = m->opt.kv_type == MOE_KV_BF16;
+    int8_t *Q8 = (int8_t *)(QA + (size_t)H * r), *QT8 = Q8 + (size_t)H * cw; /* an int8 cache: [H, cw], transposed */
+    float *QD = (float *)(void *)(QA + (size_t)H * r + ((size_t)H * cw + moe__mla_qt8_bytes(H, cw) + 3) / 4); /* their scales [H, 2] */
+    const int bf16 = m->opt.kv_type == MOE_KV_BF16, q8 = m->opt.kv_type == MOE_KV_Q8;
     const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
     const int split = L->k_b.data && !L->stream; /* a streamed layer reads only its cache unit */
     (void)nt;
@@ -2600,6 +2628,8 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
         float *row = LS + H;
         moe__block_q8a *xq = (moe__block_q8a *)(void *)(row + r);
         float *wide = row + 2 * (size_t)r;
+        uint8_t *W8 = (uint8_t *)wide; /* an int8 cache: the block's weights in bytes [H, KB], their scales [H], work */
+        float *WS8 = wide + (size_t)H * KB / 4;
         /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
          * h*(d_n+d_v) .. +d_n taken as columns */
         for (int h = h0; h < h1 && split; h++) {
@@ -2622,8 +2652,17 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
         }
         for (int h = h0; h < h1 && bf16; h++) /* [q^_h | q_r,h] rounded to bf16 */
             for (int i = 0; i < cw; i++) Q16[(size_t)h * cw + i] = moe__f32_to_bf16(i < r ? QA[(size_t)h * r + i] : q[(size_t)h * dq + dn + i - r]);
+        for (int h = h0; h < h1 && q8; h++) { /* q^_h and q_r,h in int8, each with its scale */
+            int32_t sum;
+            moe__quant8_row(QA + (size_t)h * r, r, Q8 + (size_t)h * cw, &QD[2 * h], &sum);
+            moe__quant8_row(q + (size_t)h * dq + dn, dr, Q8 + (size_t)h * cw + r, &QD[2 * h + 1], &sum);
+        }
         memset(CTX, 0, sizeof(float) * (size_t)H * r);
         for (int h = 0; h < H; h++) M[h] = -INFINITY, LS[h] = 0;
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+        if (q8 && tid == 0) moe__mla_qt8(Q8, H, cw, QT8); /* every head's int8 query, transposed */
 #ifdef _OPENMP
 #pragma omp barrier
 #endif
@@ -2633,7 +2672,10 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
             const int jn = je - j0 < KB ? je - j0 : KB;
             const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, bf16 ? NULL : (const float *)cache + (size_t)j0 * cw, SC, CTX};
             const moe__mla_block16 b16 = {H, r, cw, jn, 0, jn, KB, scale, Q16, bf16 ? (const uint16_t *)cache + (size_t)j0 * cw : NULL, SC, CTX, wide};
+            const moe__mla_block8 b8 = {H, r, cw, jn, 0, jn, KB, KB, scale, Q8, QT8, QD, q8 ? (const int8_t *)cache + (size_t)j0 * cw : NULL,
+                                        q8 ? meta + j0 : NULL, SC, CTX, W8, WS8};
             if (bf16) m->k.mla_scores16(&b16);
+            else if (q8) m->k.mla_scores8(&b8);
             else m->k.mla_scores(&blk);
             for (int h = 0; h < H; h++) {
                 float *sc = SC + (size_t)h * KB, mx = max_of(sc, jn);
@@ -2647,7 +2689,11 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
                 M[h] = mx;
             }
             if (bf16) m->k.mla_ctx16(&b16, 0, H);
-            else m->k.mla_ctx(&blk, 0, H);
+            else if (q8) {
+                moe__mla_weights8(SC, KB, b8.meta, jn, 0, H, W8, KB, WS8, WS8 + H);
+                m->k.mla_ctx8(&b8, 0, H);
+            } else
+                m->k.mla_ctx(&blk, 0, H);
         }
 #ifdef _OPENMP
 #pragma omp barrier
@@ -2700,7 +2746,8 @@ void moe__set_mla_key_block(moe_model *m, int keys) {
  * under an online softmax (running max and sum, rescaled when the max grows), as the absorbed
  * form does across its key blocks. Memory does not grow with the context.
  * q: [n, H, d_n + d_r]; y: [n, H, d_v]. */
-static moe_status mla_expanded(const moe_model *m, const layer *L, const void *cache, int pos, int n, const float *q, float *y, int nt) {
+static moe_status mla_expanded(const moe_model *m, const layer *L, const void *cache, const moe__kv8_meta *meta, int pos, int n,
+                               const float *q, float *y, int nt) {
     const moe_config *c = &m->cfg;
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
     const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, S = pos + n, QB = MLA_QUERY_BLOCK;
@@ -2725,7 +2772,7 @@ static moe_status mla_expanded(const moe_model *m, const layer *L, const void *c
     moe_status st = MOE_OK;
     for (int k0 = 0; k0 < S && !st; k0 += KB) {
         const int kn = S - k0 < KB ? S - k0 : KB;
-        const float *rows = kv_rows_f32(m, cache, k0, kn, cw, wide);
+        const float *rows = kv_rows_f32(m, cache, meta, k0, kn, cw, wide);
         if ((st = matmul_ld(m, kv, rows, cw, kn, &L->kv_b))) break; /* [kn, H (d_n + d_v)] */
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && H > 1)
@@ -2821,19 +2868,26 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         rmsnorm_rows(qa_buf, qa_buf, L->q_a_norm, n, c->q_lora_rank, 1e-6f);
         MM(q, qa_buf, n, &L->q_b);
     }
-    /* 2. latents into the cache (normalised c, then kr), rounded to bf16 for a bf16 cache */
+    /* 2. latents into the cache (normalised c, then kr), rounded to bf16 for a bf16 cache,
+     * quantized (each part with its scale) for an int8 one */
     void *cache = s->mla_cache[li];
+    moe__kv8_meta *meta = s->mla_meta[li];
     for (int t = 0; t < n; t++) {
         float *l = lat + (size_t)t * cw;
         rmsnorm(l, l, L->kv_a_norm, r, 1e-6f);
-        if (bf16)
+        if (m->opt.kv_type == MOE_KV_Q8) {
+            int8_t *row = (int8_t *)cache + (size_t)(pos + t) * cw;
+            moe__kv8_meta *mt = meta + pos + t;
+            moe__quant8_row(l, r, row, &mt->dc, &mt->sc);
+            moe__quant8_row(l + r, dr, row + r, &mt->dr, &mt->sr);
+        } else if (bf16)
             for (int i = 0; i < cw; i++) ((uint16_t *)cache)[(size_t)(pos + t) * cw + i] = moe__f32_to_bf16(l[i]);
         else
             memcpy((float *)cache + (size_t)(pos + t) * cw, l, sizeof(float) * cw);
     }
-    if (!st && use_expanded) st = mla_expanded(m, L, cache, pos, n, q, y, nt);
+    if (!st && use_expanded) st = mla_expanded(m, L, cache, meta, pos, n, q, y, nt);
     for (int t = 0; t < n && !st && !use_expanded; t++)
-        mla_absorbed_token(m, L, cache, pos + t + 1, q + (size_t)t * H * dq, y + (size_t)t * H * dv, scr, nt);
+        mla_absorbed_token(m, L, cache, meta, pos + t + 1, q + (size_t)t * H * dq, y + (size_t)t * H * dv, scr, nt);
     /* 5. output gate; 6. output projection */
     if (c->mla_output_gate) {
         m->k.act(gate, gate, (int64_t)yn, MOE__ACT_SIGMOID);
@@ -4064,10 +4118,12 @@ void moe_session_free(moe_session *s) {
         if (s->kda_state) free(s->kda_state[i]);
         if (s->conv_tail) free(s->conv_tail[i]);
         if (s->mla_cache) free(s->mla_cache[i]);
+        if (s->mla_meta) free(s->mla_meta[i]);
     }
     free(s->kda_state);
     free(s->conv_tail);
     free(s->mla_cache);
+    free(s->mla_meta);
     free(s->mla_cap);
     free(s);
 }
@@ -4090,8 +4146,9 @@ moe_status moe_session_new(moe_session **out, moe_model *m, int n_ctx, char *err
     s->kda_state = xcalloc((size_t)L, sizeof *s->kda_state);
     s->conv_tail = xcalloc((size_t)L, sizeof *s->conv_tail);
     s->mla_cache = xcalloc((size_t)L, sizeof *s->mla_cache);
+    s->mla_meta = xcalloc((size_t)L, sizeof *s->mla_meta);
     s->mla_cap = xcalloc((size_t)L, sizeof *s->mla_cap);
-    int ok = s->kda_state && s->conv_tail && s->mla_cache && s->mla_cap;
+    int ok = s->kda_state && s->conv_tail && s->mla_cache && s->mla_meta && s->mla_cap;
     for (int i = 0; i < L && ok; i++)
         if (m->layer_kind[i] == MOE_LAYER_KDA) {
             s->kda_state[i] = xcalloc(kda_state_floats(c), sizeof(float));
@@ -4133,6 +4190,7 @@ moe_status moe_session_restore(moe_session *dst, const moe_session *src, char *e
         if (src->kda_state[i]) memcpy(dst->kda_state[i], src->kda_state[i], sizeof(float) * kda_state_floats(c));
         if (src->conv_tail[i]) memcpy(dst->conv_tail[i], src->conv_tail[i], sizeof(float) * conv_tail_floats(c));
         if (src->mla_cache[i] && src->pos) memcpy(dst->mla_cache[i], src->mla_cache[i], kv_elem(src->m) * cw * (size_t)src->pos);
+        if (src->mla_meta[i] && src->pos) memcpy(dst->mla_meta[i], src->mla_meta[i], sizeof(moe__kv8_meta) * (size_t)src->pos);
     }
     dst->pos = src->pos;
     return MOE_OK;

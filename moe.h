@@ -79,7 +79,13 @@ typedef enum { MOE_EXPERTS_MMAP = 0, MOE_EXPERTS_CACHE = 1 } moe_expert_mode;
  * BF16 halves the cache (Kimi K3 at a million tokens: 55 GB -> 28 GB) and what a decode step reads
  * from it, at the price of rounding each latent to 8 significant bits (as a bf16 model's own
  * inference keeps it); attention then runs in f32 on the rounded values. */
-typedef enum { MOE_KV_F32 = 0, MOE_KV_BF16 = 1 } moe_kv_type;
+/* Q8 quarters the f32 cache (K3 at a million tokens: 14 GB): per token its latent and its key
+ * slice kr as int8 with one scale each (and each values' sum), 592 bytes a token at K3's shape.
+ * Decode attention then runs in integer products: each head's query quantized the same way, and
+ * the softmax weights of a block of keys quantized to 8 bits (per head and block one scale)
+ * before they meet the latents; prefill widens the rows to f32. Lossy: see README for the KL
+ * divergence it costs. */
+typedef enum { MOE_KV_F32 = 0, MOE_KV_BF16 = 1, MOE_KV_Q8 = 2 } moe_kv_type;
 
 /* Weight formats a model can be converted to at load (moe_options.dense_type/expert_type). */
 typedef enum {
@@ -436,6 +442,7 @@ typedef struct {
 struct moe__kda_head_s;
 struct moe__mla_block_s;
 struct moe__mla_block16_s;
+struct moe__mla_block8_s;
 typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x, int64_t n);
 /* y[t * ldy + i] = (row i of w) . x_t for nr rows of a float-format weight matrix (ldw elements
  * apart) and nt activation rows (ldx floats apart), K values each */
@@ -463,6 +470,8 @@ typedef struct {
     void (*mla_ctx)(const struct moe__mla_block_s *b, int h0, int h1);
     void (*mla_scores16)(const struct moe__mla_block16_s *b);  /* see moe__mla_scores16_ref */
     void (*mla_ctx16)(const struct moe__mla_block16_s *b, int h0, int h1);
+    void (*mla_scores8)(const struct moe__mla_block8_s *b);   /* see moe__mla_scores8_ref */
+    void (*mla_ctx8)(const struct moe__mla_block8_s *b, int h0, int h1);
     void (*act)(float *y, const float *x, int64_t n, int kind); /* see moe__act_ref */
     float (*exp_sum)(float *y, const float *x, float shift, int64_t n); /* see moe__exp_sum_ref */
     void (*widen_bf16)(float *y, const uint16_t *x, int64_t n); /* bf16 -> f32, exact */
@@ -637,6 +646,40 @@ typedef struct moe__mla_block16_s {
 size_t moe__mla_work16(int H, int cw, int ld);
 void moe__mla_scores16_ref(const moe__mla_block16 *b);
 void moe__mla_ctx16_ref(const moe__mla_block16 *b, int h0, int h1);
+
+/* The same over an int8 latent cache (MOE_KV_Q8). A row is cw signed bytes: c quantized with
+ * scale dc, then kr with scale dr (moe__quant8_row on each part: values in [-127, 127], x ~ d q),
+ * and per row this meta: */
+typedef struct { float dc, dr; int32_t sc, sr; } moe__kv8_meta; /* scales; sums of c's and kr's bytes */
+/* x [n] -> q [n] with q = round(x * 127 / max |x|), *d = max |x| / 127, *sum = the sum of q */
+void moe__quant8_row(const float *x, int n, int8_t *q, float *d, int32_t *sum);
+/* The queries are quantized per head the same way (q: [H, cw], qd: [H, 2] the two parts' scales),
+ * the softmax weights per head and block to unsigned bytes (moe__mla_weights8: w = round(p dc *
+ * 255 / max), ws its scale); sums of products are exact in int32, so every level computes
+ *   scores: sc[h][j] = ((float)(q_c[h] . c_j) * (qd[2h] * dc_j) + (float)(q_r[h] . kr_j) * (qd[2h+1] * dr_j)) * scale
+ *           for keys j0 .. j1-1 (cache and meta point at the block's first key)
+ *   ctx:    ctx[h][i] += ws[h] * (float)(sum_j w[h][j] c_j[i])   for heads h0 .. h1-1, all jn keys
+ * with the same float steps. qt: the queries transposed by moe__mla_qt8 (16 heads x 4 values per
+ * 64 bytes: the SIMD levels broadcast 4 bytes of a key against 16 heads, no horizontal sums).
+ * w: [H, lw] (lw >= jn a multiple of 4, zeros after jn). */
+typedef struct moe__mla_block8_s {
+    int H, r, cw, jn, j0, j1, ld, lw;
+    float scale;
+    const int8_t *q, *qt;
+    const float *qd;
+    const int8_t *cache;
+    const moe__kv8_meta *meta;
+    float *sc, *ctx;
+    const uint8_t *w;
+    const float *ws;
+} moe__mla_block8;
+size_t moe__mla_qt8_bytes(int H, int cw);
+void moe__mla_qt8(const int8_t *q, int H, int cw, int8_t *qt);
+/* work: jn floats */
+void moe__mla_weights8(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
+                       float *work);
+void moe__mla_scores8_ref(const moe__mla_block8 *b);
+void moe__mla_ctx8_ref(const moe__mla_block8 *b, int h0, int h1);
 
 #endif /* MOE_INTERNAL */
 #endif /* MOE_H */

@@ -2042,6 +2042,106 @@ void moe__mla_ctx16_ref(const moe__mla_block16 *b, int h0, int h1) {
     }
 }
 
+/* ---- int8 latent cache (MOE_KV_Q8) --------------------------------------------------------- */
+
+void moe__quant8_row(const float *x, int n, int8_t *q, float *d, int32_t *sum) {
+    float amax = 0;
+    for (int i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int32_t s = 0;
+    for (int i = 0; i < n; i++) {
+        long v = lrintf(x[i] * inv);
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        q[i] = (int8_t)v;
+        s += (int32_t)v;
+    }
+    *d = amax / 127.0f;
+    *sum = s;
+}
+
+size_t moe__mla_qt8_bytes(int H, int cw) { return (size_t)(H + 15) / 16 * 16 * (size_t)cw; }
+
+void moe__mla_qt8(const int8_t *q, int H, int cw, int8_t *qt) {
+    const int ng = (H + 15) / 16, nq = cw / 4;
+    for (int g = 0; g < ng; g++)
+        for (int i = 0; i < nq; i++)
+            for (int l = 0; l < 16; l++)
+                for (int t = 0; t < 4; t++) {
+                    const int h = g * 16 + l;
+                    qt[(((size_t)g * nq + i) * 16 + l) * 4 + t] = h < H ? q[(size_t)h * cw + 4 * i + t] : 0;
+                }
+}
+
+/* the largest p_j d_j (at least 0), and each p_j d_j * inv rounded into bytes: loops in groups of
+ * 8 statements on restrict pointers, which gcc's straight-line vectorizer takes at -O2 */
+static float max_prod(const float *restrict p, const float *restrict d, int n) {
+    float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; k++) {
+            const float v = p[j + k] * d[j + k];
+            m[k] = v > m[k] ? v : m[k];
+        }
+    for (; j < n; j++) m[0] = p[j] * d[j] > m[0] ? p[j] * d[j] : m[0];
+    for (int k = 1; k < 8; k++) m[0] = m[k] > m[0] ? m[k] : m[0];
+    return m[0];
+}
+
+static void round_u8(const float *restrict p, const float *restrict d, float inv, int n, uint8_t *restrict w) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) /* clamped as floats: the int-side clamp kept the loop scalar */
+        for (int k = 0; k < 8; k++) {
+            const float v = p[j + k] * d[j + k] * inv + 0.5f;
+            w[j + k] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
+        }
+    for (; j < n; j++) {
+        const float v = p[j] * d[j] * inv + 0.5f;
+        w[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
+    }
+}
+
+void moe__mla_weights8(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
+                       float *work) {
+    for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
+    for (int h = h0; h < h1; h++) {
+        const float wmax = max_prod(p + (size_t)h * ld, work, jn), inv = wmax > 0 ? 255.0f / wmax : 0.0f;
+        uint8_t *wh = w + (size_t)h * lw;
+        round_u8(p + (size_t)h * ld, work, inv, jn, wh);
+        for (int j = jn; j < lw; j++) wh[j] = 0;
+        ws[h] = wmax / 255.0f;
+    }
+}
+
+/* the score of key j (row c, meta mt) for head h from the two integer dot products */
+static inline float score8(const moe__mla_block8 *b, int h, int32_t dc, int32_t dr, const moe__kv8_meta *mt) {
+    return ((float)dc * (b->qd[2 * h] * mt->dc) + (float)dr * (b->qd[2 * h + 1] * mt->dr)) * b->scale;
+}
+
+void moe__mla_scores8_ref(const moe__mla_block8 *b) {
+    for (int j = b->j0; j < b->j1; j++) {
+        const int8_t *c = b->cache + (size_t)j * b->cw;
+        for (int h = 0; h < b->H; h++) {
+            const int8_t *q = b->q + (size_t)h * b->cw;
+            int32_t dc = 0, dr = 0;
+            for (int i = 0; i < b->r; i++) dc += q[i] * c[i];
+            for (int i = b->r; i < b->cw; i++) dr += q[i] * c[i];
+            b->sc[(size_t)h * b->ld + j] = score8(b, h, dc, dr, b->meta + j);
+        }
+    }
+}
+
+void moe__mla_ctx8_ref(const moe__mla_block8 *b, int h0, int h1) {
+    for (int h = h0; h < h1; h++) {
+        const uint8_t *w = b->w + (size_t)h * b->lw;
+        float *ctx = b->ctx + (size_t)h * b->r;
+        for (int i = 0; i < b->r; i++) {
+            int32_t s = 0;
+            for (int j = 0; j < b->jn; j++) s += w[j] * b->cache[(size_t)j * b->cw + i];
+            ctx[i] += b->ws[h] * (float)s;
+        }
+    }
+}
+
 /* Levels without bf16 dot products: the block widened to f32 (exact), the weights rounded to
  * bf16, through the level's f32 kernels: the same products, summed in another order. */
 typedef void (*mla_scores_fn)(const moe__mla_block *b);
@@ -2488,6 +2588,247 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_ctx16_avx512bf16(const moe__mla_block
         }
     if (hn < h1) mla_ctx16_avx512(b, hn, h1);
 }
+
+/* ---- int8 latent cache kernels (MOE_KV_Q8) ---- */
+
+/* dpbusd through asm: around the intrinsic gcc 12 copies every accumulator on each pass of the
+ * loop (a register-allocation quirk: the int8 scores kernel ran 16% slower) */
+#define MOE_AVX512VNNI MOE_AVX512 ",avx512vnni"
+#define DPBUSD512(acc, a, b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+
+/* the scores of 8 keys (f0..f7: lanes = the 16 heads of group g) stored as sc[h][j .. j+7]: a
+ * transpose in 128-bit lanes (heads 4L .. 4L+3 of lane L), then two 4-key halves per head */
+#define SCORES8_STORE(L)                                                                                      \
+    for (int m_ = 0; m_ < 4; m_++) {                                                                         \
+        const int h_ = g * 16 + 4 * (L) + m_;                                                                \
+        if (h_ < b->H) {                                                                                     \
+            _mm_storeu_ps(b->sc + (size_t)h_ * b->ld + j, _mm512_extractf32x4_ps(u[m_], (L)));              \
+            _mm_storeu_ps(b->sc + (size_t)h_ * b->ld + j + 4, _mm512_extractf32x4_ps(u[m_ + 4], (L)));      \
+        }                                                                                                    \
+    }
+
+/* heads in lanes: each step loads 4 query values of 16 heads (moe__mla_qt8's layout, + 128 as
+ * unsigned bytes by one xor) and meets 4 bytes of each of 8 keys, broadcast; one accumulator per
+ * key, no horizontal sums (a 4 heads x 4 keys tile spent half its time in them). The offset's
+ * 128 * (sum of the key's bytes) is taken off after. 8 keys' rows (4.6 KB at K3's width) stay in
+ * L1 across the head groups; the next 8 are prefetched. */
+MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b) {
+    const int r = b->r, cw = b->cw, ng = (b->H + 15) / 16, nq = cw / 4;
+    if (cw % 4 || r % 4) { moe__mla_scores8_ref(b); return; }
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+    const __m512 k = _mm512_set1_ps(b->scale);
+    int j = b->j0;
+    for (; j + 8 <= b->j1; j += 8) {
+        const int8_t *c = b->cache + (size_t)j * cw;
+        prefetch_row(c + (size_t)8 * cw, 8 * cw);
+        const moe__kv8_meta *mt = b->meta + j;
+        for (int g = 0; g < ng; g++) {
+            const int8_t *qt = b->qt + (size_t)g * nq * 64;
+            float qc[16], qr[16];
+            for (int l = 0; l < 16; l++) {
+                const int h = g * 16 + l < b->H ? g * 16 + l : b->H - 1;
+                qc[l] = b->qd[2 * h], qr[l] = b->qd[2 * h + 1];
+            }
+            const __m512 vqc = _mm512_loadu_ps(qc), vqr = _mm512_loadu_ps(qr);
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+#define BC(n, i) _mm512_set1_epi32(*(const int32_t *)(const void *)(c + (size_t)(n) * cw + (i)))
+#define STEP8(i)                                                                                            \
+    do {                                                                                                    \
+        const __m512i q_ = _mm512_xor_si512(_mm512_loadu_si512(qt + (size_t)(i) * 16), x80);               \
+        DPBUSD512(a0, q_, BC(0, i)); DPBUSD512(a1, q_, BC(1, i)); DPBUSD512(a2, q_, BC(2, i));              \
+        DPBUSD512(a3, q_, BC(3, i)); DPBUSD512(a4, q_, BC(4, i)); DPBUSD512(a5, q_, BC(5, i));              \
+        DPBUSD512(a6, q_, BC(6, i)); DPBUSD512(a7, q_, BC(7, i));                                          \
+    } while (0)
+            for (int i = 0; i < r; i += 4) STEP8(i);
+            /* the latent part's float terms, then the same accumulators for kr */
+#define PART(n, s, d, vq) _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a##n, _mm512_set1_epi32(mt[n].s * 128))), _mm512_mul_ps(vq, _mm512_set1_ps(mt[n].d)))
+            __m512 f[8] = {PART(0, sc, dc, vqc), PART(1, sc, dc, vqc), PART(2, sc, dc, vqc), PART(3, sc, dc, vqc),
+                           PART(4, sc, dc, vqc), PART(5, sc, dc, vqc), PART(6, sc, dc, vqc), PART(7, sc, dc, vqc)};
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _mm512_setzero_si512();
+            for (int i = r; i < cw; i += 4) STEP8(i);
+#undef STEP8
+            f[0] = _mm512_mul_ps(_mm512_add_ps(f[0], PART(0, sr, dr, vqr)), k);
+            f[1] = _mm512_mul_ps(_mm512_add_ps(f[1], PART(1, sr, dr, vqr)), k);
+            f[2] = _mm512_mul_ps(_mm512_add_ps(f[2], PART(2, sr, dr, vqr)), k);
+            f[3] = _mm512_mul_ps(_mm512_add_ps(f[3], PART(3, sr, dr, vqr)), k);
+            f[4] = _mm512_mul_ps(_mm512_add_ps(f[4], PART(4, sr, dr, vqr)), k);
+            f[5] = _mm512_mul_ps(_mm512_add_ps(f[5], PART(5, sr, dr, vqr)), k);
+            f[6] = _mm512_mul_ps(_mm512_add_ps(f[6], PART(6, sr, dr, vqr)), k);
+            f[7] = _mm512_mul_ps(_mm512_add_ps(f[7], PART(7, sr, dr, vqr)), k);
+#undef PART
+            const __m512 t0 = _mm512_unpacklo_ps(f[0], f[1]), t1 = _mm512_unpackhi_ps(f[0], f[1]);
+            const __m512 t2 = _mm512_unpacklo_ps(f[2], f[3]), t3 = _mm512_unpackhi_ps(f[2], f[3]);
+            const __m512 t4 = _mm512_unpacklo_ps(f[4], f[5]), t5 = _mm512_unpackhi_ps(f[4], f[5]);
+            const __m512 t6 = _mm512_unpacklo_ps(f[6], f[7]), t7 = _mm512_unpackhi_ps(f[6], f[7]);
+            const __m512 u[8] = {_mm512_shuffle_ps(t0, t2, 0x44), _mm512_shuffle_ps(t0, t2, 0xee), _mm512_shuffle_ps(t1, t3, 0x44),
+                                 _mm512_shuffle_ps(t1, t3, 0xee), _mm512_shuffle_ps(t4, t6, 0x44), _mm512_shuffle_ps(t4, t6, 0xee),
+                                 _mm512_shuffle_ps(t5, t7, 0x44), _mm512_shuffle_ps(t5, t7, 0xee)};
+            SCORES8_STORE(0)
+            SCORES8_STORE(1)
+            SCORES8_STORE(2)
+            SCORES8_STORE(3)
+        }
+    }
+#undef BC
+    /* the last keys one at a time, the same steps */
+    for (; j < b->j1; j++) {
+        const int8_t *c = b->cache + (size_t)j * cw;
+        const moe__kv8_meta *mt = b->meta + j;
+        for (int g = 0; g < ng; g++) {
+            const int8_t *qt = b->qt + (size_t)g * nq * 64;
+            float qc[16], qr[16], out[16];
+            for (int l = 0; l < 16; l++) {
+                const int h = g * 16 + l < b->H ? g * 16 + l : b->H - 1;
+                qc[l] = b->qd[2 * h], qr[l] = b->qd[2 * h + 1];
+            }
+            __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+            for (int i = 0; i < cw; i += 4) {
+                const __m512i q = _mm512_xor_si512(_mm512_loadu_si512(qt + (size_t)i * 16), x80);
+                const __m512i x = _mm512_set1_epi32(*(const int32_t *)(const void *)(c + i));
+                if (i < r) DPBUSD512(a0, q, x);
+                else DPBUSD512(a1, q, x);
+            }
+            const __m512 fc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0, _mm512_set1_epi32(mt->sc * 128))), _mm512_mul_ps(_mm512_loadu_ps(qc), _mm512_set1_ps(mt->dc)));
+            const __m512 fr = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1, _mm512_set1_epi32(mt->sr * 128))), _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_set1_ps(mt->dr)));
+            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_add_ps(fc, fr), k));
+            for (int l = 0; l < 16 && g * 16 + l < b->H; l++) b->sc[(size_t)(g * 16 + l) * b->ld + j] = out[l];
+        }
+    }
+}
+#undef SCORES8_STORE
+
+/* ctx: 4 keys' bytes of one latent value form a 32-bit lane (two rounds of byte/word unpacks of
+ * 4 rows, in a fixed lane order put back at the end) and meet the 4 keys' weights of a head,
+ * broadcast: 4 heads x 64 latent values in 16 accumulators; slices of 64 values outside, so the
+ * block's slice stays in L1 while the head groups pass */
+MOE_TARGET(MOE_AVX512VNNI) static void mla_ctx8_vnni(const moe__mla_block8 *b, int h0, int h1) {
+    const int r = b->r, cw = b->cw, jn = b->jn;
+    if (r % 64) { moe__mla_ctx8_ref(b, h0, h1); return; }
+    const __m512i zero = _mm512_setzero_si512();
+    for (int i = 0; i < r; i += 64)
+        for (int h = h0; h < h1; h += 4) {
+            const int nh = h1 - h < 4 ? h1 - h : 4; /* heads past h1 use head h's weights, unstored */
+            const uint8_t *p0 = b->w + (size_t)h * b->lw, *p1 = nh > 1 ? p0 + b->lw : p0, *p2 = nh > 2 ? p0 + 2 * (size_t)b->lw : p0,
+                          *p3 = nh > 3 ? p0 + 3 * (size_t)b->lw : p0;
+            __m512i a0 = zero, a1 = zero, a2 = zero, a3 = zero, e0 = zero, e1 = zero, e2 = zero, e3 = zero;
+            __m512i f0 = zero, f1 = zero, f2 = zero, f3 = zero, g0 = zero, g1 = zero, g2 = zero, g3 = zero;
+            for (int j = 0; j < jn; j += 4) {
+                const int8_t *c = b->cache + (size_t)j * cw + i;
+                const __m512i x0 = _mm512_loadu_si512(c);
+                const __m512i x1 = j + 1 < jn ? _mm512_loadu_si512(c + cw) : zero;
+                const __m512i x2 = j + 2 < jn ? _mm512_loadu_si512(c + 2 * (size_t)cw) : zero;
+                const __m512i x3 = j + 3 < jn ? _mm512_loadu_si512(c + 3 * (size_t)cw) : zero;
+                const __m512i l01 = _mm512_unpacklo_epi8(x0, x1), h01 = _mm512_unpackhi_epi8(x0, x1);
+                const __m512i l23 = _mm512_unpacklo_epi8(x2, x3), h23 = _mm512_unpackhi_epi8(x2, x3);
+                const __m512i v0 = _mm512_unpacklo_epi16(l01, l23), v1 = _mm512_unpackhi_epi16(l01, l23);
+                const __m512i v2 = _mm512_unpacklo_epi16(h01, h23), v3 = _mm512_unpackhi_epi16(h01, h23);
+#define DP4(x, p)                                                                                   \
+    do {                                                                                            \
+        const __m512i w_ = _mm512_set1_epi32(*(const int32_t *)(const void *)((p) + j));            \
+        DPBUSD512(x##0, w_, v0); DPBUSD512(x##1, w_, v1); DPBUSD512(x##2, w_, v2); DPBUSD512(x##3, w_, v3); \
+    } while (0)
+                DP4(a, p0);
+                DP4(e, p1);
+                DP4(f, p2);
+                DP4(g, p3);
+#undef DP4
+            }
+            /* accumulator k's lane 4L + m holds latent value 16L + 4k + m: a 4x4 transpose of
+             * 128-bit lanes puts them back in order */
+#define ADD4(x, hh)                                                                                                   \
+    do {                                                                                                              \
+        float *o_ = b->ctx + (size_t)(hh) * r + i;                                                                    \
+        const __m512 s_ = _mm512_set1_ps(b->ws[hh]);                                                                  \
+        const __m512i t0_ = _mm512_shuffle_i32x4(x##0, x##1, 0x44), t1_ = _mm512_shuffle_i32x4(x##0, x##1, 0xee);   \
+        const __m512i t2_ = _mm512_shuffle_i32x4(x##2, x##3, 0x44), t3_ = _mm512_shuffle_i32x4(x##2, x##3, 0xee);   \
+        const __m512i y_[4] = {_mm512_shuffle_i32x4(t0_, t2_, 0x88), _mm512_shuffle_i32x4(t0_, t2_, 0xdd),          \
+                               _mm512_shuffle_i32x4(t1_, t3_, 0x88), _mm512_shuffle_i32x4(t1_, t3_, 0xdd)};         \
+        for (int q_ = 0; q_ < 4; q_++)                                                                                \
+            _mm512_storeu_ps(o_ + 16 * q_, _mm512_add_ps(_mm512_loadu_ps(o_ + 16 * q_), _mm512_mul_ps(s_, _mm512_cvtepi32_ps(y_[q_])))); \
+    } while (0)
+            ADD4(a, h);
+            if (nh > 1) ADD4(e, h + 1);
+            if (nh > 2) ADD4(f, h + 2);
+            if (nh > 3) ADD4(g, h + 3);
+#undef ADD4
+        }
+}
+
+/* AVX2: the same orders at 8 heads a register, without VNNI: the queries' signs moved onto the
+ * keys' bytes (maddubs multiplies unsigned by signed bytes: |q| x sign(q) c, pairs within int16),
+ * pairs summed into int32 by madd. Scores of 8 keys x 8 heads, stored through a small table. */
+MOE_TARGET("avx2,fma") static void mla_scores8_avx2(const moe__mla_block8 *b) {
+    const int r = b->r, cw = b->cw, ng = (b->H + 15) / 16, nq = cw / 4;
+    if (cw % 4 || r % 4) { moe__mla_scores8_ref(b); return; }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int j = b->j0; j < b->j1; j += 8) {
+        const int nk = b->j1 - j < 8 ? b->j1 - j : 8;
+        const int8_t *c = b->cache + (size_t)j * cw;
+        const moe__kv8_meta *mt = b->meta + j;
+        for (int g = 0; g < ng; g++)
+            for (int half = 0; half < 2 && g * 16 + half * 8 < b->H; half++) {
+                const int8_t *qt = b->qt + (size_t)g * nq * 64 + half * 32;
+                float out[8][8];
+                __m256i a[8];
+                for (int part = 0; part < 2; part++) {
+                    const int i0 = part ? r : 0, i1 = part ? cw : r;
+                    for (int n = 0; n < 8; n++) a[n] = _mm256_setzero_si256();
+                    for (int i = i0; i < i1; i += 4) {
+                        const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(qt + (size_t)i * 16)), aq = _mm256_abs_epi8(q);
+                        for (int n = 0; n < nk; n++) {
+                            const __m256i x = _mm256_set1_epi32(*(const int32_t *)(const void *)(c + (size_t)n * cw + i));
+                            a[n] = _mm256_add_epi32(a[n], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q)), ones));
+                        }
+                    }
+                    for (int n = 0; n < nk; n++) {
+                        int32_t d[8];
+                        _mm256_storeu_si256((__m256i *)(void *)d, a[n]);
+                        for (int l = 0; l < 8; l++) {
+                            const int h = g * 16 + half * 8 + l;
+                            if (h >= b->H) break;
+                            if (!part) out[n][l] = (float)d[l] * (b->qd[2 * h] * mt[n].dc);
+                            else out[n][l] = (out[n][l] + (float)d[l] * (b->qd[2 * h + 1] * mt[n].dr)) * b->scale;
+                        }
+                    }
+                }
+                for (int l = 0; l < 8 && g * 16 + half * 8 + l < b->H; l++)
+                    for (int n = 0; n < nk; n++) b->sc[(size_t)(g * 16 + half * 8 + l) * b->ld + j + n] = out[n][l];
+            }
+    }
+}
+
+/* ctx at 16 latent values a slice: two keys' int8 values widened to int16 and interleaved, times
+ * the two keys' weights of a head (madd: w_j c_j + w_j+1 c_j+1 in int32); 4 heads at a time */
+MOE_TARGET("avx2,fma") static void mla_ctx8_avx2(const moe__mla_block8 *b, int h0, int h1) {
+    const int r = b->r, cw = b->cw, jn = b->jn;
+    if (r % 16) { moe__mla_ctx8_ref(b, h0, h1); return; }
+    for (int i = 0; i < r; i += 16)
+        for (int h = h0; h < h1; h += 4) {
+            const int nh = h1 - h < 4 ? h1 - h : 4;
+            __m256i lo[4], hi[4];
+            for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm256_setzero_si256();
+            for (int j = 0; j < jn; j += 2) {
+                const int8_t *c = b->cache + (size_t)j * cw + i;
+                const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)c));
+                const __m256i x1 = j + 1 < jn ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(c + cw))) : _mm256_setzero_si256();
+                const __m256i vl = _mm256_unpacklo_epi16(x0, x1), vh = _mm256_unpackhi_epi16(x0, x1);
+                for (int t = 0; t < nh; t++) {
+                    const uint8_t *w = b->w + (size_t)(h + t) * b->lw + j; /* w[1] is 0 past jn (lw is a multiple of 4) */
+                    const __m256i wp = _mm256_set1_epi32((int32_t)((uint32_t)w[0] | (uint32_t)w[1] << 16));
+                    lo[t] = _mm256_add_epi32(lo[t], _mm256_madd_epi16(vl, wp));
+                    hi[t] = _mm256_add_epi32(hi[t], _mm256_madd_epi16(vh, wp));
+                }
+            }
+            /* lo holds values 0-3 and 8-11, hi 4-7 and 12-15 */
+            for (int t = 0; t < nh; t++) {
+                float *o = b->ctx + (size_t)(h + t) * r + i;
+                const __m256 s = _mm256_set1_ps(b->ws[h + t]);
+                const __m256i y0 = _mm256_permute2x128_si256(lo[t], hi[t], 0x20), y1 = _mm256_permute2x128_si256(lo[t], hi[t], 0x31);
+                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(s, _mm256_cvtepi32_ps(y0))));
+                _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(o + 8), _mm256_mul_ps(s, _mm256_cvtepi32_ps(y1))));
+            }
+        }
+}
 #endif
 
 #ifdef MOE_NEON
@@ -2550,6 +2891,72 @@ GEMM_NEON(gemm_bf16_neon, uint16_t, LW_BF16)
 #undef GEMM_NEON_STEP
 static void mla_scores16_neon(const moe__mla_block16 *b) { mla_scores16_widened(b, mla_scores_neon, widen_bf16_neon); }
 static void mla_ctx16_neon(const moe__mla_block16 *b, int h0, int h1) { mla_ctx16_widened(b, h0, h1, mla_ctx_neon, widen_bf16_neon); }
+
+/* int8 cache, NEON: the scores with the dot product, heads in lanes as on x86 (4 a register):
+ * SDOT by element meets 4 bytes of a key with 4 heads' 4 query values, signed by signed (no
+ * offset); the sums are exact, the float steps those of the reference */
+MOE_DOTPROD static void mla_scores8_dotprod(const moe__mla_block8 *b) {
+    const int r = b->r, cw = b->cw, ng = (b->H + 15) / 16, nq = cw / 4;
+    if (cw % 16 || r % 16) { moe__mla_scores8_ref(b); return; }
+    for (int j = b->j0; j < b->j1; j++) {
+        const int8_t *c = b->cache + (size_t)j * cw;
+        const moe__kv8_meta *mt = b->meta + j;
+        for (int g = 0; g < ng; g++) {
+            const int8_t *qt = b->qt + (size_t)g * nq * 64;
+            int32x4_t d[2][4];
+            for (int part = 0; part < 2; part++) {
+                int32x4_t a0 = vdupq_n_s32(0), a1 = a0, a2 = a0, a3 = a0;
+                for (int i = part ? r : 0; i < (part ? cw : r); i += 16) {
+                    const int8x16_t x = vld1q_s8(c + i);
+                    const int8_t *qq = qt + (size_t)i * 16; /* dims i .. i+15: 4 quads x 4 head quads */
+#define QUAD(t)                                                                                       \
+    a0 = vdotq_laneq_s32(a0, vld1q_s8(qq + (t) * 64), x, t), a1 = vdotq_laneq_s32(a1, vld1q_s8(qq + (t) * 64 + 16), x, t); \
+    a2 = vdotq_laneq_s32(a2, vld1q_s8(qq + (t) * 64 + 32), x, t), a3 = vdotq_laneq_s32(a3, vld1q_s8(qq + (t) * 64 + 48), x, t)
+                    QUAD(0);
+                    QUAD(1);
+                    QUAD(2);
+                    QUAD(3);
+#undef QUAD
+                }
+                d[part][0] = a0, d[part][1] = a1, d[part][2] = a2, d[part][3] = a3;
+            }
+            for (int hq = 0; hq < 4; hq++) {
+                int32_t dc[4], dr[4];
+                vst1q_s32(dc, d[0][hq]);
+                vst1q_s32(dr, d[1][hq]);
+                for (int l = 0; l < 4; l++) {
+                    const int h = g * 16 + 4 * hq + l;
+                    if (h < b->H) b->sc[(size_t)h * b->ld + j] = score8(b, h, dc[l], dr[l], mt);
+                }
+            }
+        }
+    }
+}
+
+/* ctx: a key's 16 latent values widened to int16, times the head's weight of the key into four
+ * int32 accumulators (multiply-accumulate long by scalar); heads one at a time */
+static void mla_ctx8_neon(const moe__mla_block8 *b, int h0, int h1) {
+    const int r = b->r, cw = b->cw, jn = b->jn;
+    if (r % 16) { moe__mla_ctx8_ref(b, h0, h1); return; }
+    for (int i = 0; i < r; i += 16)
+        for (int h = h0; h < h1; h++) {
+            const uint8_t *w = b->w + (size_t)h * b->lw;
+            int32x4_t a0 = vdupq_n_s32(0), a1 = a0, a2 = a0, a3 = a0;
+            for (int j = 0; j < jn; j++) {
+                const int8x16_t x = vld1q_s8(b->cache + (size_t)j * cw + i);
+                const int16x8_t lo = vmovl_s8(vget_low_s8(x)), hi = vmovl_high_s8(x);
+                const int16_t wj = (int16_t)w[j];
+                a0 = vmlal_n_s16(a0, vget_low_s16(lo), wj), a1 = vmlal_high_n_s16(a1, lo, wj);
+                a2 = vmlal_n_s16(a2, vget_low_s16(hi), wj), a3 = vmlal_high_n_s16(a3, hi, wj);
+            }
+            float *o = b->ctx + (size_t)h * r + i;
+            const float s = b->ws[h];
+            vst1q_f32(o, vaddq_f32(vld1q_f32(o), vmulq_n_f32(vcvtq_f32_s32(a0), s)));
+            vst1q_f32(o + 4, vaddq_f32(vld1q_f32(o + 4), vmulq_n_f32(vcvtq_f32_s32(a1), s)));
+            vst1q_f32(o + 8, vaddq_f32(vld1q_f32(o + 8), vmulq_n_f32(vcvtq_f32_s32(a2), s)));
+            vst1q_f32(o + 12, vaddq_f32(vld1q_f32(o + 12), vmulq_n_f32(vcvtq_f32_s32(a3), s)));
+        }
+}
 #endif
 
 /* ---- kernel table ---------------------------------------------------------------------- */
@@ -2581,6 +2988,8 @@ static void kernels_scalar(moe__kernels *k) {
     k->mla_ctx = moe__mla_ctx_ref;
     k->mla_scores16 = moe__mla_scores16_ref;
     k->mla_ctx16 = moe__mla_ctx16_ref;
+    k->mla_scores8 = moe__mla_scores8_ref;
+    k->mla_ctx8 = moe__mla_ctx8_ref;
     k->act = moe__act_ref;
     k->exp_sum = moe__exp_sum_ref;
     k->widen_bf16 = moe__widen_bf16_ref;
@@ -2614,6 +3023,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_ctx = mla_ctx_avx2;
         k->mla_scores16 = mla_scores16_avx2;
         k->mla_ctx16 = mla_ctx16_avx2;
+        k->mla_scores8 = mla_scores8_avx2;
+        k->mla_ctx8 = mla_ctx8_avx2;
         k->act = act_avx2;
         k->exp_sum = exp_sum_avx2;
         k->widen_bf16 = widen_bf16_avx2;
@@ -2648,6 +3059,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_vnni;
                 v->dotq8x4x2[MOE_T_Q4_0X8] = dotq8x4x2_q4_0_vnni;
                 v->dotq8x4x2[MOE_T_Q8_0X8] = dotq8x4x2_q8_0_vnni;
+                v->mla_scores8 = mla_scores8_vnni;
+                v->mla_ctx8 = mla_ctx8_vnni;
                 v->isa = "avx512vnni";
             }
             if (cpu_has_avx512bf16()) {
@@ -2679,6 +3092,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_ctx = mla_ctx_neon;
         k->mla_scores16 = mla_scores16_neon;
         k->mla_ctx16 = mla_ctx16_neon;
+        k->mla_ctx8 = mla_ctx8_neon;
         k->act = act_neon;
         k->exp_sum = exp_sum_neon;
         k->widen_bf16 = widen_bf16_neon;
@@ -2692,6 +3106,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_dotprod;
             v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_dotprod;
             v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_dotprod;
+            v->mla_scores8 = mla_scores8_dotprod;
             v->isa = "neon-dotprod";
         }
     }

@@ -49,7 +49,7 @@ static double now(void) {
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-bench: %s\n", msg);
     fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
-                    "                 [--prefill N] [--reps R] [--kv-type f32|bf16] [--batch ROWS]\n"
+                    "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--batch ROWS]\n"
                     "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
                     "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--prefetch on|off]\n"
                     "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n");
@@ -93,6 +93,13 @@ static uint64_t sum_plain(const uint64_t *a, size_t n, int prefetch) {
     }
     (void)prefetch;
     return s0 ^ s1 ^ s2 ^ s3;
+}
+
+/* bytes of one cached MLA token of one layer: the latent and kr in the cache's element (int8 rows
+ * add their scales and sums) */
+static double kv_row_bytes(const moe_config *c, int kv_type) {
+    const double cw = c->kv_lora_rank + c->qk_rope_dim;
+    return kv_type == MOE_KV_Q8 ? cw + 16 : kv_type == MOE_KV_BF16 ? 2 * cw : 4 * cw;
 }
 
 static double membw(int threads, int reps) {
@@ -425,7 +432,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--reps") && more) reps = atoi(argv[++i]);
         else if (!strcmp(a, "--batch") && more) { if ((n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
         else if (!strcmp(a, "--kv-type") && more) {
-            if ((kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32 or bf16");
+            if ((kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }
@@ -501,14 +508,14 @@ int main(int argc, char **argv) {
                 bw = bw2 > bw ? bw2 : bw;
                 fprintf(stderr, "moe-bench: %d thread(s), depth %d: memory read %.1f GB/s\n", t, depth, bw);
                 const double state = (double)n_kda * c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4 * 2 +
-                                     (double)n_mla * (depth + n_decode / 2.0) * (c->kv_lora_rank + c->qk_rope_dim) * (kv_type == MOE_KV_BF16 ? 2 : 4);
+                                     (double)n_mla * (depth + n_decode / 2.0) * kv_row_bytes(c, kv_type);
                 const double bytes = (double)info.dense_bytes_per_token + (double)ebytes / n_decode + state;
                 const double roof = bytes / (bw * 1e9);
                 const char *name = strrchr(models[mi], '/') ? strrchr(models[mi], '/') + 1 : models[mi];
                 printf("{\"model\": \"%s\", \"format\": \"%s\", \"kv_type\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
                        "\"decode_tok_s\": %.3f, \"decode_bytes_per_token\": %.0f, \"decode_roofline_frac\": %.3f, "
                        "\"prefill_tok_s\": %.2f, \"prefill_tokens\": %d, \"int8_peak_gops\": %.1f, \"prefill_peak_frac\": %.3f}\n",
-                       name, info.weight_type, kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw, 1.0 / dt, bytes, roof / dt, pf, n_prefill, peak / 1e9,
+                       name, info.weight_type, kv_type == MOE_KV_Q8 ? "q8" : kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw, 1.0 / dt, bytes, roof / dt, pf, n_prefill, peak / 1e9,
                        pf * ops_per_token / peak);
                 fflush(stdout);
             }

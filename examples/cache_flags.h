@@ -1,7 +1,7 @@
 /* cache_flags.h - the expert-store and latent-cache flags every program takes, parsed one way
  * (included by the examples; not part of the runtime):
  *   --load-mode mmap|cache   --expert-budget SIZE   --dense-budget SIZE   --io-threads N
- *   --prefetch on|off   --kv-type f32|bf16 */
+ *   --prefetch on|off   --kv-type f32|bf16|q8 */
 #ifndef MOE_EXAMPLES_CACHE_FLAGS_H
 #define MOE_EXAMPLES_CACHE_FLAGS_H
 #include <stdlib.h>
@@ -19,8 +19,10 @@ static int parse_size(const char *s, size_t *out) {
     return 1;
 }
 
-/* "f32" / "bf16": the moe_kv_type; -1 otherwise */
-static int parse_kv_type(const char *s) { return !strcmp(s, "f32") ? MOE_KV_F32 : !strcmp(s, "bf16") ? MOE_KV_BF16 : -1; }
+/* "f32" / "bf16" / "q8": the moe_kv_type; -1 otherwise */
+static int parse_kv_type(const char *s) {
+    return !strcmp(s, "f32") ? MOE_KV_F32 : !strcmp(s, "bf16") ? MOE_KV_BF16 : !strcmp(s, "q8") ? MOE_KV_Q8 : -1;
+}
 
 /* If argv[*i] is one of the flags, consumes it (and its value) into o and returns 1; returns -1
  * with *why set when its value is bad; 0 when it is not one of them. */
@@ -45,7 +47,7 @@ static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char 
         if (*e || e == v || n < 0 || n > 256) return *why = "--io-threads is 0..256", -1;
         o->io_threads = (int)n;
     } else if (!strcmp(a, "--kv-type")) {
-        if ((o->kv_type = parse_kv_type(v)) < 0) return *why = "--kv-type is f32 or bf16", -1;
+        if ((o->kv_type = parse_kv_type(v)) < 0) return *why = "--kv-type is f32, bf16 or q8", -1;
     } else {
         if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
         o->prefetch = !strcmp(v, "on");

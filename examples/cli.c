@@ -70,7 +70,8 @@ static int usage(const char *msg) {
             "                        are read from disk every step through the cache (default: all resident)\n"
             "  --io-threads N        cache mode: threads reading experts from disk, in file order (default 4)\n"
             "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
-            "  --kv-type f32|bf16    MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16 products)\n"
+            "  --kv-type f32|bf16|q8 MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16\n"
+            "                        products; q8 quarters it, int8 products, lossy: README)\n"
             "  -h, --help      this text\n");
     return msg ? 2 : 0;
 }

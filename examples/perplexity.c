@@ -1,7 +1,7 @@
 /* moe-perplexity: how much a quantized model departs from its original on the same tokens.
  *
  *   moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE] [--ref MODEL2]
- *                  [-t THREADS] [--json] [--ref-routing]
+ *                  [--kv-type f32|bf16|q8] [-t THREADS] [--json] [--ref-routing]
  *
  * Runs the tokens through the reference (MODEL as stored, or MODEL2) and through the test model
  * (MODEL with its matrices converted at load to TYPE: f32, bf16, q8_0, q4_0), then reports the
@@ -9,6 +9,8 @@
  * each on the token stream (position t predicting token t+1). --ref-routing also reports the KL
  * with the test model forced onto the reference's experts: on small random models a tiny
  * numeric change flips near-tie routing decisions, and this separates the two effects.
+ * --kv-type gives the test model that MLA latent cache (the reference keeps f32) and runs it one
+ * token at a time, as generation does, so that decode's attention over the cache is measured.
  * Exit 0, 1 on errors, 2 on usage. */
 #include "../moe.h"
 #include "files.h"
@@ -22,7 +24,7 @@
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-perplexity: %s\n", msg);
     fprintf(stderr, "usage: moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE]\n"
-                    "                      [--ref MODEL2] [-t THREADS] [--json] [--ref-routing]\n"
+                    "                      [--ref MODEL2] [--kv-type f32|bf16|q8] [-t THREADS] [--json] [--ref-routing]\n"
                     "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n");
     return 2;
 }
@@ -46,7 +48,7 @@ static void log_softmax(const float *x, double *out, int n) {
 
 /* logits of every position; routes_out receives the routing (if non-NULL, allocated here),
  * routes_in forces it */
-static float *run(const char *path, const moe_options *o, const int32_t *ids, int n, int *V,
+static float *run(const char *path, const moe_options *o, const int32_t *ids, int n, int stepwise, int *V,
                   int32_t **routes_out, const int32_t *routes_in) {
     char err[512];
     moe_model *m;
@@ -64,8 +66,13 @@ static float *run(const char *path, const moe_options *o, const int32_t *ids, in
     const moe_config *c = moe_model_config(m);
     int32_t *routes = NULL;
     if (routes_out && c->n_experts) routes = *routes_out = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
-    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = lg, .logits_all = 1, .routes = routes, .force_routes = routes_in};
-    if ((st = moe_step(m, &q, 1, NULL, err, sizeof err))) {
+    const size_t rw = (size_t)c->n_layers * c->n_active; /* routing entries per token */
+    for (int t = 0; t < n && !st; t += stepwise ? 1 : n) {
+        moe_seq q = {.s = s, .tokens = ids + t, .n = stepwise ? 1 : n, .logits = lg + (size_t)t * *V, .logits_all = 1,
+                     .routes = routes ? routes + t * rw : NULL, .force_routes = routes_in ? routes_in + t * rw : NULL};
+        st = moe_step(m, &q, 1, NULL, err, sizeof err);
+    }
+    if (st) {
         fprintf(stderr, "moe-perplexity: %s: %s\n", moe_status_str(st), err);
         free(lg);
         lg = NULL;
@@ -77,7 +84,7 @@ static float *run(const char *path, const moe_options *o, const int32_t *ids, in
 
 int main(int argc, char **argv) {
     const char *model = NULL, *ref = NULL, *tokens = NULL;
-    int json = 0, fixed = 0;
+    int json = 0, fixed = 0, stepwise = 0;
     moe_options opt = moe_default_options();
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -92,6 +99,11 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "-t") && more) {
             opt.n_threads = atoi(argv[++i]);
             if (opt.n_threads < 1) return usage("-t needs a thread count >= 1");
+        } else if (!strcmp(a, "--kv-type") && more) {
+            const char *v = argv[++i];
+            opt.kv_type = !strcmp(v, "f32") ? MOE_KV_F32 : !strcmp(v, "bf16") ? MOE_KV_BF16 : !strcmp(v, "q8") ? MOE_KV_Q8 : -1;
+            if (opt.kv_type < 0) return usage("--kv-type is f32, bf16 or q8");
+            stepwise = 1;
         } else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--ref-routing")) fixed = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
@@ -106,11 +118,12 @@ int main(int argc, char **argv) {
     }
     moe_options ro = opt;
     ro.dense_type = ro.expert_type = MOE_WTYPE_ASIS;
+    ro.kv_type = MOE_KV_F32;
     int V = 0, V2 = 0, V3 = 0;
     int32_t *routes = NULL;
-    float *a = run(ref ? ref : model, &ro, ids, n, &V, fixed ? &routes : NULL, NULL);
-    float *b = a ? run(model, &opt, ids, n, &V2, NULL, NULL) : NULL;
-    float *bf = b && routes ? run(model, &opt, ids, n, &V3, NULL, routes) : NULL;
+    float *a = run(ref ? ref : model, &ro, ids, n, 0, &V, fixed ? &routes : NULL, NULL);
+    float *b = a ? run(model, &opt, ids, n, stepwise, &V2, NULL, NULL) : NULL;
+    float *bf = b && routes ? run(model, &opt, ids, n, stepwise, &V3, NULL, routes) : NULL;
     if (!a || !b || V != V2 || (routes && !bf)) {
         if (a && b && V != V2) fprintf(stderr, "moe-perplexity: the models have different vocabularies\n");
         free(a), free(b), free(bf), free(routes), free(ids);

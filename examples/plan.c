@@ -38,7 +38,7 @@ static int usage(const char *msg) {
                     "                [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]\n"
                     "                [--dense-bytes-per-value B]   (2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n"
                 "                [--dense-budget SIZE]         (RAM for the layers' dense matrices; default: what fits)\n"
-                "                [--kv-type f32|bf16]          (MLA latent cache element, as the runtime's option)\n");
+                "                [--kv-type f32|bf16|q8]          (MLA latent cache element, as the runtime's option)\n");
     return 2;
 }
 
@@ -58,7 +58,8 @@ int main(int argc, char **argv) {
     double dense_budget = -1; /* -1: what fits */
     int dbv_given = 0;
     int threads = 1, ctx = 4096, seqs = 16;
-    double kv_bytes = 4; /* per cached latent value: f32, or 2 with --kv-type bf16 */
+    double kv_bytes = 4; /* per cached latent value: f32, 2 with --kv-type bf16, 1 with q8 (and a 16-byte row meta) */
+    int kv_q8 = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
@@ -76,8 +77,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--seqs") && more) seqs = atoi(argv[++i]);
         else if (!strcmp(a, "--kv-type") && more) {
             const char *v = argv[++i];
-            if (strcmp(v, "f32") && strcmp(v, "bf16")) return usage("--kv-type is f32 or bf16");
-            kv_bytes = !strcmp(v, "bf16") ? 2 : 4;
+            if (strcmp(v, "f32") && strcmp(v, "bf16") && strcmp(v, "q8")) return usage("--kv-type is f32, bf16 or q8");
+            kv_bytes = !strcmp(v, "bf16") ? 2 : !strcmp(v, "q8") ? 1 : 4;
+            kv_q8 = !strcmp(v, "q8");
         }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
@@ -144,7 +146,7 @@ int main(int argc, char **argv) {
     const double E = c.n_experts, k = c.n_active, one_expert = n_moe && E ? expert_total / (n_moe * E) : 0;
     const double state_per_seq = (double)n_kda * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4 +
                                  (double)n_kda * (c.conv_kernel - 1) * 3.0 * c.kda_heads * c.kda_head_dim * 4 +
-                                 (double)n_mla * (c.kv_lora_rank + c.qk_rope_dim) * kv_bytes * ctx;
+                                 (double)n_mla * ((c.kv_lora_rank + c.qk_rope_dim) * kv_bytes + (kv_q8 ? 16 : 0)) * ctx;
     const double working = 512.0 * c.hidden_size * 4 * 16 + 512.0 * c.vocab_size * 4; /* one 512-row chunk */
     const double reserve = 1073741824.0 + 0.05 * ram;
     /* the embedding stays in the file mapping whatever the dense type: only the rows of the tokens
@@ -177,7 +179,7 @@ int main(int argc, char **argv) {
     /* a decode token at position ctx: absorbed MLA reads the latent cache and does per head
      * (2 r + d_r) multiply-adds per cached token (scores and context); KDA reads and writes its state */
     const double cw = c.kv_lora_rank + c.qk_rope_dim;
-    const double attn_bytes = (double)n_mla * ctx * cw * kv_bytes + 2.0 * n_kda * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4;
+    const double attn_bytes = (double)n_mla * ctx * (cw * kv_bytes + (kv_q8 ? 16 : 0)) + 2.0 * n_kda * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4;
     const double attn_flops = 2.0 * n_mla * c.mla_heads * (double)ctx * (2.0 * c.kv_lora_rank + c.qk_rope_dim);
     const int ns[2] = {1, seqs};
     for (int i = 0; i < 2; i++) {

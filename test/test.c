@@ -910,6 +910,93 @@ static void test_mla16_kernels(void) {
     }
 }
 
+/* the int8-cache MLA kernels of every level against their scalar references (the same integer
+ * sums and float steps: equal unless a compiler fuses a multiply and an add), and the references against
+ * the dequantized values in double; rows of every width (the levels' fallbacks for widths they do
+ * not tile), key and head tails, zero rows and rows at the int8 extremes */
+static void test_mla8_kernels(void) {
+    moe__kernels lv[4];
+    int nl = moe__kernel_levels(lv, 4);
+    const int shapes[][4] = {{16, 512, 64, 256}, {16, 512, 64, 37}, {20, 512, 64, 13}, {33, 128, 16, 9}, {5, 64, 16, 37},
+                             {3, 96, 32, 20}, {4, 40, 8, 3}, {1, 32, 0, 1}, {6, 64, 7, 4}}; /* H, r, d_r, keys */
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
+        const int H = shapes[si][0], r = shapes[si][1], dr = shapes[si][2], jn = shapes[si][3], cw = r + dr, ld = jn + 3, lw = (jn + 3) / 4 * 4;
+        int8_t *q = malloc((size_t)H * cw), *qt = malloc(moe__mla_qt8_bytes(H, cw)), *cache = malloc((size_t)jn * cw);
+        float *qd = malloc(sizeof(float) * 2 * (size_t)H), *x = malloc(sizeof(float) * (size_t)cw);
+        moe__kv8_meta *meta = malloc(sizeof *meta * (size_t)jn);
+        float *sc = calloc((size_t)H * ld, sizeof(float)), *sc2 = calloc((size_t)H * ld, sizeof(float)), *p = malloc(sizeof(float) * (size_t)H * ld);
+        float *ctx = malloc(sizeof(float) * (size_t)H * r), *ctx0 = malloc(sizeof(float) * (size_t)H * r), *c2 = malloc(sizeof(float) * (size_t)H * r);
+        uint8_t *w = malloc((size_t)H * lw);
+        float *ws = malloc(sizeof(float) * (size_t)H);
+        int32_t s;
+        for (int h = 0; h < H; h++) {
+            for (int i = 0; i < cw; i++) x[i] = nrand() * (i < r ? 1.0f : 5.0f);
+            moe__quant8_row(x, r, q + (size_t)h * cw, &qd[2 * h], &s);
+            moe__quant8_row(x + r, dr, q + (size_t)h * cw + r, &qd[2 * h + 1], &s);
+        }
+        moe__mla_qt8(q, H, cw, qt);
+        for (int j = 0; j < jn; j++) {
+            for (int i = 0; i < cw; i++) x[i] = j == 1 ? 0.0f : j == 2 ? (i & 1 ? 3.0f : -3.0f) : nrand() * (i < r ? 0.5f : 2.0f);
+            moe__quant8_row(x, r, cache + (size_t)j * cw, &meta[j].dc, &meta[j].sc);
+            moe__quant8_row(x + r, dr, cache + (size_t)j * cw + r, &meta[j].dr, &meta[j].sr);
+        }
+        for (int i = 0; i < H * ld; i++) p[i] = (float)urand(); /* softmax weights: in [0, 1] */
+        p[0] = 1.0f;
+        for (int i = 0; i < H * r; i++) ctx0[i] = nrand();
+        float *wk = malloc(sizeof(float) * (size_t)jn);
+        moe__mla_weights8(p, ld, meta, jn, 0, H, w, lw, ws, wk);
+        free(wk);
+        moe__mla_block8 b = {H, r, cw, jn, 0, jn, ld, lw, 0.125f, q, qt, qd, cache, meta, sc, ctx, w, ws};
+        moe__mla_scores8_ref(&b);
+        memcpy(ctx, ctx0, sizeof(float) * (size_t)H * r);
+        moe__mla_ctx8_ref(&b, 0, H);
+        /* the reference against the dequantized values */
+        double es = 0, ec = 0;
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < jn; j++) {
+                double d = 0;
+                for (int i = 0; i < cw; i++)
+                    d += (double)q[(size_t)h * cw + i] * qd[2 * h + (i >= r)] * cache[(size_t)j * cw + i] * (i < r ? meta[j].dc : meta[j].dr);
+                es = fmax(es, fabs(d * 0.125 - sc[(size_t)h * ld + j]) / (1 + fabs(d)));
+            }
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < r; i++) {
+                double d = ctx0[(size_t)h * r + i];
+                for (int j = 0; j < jn; j++) d += (double)w[(size_t)h * lw + j] * ws[h] * cache[(size_t)j * cw + i];
+                ec = fmax(ec, fabs(d - ctx[(size_t)h * r + i]) / (1 + fabs(d)));
+            }
+        CHECKF(es < 1e-5 && ec < 1e-5, "int8 MLA reference H %d r %d: scores %.3g, ctx %.3g off the dequantized values", H, r, es, ec);
+        /* the quantized weights: the largest of each head's is 255, each within half a step */
+        double ew = 0;
+        for (int h = 0; h < H; h++) {
+            int top = 0;
+            for (int j = 0; j < jn; j++) {
+                top = w[(size_t)h * lw + j] > top ? w[(size_t)h * lw + j] : top;
+                ew = fmax(ew, fabs(w[(size_t)h * lw + j] * (double)ws[h] - (double)p[(size_t)h * ld + j] * meta[j].dc) / ws[h]);
+            }
+            CHECKF(top == 255 || ws[h] == 0, "head %d: largest weight %d", h, top);
+        }
+        CHECKF(ew <= 0.5001, "weights off by %.4g steps", ew);
+        for (int l = 1; l < nl; l++) {
+            moe__mla_block8 b2 = b;
+            b2.sc = sc2, b2.j1 = jn / 2;
+            lv[l].mla_scores8(&b2);
+            b2.j0 = jn / 2, b2.j1 = jn;
+            lv[l].mla_scores8(&b2);
+            double ds = 0;
+            for (int i = 0; i < H * ld; i++) ds = fmax(ds, fabs(sc[i] - sc2[i]) / (1 + fabs(sc[i])));
+            memcpy(c2, ctx0, sizeof(float) * (size_t)H * r);
+            b2.ctx = c2;
+            lv[l].mla_ctx8(&b2, 0, H / 2);
+            lv[l].mla_ctx8(&b2, H / 2, H);
+            double dc = 0;
+            for (int i = 0; i < H * r; i++) dc = fmax(dc, fabs(ctx[i] - c2[i]) / (1 + fabs(ctx[i])));
+            CHECKF(ds < 1e-6 && dc < 1e-6, "%s H %d r %d d_r %d keys %d: scores %.3g, ctx %.3g", lv[l].isa, H, r, dr, jn, ds, dc);
+        }
+        free(q), free(qt), free(cache), free(qd), free(x), free(meta), free(sc), free(sc2), free(p), free(ctx), free(ctx0), free(c2), free(w), free(ws);
+    }
+}
+
 /* ---- model-level equivalences --------------------------------------------------------------- */
 
 /* Token ids of golden prompt `pi` followed by its greedy continuation. Those ids were drawn so
@@ -1087,14 +1174,18 @@ static void test_mla_split_keys(void) {
     free(ids);
 }
 
-/* The bf16 latent cache: the expanded and absorbed forms read the same rounded latents (they
- * agree as with f32); against the f32 cache only the rounding differs (routing pinned); a fork
- * carries the bf16 cache; an unknown kv_type is refused */
-static void test_kv_bf16(void) {
+/* A lossy latent cache (bf16 or int8): the expanded and absorbed forms read the same stored
+ * latents (the expanded form widens them to f32; the absorbed form also rounds its queries and
+ * softmax weights to the cache's element); against the f32 cache only that rounding differs
+ * (routing pinned); a fork carries the cache. Limits: the largest and mean differences of the
+ * absorbed form against the expanded one (ea_max; its mean at most twice the cache's own mean
+ * effect), and of the cache against an f32 one (vf_max, vf_mean). */
+static void kv_cache_check(int kv_type, double ea_max, double vf_max, double vf_mean) {
+    const char *name = kv_type == MOE_KV_Q8 ? "int8" : "bf16";
     moe_options o = moe_default_options();
     o.n_threads = 2;
     moe_model *f = open_golden_with("kimi", &o);
-    o.kv_type = MOE_KV_BF16;
+    o.kv_type = kv_type;
     o.flags = MOE_FLAG_MLA_EXPANDED;
     moe_model *be = open_golden_with("kimi", &o);
     o.flags = MOE_FLAG_MLA_ABSORBED;
@@ -1116,13 +1207,9 @@ static void test_kv_bf16(void) {
         for (size_t i = 0; i < nv; i++) mean += fabs((double)xf[i] - xb[i]), mean1 += fabs((double)xe[i] - xa[i]);
         mean /= (double)nv, mean1 /= (double)nv;
         if (getenv("MOE_TEST_VERBOSE"))
-            printf("  bf16 expanded vs absorbed max %.3g mean %.3g; bf16 vs f32 cache max %.3g mean %.3g\n", d1, mean1, d2, mean);
-        /* the expanded form (prefill) widens the rows and works in f32; the absorbed form rounds
-         * its queries and softmax weights to bf16 as well (bf16 dot products): they differ by that
-         * rounding (max 0.0056-0.0089, mean ~5e-4 measured), of the order of what a bf16 cache
-         * changes against an f32 one (which of the two is larger depends on the tokens) */
-        CHECKF(d1 < 0.03 && mean1 < 2 * mean, "bf16 cache: expanded vs absorbed max %.3g mean %.3g (bf16 vs f32 cache mean %.3g)", d1, mean1, mean);
-        CHECKF(d2 > 0 && d2 < 0.1 && mean < 0.01, "bf16 vs f32 cache: max %.3g mean %.3g", d2, mean);
+            printf("  %s expanded vs absorbed max %.3g mean %.3g; %s vs f32 cache max %.3g mean %.3g\n", name, d1, mean1, name, d2, mean);
+        CHECKF(d1 < ea_max && mean1 < 2 * mean, "%s cache: expanded vs absorbed max %.3g mean %.3g (vs f32 cache mean %.3g)", name, d1, mean1, mean);
+        CHECKF(d2 > 0 && d2 < vf_max && mean < vf_mean, "%s vs f32 cache: max %.3g mean %.3g", name, d2, mean);
     }
     /* fork after the prompt: the copy continues as the original does */
     moe_session *s1 = NULL, *s2 = NULL;
@@ -1136,18 +1223,26 @@ static void test_kv_bf16(void) {
     CHECK(!memcmp(l1, l2, sizeof(float) * V));
     moe_session_free(s1), moe_session_free(s2);
     free(l1), free(l2), free(xf), free(xe), free(xa), free(xb), free(ids), free(routes);
-    /* an unknown element type */
-    {
-        char path[600], err[256];
-        snprintf(path, sizeof path, "%s/kimi", golden_dir());
-        moe_options bad = moe_default_options();
-        bad.kv_type = 7;
-        moe_model *x = NULL;
-        CHECK(moe_model_open(&x, path, &bad, err, sizeof err) == MOE_ERR_ARG && !x && strstr(err, "kv_type"));
-    }
 out:
     moe_model_close(f), moe_model_close(be), moe_model_close(ba), moe_model_close(b);
 }
+
+/* bf16: the absorbed form's bf16 queries and weights move the logits by max 0.0056-0.0089, mean
+ * ~5e-4 (measured), of the order of what the bf16 cache itself changes; an unknown element type
+ * is refused */
+static void test_kv_bf16(void) {
+    kv_cache_check(MOE_KV_BF16, 0.03, 0.1, 0.01);
+    char path[600], err[256];
+    snprintf(path, sizeof path, "%s/kimi", golden_dir());
+    moe_options bad = moe_default_options();
+    bad.kv_type = 7;
+    moe_model *x = NULL;
+    CHECK(moe_model_open(&x, path, &bad, err, sizeof err) == MOE_ERR_ARG && !x && strstr(err, "kv_type"));
+}
+
+/* int8: the absorbed form's int8 queries and 8-bit softmax weights: max 0.022, mean 0.0018 against the
+ * expanded form; the int8 cache against an f32 one max 0.031, mean 0.0017 (measured) */
+static void test_kv_q8(void) { kv_cache_check(MOE_KV_Q8, 0.1, 0.2, 0.01); }
 
 static void test_batch_vs_alone(void) {
     moe_model *m = open_model("seed", 0, 1);
@@ -3375,6 +3470,7 @@ static const struct {
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
     {"mla_kernels", test_mla_kernels},
     {"mla16_kernels", test_mla16_kernels},
+    {"mla8_kernels", test_mla8_kernels},
     {"matmul_threads", test_matmul_threads},
     {"expert_paths", test_expert_paths},
     {"gemm_kernels", test_gemm_kernels},
@@ -3384,6 +3480,7 @@ static const struct {
     {"golden_threads_scalar", test_golden_threads_scalar},
     {"mla_split_keys", test_mla_split_keys},
     {"kv_bf16", test_kv_bf16},
+    {"kv_q8", test_kv_q8},
     {"golden_forced_paths", test_golden_forced_paths},
     {"cached_decode_vs_recompute", test_cached_decode_vs_recompute},
     {"batch_vs_alone", test_batch_vs_alone},
