@@ -2756,79 +2756,100 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_ctx8_vnni(const moe__mla_block8 *b, i
 
 /* AVX2: the same orders at 8 heads a register, without VNNI: the queries' signs moved onto the
  * keys' bytes (maddubs multiplies unsigned by signed bytes: |q| x sign(q) c, pairs within int16),
- * pairs summed into int32 by madd. Scores of 8 keys x 8 heads, stored through a small table. */
+ * pairs summed into int32 by madd. 8 keys x 8 heads in named accumulators (in an array indexed
+ * by a run-time key count gcc kept them in memory: 1.6x slower), stored through a small table. */
+MOE_TARGET("avx2,fma") static void scores8_part_avx2(const moe__mla_block8 *b, const int8_t *c, const int8_t *qt, int i0, int i1,
+                                                     int32_t d[8][8]) {
+    const int cw = b->cw;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int i = i0; i < i1; i += 4) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(qt + (size_t)i * 16)), aq = _mm256_abs_epi8(q);
+#define KEY(n)                                                                                                 \
+    a##n = _mm256_add_epi32(a##n, _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(                     \
+                                      _mm256_set1_epi32(*(const int32_t *)(const void *)(c + (size_t)(n) * cw + i)), q)), ones))
+        KEY(0), KEY(1), KEY(2), KEY(3), KEY(4), KEY(5), KEY(6), KEY(7);
+#undef KEY
+    }
+    _mm256_storeu_si256((__m256i *)(void *)d[0], a0), _mm256_storeu_si256((__m256i *)(void *)d[1], a1);
+    _mm256_storeu_si256((__m256i *)(void *)d[2], a2), _mm256_storeu_si256((__m256i *)(void *)d[3], a3);
+    _mm256_storeu_si256((__m256i *)(void *)d[4], a4), _mm256_storeu_si256((__m256i *)(void *)d[5], a5);
+    _mm256_storeu_si256((__m256i *)(void *)d[6], a6), _mm256_storeu_si256((__m256i *)(void *)d[7], a7);
+}
+
 MOE_TARGET("avx2,fma") static void mla_scores8_avx2(const moe__mla_block8 *b) {
     const int r = b->r, cw = b->cw, ng = (b->H + 15) / 16, nq = cw / 4;
     if (cw % 4 || r % 4) { moe__mla_scores8_ref(b); return; }
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int j = b->j0; j < b->j1; j += 8) {
-        const int nk = b->j1 - j < 8 ? b->j1 - j : 8;
+    int j = b->j0;
+    for (; j + 8 <= b->j1; j += 8) {
         const int8_t *c = b->cache + (size_t)j * cw;
-        const moe__kv8_meta *mt = b->meta + j;
         for (int g = 0; g < ng; g++)
             for (int half = 0; half < 2 && g * 16 + half * 8 < b->H; half++) {
                 const int8_t *qt = b->qt + (size_t)g * nq * 64 + half * 32;
-                float out[8][8];
-                __m256i a[8];
-                for (int part = 0; part < 2; part++) {
-                    const int i0 = part ? r : 0, i1 = part ? cw : r;
-                    for (int n = 0; n < 8; n++) a[n] = _mm256_setzero_si256();
-                    for (int i = i0; i < i1; i += 4) {
-                        const __m256i q = _mm256_loadu_si256((const __m256i *)(const void *)(qt + (size_t)i * 16)), aq = _mm256_abs_epi8(q);
-                        for (int n = 0; n < nk; n++) {
-                            const __m256i x = _mm256_set1_epi32(*(const int32_t *)(const void *)(c + (size_t)n * cw + i));
-                            a[n] = _mm256_add_epi32(a[n], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q)), ones));
-                        }
-                    }
-                    for (int n = 0; n < nk; n++) {
-                        int32_t d[8];
-                        _mm256_storeu_si256((__m256i *)(void *)d, a[n]);
-                        for (int l = 0; l < 8; l++) {
-                            const int h = g * 16 + half * 8 + l;
-                            if (h >= b->H) break;
-                            if (!part) out[n][l] = (float)d[l] * (b->qd[2 * h] * mt[n].dc);
-                            else out[n][l] = (out[n][l] + (float)d[l] * (b->qd[2 * h + 1] * mt[n].dr)) * b->scale;
-                        }
-                    }
+                int32_t dc[8][8], dr[8][8]; /* [key][head] */
+                scores8_part_avx2(b, c, qt, 0, r, dc);
+                scores8_part_avx2(b, c, qt, r, cw, dr);
+                for (int l = 0; l < 8 && g * 16 + half * 8 + l < b->H; l++) {
+                    const int h = g * 16 + half * 8 + l;
+                    for (int n = 0; n < 8; n++) b->sc[(size_t)h * b->ld + j + n] = score8(b, h, dc[n][l], dr[n][l], b->meta + j + n);
                 }
-                for (int l = 0; l < 8 && g * 16 + half * 8 + l < b->H; l++)
-                    for (int n = 0; n < nk; n++) b->sc[(size_t)(g * 16 + half * 8 + l) * b->ld + j + n] = out[n][l];
             }
+    }
+    if (j < b->j1) { /* the last keys: the reference */
+        moe__mla_block8 t = *b;
+        t.j0 = j;
+        moe__mla_scores8_ref(&t);
     }
 }
 
 /* ctx at 16 latent values a slice: two keys' int8 values widened to int16 and interleaved, times
- * the two keys' weights of a head (madd: w_j c_j + w_j+1 c_j+1 in int32); 4 heads at a time */
+ * the two keys' weights of a head (madd: w_j c_j + w_j+1 c_j+1 in int32); 4 heads at a time in
+ * named accumulators, a last group of fewer heads one by one */
+#define CTX8_PAIR_AVX2(lo, hi, hh)                                                                             \
+    do {                                                                                                        \
+        const uint8_t *w_ = b->w + (size_t)(hh) * b->lw + j; /* w_[1] is 0 past jn (lw is a multiple of 4) */   \
+        const __m256i wp_ = _mm256_set1_epi32((int32_t)((uint32_t)w_[0] | (uint32_t)w_[1] << 16));               \
+        lo = _mm256_add_epi32(lo, _mm256_madd_epi16(vl, wp_)), hi = _mm256_add_epi32(hi, _mm256_madd_epi16(vh, wp_)); \
+    } while (0)
+/* lo holds values 0-3 and 8-11, hi 4-7 and 12-15 */
+#define CTX8_OUT_AVX2(lo, hi, hh)                                                                              \
+    do {                                                                                                        \
+        float *o_ = b->ctx + (size_t)(hh) * r + i;                                                              \
+        const __m256 s_ = _mm256_set1_ps(b->ws[hh]);                                                            \
+        const __m256i y0_ = _mm256_permute2x128_si256(lo, hi, 0x20), y1_ = _mm256_permute2x128_si256(lo, hi, 0x31); \
+        _mm256_storeu_ps(o_, _mm256_add_ps(_mm256_loadu_ps(o_), _mm256_mul_ps(s_, _mm256_cvtepi32_ps(y0_))));        \
+        _mm256_storeu_ps(o_ + 8, _mm256_add_ps(_mm256_loadu_ps(o_ + 8), _mm256_mul_ps(s_, _mm256_cvtepi32_ps(y1_)))); \
+    } while (0)
 MOE_TARGET("avx2,fma") static void mla_ctx8_avx2(const moe__mla_block8 *b, int h0, int h1) {
     const int r = b->r, cw = b->cw, jn = b->jn;
     if (r % 16) { moe__mla_ctx8_ref(b, h0, h1); return; }
     for (int i = 0; i < r; i += 16)
-        for (int h = h0; h < h1; h += 4) {
-            const int nh = h1 - h < 4 ? h1 - h : 4;
-            __m256i lo[4], hi[4];
-            for (int t = 0; t < 4; t++) lo[t] = hi[t] = _mm256_setzero_si256();
+        for (int h = h0; h < h1;) {
+            const int four = h1 - h >= 4;
+            __m256i l0 = _mm256_setzero_si256(), l1 = l0, l2 = l0, l3 = l0, u0 = l0, u1 = l0, u2 = l0, u3 = l0;
             for (int j = 0; j < jn; j += 2) {
                 const int8_t *c = b->cache + (size_t)j * cw + i;
                 const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)c));
                 const __m256i x1 = j + 1 < jn ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(c + cw))) : _mm256_setzero_si256();
                 const __m256i vl = _mm256_unpacklo_epi16(x0, x1), vh = _mm256_unpackhi_epi16(x0, x1);
-                for (int t = 0; t < nh; t++) {
-                    const uint8_t *w = b->w + (size_t)(h + t) * b->lw + j; /* w[1] is 0 past jn (lw is a multiple of 4) */
-                    const __m256i wp = _mm256_set1_epi32((int32_t)((uint32_t)w[0] | (uint32_t)w[1] << 16));
-                    lo[t] = _mm256_add_epi32(lo[t], _mm256_madd_epi16(vl, wp));
-                    hi[t] = _mm256_add_epi32(hi[t], _mm256_madd_epi16(vh, wp));
+                CTX8_PAIR_AVX2(l0, u0, h);
+                if (four) {
+                    CTX8_PAIR_AVX2(l1, u1, h + 1);
+                    CTX8_PAIR_AVX2(l2, u2, h + 2);
+                    CTX8_PAIR_AVX2(l3, u3, h + 3);
                 }
             }
-            /* lo holds values 0-3 and 8-11, hi 4-7 and 12-15 */
-            for (int t = 0; t < nh; t++) {
-                float *o = b->ctx + (size_t)(h + t) * r + i;
-                const __m256 s = _mm256_set1_ps(b->ws[h + t]);
-                const __m256i y0 = _mm256_permute2x128_si256(lo[t], hi[t], 0x20), y1 = _mm256_permute2x128_si256(lo[t], hi[t], 0x31);
-                _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), _mm256_mul_ps(s, _mm256_cvtepi32_ps(y0))));
-                _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(o + 8), _mm256_mul_ps(s, _mm256_cvtepi32_ps(y1))));
+            CTX8_OUT_AVX2(l0, u0, h);
+            if (four) {
+                CTX8_OUT_AVX2(l1, u1, h + 1);
+                CTX8_OUT_AVX2(l2, u2, h + 2);
+                CTX8_OUT_AVX2(l3, u3, h + 3);
             }
+            h += four ? 4 : 1;
         }
 }
+#undef CTX8_PAIR_AVX2
+#undef CTX8_OUT_AVX2
 #endif
 
 #ifdef MOE_NEON
