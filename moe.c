@@ -3233,6 +3233,25 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
     return 0;
 }
 
+/* Interleaves a Q4_0/Q8_0 matrix just read 8 rows at a time in place, as repack_weight does at
+ * load for what stays mapped or resident (a group of 8 rows takes the same bytes in either
+ * layout), so a cached expert runs the same x8 kernels as a mapped one: the same sums in the same
+ * order, the same logits whichever mode loads it. Rows not a multiple of 8 stay as they are. */
+static int unit_repack(moe__weight *w) {
+    if (!moe__is_quant(w->type) || w->rows % 8) return 0;
+    const int to = w->type == MOE_T_Q4_0 ? MOE_T_Q4_0X8 : MOE_T_Q8_0X8;
+    const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * rb;
+    unsigned char *tmp = malloc((size_t)gb), *p = (unsigned char *)w->data;
+    if (!tmp) return ENOMEM;
+    for (int64_t g = 0; g < w->rows / 8; g++) {
+        moe__repack_x8(w->type, p + g * gb, rb, tmp, w->cols);
+        memcpy(p + g * gb, tmp, (size_t)gb);
+    }
+    free(tmp);
+    w->type = to;
+    return 0;
+}
+
 /* reads the unit's tensors into v->buf (one read of the whole stretch when they are adjacent,
  * else piece by piece); the entry's matrices point into the buffer */
 static int unit_fill(const moe_model *m, struct expert_cache *k, const moe__weight *const *w, int nw, cache_entry *v) {
@@ -3270,6 +3289,9 @@ static int unit_fill(const moe_model *m, struct expert_cache *k, const moe__weig
             }
         }
     }
+    /* a routed expert's matrices (a streamed layer's dense ones stay as stored, as at load, where
+     * the absorbed MLA reads kv_b's rows) */
+    for (int i = 0; i < nw && !rc && v->e < m->cfg.n_experts && !(m->opt.flags & MOE_FLAG_NO_REPACK); i++) rc = unit_repack(&v->w[i]);
     if (nw == 3) v->ex = (expert){v->w[0], v->w[1], v->w[2]};
     return rc;
 }
