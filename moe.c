@@ -2161,17 +2161,27 @@ static int mm_task_rows(const moe_model *m, const mm_job *j) {
     return j->T >= 4 && m->k.dotq8x4x2[j->W->type] ? 16 : 8;
 }
 
+/* whether W is MXFP4 to be multiplied with quantized activations (MOE_FLAG_MXFP4_INT8) */
+static int mm_mxfp4_int8(const moe_model *m, const moe__weight *W) {
+    return (m->opt.flags & MOE_FLAG_MXFP4_INT8) && (W->type == MOE_T_MXFP4 || W->type == MOE_T_MXFP4_GGML);
+}
+
 /* whether W's kernels read the activations quantized to 8-bit blocks */
-static int mm_quantized(const moe__weight *W) { return mm_per(W) == 8 || moe__is_quant(W->type); }
+static int mm_quantized(const moe_model *m, const moe__weight *W) { return mm_per(W) == 8 || moe__is_quant(W->type) || mm_mxfp4_int8(m, W); }
 
 /* y[i] = scale * (row row0 + i of W) . x for n rows of a matrix that is not interleaved: x as f32
- * for the float formats, as xq (x quantized by quant_q8a) for Q8_0/Q4_0 */
+ * for the float formats, as xq (x quantized by quant_q8a) for Q8_0/Q4_0 (and MXFP4 under
+ * MOE_FLAG_MXFP4_INT8) */
 static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
                        float *y, float scale) {
     const int64_t K = W->cols, rb = moe__row_bytes(W->type, K), sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
     const unsigned char *base = W->data;
-    if (moe__is_quant(W->type)) {
+    if (moe__is_quant(W->type) || (W->type == MOE_T_MXFP4_GGML && mm_mxfp4_int8(m, W))) {
         for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq[W->type](base + (row0 + i) * rb, xq, K);
+        return;
+    }
+    if (W->type == MOE_T_MXFP4 && mm_mxfp4_int8(m, W)) {
+        for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq_mxfp4(base + (row0 + i) * rb, W->scale + (row0 + i) * sb, xq, K);
         return;
     }
     for (int64_t i = 0; i < n; i++)
@@ -2293,7 +2303,7 @@ static moe_status matmul_multi(const moe_model *m, const float *x, int64_t ldx, 
     const int64_t K = o[0].W->cols;
     for (int i = 0; i < n; i++) {
         if (o[i].W->cols != K) return MOE_ERR_ARG;
-        quant |= mm_quantized(o[i].W);
+        quant |= mm_quantized(m, o[i].W);
     }
     moe__block_q8a *xq = NULL;
     if (quant && !(xq = quantized_rows(m, x, ldx, T, K, nt))) return MOE_ERR_NOMEM;
@@ -2308,7 +2318,7 @@ static moe_status matmul_multi(const moe_model *m, const float *x, int64_t ldx, 
 static moe_status matmul_each(const moe_model *m, mm_job *j, int n, int nt) {
     moe_status st = MOE_OK;
     for (int i = 0; i < n && !st; i++)
-        if (mm_quantized(j[i].W) && !(j[i].xq = quantized_rows(m, j[i].x, j[i].ldx, j[i].T, j[i].W->cols, nt))) st = MOE_ERR_NOMEM;
+        if (mm_quantized(m, j[i].W) && !(j[i].xq = quantized_rows(m, j[i].x, j[i].ldx, j[i].T, j[i].W->cols, nt))) st = MOE_ERR_NOMEM;
     if (!st) st = mm_run(m, j, n, nt);
     for (int i = 0; i < n; i++) free((void *)j[i].xq), j[i].xq = NULL;
     return st;
@@ -2726,6 +2736,7 @@ moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, cons
     moe_model *m = calloc(1, sizeof *m);
     if (!m) return MOE_ERR_NOMEM;
     moe__kernels_init(&m->k, flags);
+    m->opt.flags = flags; /* MOE_FLAG_MXFP4_INT8 */
     mm_out o[8];
     for (int i = 0; i < n; i++) o[i] = (mm_out){y[i], W[i]};
     const moe_status st = matmul_multi(m, x, W[0]->cols, T, o, n, nt);
@@ -3682,10 +3693,10 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
                                   int Ie, float *eb, const float *x, float *sh) {
     const int E = m->cfg.n_experts, d = m->cfg.hidden_size;
     const int64_t nk = cnt[E], per = 2 * (int64_t)de + 2 * (int64_t)Ie, nb = de / 32;
-    const int64_t Is = sh ? L->gate.rows : 0, sq = mm_quantized(&L->gate) || mm_quantized(&L->up), dq = sh && mm_quantized(&L->down);
+    const int64_t Is = sh ? L->gate.rows : 0, sq = mm_quantized(m, &L->gate) || mm_quantized(m, &L->up), dq = sh && mm_quantized(m, &L->down);
     int na = 0, quant = 0;
     for (int e = 0; e < E; e++)
-        if (cnt[e + 1] > cnt[e]) na++, quant |= mm_quantized(&L->experts[e].w1) || mm_quantized(&L->experts[e].w3);
+        if (cnt[e + 1] > cnt[e]) na++, quant |= mm_quantized(m, &L->experts[e].w1) || mm_quantized(m, &L->experts[e].w3);
     mm_job *j = malloc(sizeof *j * (2 * (size_t)na + 2));
     /* the n input rows quantized once; the gathered rows of experts with several; their down
      * inputs; the shared experts' inputs (full width) and down inputs */
@@ -3707,7 +3718,7 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
         if (!ce) continue;
         const expert *ex = &L->experts[e];
         float *bx = eb + c0 * per, *ba = bx + (size_t)ce * de, *bb = ba + (size_t)ce * Ie;
-        const int q = mm_quantized(&ex->w1) || mm_quantized(&ex->w3);
+        const int q = mm_quantized(m, &ex->w1) || mm_quantized(m, &ex->w3);
         const float *in = xe + (size_t)rows[c0] * de; /* one row: read in place */
         const moe__block_q8a *xqe = q ? xq + rows[c0] * nb : NULL;
         if (ce > 1) { /* several: gathered into the expert's buffer */
@@ -3732,7 +3743,7 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
         if (!ce) continue;
         const expert *ex = &L->experts[e];
         float *ba = eb + c0 * per + (size_t)ce * de, *bb = ba + (size_t)ce * Ie, *bo = bb + (size_t)ce * Ie;
-        moe__block_q8a *q = mm_quantized(&ex->w2) ? xqd + (int64_t)c0 * (Ie / 32) : NULL;
+        moe__block_q8a *q = mm_quantized(m, &ex->w2) ? xqd + (int64_t)c0 * (Ie / 32) : NULL;
         glu(m, ba, bb, (int64_t)ce * Ie);
         for (int i = 0; i < ce && q; i++) m->k.quant_q8a(ba + (size_t)i * Ie, q + (int64_t)i * (Ie / 32), Ie);
         j[nj++] = (mm_job){bo, &ex->w2, ba, Ie, q, ce};

@@ -65,8 +65,11 @@ enum {
     MOE_FLAG_MLA_EXPANDED = 1u << 4,  /* always expand MLA keys/values from the latent cache */
     MOE_FLAG_NO_REPACK = 1u << 5,     /* keep Q4_0/Q8_0 matrices as stored (memory-mapped) instead of
                                          interleaving them 8 rows at a time into RAM at load */
-    MOE_FLAG_NO_DIRECT_IO = 1u << 6   /* CACHE mode: read experts through the page cache instead of
+    MOE_FLAG_NO_DIRECT_IO = 1u << 6,  /* CACHE mode: read experts through the page cache instead of
                                          with O_DIRECT (used where the file system allows it) */
+    MOE_FLAG_MXFP4_INT8 = 1u << 7     /* MXFP4 matrices meet their input quantized to 8-bit blocks
+                                         (2 E2M1 is an exact int8: integer dot products, as for
+                                         Q8_0), instead of f32 input (exact, the default) */
 };
 
 /* How routed experts reach memory. MMAP: through the files' mapping (the page cache caches).
@@ -456,7 +459,9 @@ typedef void (*moe__dotq8_fn)(const void *w, const moe__block_q8a *x, int64_t n,
 typedef struct {
     moe__dot_fn dot[MOE_T_COUNT];   /* weight row . f32 vector, per float weight type */
     moe__gemm_fn gemm[MOE_T_COUNT]; /* F32 and BF16 weights times a batch of rows (moe__gemm_ref) */
-    moe__dotq_fn dotq[MOE_T_COUNT]; /* weight row . q8a row, per integer weight type */
+    moe__dotq_fn dotq[MOE_T_COUNT]; /* weight row . q8a row, per integer weight type (and MXFP4_GGML) */
+    /* compressed-tensors MXFP4 row (scales apart) . q8a row: see moe__dotq_mxfp4_ref */
+    float (*dotq_mxfp4)(const void *w, const uint8_t *scale, const moe__block_q8a *x, int64_t n);
     moe__quant_fn quant_q8a;        /* f32 row -> q8a blocks */
     moe__dotq8_fn dotq8[MOE_T_COUNT]; /* x8 row group . q8a row, for Q4_0X8 / Q8_0X8 */
     /* x8 row group . 4 q8a rows (x + t * xs blocks) -> out[t * 8 + i], each row bit for bit the
@@ -494,6 +499,7 @@ void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out
 /* Quantizes n values (a multiple of 32) to Q8_0 or Q4_0 blocks (ggml's reference rounding). */
 void moe__quantize_row(int type, const float *x, void *out, int64_t n);
 float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n);
+float moe__dotq_mxfp4_ref(const void *w, const uint8_t *scale, const moe__block_q8a *x, int64_t n);
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out);
 void moe__quant_q8a_ref(const float *x, moe__block_q8a *out, int64_t n);
 /* Bytes of one row of n values (MXFP4: packed bytes only). */

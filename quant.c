@@ -112,6 +112,9 @@ uint16_t moe__f32_to_f16(float f) {
 const float moe__e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
+/* 2 x E2M1 as int8 (exact: |v| <= 12), the integer kernels' decoding */
+static const int8_t e2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 /* E8M0 scale byte -> 2^(s-127), built from bits (exact); 255 is NaN in the MX spec. */
 static inline float e8m0(uint8_t s) {
     uint32_t u = s == 0 ? 0x00400000u : s == 255 ? 0x7fc00000u : (uint32_t)s << 23;
@@ -358,6 +361,36 @@ void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n,
     }
 }
 
+/* MXFP4 row . q8a row (MOE_FLAG_MXFP4_INT8): per block the exact int32 sum of 2 E2M1 times the
+ * activations' int8, times 2^(s-127)/2 and the activation scale, the float steps of the Q8_0
+ * reference: a row of MXFP4 gives what a Q8_0 row holding its values (where the half-precision
+ * scale can hold 2^(s-128)) gives. Compressed-tensors layout: low nibble = even column. */
+float moe__dotq_mxfp4_ref(const void *w, const uint8_t *sc, const moe__block_q8a *x, int64_t n) {
+    const uint8_t *p = w;
+    float s = 0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        int acc = 0;
+        for (int i = 0; i < 16; i++) {
+            const uint8_t v = p[b * 16 + i];
+            acc += e2m1x2[v & 15] * x[b].qs[2 * i] + e2m1x2[v >> 4] * x[b].qs[2 * i + 1];
+        }
+        s += 0.5f * e8m0(sc[b]) * x[b].d * (float)acc;
+    }
+    return s;
+}
+
+/* the same for ggml's block_mxfp4 (low nibbles = values 0..15) */
+static float dotq_mxfp4g_ref(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_mxfp4 *b = w;
+    float s = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        int acc = 0;
+        for (int j = 0; j < 16; j++) acc += e2m1x2[b[i].qs[j] & 15] * x[i].qs[j] + e2m1x2[b[i].qs[j] >> 4] * x[i].qs[j + 16];
+        s += 0.5f * e8m0(b[i].e) * x[i].d * (float)acc;
+    }
+    return s;
+}
+
 float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n) {
     return type == MOE_T_Q8_0 ? dotq_q8_0_ref(w, x, n) : type == MOE_T_Q4_0 ? dotq_q4_0_ref(w, x, n) : 0;
 }
@@ -600,6 +633,34 @@ MOE_TARGET("avx2,fma,f16c") static float dotq_q8_0_avx2(const void *w, const moe
     }
     return hsum_avx2(acc);
 }
+
+/* MXFP4 . q8a: 16 codes decoded by one byte shuffle (2 E2M1 as int8), then as Q8_0 */
+#define MXFP4_LUT_AVX2 _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MOE_TARGET("avx2,fma") static float dotq_mxfp4_avx2(const void *w, const uint8_t *sc, const moe__block_q8a *x, int64_t n) {
+    const uint8_t *p = w;
+    const __m128i lut = MXFP4_LUT_AVX2, m4 = _mm_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)(p + b * 16));
+        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)), hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        const __m256i a = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)); /* column order */
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(0.5f * e8m0(sc[b]) * x[b].d), mul_i8_avx2(a, _mm256_loadu_si256((const __m256i *)(const void *)x[b].qs)), acc);
+    }
+    return hsum_avx2(acc);
+}
+
+MOE_TARGET("avx2,fma") static float dotq_mxfp4g_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_mxfp4 *b = w;
+    const __m128i lut = MXFP4_LUT_AVX2, m4 = _mm_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 32; i++) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)b[i].qs);
+        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)), hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(0.5f * e8m0(b[i].e) * x[i].d), mul_i8_avx2(_mm256_set_m128i(hi, lo), _mm256_loadu_si256((const __m256i *)(const void *)x[i].qs)), acc);
+    }
+    return hsum_avx2(acc);
+}
+#undef MXFP4_LUT_AVX2
 
 /* Q4_0: the nibbles q are unsigned, so maddubs takes them as they are; sum((q-8) x) is
  * sum(q x) - 8 sum(x), the second term precomputed per activation block. Two blocks a turn. */
@@ -1521,7 +1582,6 @@ static inline float32x4_t fma_i8x16(float32x4_t acc, int8x16_t v, const float *x
     return vfmaq_f32(acc, vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi))), vld1q_f32(x + 12));
 }
 
-static const int8_t e2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static float dot_mxfp4_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     const uint8_t *p = w;
@@ -1677,6 +1737,34 @@ static float dotq_q8_0_neon(const void *w, const moe__block_q8a *x, int64_t n) {
         int32x4_t s = dot16_neon(vdupq_n_s32(0), vld1q_s8(b[i].qs), vld1q_s8(x[i].qs));
         s = dot16_neon(s, vld1q_s8(b[i].qs + 16), vld1q_s8(x[i].qs + 16));
         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), moe__f16_to_f32(b[i].d) * x[i].d);
+    }
+    return vaddvq_f32(acc);
+}
+
+/* MXFP4 . q8a: codes decoded by a table lookup (2 E2M1 as int8), then as Q8_0 */
+static float dotq_mxfp4_neon(const void *w, const uint8_t *sc, const moe__block_q8a *x, int64_t n) {
+    const uint8_t *p = w;
+    const int8x16_t lut = vld1q_s8(e2m1x2);
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t b = 0; b < n / 32; b++) {
+        const uint8x16_t raw = vld1q_u8(p + b * 16);
+        const int8x16_t lo = vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15))), hi = vqtbl1q_s8(lut, vshrq_n_u8(raw, 4));
+        const int8x16x2_t z = vzipq_s8(lo, hi); /* column order: low nibble = even column */
+        const int32x4_t s = dot16_neon(dot16_neon(vdupq_n_s32(0), z.val[0], vld1q_s8(x[b].qs)), z.val[1], vld1q_s8(x[b].qs + 16));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), 0.5f * e8m0(sc[b]) * x[b].d);
+    }
+    return vaddvq_f32(acc);
+}
+
+static float dotq_mxfp4g_neon(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_mxfp4 *b = w;
+    const int8x16_t lut = vld1q_s8(e2m1x2);
+    float32x4_t acc = vdupq_n_f32(0);
+    for (int64_t i = 0; i < n / 32; i++) {
+        const uint8x16_t raw = vld1q_u8(b[i].qs);
+        const int8x16_t lo = vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15))), hi = vqtbl1q_s8(lut, vshrq_n_u8(raw, 4));
+        const int32x4_t s = dot16_neon(dot16_neon(vdupq_n_s32(0), lo, vld1q_s8(x[i].qs)), hi, vld1q_s8(x[i].qs + 16));
+        acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), 0.5f * e8m0(b[i].e) * x[i].d);
     }
     return vaddvq_f32(acc);
 }
@@ -3000,6 +3088,8 @@ static void kernels_scalar(moe__kernels *k) {
     k->gemm[MOE_T_BF16] = gemm_bf16_ref;
     k->dotq[MOE_T_Q8_0] = dotq_q8_0_ref;
     k->dotq[MOE_T_Q4_0] = dotq_q4_0_ref;
+    k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_ref;
+    k->dotq_mxfp4 = moe__dotq_mxfp4_ref;
     k->quant_q8a = moe__quant_q8a_ref;
     k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_ref;
     k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_ref;
@@ -3033,6 +3123,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->gemm[MOE_T_BF16] = gemm_bf16_avx2;
         k->dotq[MOE_T_Q8_0] = dotq_q8_0_avx2;
         k->dotq[MOE_T_Q4_0] = dotq_q4_0_avx2;
+        k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_avx2;
+        k->dotq_mxfp4 = dotq_mxfp4_avx2;
         k->quant_q8a = quant_q8a_avx2;
         k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avx2;
         k->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_avx2;
@@ -3107,6 +3199,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->quant_q8a = quant_q8a_neon;
         k->dotq[MOE_T_Q8_0] = dotq_q8_0_neon;
         k->dotq[MOE_T_Q4_0] = dotq_q4_0_neon;
+        k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_neon;
+        k->dotq_mxfp4 = dotq_mxfp4_neon;
         k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_neon;
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_neon;
         k->mla_scores = mla_scores_neon;

@@ -49,7 +49,7 @@ static double now(void) {
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-bench: %s\n", msg);
     fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
-                    "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--batch ROWS]\n"
+                    "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--mxfp4 f32|int8] [--batch ROWS]\n"
                     "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
                     "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--prefetch on|off]\n"
                     "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n");
@@ -415,6 +415,7 @@ int main(int argc, char **argv) {
     const char *models[16];
     int n_models = 0, threads[8] = {1, 2}, n_threads = 2, depths[8] = {0, 4096}, n_depths = 2;
     int n_decode = 16, n_prefill = 512, reps = 3, kv_type = MOE_KV_F32, n_batch = 0;
+    unsigned flags = 0;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--stream")) {
             for (int j = 1; j + 1 < argc; j++)
@@ -433,6 +434,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--batch") && more) { if ((n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
         else if (!strcmp(a, "--kv-type") && more) {
             if ((kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
+        } else if (!strcmp(a, "--mxfp4") && more) {
+            const char *v = argv[++i];
+            if (strcmp(v, "f32") && strcmp(v, "int8")) return usage("--mxfp4 is f32 or int8");
+            flags = !strcmp(v, "int8") ? MOE_FLAG_MXFP4_INT8 : 0;
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }
@@ -446,6 +451,7 @@ int main(int argc, char **argv) {
             moe_options o = moe_default_options();
             o.n_threads = t;
             o.kv_type = kv_type;
+            o.flags |= flags;
             if (n_batch) o.n_batch = n_batch;
             moe_model *m;
             moe_status st = moe_model_open(&m, models[mi], &o, err, sizeof err);

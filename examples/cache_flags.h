@@ -1,7 +1,7 @@
 /* cache_flags.h - the expert-store and latent-cache flags every program takes, parsed one way
  * (included by the examples; not part of the runtime):
  *   --load-mode mmap|cache   --expert-budget SIZE   --dense-budget SIZE   --io-threads N
- *   --prefetch on|off   --kv-type f32|bf16|q8 */
+ *   --prefetch on|off   --kv-type f32|bf16|q8   --mxfp4 f32|int8 */
 #ifndef MOE_EXAMPLES_CACHE_FLAGS_H
 #define MOE_EXAMPLES_CACHE_FLAGS_H
 #include <stdlib.h>
@@ -29,7 +29,7 @@ static int parse_kv_type(const char *s) {
 static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--dense-budget") && strcmp(a, "--io-threads") &&
-        strcmp(a, "--prefetch") && strcmp(a, "--kv-type"))
+        strcmp(a, "--prefetch") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4"))
         return 0;
     if (!v) return *why = "a flag needs a value", -1;
     ++*i;
@@ -48,6 +48,9 @@ static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char 
         o->io_threads = (int)n;
     } else if (!strcmp(a, "--kv-type")) {
         if ((o->kv_type = parse_kv_type(v)) < 0) return *why = "--kv-type is f32, bf16 or q8", -1;
+    } else if (!strcmp(a, "--mxfp4")) { /* MXFP4 matrices: f32 input (exact) or int8 input (MOE_FLAG_MXFP4_INT8) */
+        if (strcmp(v, "f32") && strcmp(v, "int8")) return *why = "--mxfp4 is f32 or int8", -1;
+        o->flags = !strcmp(v, "int8") ? o->flags | MOE_FLAG_MXFP4_INT8 : o->flags & ~(unsigned)MOE_FLAG_MXFP4_INT8;
     } else {
         if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
         o->prefetch = !strcmp(v, "on");

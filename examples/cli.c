@@ -72,6 +72,7 @@ static int usage(const char *msg) {
             "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
             "  --kv-type f32|bf16|q8 MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16\n"
             "                        products; q8 quarters it, int8 products, lossy: README)\n"
+            "  --mxfp4 f32|int8      MXFP4 experts times f32 input (exact, default) or int8-quantized input (faster)\n"
             "  -h, --help      this text\n");
     return msg ? 2 : 0;
 }

@@ -30,7 +30,8 @@ static int usage(const char *msg) {
             "  --load-mode M   mmap (default) or cache: routed experts read into a cache of\n"
             "  --expert-budget SIZE bytes (e.g. 512M); --io-threads N reading threads (default 4);\n"
             "  --prefetch on|off (cache mode, default on)\n"
-            "  --kv-type f32|bf16|q8  MLA latent cache element (default f32)\n");
+            "  --kv-type f32|bf16|q8  MLA latent cache element (default f32)\n"
+            "  --mxfp4 f32|int8  MXFP4 matrices times f32 input (default) or int8-quantized input\n");
     return 2;
 }
 

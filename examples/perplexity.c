@@ -1,7 +1,7 @@
 /* moe-perplexity: how much a quantized model departs from its original on the same tokens.
  *
  *   moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE] [--ref MODEL2]
- *                  [--kv-type f32|bf16|q8] [-t THREADS] [--json] [--ref-routing]
+ *                  [--kv-type f32|bf16|q8] [--mxfp4 int8] [-t THREADS] [--json] [--ref-routing]
  *
  * Runs the tokens through the reference (MODEL as stored, or MODEL2) and through the test model
  * (MODEL with its matrices converted at load to TYPE: f32, bf16, q8_0, q4_0), then reports the
@@ -24,7 +24,7 @@
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-perplexity: %s\n", msg);
     fprintf(stderr, "usage: moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE]\n"
-                    "                      [--ref MODEL2] [--kv-type f32|bf16|q8] [-t THREADS] [--json] [--ref-routing]\n"
+                    "                      [--ref MODEL2] [--kv-type f32|bf16|q8] [--mxfp4 int8] [-t THREADS] [--json] [--ref-routing]\n"
                     "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n");
     return 2;
 }
@@ -104,6 +104,10 @@ int main(int argc, char **argv) {
             opt.kv_type = !strcmp(v, "f32") ? MOE_KV_F32 : !strcmp(v, "bf16") ? MOE_KV_BF16 : !strcmp(v, "q8") ? MOE_KV_Q8 : -1;
             if (opt.kv_type < 0) return usage("--kv-type is f32, bf16 or q8");
             stepwise = 1;
+        } else if (!strcmp(a, "--mxfp4") && more) { /* the test model's MXFP4 matrices meet int8 input */
+            const char *v = argv[++i];
+            if (strcmp(v, "f32") && strcmp(v, "int8")) return usage("--mxfp4 is f32 or int8");
+            if (!strcmp(v, "int8")) opt.flags |= MOE_FLAG_MXFP4_INT8;
         } else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--ref-routing")) fixed = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
@@ -119,6 +123,7 @@ int main(int argc, char **argv) {
     moe_options ro = opt;
     ro.dense_type = ro.expert_type = MOE_WTYPE_ASIS;
     ro.kv_type = MOE_KV_F32;
+    ro.flags &= ~(unsigned)MOE_FLAG_MXFP4_INT8;
     int V = 0, V2 = 0, V3 = 0;
     int32_t *routes = NULL;
     float *a = run(ref ? ref : model, &ro, ids, n, 0, &V, fixed ? &routes : NULL, NULL);
