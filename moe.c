@@ -2643,7 +2643,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
         /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
          * h*(d_n+d_v) .. +d_n taken as columns */
         for (int h = h0; h < h1 && split; h++) {
-            if (moe__is_quant(L->k_b.type)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
+            if (moe__is_quant(L->k_b.type) || mm_mxfp4_int8(m, &L->k_b)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
             rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
         }
         for (int h = h0; h < h1 && !split; h++) {
@@ -2725,7 +2725,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
             }
 #undef PART
             const moe__weight *uv = split ? &L->v_b : &L->kv_b; /* W_UV,h: v_b rows h*d_v.., or kv_b rows h*(d_n+d_v)+d_n.. */
-            if (moe__is_quant(uv->type)) m->k.quant_q8a(row, xq, r);
+            if (moe__is_quant(uv->type) || mm_mxfp4_int8(m, uv)) m->k.quant_q8a(row, xq, r);
             rows_times(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls);
         }
     }
