@@ -435,9 +435,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--kv-type") && more) {
             if ((kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
         } else if (!strcmp(a, "--mxfp4") && more) {
-            const char *v = argv[++i];
-            if (strcmp(v, "f32") && strcmp(v, "int8")) return usage("--mxfp4 is f32 or int8");
-            flags = !strcmp(v, "int8") ? MOE_FLAG_MXFP4_INT8 : 0;
+            const int int8 = parse_mxfp4(argv[++i]);
+            if (int8 < 0) return usage("--mxfp4 is f32 or int8");
+            flags = int8 ? MOE_FLAG_MXFP4_INT8 : 0;
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }

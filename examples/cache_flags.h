@@ -8,7 +8,7 @@
 #include <string.h>
 
 /* "8G", "512M", "64K", "65536": bytes; 0 when not a positive size */
-static int parse_size(const char *s, size_t *out) {
+static inline int parse_size(const char *s, size_t *out) {
     char *end;
     double v = strtod(s, &end);
     double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
@@ -20,13 +20,17 @@ static int parse_size(const char *s, size_t *out) {
 }
 
 /* "f32" / "bf16" / "q8": the moe_kv_type; -1 otherwise */
-static int parse_kv_type(const char *s) {
+static inline int parse_kv_type(const char *s) {
     return !strcmp(s, "f32") ? MOE_KV_F32 : !strcmp(s, "bf16") ? MOE_KV_BF16 : !strcmp(s, "q8") ? MOE_KV_Q8 : -1;
 }
 
+/* --mxfp4 "f32" / "int8": 0 or 1, whether MXFP4 matrices meet int8-quantized input
+ * (MOE_FLAG_MXFP4_INT8); -1 otherwise */
+static inline int parse_mxfp4(const char *s) { return !strcmp(s, "int8") ? 1 : !strcmp(s, "f32") ? 0 : -1; }
+
 /* If argv[*i] is one of the flags, consumes it (and its value) into o and returns 1; returns -1
  * with *why set when its value is bad; 0 when it is not one of them. */
-static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
+static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--dense-budget") && strcmp(a, "--io-threads") &&
         strcmp(a, "--prefetch") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4"))
@@ -48,9 +52,10 @@ static int cache_flag(int argc, char **argv, int *i, moe_options *o, const char 
         o->io_threads = (int)n;
     } else if (!strcmp(a, "--kv-type")) {
         if ((o->kv_type = parse_kv_type(v)) < 0) return *why = "--kv-type is f32, bf16 or q8", -1;
-    } else if (!strcmp(a, "--mxfp4")) { /* MXFP4 matrices: f32 input (exact) or int8 input (MOE_FLAG_MXFP4_INT8) */
-        if (strcmp(v, "f32") && strcmp(v, "int8")) return *why = "--mxfp4 is f32 or int8", -1;
-        o->flags = !strcmp(v, "int8") ? o->flags | MOE_FLAG_MXFP4_INT8 : o->flags & ~(unsigned)MOE_FLAG_MXFP4_INT8;
+    } else if (!strcmp(a, "--mxfp4")) {
+        const int int8 = parse_mxfp4(v);
+        if (int8 < 0) return *why = "--mxfp4 is f32 or int8", -1;
+        o->flags = int8 ? o->flags | MOE_FLAG_MXFP4_INT8 : o->flags & ~(unsigned)MOE_FLAG_MXFP4_INT8;
     } else {
         if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
         o->prefetch = !strcmp(v, "on");

@@ -13,6 +13,7 @@
  * token at a time, as generation does, so that decode's attention over the cache is measured.
  * Exit 0, 1 on errors, 2 on usage. */
 #include "../moe.h"
+#include "cache_flags.h"
 #include "files.h"
 
 #include <errno.h>
@@ -100,14 +101,12 @@ int main(int argc, char **argv) {
             opt.n_threads = atoi(argv[++i]);
             if (opt.n_threads < 1) return usage("-t needs a thread count >= 1");
         } else if (!strcmp(a, "--kv-type") && more) {
-            const char *v = argv[++i];
-            opt.kv_type = !strcmp(v, "f32") ? MOE_KV_F32 : !strcmp(v, "bf16") ? MOE_KV_BF16 : !strcmp(v, "q8") ? MOE_KV_Q8 : -1;
-            if (opt.kv_type < 0) return usage("--kv-type is f32, bf16 or q8");
+            if ((opt.kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
             stepwise = 1;
         } else if (!strcmp(a, "--mxfp4") && more) { /* the test model's MXFP4 matrices meet int8 input */
-            const char *v = argv[++i];
-            if (strcmp(v, "f32") && strcmp(v, "int8")) return usage("--mxfp4 is f32 or int8");
-            if (!strcmp(v, "int8")) opt.flags |= MOE_FLAG_MXFP4_INT8;
+            const int int8 = parse_mxfp4(argv[++i]);
+            if (int8 < 0) return usage("--mxfp4 is f32 or int8");
+            if (int8) opt.flags |= MOE_FLAG_MXFP4_INT8;
         } else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--ref-routing")) fixed = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
