@@ -2130,6 +2130,23 @@ void moe__mla_ctx16_ref(const moe__mla_block16 *b, int h0, int h1) {
     }
 }
 
+/* Elementwise loops in groups of 8 independent statements on restrict pointers, which gcc's
+ * straight-line vectorizer turns into vector instructions at -O2 (its loop vectorizer does not
+ * take loops of run-time length at -O2); STMT uses the index c. */
+#define EACH8(n, STMT)                                                                         \
+    do {                                                                                       \
+        int c_ = 0;                                                                            \
+        for (; c_ + 8 <= (n); c_ += 8)                                                         \
+            for (int k_ = 0; k_ < 8; k_++) {                                                   \
+                const int c = c_ + k_;                                                         \
+                STMT;                                                                          \
+            }                                                                                  \
+        for (; c_ < (n); c_++) {                                                               \
+            const int c = c_;                                                                  \
+            STMT;                                                                              \
+        }                                                                                      \
+    } while (0)
+
 /* ---- int8 latent cache (MOE_KV_Q8) --------------------------------------------------------- */
 
 void moe__quant8_row(const float *x, int n, int8_t *q, float *d, int32_t *sum) {
@@ -2160,8 +2177,8 @@ void moe__mla_qt8(const int8_t *q, int H, int cw, int8_t *qt) {
                 }
 }
 
-/* the largest p_j d_j (at least 0), and each p_j d_j * inv rounded into bytes: loops in groups of
- * 8 statements on restrict pointers, which gcc's straight-line vectorizer takes at -O2 */
+/* the largest p_j d_j (at least 0), and each p_j d_j * inv rounded into bytes, in groups of 8
+ * statements (as EACH8) so that they vectorize */
 static float max_prod(const float *restrict p, const float *restrict d, int n) {
     float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int j = 0;
@@ -2175,17 +2192,9 @@ static float max_prod(const float *restrict p, const float *restrict d, int n) {
     return m[0];
 }
 
+/* clamped as floats: the int-side clamp kept the loop scalar */
 static void round_u8(const float *restrict p, const float *restrict d, float inv, int n, uint8_t *restrict w) {
-    int j = 0;
-    for (; j + 8 <= n; j += 8) /* clamped as floats: the int-side clamp kept the loop scalar */
-        for (int k = 0; k < 8; k++) {
-            const float v = p[j + k] * d[j + k] * inv + 0.5f;
-            w[j + k] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
-        }
-    for (; j < n; j++) {
-        const float v = p[j] * d[j] * inv + 0.5f;
-        w[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
-    }
+    EACH8(n, const float v = p[c] * d[c] * inv + 0.5f; w[c] = (uint8_t)(int)(v < 255.0f ? v : 255.0f));
 }
 
 void moe__mla_weights8(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
@@ -3282,32 +3291,15 @@ size_t moe__kda_chunk_work(int D) {
  *   S_next = diag(e^{G_n}) S0 + sum_j (k_j e^{G_n-G_j}) u_j^T
  * bounded: the decays factor as e^{G_i} e^{-G_j}, making A, P and the state update plain
  * matrix products; otherwise (softplus gate, unbounded step) each factor is formed per element. */
-/* Elementwise loops of the chunked form, in groups of 8 independent statements on restrict
- * pointers, which gcc's straight-line vectorizer turns into vector instructions at -O2 (its loop
- * vectorizer does not take these loops at -O2). Plain multiplies, adds and divides: the same
- * results as one element at a time. */
-#define KDA_EACH8(n, STMT)                                                                     \
-    do {                                                                                       \
-        int c_ = 0;                                                                            \
-        for (; c_ + 8 <= (n); c_ += 8)                                                         \
-            for (int k_ = 0; k_ < 8; k_++) {                                                   \
-                const int c = c_ + k_;                                                         \
-                STMT;                                                                          \
-            }                                                                                  \
-        for (; c_ < (n); c_++) {                                                               \
-            const int c = c_;                                                                  \
-            STMT;                                                                              \
-        }                                                                                      \
-    } while (0)
-static void kda_add(float *restrict o, const float *restrict a, const float *restrict b, int n) { KDA_EACH8(n, o[c] = a[c] + b[c]); }
-static void kda_mul(float *restrict o, const float *restrict a, const float *restrict b, int n) { KDA_EACH8(n, o[c] = a[c] * b[c]); }
-static void kda_div(float *restrict o, const float *restrict a, const float *restrict b, int n) { KDA_EACH8(n, o[c] = a[c] / b[c]); }
-static void kda_scale(float *restrict o, const float *restrict a, int n) { KDA_EACH8(n, o[c] *= a[c]); }
+/* Elementwise loops of the chunked form (EACH8: the same results as one element at a time) */
+static void kda_add(float *restrict o, const float *restrict a, const float *restrict b, int n) { EACH8(n, o[c] = a[c] + b[c]); }
+static void kda_mul(float *restrict o, const float *restrict a, const float *restrict b, int n) { EACH8(n, o[c] = a[c] * b[c]); }
+static void kda_div(float *restrict o, const float *restrict a, const float *restrict b, int n) { EACH8(n, o[c] = a[c] / b[c]); }
+static void kda_scale(float *restrict o, const float *restrict a, int n) { EACH8(n, o[c] *= a[c]); }
 /* o = o * a + b */
-static void kda_scale_add(float *restrict o, const float *restrict a, const float *restrict b, int n) { KDA_EACH8(n, o[c] = o[c] * a[c] + b[c]); }
+static void kda_scale_add(float *restrict o, const float *restrict a, const float *restrict b, int n) { EACH8(n, o[c] = o[c] * a[c] + b[c]); }
 /* u = beta (v - u) */
-static void kda_rhs(float *restrict u, float beta, const float *restrict v, int n) { KDA_EACH8(n, u[c] = beta * (v[c] - u[c])); }
-#undef KDA_EACH8
+static void kda_rhs(float *restrict u, float beta, const float *restrict v, int n) { EACH8(n, u[c] = beta * (v[c] - u[c])); }
 
 void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const moe__kernels *kk) {
     const int D = a->D, C = KDA_C;
