@@ -1697,12 +1697,18 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     return MOE_OK;
 }
 
+/* The interleaved type a matrix is repacked to (Q4_0/Q8_0 with rows a multiple of 8), or -1 */
+static int x8_type(const moe__weight *w) {
+    if (!moe__is_quant(w->type) || w->rows % 8) return -1;
+    return w->type == MOE_T_Q4_0 ? MOE_T_Q4_0X8 : MOE_T_Q8_0X8;
+}
+
 /* Interleaves a Q4_0/Q8_0 matrix 8 rows at a time into RAM the model owns (the layout the x8
  * kernels want), then lets the source go: its mapped pages are dropped from our resident set, or
  * its owned buffer freed. Rows not a multiple of 8 stay as they are. */
 static moe_status repack_weight(moe_model *m, moe__weight *w) {
-    if (!w->data || !moe__is_quant(w->type) || w->rows % 8) return MOE_OK;
-    const int to = w->type == MOE_T_Q4_0 ? MOE_T_Q4_0X8 : MOE_T_Q8_0X8;
+    const int to = x8_type(w);
+    if (!w->data || to < 0) return MOE_OK;
     const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8;
     unsigned char *dst = malloc((size_t)(gb * ng));
     if (!dst) return MOE_ERR_NOMEM;
@@ -3249,8 +3255,8 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
  * layout), so a cached expert runs the same x8 kernels as a mapped one: the same sums in the same
  * order, the same logits whichever mode loads it. Rows not a multiple of 8 stay as they are. */
 static int unit_repack(moe__weight *w) {
-    if (!moe__is_quant(w->type) || w->rows % 8) return 0;
-    const int to = w->type == MOE_T_Q4_0 ? MOE_T_Q4_0X8 : MOE_T_Q8_0X8;
+    const int to = x8_type(w);
+    if (to < 0) return 0;
     const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * rb;
     unsigned char *tmp = malloc((size_t)gb), *p = (unsigned char *)w->data;
     if (!tmp) return ENOMEM;
