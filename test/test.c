@@ -196,8 +196,7 @@ static void test_mxfp4_int8_kernels(void) {
                     w8[b].qs[2 * i] = twice[v & 15], w8[b].qs[2 * i + 1] = twice[v >> 4];
                 }
                 for (int i = 0; i < 16; i++)
-                    wg[b * 17 + 1 + i] = (uint8_t)((((const uint8_t *)wq)[b * 16 + i / 2] >> (4 * (i & 1))) & 15) |
-                                         (uint8_t)((((const uint8_t *)wq)[b * 16 + 8 + i / 2] >> (4 * (i & 1))) & 15) << 4;
+                    wg[b * 17 + 1 + i] = (uint8_t)(((wq[b * 16 + i / 2] >> (4 * (i & 1))) & 15) | ((wq[b * 16 + 8 + i / 2] >> (4 * (i & 1))) & 15) << 4);
                 w8[b].d = moe__f32_to_f16(ldexpf(1.0f, ws[b] - 128));
             }
             const float r = moe__dotq_mxfp4_ref(wq, ws, xq, n), q = moe__dotq_ref(MOE_T_Q8_0, w8, xq, n);
