@@ -590,17 +590,21 @@ MOE_TARGET("avx2,fma,f16c") static float dot_f16_avx2(const void *w, const uint8
 }
 
 /* MXFP4: 2*E2M1 is an exact int8 (0,1,2,3,4,6,8,12 with sign), so one byte shuffle decodes 16
- * codes; the block sum is scaled by 2^(s-127)/2 afterwards. Low nibble = even column. */
+ * codes: 16 packed bytes -> the values of their low nibbles (*lo) and high nibbles (*hi) */
+MOE_TARGET("avx2,fma") static inline void mxfp4_decode16(__m128i raw, __m128i *lo, __m128i *hi) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), m4 = _mm_set1_epi8(15);
+    *lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));
+    *hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+}
+
+/* the block sum is scaled by 2^(s-127)/2 afterwards. Low nibble = even column. */
 MOE_TARGET("avx2,fma") static float dot_mxfp4_avx2(const void *w, const uint8_t *sc,
                                                    const float *x, int64_t n) {
     const uint8_t *p = w;
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(p + b * 16));
-        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));
-        __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        __m128i lo, hi;
+        mxfp4_decode16(_mm_loadu_si128((const __m128i *)(p + b * 16)), &lo, &hi);
         __m128i v0 = _mm_unpacklo_epi8(lo, hi), v1 = _mm_unpackhi_epi8(lo, hi); /* column order */
         const float *xb = x + b * 32;
         __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0)), _mm256_loadu_ps(xb));
@@ -635,14 +639,12 @@ MOE_TARGET("avx2,fma,f16c") static float dotq_q8_0_avx2(const void *w, const moe
 }
 
 /* MXFP4 . q8a: 16 codes decoded by one byte shuffle (2 E2M1 as int8), then as Q8_0 */
-#define MXFP4_LUT_AVX2 _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 MOE_TARGET("avx2,fma") static float dotq_mxfp4_avx2(const void *w, const uint8_t *sc, const moe__block_q8a *x, int64_t n) {
     const uint8_t *p = w;
-    const __m128i lut = MXFP4_LUT_AVX2, m4 = _mm_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)(p + b * 16));
-        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)), hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        __m128i lo, hi;
+        mxfp4_decode16(_mm_loadu_si128((const __m128i *)(const void *)(p + b * 16)), &lo, &hi);
         const __m256i a = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)); /* column order */
         acc = _mm256_fmadd_ps(_mm256_set1_ps(0.5f * e8m0(sc[b]) * x[b].d), mul_i8_avx2(a, _mm256_loadu_si256((const __m256i *)(const void *)x[b].qs)), acc);
     }
@@ -651,16 +653,14 @@ MOE_TARGET("avx2,fma") static float dotq_mxfp4_avx2(const void *w, const uint8_t
 
 MOE_TARGET("avx2,fma") static float dotq_mxfp4g_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
     const moe__block_mxfp4 *b = w;
-    const __m128i lut = MXFP4_LUT_AVX2, m4 = _mm_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / 32; i++) {
-        const __m128i raw = _mm_loadu_si128((const __m128i *)(const void *)b[i].qs);
-        const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)), hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        __m128i lo, hi;
+        mxfp4_decode16(_mm_loadu_si128((const __m128i *)(const void *)b[i].qs), &lo, &hi);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(0.5f * e8m0(b[i].e) * x[i].d), mul_i8_avx2(_mm256_set_m128i(hi, lo), _mm256_loadu_si256((const __m256i *)(const void *)x[i].qs)), acc);
     }
     return hsum_avx2(acc);
 }
-#undef MXFP4_LUT_AVX2
 
 /* Q4_0: the nibbles q are unsigned, so maddubs takes them as they are; sum((q-8) x) is
  * sum(q x) - 8 sum(x), the second term precomputed per activation block. Two blocks a turn. */
@@ -727,13 +727,10 @@ MOE_TARGET("avx2,fma") static void quant_q8a_avx2(const float *x, moe__block_q8a
 MOE_TARGET("avx2,fma") static float dot_mxfp4g_avx2(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     (void)sc;
     const moe__block_mxfp4 *b = w;
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-    const __m128i m4 = _mm_set1_epi8(15);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < n / 32; i++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)b[i].qs);
-        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4));
-        __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        __m128i lo, hi;
+        mxfp4_decode16(_mm_loadu_si128((const __m128i *)b[i].qs), &lo, &hi);
         const float *xb = x + i * 32;
         __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(xb));
         s = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(xb + 8), s);
@@ -1300,11 +1297,10 @@ MOE_TARGET(MOE_AVX512) static inline __m512 mxfp4_block_avx512(__m128i c0, __m12
 
 MOE_TARGET(MOE_AVX512) static float dot_mxfp4_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     const uint8_t *p = w;
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), m4 = _mm_set1_epi8(15);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)(p + b * 16));
-        __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)), hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+        __m128i lo, hi;
+        mxfp4_decode16(_mm_loadu_si128((const __m128i *)(p + b * 16)), &lo, &hi);
         acc = mxfp4_block_avx512(_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi), x + b * 32, acc, 0.5f * e8m0(sc[b]));
     }
     return _mm512_reduce_add_ps(acc);
@@ -1313,12 +1309,11 @@ MOE_TARGET(MOE_AVX512) static float dot_mxfp4_avx512(const void *w, const uint8_
 MOE_TARGET(MOE_AVX512) static float dot_mxfp4g_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     (void)sc;
     const moe__block_mxfp4 *b = w;
-    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), m4 = _mm_set1_epi8(15);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / 32; i++) {
-        __m128i raw = _mm_loadu_si128((const __m128i *)b[i].qs);
-        acc = mxfp4_block_avx512(_mm_shuffle_epi8(lut, _mm_and_si128(raw, m4)), _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(raw, 4), m4)),
-                                 x + i * 32, acc, 0.5f * e8m0(b[i].e));
+        __m128i lo, hi;
+        mxfp4_decode16(_mm_loadu_si128((const __m128i *)b[i].qs), &lo, &hi);
+        acc = mxfp4_block_avx512(lo, hi, x + i * 32, acc, 0.5f * e8m0(b[i].e));
     }
     return _mm512_reduce_add_ps(acc);
 }
