@@ -1577,14 +1577,20 @@ static inline float32x4_t fma_i8x16(float32x4_t acc, int8x16_t v, const float *x
     return vfmaq_f32(acc, vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi))), vld1q_f32(x + 12));
 }
 
+/* 16 packed MXFP4 bytes -> 2 E2M1 as int8 of their low nibbles (*lo) and high nibbles (*hi), by
+ * table lookup */
+static inline void mxfp4_decode16_neon(uint8x16_t raw, int8x16_t *lo, int8x16_t *hi) {
+    const int8x16_t lut = vld1q_s8(e2m1x2);
+    *lo = vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15)));
+    *hi = vqtbl1q_s8(lut, vshrq_n_u8(raw, 4));
+}
 
 static float dot_mxfp4_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     const uint8_t *p = w;
-    const int8x16_t lut = vld1q_s8(e2m1x2);
     float s = 0;
     for (int64_t b = 0; b < n / 32; b++) {
-        uint8x16_t raw = vld1q_u8(p + b * 16);
-        int8x16_t lo = vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15))), hi = vqtbl1q_s8(lut, vshrq_n_u8(raw, 4));
+        int8x16_t lo, hi;
+        mxfp4_decode16_neon(vld1q_u8(p + b * 16), &lo, &hi);
         int8x16x2_t z = vzipq_s8(lo, hi); /* column order: low nibble = even column */
         float32x4_t acc = fma_i8x16(vdupq_n_f32(0), z.val[0], x + b * 32);
         acc = fma_i8x16(acc, z.val[1], x + b * 32 + 16);
@@ -1596,12 +1602,12 @@ static float dot_mxfp4_neon(const void *w, const uint8_t *sc, const float *x, in
 static float dot_mxfp4g_neon(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     (void)sc;
     const moe__block_mxfp4 *b = w;
-    const int8x16_t lut = vld1q_s8(e2m1x2);
     float s = 0;
     for (int64_t i = 0; i < n / 32; i++) {
-        uint8x16_t raw = vld1q_u8(b[i].qs);
-        float32x4_t acc = fma_i8x16(vdupq_n_f32(0), vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15))), x + i * 32);
-        acc = fma_i8x16(acc, vqtbl1q_s8(lut, vshrq_n_u8(raw, 4)), x + i * 32 + 16);
+        int8x16_t lo, hi;
+        mxfp4_decode16_neon(vld1q_u8(b[i].qs), &lo, &hi);
+        float32x4_t acc = fma_i8x16(vdupq_n_f32(0), lo, x + i * 32);
+        acc = fma_i8x16(acc, hi, x + i * 32 + 16);
         s += vaddvq_f32(acc) * 0.5f * e8m0(b[i].e);
     }
     return s;
@@ -1739,11 +1745,10 @@ static float dotq_q8_0_neon(const void *w, const moe__block_q8a *x, int64_t n) {
 /* MXFP4 . q8a: codes decoded by a table lookup (2 E2M1 as int8), then as Q8_0 */
 static float dotq_mxfp4_neon(const void *w, const uint8_t *sc, const moe__block_q8a *x, int64_t n) {
     const uint8_t *p = w;
-    const int8x16_t lut = vld1q_s8(e2m1x2);
     float32x4_t acc = vdupq_n_f32(0);
     for (int64_t b = 0; b < n / 32; b++) {
-        const uint8x16_t raw = vld1q_u8(p + b * 16);
-        const int8x16_t lo = vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15))), hi = vqtbl1q_s8(lut, vshrq_n_u8(raw, 4));
+        int8x16_t lo, hi;
+        mxfp4_decode16_neon(vld1q_u8(p + b * 16), &lo, &hi);
         const int8x16x2_t z = vzipq_s8(lo, hi); /* column order: low nibble = even column */
         const int32x4_t s = dot16_neon(dot16_neon(vdupq_n_s32(0), z.val[0], vld1q_s8(x[b].qs)), z.val[1], vld1q_s8(x[b].qs + 16));
         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), 0.5f * e8m0(sc[b]) * x[b].d);
@@ -1753,11 +1758,10 @@ static float dotq_mxfp4_neon(const void *w, const uint8_t *sc, const moe__block_
 
 static float dotq_mxfp4g_neon(const void *w, const moe__block_q8a *x, int64_t n) {
     const moe__block_mxfp4 *b = w;
-    const int8x16_t lut = vld1q_s8(e2m1x2);
     float32x4_t acc = vdupq_n_f32(0);
     for (int64_t i = 0; i < n / 32; i++) {
-        const uint8x16_t raw = vld1q_u8(b[i].qs);
-        const int8x16_t lo = vqtbl1q_s8(lut, vandq_u8(raw, vdupq_n_u8(15))), hi = vqtbl1q_s8(lut, vshrq_n_u8(raw, 4));
+        int8x16_t lo, hi;
+        mxfp4_decode16_neon(vld1q_u8(b[i].qs), &lo, &hi);
         const int32x4_t s = dot16_neon(dot16_neon(vdupq_n_s32(0), lo, vld1q_s8(x[i].qs)), hi, vld1q_s8(x[i].qs + 16));
         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), 0.5f * e8m0(b[i].e) * x[i].d);
     }
