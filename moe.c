@@ -1742,6 +1742,12 @@ static moe_status repack_weights(moe_model *m) {
         progress(m, "interleaving", i, m->cfg.n_layers);
         st = repack_weight(m, &L->router);
         for (size_t k = 0; k < N_DENSE_FIELDS && !st && !L->stream; k++) st = repack_weight(m, layer_matrix(L, k));
+        /* absorbed MLA takes k_b and v_b a head at a time: interleaved where a head's rows are
+         * whole groups (rows_times) */
+        if (!st && L->k_b.data && !L->stream && m->cfg.kv_lora_rank % 8 == 0 && m->cfg.v_head_dim % 8 == 0) {
+            st = repack_weight(m, &L->k_b);
+            if (!st) st = repack_weight(m, &L->v_b);
+        }
         for (int e = 0; L->experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) { /* cache mode reads experts as stored */
             st = repack_weight(m, &L->experts[e].w1);
             if (!st) st = repack_weight(m, &L->experts[e].w2);
@@ -2175,13 +2181,20 @@ static int mm_mxfp4_int8(const moe_model *m, const moe__weight *W) {
 /* whether W's kernels read the activations quantized to 8-bit blocks */
 static int mm_quantized(const moe_model *m, const moe__weight *W) { return mm_per(W) == 8 || moe__is_quant(W->type) || mm_mxfp4_int8(m, W); }
 
-/* y[i] = scale * (row row0 + i of W) . x for n rows of a matrix that is not interleaved: x as f32
- * for the float formats, as xq (x quantized by quant_q8a) for Q8_0/Q4_0 (and MXFP4 under
- * MOE_FLAG_MXFP4_INT8) */
+/* y[i] = scale * (row row0 + i of W) . x for n rows: x as f32 for the float formats, as xq (x
+ * quantized by quant_q8a) for Q8_0/Q4_0, interleaved or not (and MXFP4 under
+ * MOE_FLAG_MXFP4_INT8); for an interleaved W, row0 and n are multiples of 8 */
 static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
                        float *y, float scale) {
     const int64_t K = W->cols, rb = moe__row_bytes(W->type, K), sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
     const unsigned char *base = W->data;
+    if (mm_per(W) == 8) { /* interleaved (row0 and n whole groups): 8 rows a call */
+        for (int64_t g = 0; g < n / 8; g++) {
+            m->k.dotq8[W->type](base + (row0 + 8 * g) * rb, xq, K, y + 8 * g);
+            for (int i = 0; scale != 1.0f && i < 8; i++) y[8 * g + i] *= scale;
+        }
+        return;
+    }
     if (moe__is_quant(W->type) || (W->type == MOE_T_MXFP4_GGML && mm_mxfp4_int8(m, W))) {
         for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq[W->type](base + (row0 + i) * rb, xq, K);
         return;
@@ -2649,7 +2662,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
         /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
          * h*(d_n+d_v) .. +d_n taken as columns */
         for (int h = h0; h < h1 && split; h++) {
-            if (moe__is_quant(L->k_b.type) || mm_mxfp4_int8(m, &L->k_b)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
+            if (mm_quantized(m, &L->k_b)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
             rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
         }
         for (int h = h0; h < h1 && !split; h++) {
@@ -2731,7 +2744,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
             }
 #undef PART
             const moe__weight *uv = split ? &L->v_b : &L->kv_b; /* W_UV,h: v_b rows h*d_v.., or kv_b rows h*(d_n+d_v)+d_n.. */
-            if (moe__is_quant(uv->type) || mm_mxfp4_int8(m, uv)) m->k.quant_q8a(row, xq, r);
+            if (mm_quantized(m, uv)) m->k.quant_q8a(row, xq, r);
             rows_times(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls);
         }
     }

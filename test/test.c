@@ -1221,7 +1221,7 @@ static void test_mla_split_keys(void) {
      * q8_0: the integer kernels, query and latent context quantized to int8 as any matmul's
      * input) against the expanded form's kv_b rebuilt from the same values */
     const char *types[2] = {"--dense f32", "--dense q8_0"};
-    const double bound[2] = {1e-3, 0.5}; /* q8_0 measured: max 0.12, mean 0.018 */
+    const double bound[2] = {1e-3, 0.5}; /* q8_0 measured: max 0.14-0.15, mean 0.018 */
     for (int ti = 0; ti < 2; ti++) {
         char dir[600], out[600];
         snprintf(dir, sizeof dir, "%s/kimi", golden_dir());
