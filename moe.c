@@ -2719,7 +2719,7 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
             }
             if (bf16) m->k.mla_ctx16(&b16, 0, H);
             else if (q8) {
-                moe__mla_weights8(SC, KB, b8.meta, jn, 0, H, W8, KB, WS8, WS8 + H);
+                m->k.mla_weights8(SC, KB, b8.meta, jn, 0, H, W8, KB, WS8, WS8 + H);
                 m->k.mla_ctx8(&b8, 0, H);
             } else
                 m->k.mla_ctx(&blk, 0, H);

@@ -446,6 +446,7 @@ struct moe__kda_head_s;
 struct moe__mla_block_s;
 struct moe__mla_block16_s;
 struct moe__mla_block8_s;
+struct moe__kv8_meta_s;
 typedef float (*moe__dot_fn)(const void *w, const uint8_t *scale, const float *x, int64_t n);
 /* y[t * ldy + i] = (row i of w) . x_t for nr rows of a float-format weight matrix (ldw elements
  * apart) and nt activation rows (ldx floats apart), K values each */
@@ -477,6 +478,9 @@ typedef struct {
     void (*mla_ctx16)(const struct moe__mla_block16_s *b, int h0, int h1);
     void (*mla_scores8)(const struct moe__mla_block8_s *b);   /* see moe__mla_scores8_ref */
     void (*mla_ctx8)(const struct moe__mla_block8_s *b, int h0, int h1);
+    /* see moe__mla_weights8 (the same bytes and scales at every level) */
+    void (*mla_weights8)(const float *p, int ld, const struct moe__kv8_meta_s *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
+                         float *work);
     void (*act)(float *y, const float *x, int64_t n, int kind); /* see moe__act_ref */
     float (*exp_sum)(float *y, const float *x, float shift, int64_t n); /* see moe__exp_sum_ref */
     void (*widen_bf16)(float *y, const uint16_t *x, int64_t n); /* bf16 -> f32, exact */
@@ -656,7 +660,7 @@ void moe__mla_ctx16_ref(const moe__mla_block16 *b, int h0, int h1);
 /* The same over an int8 latent cache (MOE_KV_Q8). A row is cw signed bytes: c quantized with
  * scale dc, then kr with scale dr (moe__quant8_row on each part: values in [-127, 127], x ~ d q),
  * and per row this meta: */
-typedef struct { float dc, dr; int32_t sc, sr; } moe__kv8_meta; /* scales; sums of c's and kr's bytes */
+typedef struct moe__kv8_meta_s { float dc, dr; int32_t sc, sr; } moe__kv8_meta; /* scales; sums of c's and kr's bytes */
 /* x [n] -> q [n] with q = round(x * 127 / max |x|), *d = max |x| / 127, *sum = the sum of q */
 void moe__quant8_row(const float *x, int n, int8_t *q, float *d, int32_t *sum);
 /* The queries are quantized per head the same way (q: [H, cw], qd: [H, 2] the two parts' scales),

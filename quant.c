@@ -2797,6 +2797,33 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
  * 4 rows, in a fixed lane order put back at the end) and meet the 4 keys' weights of a head,
  * broadcast: 4 heads x 64 latent values in 16 accumulators; slices of 64 values outside, so the
  * block's slice stays in L1 while the head groups pass */
+/* moe__mla_weights8 in 16 lanes: the same products, maximum and rounding steps, so the same bytes */
+MOE_TARGET(MOE_AVX512) static void mla_weights8_avx512(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w,
+                                                       int lw, float *ws, float *work) {
+    for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
+    for (int h = h0; h < h1; h++) {
+        const float *ph = p + (size_t)h * ld;
+        __m512 mv = _mm512_setzero_ps();
+        int j = 0;
+        for (; j + 16 <= jn; j += 16) mv = _mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(ph + j), _mm512_loadu_ps(work + j)), mv);
+        float wmax = _mm512_reduce_max_ps(mv);
+        for (; j < jn; j++) wmax = ph[j] * work[j] > wmax ? ph[j] * work[j] : wmax;
+        const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
+        const __m512 vi = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(255.0f);
+        uint8_t *wh = w + (size_t)h * lw;
+        for (j = 0; j + 16 <= jn; j += 16) {
+            const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(ph + j), _mm512_loadu_ps(work + j)), vi), half);
+            _mm_storeu_si128((__m128i *)(wh + j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(v, top))));
+        }
+        for (; j < jn; j++) {
+            const float v = ph[j] * work[j] * inv + 0.5f;
+            wh[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
+        }
+        for (j = jn; j < lw; j++) wh[j] = 0;
+        ws[h] = wmax / 255.0f;
+    }
+}
+
 MOE_TARGET(MOE_AVX512VNNI) static void mla_ctx8_vnni(const moe__mla_block8 *b, int h0, int h1) {
     const int r = b->r, cw = b->cw, jn = b->jn;
     if (r % 64) { moe__mla_ctx8_ref(b, h0, h1); return; }
@@ -2916,6 +2943,37 @@ MOE_TARGET("avx2,fma") static void mla_scores8_avx2(const moe__mla_block8 *b) {
         _mm256_storeu_ps(o_, _mm256_add_ps(_mm256_loadu_ps(o_), _mm256_mul_ps(s_, _mm256_cvtepi32_ps(y0_))));        \
         _mm256_storeu_ps(o_ + 8, _mm256_add_ps(_mm256_loadu_ps(o_ + 8), _mm256_mul_ps(s_, _mm256_cvtepi32_ps(y1_)))); \
     } while (0)
+/* moe__mla_weights8 in 8 lanes: the same products, maximum and rounding steps, so the same bytes */
+MOE_TARGET("avx2,fma") static void mla_weights8_avx2(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w,
+                                                     int lw, float *ws, float *work) {
+    for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
+    for (int h = h0; h < h1; h++) {
+        const float *ph = p + (size_t)h * ld;
+        __m256 mv = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 8 <= jn; j += 8) mv = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(ph + j), _mm256_loadu_ps(work + j)), mv);
+        float m8[8], wmax = 0;
+        _mm256_storeu_ps(m8, mv);
+        for (int k = 0; k < 8; k++) wmax = m8[k] > wmax ? m8[k] : wmax;
+        for (; j < jn; j++) wmax = ph[j] * work[j] > wmax ? ph[j] * work[j] : wmax;
+        const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
+        const __m256 vi = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(255.0f);
+        uint8_t *wh = w + (size_t)h * lw;
+        for (j = 0; j + 8 <= jn; j += 8) {
+            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(ph + j), _mm256_loadu_ps(work + j)), vi), half);
+            const __m256i d = _mm256_cvttps_epi32(_mm256_min_ps(v, top)); /* 0..255 */
+            const __m128i s = _mm_packs_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+            _mm_storel_epi64((__m128i *)(wh + j), _mm_packus_epi16(s, s));
+        }
+        for (; j < jn; j++) {
+            const float v = ph[j] * work[j] * inv + 0.5f;
+            wh[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
+        }
+        for (j = jn; j < lw; j++) wh[j] = 0;
+        ws[h] = wmax / 255.0f;
+    }
+}
+
 MOE_TARGET("avx2,fma") static void mla_ctx8_avx2(const moe__mla_block8 *b, int h0, int h1) {
     const int r = b->r, cw = b->cw, jn = b->jn;
     if (r % 16) { moe__mla_ctx8_ref(b, h0, h1); return; }
@@ -3052,6 +3110,41 @@ MOE_DOTPROD static void mla_scores8_dotprod(const moe__mla_block8 *b) {
 
 /* ctx: a key's 16 latent values widened to int16, times the head's weight of the key into four
  * int32 accumulators (multiply-accumulate long by scalar); heads one at a time */
+/* moe__mla_weights8 in 4 lanes: the same products, maximum (selects, as the reference's
+ * comparisons) and rounding steps, so the same bytes */
+static void mla_weights8_neon(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
+                              float *work) {
+    for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
+    for (int h = h0; h < h1; h++) {
+        const float *ph = p + (size_t)h * ld;
+        float32x4_t mv = vdupq_n_f32(0);
+        int j = 0;
+        for (; j + 4 <= jn; j += 4) {
+            const float32x4_t v = vmulq_f32(vld1q_f32(ph + j), vld1q_f32(work + j));
+            mv = vbslq_f32(vcgtq_f32(v, mv), v, mv);
+        }
+        float m4[4], wmax = 0;
+        vst1q_f32(m4, mv);
+        for (int k = 0; k < 4; k++) wmax = m4[k] > wmax ? m4[k] : wmax;
+        for (; j < jn; j++) wmax = ph[j] * work[j] > wmax ? ph[j] * work[j] : wmax;
+        const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
+        const float32x4_t vi = vdupq_n_f32(inv), half = vdupq_n_f32(0.5f), top = vdupq_n_f32(255.0f);
+        uint8_t *wh = w + (size_t)h * lw;
+        for (j = 0; j + 8 <= jn; j += 8) {
+            const float32x4_t a = vaddq_f32(vmulq_f32(vmulq_f32(vld1q_f32(ph + j), vld1q_f32(work + j)), vi), half);
+            const float32x4_t b = vaddq_f32(vmulq_f32(vmulq_f32(vld1q_f32(ph + j + 4), vld1q_f32(work + j + 4)), vi), half);
+            const uint32x4_t ia = vcvtq_u32_f32(vbslq_f32(vcltq_f32(a, top), a, top)), ib = vcvtq_u32_f32(vbslq_f32(vcltq_f32(b, top), b, top));
+            vst1_u8(wh + j, vmovn_u16(vcombine_u16(vmovn_u32(ia), vmovn_u32(ib))));
+        }
+        for (; j < jn; j++) {
+            const float v = ph[j] * work[j] * inv + 0.5f;
+            wh[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
+        }
+        for (j = jn; j < lw; j++) wh[j] = 0;
+        ws[h] = wmax / 255.0f;
+    }
+}
+
 static void mla_ctx8_neon(const moe__mla_block8 *b, int h0, int h1) {
     const int r = b->r, cw = b->cw, jn = b->jn;
     if (r % 16) { moe__mla_ctx8_ref(b, h0, h1); return; }
@@ -3109,6 +3202,7 @@ static void kernels_scalar(moe__kernels *k) {
     k->mla_ctx16 = moe__mla_ctx16_ref;
     k->mla_scores8 = moe__mla_scores8_ref;
     k->mla_ctx8 = moe__mla_ctx8_ref;
+    k->mla_weights8 = moe__mla_weights8;
     k->act = moe__act_ref;
     k->exp_sum = moe__exp_sum_ref;
     k->widen_bf16 = moe__widen_bf16_ref;
@@ -3146,6 +3240,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_ctx16 = mla_ctx16_avx2;
         k->mla_scores8 = mla_scores8_avx2;
         k->mla_ctx8 = mla_ctx8_avx2;
+        k->mla_weights8 = mla_weights8_avx2;
         k->act = act_avx2;
         k->exp_sum = exp_sum_avx2;
         k->widen_bf16 = widen_bf16_avx2;
@@ -3167,6 +3262,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->mla_ctx = mla_ctx_avx512;
             v->mla_scores16 = mla_scores16_avx512;
             v->mla_ctx16 = mla_ctx16_avx512;
+            v->mla_weights8 = mla_weights8_avx512;
             v->act = act_avx512;
             v->exp_sum = exp_sum_avx512;
             v->widen_bf16 = widen_bf16_avx512;
@@ -3216,6 +3312,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_scores16 = mla_scores16_neon;
         k->mla_ctx16 = mla_ctx16_neon;
         k->mla_ctx8 = mla_ctx8_neon;
+        k->mla_weights8 = mla_weights8_neon;
         k->act = act_neon;
         k->exp_sum = exp_sum_neon;
         k->widen_bf16 = widen_bf16_neon;

@@ -988,6 +988,7 @@ static void test_mla8_kernels(void) {
         }
         for (int i = 0; i < H * ld; i++) p[i] = (float)urand(); /* softmax weights: in [0, 1] */
         p[0] = 1.0f;
+        if (H > 2) memset(p + (size_t)(H - 1) * ld, 0, sizeof(float) * (size_t)ld); /* a head with no weight */
         for (int i = 0; i < H * r; i++) ctx0[i] = nrand();
         float *wk = malloc(sizeof(float) * (size_t)jn);
         moe__mla_weights8(p, ld, meta, jn, 0, H, w, lw, ws, wk);
@@ -1038,6 +1039,15 @@ static void test_mla8_kernels(void) {
             double dc = 0;
             for (int i = 0; i < H * r; i++) dc = fmax(dc, fabs(ctx[i] - c2[i]) / (1 + fabs(ctx[i])));
             CHECKF(ds < 1e-6 && dc < 1e-6, "%s H %d r %d d_r %d keys %d: scores %.3g, ctx %.3g", lv[l].isa, H, r, dr, jn, ds, dc);
+            /* the weights' bytes and scales: the reference's exactly (heads in two calls) */
+            uint8_t *w2 = malloc((size_t)H * lw);
+            float *ws2 = malloc(sizeof(float) * (size_t)H), *wk2 = malloc(sizeof(float) * (size_t)jn);
+            memset(w2, 0xAA, (size_t)H * lw);
+            lv[l].mla_weights8(p, ld, meta, jn, 0, H / 2, w2, lw, ws2, wk2);
+            lv[l].mla_weights8(p, ld, meta, jn, H / 2, H, w2, lw, ws2, wk2);
+            CHECKF(!memcmp(w, w2, (size_t)H * lw) && !memcmp(ws, ws2, sizeof(float) * (size_t)H), "%s H %d keys %d: softmax weights' bytes differ",
+                   lv[l].isa, H, jn);
+            free(w2), free(ws2), free(wk2);
         }
         free(q), free(qt), free(cache), free(qd), free(x), free(meta), free(sc), free(sc2), free(p), free(ctx), free(ctx0), free(c2), free(w), free(ws);
     }
