@@ -2958,6 +2958,8 @@ typedef struct {
     uint64_t off;  /* where its first tensor starts in that file */
 } io_req;
 
+#define SPARE_MAX 8
+
 typedef struct cache_entry {
     int li, e, pins, loading; /* e: an expert, or units - 1 for the layer's dense matrices;
                                  loading: being read by one thread, the others wait */
@@ -2981,6 +2983,12 @@ struct expert_cache {
     int n_resident, cap_resident;
     size_t budget, used, peak;
     uint64_t clock;
+    /* buffers of evicted units kept for the next unit of the same size (counted in used): a unit
+     * read into a fresh mapping first faults in and zeroes every page, and unmapping one interrupts
+     * every thread of the process to flush its TLB */
+    unsigned char *spare[SPARE_MAX];
+    size_t spare_bytes[SPARE_MAX];
+    int n_spare;
     int fail_after; /* fault injection: the n-th read from now fails (0: never) */
     uint64_t bytes_read; /* by every thread since open */
     /* I/O threads read queued units into free or evictable room, most urgent first (what the
@@ -3017,6 +3025,46 @@ static void entry_free(unsigned char *p, size_t bytes) {
     else free(p);
 }
 
+/* a spare buffer of exactly bytes, or -1 */
+static int spare_find(const struct expert_cache *k, size_t bytes) {
+    for (int i = 0; i < k->n_spare; i++)
+        if (k->spare_bytes[i] == bytes) return i;
+    return -1;
+}
+
+/* spare i out of the list (its bytes still in used) */
+static unsigned char *spare_take(struct expert_cache *k, int i) {
+    unsigned char *p = k->spare[i];
+    k->n_spare--;
+    k->spare[i] = k->spare[k->n_spare], k->spare_bytes[i] = k->spare_bytes[k->n_spare];
+    return p;
+}
+
+/* gives back spare i: its bytes leave the budget */
+static void spare_release(struct expert_cache *k, int i) {
+    const size_t bytes = k->spare_bytes[i];
+    entry_free(spare_take(k, i), bytes);
+    k->used -= bytes;
+}
+
+/* whether a unit of bytes can have a buffer now: a spare of its size, or room in the budget once
+ * spares of other sizes are given back */
+static int spare_or_room(struct expert_cache *k, size_t bytes) {
+    if (spare_find(k, bytes) >= 0) return 1;
+    while (k->n_spare && k->used + bytes > k->budget) spare_release(k, 0);
+    return k->used + bytes <= k->budget;
+}
+
+/* a buffer for a unit of bytes (after spare_or_room): a spare of its size, else a new one whose
+ * bytes join used */
+static unsigned char *entry_get(struct expert_cache *k, size_t bytes) {
+    const int i = spare_find(k, bytes);
+    if (i >= 0) return spare_take(k, i);
+    unsigned char *p = entry_alloc(bytes);
+    if (p) k->used += bytes;
+    return p;
+}
+
 static void cache_free(moe_model *m) {
     struct expert_cache *c = m->cache;
     if (!c) return;
@@ -3031,6 +3079,7 @@ static void cache_free(moe_model *m) {
     free(c->queue);
     pthread_cond_destroy(&c->work);
     for (int i = 0; i < c->n_resident; i++) entry_free(c->resident[i]->buf, c->resident[i]->bytes), free(c->resident[i]);
+    for (int i = 0; i < c->n_spare; i++) entry_free(c->spare[i], c->spare_bytes[i]);
     for (int i = 0; c->fds && i < m->n_files; i++)
         if (c->fds[i] >= 0) close(c->fds[i]);
     for (int i = 0; c->dfds && i < m->n_files; i++)
@@ -3119,8 +3168,12 @@ static void cache_evict(struct expert_cache *k, cache_entry *v) {
     k->slot[unit_id(k, v->li, v->e)] = NULL;
     for (int i = 0; i < k->n_resident; i++)
         if (k->resident[i] == v) { k->resident[i] = k->resident[--k->n_resident]; break; }
-    k->used -= v->bytes;
-    entry_free(v->buf, v->bytes);
+    if (v->buf && k->n_spare < SPARE_MAX) { /* kept, still counted in used */
+        k->spare[k->n_spare] = v->buf, k->spare_bytes[k->n_spare++] = v->bytes;
+    } else {
+        k->used -= v->bytes;
+        entry_free(v->buf, v->bytes);
+    }
     free(v);
 }
 
@@ -3364,7 +3417,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
             pthread_mutex_unlock(&k->lock);
             return MOE_OK;
         }
-        if (k->used + bytes <= k->budget) break;
+        if (spare_or_room(k, bytes)) break;
         cache_entry *lru = cache_lru(k, 0);
         if (lru) cache_evict(k, lru);
         /* all pinned by steps running on other threads (each holds at most one expert while it
@@ -3373,7 +3426,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
     }
     if (cache_room(k)) { pthread_mutex_unlock(&k->lock); return MOE_ERR_NOMEM; }
     v = xcalloc(1, sizeof *v);
-    unsigned char *buf = v ? entry_alloc(bytes) : NULL;
+    unsigned char *buf = v ? entry_get(k, bytes) : NULL;
     if (!buf) {
         free(v);
         pthread_mutex_unlock(&k->lock);
@@ -3384,7 +3437,6 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
     v->li = li, v->e = e, v->pins = 1, v->loading = 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
     k->slot[id] = v;
     k->resident[k->n_resident++] = v;
-    k->used += bytes;
     k->peak = k->used > k->peak ? k->used : k->peak;
     const int inject = k->fail_after > 0 && --k->fail_after == 0;
     pthread_mutex_unlock(&k->lock);
@@ -3472,15 +3524,14 @@ static void *cache_io_main(void *arg) {
         const int nw = unit_weights(m, li, e, src, NULL);
         const size_t bytes = unit_bytes(m, src, nw);
         cache_entry *lru;
-        while (k->used + bytes > k->budget && (lru = cache_lru(k, 1))) cache_evict(k, lru);
-        if (k->used + bytes > k->budget || cache_room(k)) continue;
+        while (!spare_or_room(k, bytes) && (lru = cache_lru(k, 1))) cache_evict(k, lru);
+        if (!spare_or_room(k, bytes) || cache_room(k)) continue;
         cache_entry *v = xcalloc(1, sizeof *v);
-        unsigned char *buf = v ? entry_alloc(bytes) : NULL;
+        unsigned char *buf = v ? entry_get(k, bytes) : NULL;
         if (!buf) { free(v); continue; }
         v->li = li, v->e = e, v->loading = 1, v->prefetched = rq.demand ? 2 : 1, v->last_use = ++k->clock, v->bytes = bytes, v->buf = buf;
         k->slot[rq.id] = v;
         k->resident[k->n_resident++] = v;
-        k->used += bytes;
         k->peak = k->used > k->peak ? k->used : k->peak;
         /* fault injection counts the reads a step needs (its own and demand reads), not guesses */
         const int inject = rq.demand && k->fail_after > 0 && --k->fail_after == 0;
