@@ -311,23 +311,27 @@ static float dotq_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n) {
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
     for (int64_t b = 0; b < cols / 32; b++) {
+        /* Q4_0 byte j holds values j (low nibble) and j + 16 (high): chunk c's low nibbles are
+         * values 4c..4c+3 and its high ones 4c+16..4c+19, exactly bytes 4c..4c+3 as stored, so
+         * the interleave moves whole 4-byte groups (Q8_0's also flip the sign bit: + 128) */
         if (type == MOE_T_Q4_0) {
             moe__block_q4_0x8 *o = (moe__block_q4_0x8 *)dst + b;
             for (int r = 0; r < 8; r++) {
                 const moe__block_q4_0 *in = (const moe__block_q4_0 *)(src + r * row_bytes) + b;
-                uint8_t q[32];
-                for (int j = 0; j < 16; j++) q[j] = in->qs[j] & 15, q[j + 16] = in->qs[j] >> 4;
                 o->d[r] = in->d;
-                for (int c = 0; c < 4; c++)
-                    for (int k = 0; k < 4; k++) o->qs[c * 32 + r * 4 + k] = (uint8_t)(q[4 * c + k] | q[4 * (c + 4) + k] << 4);
+                for (int c = 0; c < 4; c++) memcpy(o->qs + c * 32 + r * 4, in->qs + 4 * c, 4);
             }
         } else {
             moe__block_q8_0x8 *o = (moe__block_q8_0x8 *)dst + b;
             for (int r = 0; r < 8; r++) {
                 const moe__block_q8_0 *in = (const moe__block_q8_0 *)(src + r * row_bytes) + b;
                 o->d[r] = in->d;
-                for (int c = 0; c < 8; c++)
-                    for (int k = 0; k < 4; k++) o->qs[c * 32 + r * 4 + k] = (uint8_t)(in->qs[4 * c + k] + 128);
+                for (int c = 0; c < 8; c++) {
+                    uint32_t v;
+                    memcpy(&v, in->qs + 4 * c, 4);
+                    v ^= 0x80808080u;
+                    memcpy(o->qs + c * 32 + r * 4, &v, 4);
+                }
             }
         }
     }
