@@ -2200,6 +2200,20 @@ static void round_u8(const float *restrict p, const float *restrict d, float inv
     EACH8(n, const float v = p[c] * d[c] * inv + 0.5f; w[c] = (uint8_t)(int)(v < 255.0f ? v : 255.0f));
 }
 
+/* the scalar steps of moe__mla_weights8 the SIMD versions share: the largest product from
+ * key j0 on (m so far), and the rounding of keys j0 .. jn-1 with zeros up to lw */
+static inline float weights8_max_tail(const float *p, const float *d, int j0, int jn, float m) {
+    for (int j = j0; j < jn; j++) m = p[j] * d[j] > m ? p[j] * d[j] : m;
+    return m;
+}
+static inline void weights8_round_tail(const float *p, const float *d, float inv, int j0, int jn, int lw, uint8_t *w) {
+    for (int j = j0; j < jn; j++) {
+        const float v = p[j] * d[j] * inv + 0.5f;
+        w[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
+    }
+    for (int j = jn; j < lw; j++) w[j] = 0;
+}
+
 void moe__mla_weights8(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
                        float *work) {
     for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
@@ -2811,7 +2825,7 @@ MOE_TARGET(MOE_AVX512) static void mla_weights8_avx512(const float *p, int ld, c
         int j = 0;
         for (; j + 16 <= jn; j += 16) mv = _mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(ph + j), _mm512_loadu_ps(work + j)), mv);
         float wmax = _mm512_reduce_max_ps(mv);
-        for (; j < jn; j++) wmax = ph[j] * work[j] > wmax ? ph[j] * work[j] : wmax;
+        wmax = weights8_max_tail(ph, work, j, jn, wmax);
         const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
         const __m512 vi = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(255.0f);
         uint8_t *wh = w + (size_t)h * lw;
@@ -2819,11 +2833,7 @@ MOE_TARGET(MOE_AVX512) static void mla_weights8_avx512(const float *p, int ld, c
             const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(ph + j), _mm512_loadu_ps(work + j)), vi), half);
             _mm_storeu_si128((__m128i *)(wh + j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(v, top))));
         }
-        for (; j < jn; j++) {
-            const float v = ph[j] * work[j] * inv + 0.5f;
-            wh[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
-        }
-        for (j = jn; j < lw; j++) wh[j] = 0;
+        weights8_round_tail(ph, work, inv, j, jn, lw, wh);
         ws[h] = wmax / 255.0f;
     }
 }
@@ -2959,7 +2969,7 @@ MOE_TARGET("avx2,fma") static void mla_weights8_avx2(const float *p, int ld, con
         float m8[8], wmax = 0;
         _mm256_storeu_ps(m8, mv);
         for (int k = 0; k < 8; k++) wmax = m8[k] > wmax ? m8[k] : wmax;
-        for (; j < jn; j++) wmax = ph[j] * work[j] > wmax ? ph[j] * work[j] : wmax;
+        wmax = weights8_max_tail(ph, work, j, jn, wmax);
         const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
         const __m256 vi = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(255.0f);
         uint8_t *wh = w + (size_t)h * lw;
@@ -2969,11 +2979,7 @@ MOE_TARGET("avx2,fma") static void mla_weights8_avx2(const float *p, int ld, con
             const __m128i s = _mm_packs_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
             _mm_storel_epi64((__m128i *)(wh + j), _mm_packus_epi16(s, s));
         }
-        for (; j < jn; j++) {
-            const float v = ph[j] * work[j] * inv + 0.5f;
-            wh[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
-        }
-        for (j = jn; j < lw; j++) wh[j] = 0;
+        weights8_round_tail(ph, work, inv, j, jn, lw, wh);
         ws[h] = wmax / 255.0f;
     }
 }
@@ -3130,7 +3136,7 @@ static void mla_weights8_neon(const float *p, int ld, const moe__kv8_meta *meta,
         float m4[4], wmax = 0;
         vst1q_f32(m4, mv);
         for (int k = 0; k < 4; k++) wmax = m4[k] > wmax ? m4[k] : wmax;
-        for (; j < jn; j++) wmax = ph[j] * work[j] > wmax ? ph[j] * work[j] : wmax;
+        wmax = weights8_max_tail(ph, work, j, jn, wmax);
         const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
         const float32x4_t vi = vdupq_n_f32(inv), half = vdupq_n_f32(0.5f), top = vdupq_n_f32(255.0f);
         uint8_t *wh = w + (size_t)h * lw;
@@ -3140,11 +3146,7 @@ static void mla_weights8_neon(const float *p, int ld, const moe__kv8_meta *meta,
             const uint32x4_t ia = vcvtq_u32_f32(vbslq_f32(vcltq_f32(a, top), a, top)), ib = vcvtq_u32_f32(vbslq_f32(vcltq_f32(b, top), b, top));
             vst1_u8(wh + j, vmovn_u16(vcombine_u16(vmovn_u32(ia), vmovn_u32(ib))));
         }
-        for (; j < jn; j++) {
-            const float v = ph[j] * work[j] * inv + 0.5f;
-            wh[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
-        }
-        for (j = jn; j < lw; j++) wh[j] = 0;
+        weights8_round_tail(ph, work, inv, j, jn, lw, wh);
         ws[h] = wmax / 255.0f;
     }
 }
