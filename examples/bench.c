@@ -249,6 +249,16 @@ static double disk_parallel(const char *path, off_t size, size_t block, int thre
 }
 
 
+/* The disk drifts within minutes: the 16-reader bandwidth measured again right after a run; a
+ * run's floor takes the better of that and the measurement before it (*last, then updated), as
+ * the memory roofline does */
+static double disk_again(const char *path, off_t size, size_t block, double *last) {
+    const double now_gbps = disk_parallel(path, size, block, 16, (int)(220e6 / block) + 1), best = now_gbps > *last ? now_gbps : *last;
+    fprintf(stderr, "moe-bench: disk after the run: 16 readers %.2f GB/s (the floor takes %.2f)\n", now_gbps, best);
+    *last = now_gbps;
+    return best;
+}
+
 typedef struct {
     double seconds;
     int tokens;
@@ -346,7 +356,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
     const double one = n_moe && c->n_experts ? (double)mi.expert_bytes / n_moe / c->n_experts : 18400000.0;
     const size_t block = ((size_t)(one / (strcmp(mi.format, "gguf") ? 1 : 3)) + 4095) & ~(size_t)4095;
     const double seq_gbps = disk_sequential(biggest, (uint64_t)2 << 30);
-    const double par_gbps = disk_parallel(biggest, bsize, block, 16, (int)(220e6 / block) + 1);
+    double par_gbps = disk_parallel(biggest, bsize, block, 16, (int)(220e6 / block) + 1);
     fprintf(stderr, "moe-bench: disk (O_DIRECT): sequential %.2f GB/s, 16 readers of %.1f MB blocks %.2f GB/s (%s)\n", seq_gbps,
             block / 1e6, par_gbps, biggest);
     printf("{\"mode\": \"disk\", \"sequential_gbps\": %.3f, \"parallel16_gbps\": %.3f, \"block_bytes\": %zu}\n", seq_gbps, par_gbps, block);
@@ -380,7 +390,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
         double t = now();
         if ((st = moe_step(m, q, 1, &s1, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
         r.seconds = now() - t, r.tokens = n_prefill, r.sum = s1;
-        stream_line("prefill", 1, &r, par_gbps, o.n_threads);
+        stream_line("prefill", 1, &r, disk_again(biggest, bsize, block, &par_gbps), o.n_threads);
         fprintf(stderr, "moe-bench: prefill %d tokens: %llu distinct experts routed, %llu read (%.2f GB)\n", n_prefill,
                 (unsigned long long)s1.expert_loads, (unsigned long long)s1.cache_misses, s1.bytes_read / 1e9);
         print_rss("after prefill");
@@ -403,7 +413,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
             if (k) add_stats(&r.sum, &s1);
         }
         r.seconds = now() - t, r.tokens = n_decode * S;
-        stream_line("decode", S, &r, par_gbps, o.n_threads);
+        stream_line("decode", S, &r, disk_again(biggest, bsize, block, &par_gbps), o.n_threads);
     }
     for (int i = 0; i < maxs; i++) moe_session_free(ss[i]);
     free(ss), free(q), free(logits), free(ids), free(next);
