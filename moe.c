@@ -3007,9 +3007,10 @@ struct expert_cache {
 
 #define HIST_HALF_LIFE 16.0 /* routing steps; moe-cachesim chose it on the shipped model's traces */
 
-/* Unit buffers: big ones are their own anonymous mappings, returned to the system the moment
- * they are evicted, so the budget is what the process really holds (malloc'd blocks of many
- * megabytes freed by other threads linger in per-thread arenas); 4096-aligned for O_DIRECT. */
+/* Unit buffers: big ones are their own anonymous mappings, returned to the system when they
+ * leave the cache (evicted and not kept as a spare), so the budget is what the process really
+ * holds (malloc'd blocks of many megabytes freed by other threads linger in per-thread arenas);
+ * 4096-aligned for O_DIRECT. */
 static unsigned char *entry_alloc(size_t bytes) {
     if (bytes >= (1u << 20)) {
         void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
