@@ -589,6 +589,22 @@ static double max_abs_diff(const float *a, const float *b, size_t n) {
     return m;
 }
 
+/* mean over n rows of V logits of KL(softmax(ref row) || softmax(test row)), in nats */
+static double mean_kl(const float *ref, const float *test, int n, int V) {
+    double kl = 0;
+    for (int t = 0; t < n; t++) {
+        const float *a = ref + (size_t)t * V, *b = test + (size_t)t * V;
+        double ma = a[0], mb = b[0], za = 0, zb = 0;
+        for (int i = 1; i < V; i++) ma = a[i] > ma ? a[i] : ma, mb = b[i] > mb ? b[i] : mb;
+        for (int i = 0; i < V; i++) za += exp(a[i] - ma), zb += exp(b[i] - mb);
+        for (int i = 0; i < V; i++) {
+            const double la = a[i] - ma - log(za), lb = b[i] - mb - log(zb);
+            kl += exp(la) * (la - lb);
+        }
+    }
+    return kl / n;
+}
+
 static moe_options *golden_opts; /* run_golden_path_cache's options; NULL: defaults */
 
 static moe_model *open_path(const char *path, unsigned flags, int threads) {
@@ -2628,18 +2644,7 @@ static void test_shipped_mxfp4_int8(void) {
         float *xc = logits_routed(qc, ids, n, pieces, NULL, routes);
         CHECK(xf && xq && xc);
         if (xf && xq && xc) {
-            double kl = 0;
-            for (int t = 0; t < n; t++) {
-                const float *a = xf + (size_t)t * V, *b = xq + (size_t)t * V;
-                double ma = a[0], mb = b[0], za = 0, zb = 0;
-                for (int i = 1; i < V; i++) ma = a[i] > ma ? a[i] : ma, mb = b[i] > mb ? b[i] : mb;
-                for (int i = 0; i < V; i++) za += exp(a[i] - ma), zb += exp(b[i] - mb);
-                for (int i = 0; i < V; i++) {
-                    const double la = a[i] - ma - log(za), lb = b[i] - mb - log(zb);
-                    kl += exp(la) * (la - lb);
-                }
-            }
-            kl /= n;
+            const double kl = mean_kl(xf, xq, n, V);
             if (getenv("MOE_TEST_VERBOSE")) printf("  MXFP4 int8 input: mean KL %.3g over %d tokens (routing pinned)\n", kl, n);
             CHECKF(kl > 0 && kl < 1e-3, "MXFP4 int8 vs f32 input: mean KL %.3g", kl);
             CHECKF(max_abs_diff(xq, xc, (size_t)n * V) == 0, "MXFP4 int8: cache vs mapping %.3g", max_abs_diff(xq, xc, (size_t)n * V));
@@ -2893,18 +2898,7 @@ static void test_gguf_quant_resume(void) {
         moe_seq q1 = {.s = s1, .tokens = ids, .n = n, .logits = l1, .logits_all = 1, .routes = routes};
         moe_seq q2 = {.s = s2, .tokens = ids, .n = n, .logits = l2, .logits_all = 1, .force_routes = routes};
         CHECK(moe_step(ref, &q1, 1, NULL, NULL, 0) == MOE_OK && moe_step(q, &q2, 1, NULL, NULL, 0) == MOE_OK);
-        double kl = 0;
-        for (int t = 0; t < n; t++) {
-            const float *a1 = l1 + (size_t)t * V, *a2 = l2 + (size_t)t * V;
-            double m1 = a1[0], m2 = a2[0], s1 = 0, s2 = 0;
-            for (int i = 1; i < V; i++) m1 = fmax(m1, a1[i]), m2 = fmax(m2, a2[i]);
-            for (int i = 0; i < V; i++) s1 += exp(a1[i] - m1), s2 += exp(a2[i] - m2);
-            for (int i = 0; i < V; i++) {
-                double p = exp(a1[i] - m1) / s1;
-                kl += p * ((a1[i] - m1 - log(s1)) - (a2[i] - m2 - log(s2)));
-            }
-        }
-        kl /= n;
+        const double kl = mean_kl(l1, l2, n, V);
         CHECKF(kl < 5e-3, "q8_0 GGUF vs original with the same routing: mean KL %.3g", kl);
         if (getenv("MOE_TEST_VERBOSE")) fprintf(stderr, "  kimi q8_0 GGUF: mean KL with reference routing %.3g\n", kl);
         moe_session_free(s1), moe_session_free(s2);
