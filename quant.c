@@ -2200,17 +2200,15 @@ static void round_u8(const float *restrict p, const float *restrict d, float inv
     EACH8(n, const float v = p[c] * d[c] * inv + 0.5f; w[c] = (uint8_t)(int)(v < 255.0f ? v : 255.0f));
 }
 
-/* the scalar steps of moe__mla_weights8 the SIMD versions share: the largest product from
- * key j0 on (m so far), and the rounding of keys j0 .. jn-1 with zeros up to lw */
-static inline float weights8_max_tail(const float *p, const float *d, int j0, int jn, float m) {
-    for (int j = j0; j < jn; j++) m = p[j] * d[j] > m ? p[j] * d[j] : m;
-    return m;
+/* the steps of moe__mla_weights8 from key j0 on, which the SIMD versions leave to it: the
+ * largest product (m: the largest before j0), and the rounding of keys j0 .. jn-1 with zeros up
+ * to lw (a maximum is exact in any order, so the bytes are the reference's) */
+static float weights8_max_tail(const float *p, const float *d, int j0, int jn, float m) {
+    const float t = max_prod(p + j0, d + j0, jn - j0);
+    return t > m ? t : m;
 }
-static inline void weights8_round_tail(const float *p, const float *d, float inv, int j0, int jn, int lw, uint8_t *w) {
-    for (int j = j0; j < jn; j++) {
-        const float v = p[j] * d[j] * inv + 0.5f;
-        w[j] = (uint8_t)(int)(v < 255.0f ? v : 255.0f);
-    }
+static void weights8_round_tail(const float *p, const float *d, float inv, int j0, int jn, int lw, uint8_t *w) {
+    round_u8(p + j0, d + j0, inv, jn - j0, w + j0);
     for (int j = jn; j < lw; j++) w[j] = 0;
 }
 
@@ -2220,8 +2218,7 @@ void moe__mla_weights8(const float *p, int ld, const moe__kv8_meta *meta, int jn
     for (int h = h0; h < h1; h++) {
         const float wmax = max_prod(p + (size_t)h * ld, work, jn), inv = wmax > 0 ? 255.0f / wmax : 0.0f;
         uint8_t *wh = w + (size_t)h * lw;
-        round_u8(p + (size_t)h * ld, work, inv, jn, wh);
-        for (int j = jn; j < lw; j++) wh[j] = 0;
+        weights8_round_tail(p + (size_t)h * ld, work, inv, 0, jn, lw, wh);
         ws[h] = wmax / 255.0f;
     }
 }
