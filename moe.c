@@ -3525,8 +3525,9 @@ static void *cache_io_main(void *arg) {
         const int nw = unit_weights(m, li, e, src, NULL);
         const size_t bytes = unit_bytes(m, src, nw);
         cache_entry *lru;
-        while (!spare_or_room(k, bytes) && (lru = cache_lru(k, 1))) cache_evict(k, lru);
-        if (!spare_or_room(k, bytes) || cache_room(k)) continue;
+        int room;
+        while (!(room = spare_or_room(k, bytes)) && (lru = cache_lru(k, 1))) cache_evict(k, lru);
+        if (!room || cache_room(k)) continue;
         cache_entry *v = xcalloc(1, sizeof *v);
         unsigned char *buf = v ? entry_get(k, bytes) : NULL;
         if (!buf) { free(v); continue; }

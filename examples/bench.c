@@ -249,11 +249,14 @@ static double disk_parallel(const char *path, off_t size, size_t block, int thre
 }
 
 
+/* 16 readers of blocks at random offsets, about 220 MB each: the bandwidth the floors divide by */
+static double disk_16(const char *path, off_t size, size_t block) { return disk_parallel(path, size, block, 16, (int)(220e6 / block) + 1); }
+
 /* The disk drifts within minutes: the 16-reader bandwidth measured again right after a run; a
  * run's floor takes the better of that and the measurement before it (*last, then updated), as
  * the memory roofline does */
 static double disk_again(const char *path, off_t size, size_t block, double *last) {
-    const double now_gbps = disk_parallel(path, size, block, 16, (int)(220e6 / block) + 1), best = now_gbps > *last ? now_gbps : *last;
+    const double now_gbps = disk_16(path, size, block), best = now_gbps > *last ? now_gbps : *last;
     fprintf(stderr, "moe-bench: disk after the run: 16 readers %.2f GB/s (the floor takes %.2f)\n", now_gbps, best);
     *last = now_gbps;
     return best;
@@ -356,7 +359,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
     const double one = n_moe && c->n_experts ? (double)mi.expert_bytes / n_moe / c->n_experts : 18400000.0;
     const size_t block = ((size_t)(one / (strcmp(mi.format, "gguf") ? 1 : 3)) + 4095) & ~(size_t)4095;
     const double seq_gbps = disk_sequential(biggest, (uint64_t)2 << 30);
-    double par_gbps = disk_parallel(biggest, bsize, block, 16, (int)(220e6 / block) + 1);
+    double par_gbps = disk_16(biggest, bsize, block);
     fprintf(stderr, "moe-bench: disk (O_DIRECT): sequential %.2f GB/s, 16 readers of %.1f MB blocks %.2f GB/s (%s)\n", seq_gbps,
             block / 1e6, par_gbps, biggest);
     printf("{\"mode\": \"disk\", \"sequential_gbps\": %.3f, \"parallel16_gbps\": %.3f, \"block_bytes\": %zu}\n", seq_gbps, par_gbps, block);
