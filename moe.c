@@ -1697,25 +1697,28 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     return MOE_OK;
 }
 
-/* The interleaved type a matrix is repacked to (Q4_0/Q8_0 with rows a multiple of 8), or -1 */
-static int x8_type(const moe__weight *w) {
-    if (!moe__is_quant(w->type) || w->rows % 8) return -1;
-    return w->type == MOE_T_Q4_0 ? MOE_T_Q4_0X8 : MOE_T_Q8_0X8;
+/* The interleaved type a matrix is repacked to (Q4_0/Q8_0, and MXFP4 when its products take
+ * quantized activations, with rows a multiple of 8), or -1 */
+static int x8_type(const moe_model *m, const moe__weight *w) {
+    const int to = moe__x8_of(w->type);
+    if (to < 0 || w->rows % 8 || w->cols % 32) return -1;
+    return to != MOE_T_MXFP4X8 || (m->opt.flags & MOE_FLAG_MXFP4_INT8) ? to : -1;
 }
 
-/* Interleaves a Q4_0/Q8_0 matrix 8 rows at a time into RAM the model owns (the layout the x8
- * kernels want), then lets the source go: its mapped pages are dropped from our resident set, or
- * its owned buffer freed. Rows not a multiple of 8 stay as they are. */
+/* Interleaves a Q4_0/Q8_0 (or MXFP4) matrix 8 rows at a time into RAM the model owns (the layout
+ * the x8 kernels want), then lets the source go: its mapped pages are dropped from our resident
+ * set, or its owned buffer freed. Rows not a multiple of 8 stay as they are. */
 static moe_status repack_weight(moe_model *m, moe__weight *w) {
-    const int to = x8_type(w);
+    const int to = x8_type(m, w);
     if (!w->data || to < 0) return MOE_OK;
-    const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8;
+    const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8, sb = w->cols / 32;
     unsigned char *dst = malloc((size_t)(gb * ng));
     if (!dst) return MOE_ERR_NOMEM;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1 && ng > 64)
 #endif
-    for (int64_t g = 0; g < ng; g++) moe__repack_x8(w->type, (const unsigned char *)w->data + g * 8 * rb, rb, dst + g * gb, w->cols);
+    for (int64_t g = 0; g < ng; g++)
+        moe__repack_x8(w->type, (const unsigned char *)w->data + g * 8 * rb, rb, w->scale ? w->scale + g * 8 * sb : NULL, dst + g * gb, w->cols);
     if (own(m, dst)) { free(dst); return MOE_ERR_NOMEM; }
     int owned = 0;
     for (int i = 0; i < m->n_owned - 1 && !owned; i++)
@@ -1726,7 +1729,10 @@ static moe_status repack_weight(moe_model *m, moe__weight *w) {
             m->n_owned--;
             owned = 1;
         }
-    if (!owned) drop_mapped(w->data, (size_t)(rb * w->rows));
+    if (!owned) {
+        drop_mapped(w->data, (size_t)(rb * w->rows));
+        if (w->scale) drop_mapped(w->scale, (size_t)(sb * w->rows));
+    }
     *w = (moe__weight){to, w->rows, w->cols, dst, NULL};
     return MOE_OK;
 }
@@ -2164,7 +2170,7 @@ typedef struct {
 } mm_job;
 
 /* rows per task: an interleaved row group, or a tile */
-static int mm_per(const moe__weight *W) { return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 ? 8 : MM_ROW_TILE; }
+static int mm_per(const moe__weight *W) { return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 || W->type == MOE_T_MXFP4X8 ? 8 : MM_ROW_TILE; }
 
 /* weight rows per task of job j: an interleaved row group (two for prefill where the level has
  * the two-group kernel), or a tile */
@@ -2214,7 +2220,7 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
     const unsigned char *base = W->data;
     const int T = j->T;
     if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs per group */
-        const int64_t gb = nb * (W->type == MOE_T_Q4_0X8 ? (int64_t)sizeof(moe__block_q4_0x8) : (int64_t)sizeof(moe__block_q8_0x8));
+        const int64_t gb = 8 * moe__row_bytes(W->type, K);
         const int64_t per = mm_task_rows(m, j), ng = (N - r0 < per ? N - r0 : per) / 8; /* groups in this task */
         int t = 0;
         if (ng == 2) /* prefill: two groups and 4 rows per pass */
@@ -3317,22 +3323,52 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
     return 0;
 }
 
-/* Interleaves a Q4_0/Q8_0 matrix just read 8 rows at a time in place, as repack_weight does at
- * load for what stays mapped or resident (a group of 8 rows takes the same bytes in either
- * layout), so a cached expert runs the same x8 kernels as a mapped one: the same sums in the same
- * order, the same logits whichever mode loads it. Rows not a multiple of 8 stay as they are. */
-static int unit_repack(moe__weight *w) {
-    const int to = x8_type(w);
-    if (to < 0) return 0;
-    const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * rb;
-    unsigned char *tmp = malloc((size_t)gb), *p = (unsigned char *)w->data;
-    if (!tmp) return ENOMEM;
-    for (int64_t g = 0; g < w->rows / 8; g++) {
-        moe__repack_x8(w->type, p + g * gb, rb, tmp, w->cols);
-        memcpy(p + g * gb, tmp, (size_t)gb);
+/* Interleaves the matrices of a unit just read 8 rows at a time in place, as repack_weight does
+ * at load for what stays mapped or resident, so a cached expert runs the same x8 kernels as a
+ * mapped one: the same sums in the same order, the same logits whichever mode loads it. A group
+ * of 8 Q4_0/Q8_0/ggml MXFP4 rows takes the same bytes in either layout; compressed-tensors MXFP4
+ * keeps its scales apart, so such a unit is copied aside and its matrices written one after
+ * another from the buffer's start (they took at least as many bytes as read). Rows not a
+ * multiple of 8 stay as they are. */
+static int unit_repack(const moe_model *m, cache_entry *v, int nw) {
+    int apart = 0;
+    for (int i = 0; i < nw; i++) apart |= x8_type(m, &v->w[i]) >= 0 && v->w[i].scale;
+    unsigned char *copy = apart ? malloc(v->bytes) : NULL;
+    if (apart && !copy) return ENOMEM;
+    if (apart) memcpy(copy, v->buf, v->bytes);
+    size_t at = 0; /* where the next matrix goes when the unit is rewritten */
+    for (int i = 0; i < nw; i++) {
+        moe__weight *w = &v->w[i];
+        const int to = x8_type(m, w);
+        const int64_t rb = moe__row_bytes(w->type, w->cols), sb = w->cols / 32, gb = to < 0 ? 0 : 8 * moe__row_bytes(to, w->cols);
+        const size_t db = (size_t)weight_data_bytes(w), sbytes = (size_t)weight_scale_bytes(w);
+        if (apart) { /* from the copy to buf + at */
+            const unsigned char *d = copy + ((const unsigned char *)w->data - v->buf);
+            const uint8_t *sc = w->scale ? copy + (w->scale - v->buf) : NULL;
+            unsigned char *out = v->buf + at;
+            if (to >= 0) {
+                for (int64_t g = 0; g < w->rows / 8; g++) moe__repack_x8(w->type, d + g * 8 * rb, rb, sc ? sc + g * 8 * sb : NULL, out + g * gb, w->cols);
+                *w = (moe__weight){to, w->rows, w->cols, out, NULL};
+                at += (size_t)(gb * (w->rows / 8));
+            } else {
+                memcpy(out, d, db);
+                w->data = out;
+                if (sc) memcpy(out + db, sc, sbytes), w->scale = out + db;
+                at += db + sbytes;
+            }
+            continue;
+        }
+        if (to < 0) continue;
+        unsigned char *tmp = malloc((size_t)gb), *p = (unsigned char *)w->data;
+        if (!tmp) return ENOMEM; /* nothing is copied aside in this case */
+        for (int64_t g = 0; g < w->rows / 8; g++) {
+            moe__repack_x8(w->type, p + g * gb, rb, NULL, tmp, w->cols);
+            memcpy(p + g * gb, tmp, (size_t)gb);
+        }
+        free(tmp);
+        w->type = to;
     }
-    free(tmp);
-    w->type = to;
+    free(copy);
     return 0;
 }
 
@@ -3375,7 +3411,7 @@ static int unit_fill(const moe_model *m, struct expert_cache *k, const moe__weig
     }
     /* a routed expert's matrices (a streamed layer's dense ones stay as stored, as at load, where
      * the absorbed MLA reads kv_b's rows) */
-    for (int i = 0; i < nw && !rc && v->e < m->cfg.n_experts && !(m->opt.flags & MOE_FLAG_NO_REPACK); i++) rc = unit_repack(&v->w[i]);
+    if (!rc && v->e < m->cfg.n_experts && !(m->opt.flags & MOE_FLAG_NO_REPACK)) rc = unit_repack(m, v, nw);
     if (nw == 3) v->ex = (expert){v->w[0], v->w[1], v->w[2]};
     return rc;
 }

@@ -410,6 +410,7 @@ enum {
     MOE_T_MXFP4_GGML, /* ggml block_mxfp4: {E8M0 e; qs[16]}, low nibbles = values 0..15 */
     MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_U8, MOE_T_I32,
     MOE_T_Q8_0X8, MOE_T_Q4_0X8, /* 8 rows interleaved at load (never in files): see moe__repack_x8 */
+    MOE_T_MXFP4X8,              /* MXFP4 (either layout) interleaved so, under MOE_FLAG_MXFP4_INT8 */
     MOE_T_COUNT
 };
 
@@ -428,9 +429,15 @@ typedef struct { uint8_t e; uint8_t qs[16]; } moe__block_mxfp4;
  * 128 * sum(x), as Q4_0's subtract 8 * sum(x)). */
 typedef struct { uint16_t d[8]; uint8_t qs[128]; } moe__block_q4_0x8;
 typedef struct { uint16_t d[8]; uint8_t qs[256]; } moe__block_q8_0x8;
-/* Interleaves 8 consecutive rows (row stride row_bytes) of a Q4_0/Q8_0 matrix with cols columns
- * into cols/32 x8 blocks at dst. */
-void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, void *dst, int64_t cols);
+/* MXFP4x8: the 8 rows' E8M0 scales, then their E2M1 codes in Q4_0x8's nibble order (the kernels
+ * decode a code c to 2 E2M1(c) + 12, unsigned, and subtract 12 * sum(x)); 136 bytes, as 8 ggml
+ * MXFP4 blocks, so a group of 8 ggml rows is repacked in place */
+typedef struct { uint8_t e[8]; uint8_t qs[128]; } moe__block_mxfp4x8;
+/* Interleaves 8 consecutive rows (row stride row_bytes) of a Q4_0/Q8_0/MXFP4 matrix with cols
+ * columns into cols/32 x8 blocks at dst; scales8: a compressed-tensors MXFP4 matrix's E8M0 scales
+ * of the 8 rows (cols/32 bytes a row), NULL for the other types. */
+void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols);
+int moe__x8_of(int type); /* the interleaved type of Q4_0, Q8_0 or an MXFP4 layout, else -1 */
 int moe__is_quant(int type); /* Q8_0 or Q4_0: activations go through moe__block_q8a */
 
 /* A weight matrix [rows, cols] (PyTorch [out, in]) in its stored format. MXFP4 rows are cols/2
@@ -464,7 +471,7 @@ typedef struct {
     /* compressed-tensors MXFP4 row (scales apart) . q8a row: see moe__dotq_mxfp4_ref */
     float (*dotq_mxfp4)(const void *w, const uint8_t *scale, const moe__block_q8a *x, int64_t n);
     moe__quant_fn quant_q8a;        /* f32 row -> q8a blocks */
-    moe__dotq8_fn dotq8[MOE_T_COUNT]; /* x8 row group . q8a row, for Q4_0X8 / Q8_0X8 */
+    moe__dotq8_fn dotq8[MOE_T_COUNT]; /* x8 row group . q8a row, for Q4_0X8 / Q8_0X8 / MXFP4X8 */
     /* x8 row group . 4 q8a rows (x + t * xs blocks) -> out[t * 8 + i], each row bit for bit the
      * level's dotq8 (prefill; NULL where a level has none) */
     void (*dotq8x4[MOE_T_COUNT])(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out);

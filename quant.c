@@ -129,6 +129,7 @@ _Static_assert(sizeof(moe__block_q8a) == 40, "q8a block is 40 bytes");
 _Static_assert(sizeof(moe__block_mxfp4) == 17, "ggml block_mxfp4 is 17 bytes");
 _Static_assert(sizeof(moe__block_q4_0x8) == 144, "q4_0x8 block is 144 bytes");
 _Static_assert(sizeof(moe__block_q8_0x8) == 272, "q8_0x8 block is 272 bytes");
+_Static_assert(sizeof(moe__block_mxfp4x8) == 8 * sizeof(moe__block_mxfp4), "an mxfp4x8 block is 8 ggml blocks");
 
 int moe__is_quant(int type) { return type == MOE_T_Q8_0 || type == MOE_T_Q4_0; }
 
@@ -138,6 +139,7 @@ int64_t moe__row_bytes(int type, int64_t n) {
     case MOE_T_MXFP4_GGML: return n / 32 * (int64_t)sizeof(moe__block_mxfp4);
     case MOE_T_Q4_0X8: return n / 32 * (int64_t)sizeof(moe__block_q4_0x8) / 8; /* per row, on average */
     case MOE_T_Q8_0X8: return n / 32 * (int64_t)sizeof(moe__block_q8_0x8) / 8;
+    case MOE_T_MXFP4X8: return n / 32 * (int64_t)sizeof(moe__block_mxfp4x8) / 8;
     case MOE_T_Q4_0: return n / 32 * (int64_t)sizeof(moe__block_q4_0);
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
@@ -308,18 +310,60 @@ static float dotq_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n) {
     return s;
 }
 
-void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, void *dst, int64_t cols) {
+int moe__x8_of(int type) {
+    switch (type) {
+    case MOE_T_Q4_0: return MOE_T_Q4_0X8;
+    case MOE_T_Q8_0: return MOE_T_Q8_0X8;
+    case MOE_T_MXFP4: case MOE_T_MXFP4_GGML: return MOE_T_MXFP4X8;
+    default: return -1;
+    }
+}
+
+/* 8 packed codes (a 32-bit word, code k at bits 4k) -> one per byte, in the low nibbles */
+static uint64_t nibbles_to_bytes(uint32_t x) {
+    uint64_t v = x;
+    v = (v | v << 16) & 0x0000FFFF0000FFFFull;
+    v = (v | v << 8) & 0x00FF00FF00FF00FFull;
+    return (v | v << 4) & 0x0F0F0F0F0F0F0F0Full;
+}
+
+/* a compressed-tensors block's 16 bytes (column 2i in byte i's low nibble, 2i+1 in its high) in
+ * ggml's order (column j in byte j's low nibble, j + 16 in its high) */
+static void mxfp4_block_to_ggml(const uint8_t *ct, uint8_t *g) {
+    uint32_t w[4];
+    memcpy(w, ct, 16); /* columns 0-7, 8-15, 16-23, 24-31 (little-endian) */
+    const uint64_t lo = nibbles_to_bytes(w[0]) | nibbles_to_bytes(w[2]) << 4, hi = nibbles_to_bytes(w[1]) | nibbles_to_bytes(w[3]) << 4;
+    memcpy(g, &lo, 8);
+    memcpy(g + 8, &hi, 8);
+}
+
+void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
     for (int64_t b = 0; b < cols / 32; b++) {
         /* Q4_0 byte j holds values j (low nibble) and j + 16 (high): chunk c's low nibbles are
          * values 4c..4c+3 and its high ones 4c+16..4c+19, exactly bytes 4c..4c+3 as stored, so
-         * the interleave moves whole 4-byte groups (Q8_0's also flip the sign bit: + 128) */
+         * the interleave moves whole 4-byte groups (Q8_0's also flip the sign bit: + 128); ggml
+         * MXFP4 nibbles are in Q4_0's order, compressed-tensors ones are brought to it first */
         if (type == MOE_T_Q4_0) {
             moe__block_q4_0x8 *o = (moe__block_q4_0x8 *)dst + b;
             for (int r = 0; r < 8; r++) {
                 const moe__block_q4_0 *in = (const moe__block_q4_0 *)(src + r * row_bytes) + b;
                 o->d[r] = in->d;
                 for (int c = 0; c < 4; c++) memcpy(o->qs + c * 32 + r * 4, in->qs + 4 * c, 4);
+            }
+        } else if (type == MOE_T_MXFP4_GGML || type == MOE_T_MXFP4) {
+            moe__block_mxfp4x8 *o = (moe__block_mxfp4x8 *)dst + b;
+            for (int r = 0; r < 8; r++) {
+                uint8_t g[16];
+                if (type == MOE_T_MXFP4) {
+                    o->e[r] = scales8[r * (cols / 32) + b];
+                    mxfp4_block_to_ggml(src + r * row_bytes + b * 16, g);
+                } else {
+                    const moe__block_mxfp4 *in = (const moe__block_mxfp4 *)(src + r * row_bytes) + b;
+                    o->e[r] = in->e;
+                    memcpy(g, in->qs, 16);
+                }
+                for (int c = 0; c < 4; c++) memcpy(o->qs + c * 32 + r * 4, g + 4 * c, 4);
             }
         } else {
             moe__block_q8_0x8 *o = (moe__block_q8_0x8 *)dst + b;
@@ -337,10 +381,24 @@ void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, void *dst, i
     }
 }
 
-/* out[r] = sum_b d_r d_x (sum_j q[r][j] x[j] - off * sum(x)): q unsigned, off 8 (Q4_0) or 128 */
+/* out[r] = sum_b d_r d_x (sum_j q[r][j] x[j] - off * sum(x)): q unsigned, off 8 (Q4_0) or 128.
+ * MXFP4x8: per row the float steps of moe__dotq_mxfp4_ref (each row's result is bit for bit that
+ * reference's on the row as stored) */
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     for (int r = 0; r < 8; r++) out[r] = 0;
-    for (int64_t b = 0; b < n / 32; b++) {
+    for (int64_t b = 0; b < n / 32 && type == MOE_T_MXFP4X8; b++) {
+        const moe__block_mxfp4x8 *o = (const moe__block_mxfp4x8 *)w + b;
+        for (int r = 0; r < 8; r++) {
+            int acc = 0;
+            for (int c = 0; c < 4; c++)
+                for (int k = 0; k < 4; k++) {
+                    const uint8_t v = o->qs[c * 32 + r * 4 + k];
+                    acc += e2m1x2[v & 15] * x[b].qs[4 * c + k] + e2m1x2[v >> 4] * x[b].qs[4 * (c + 4) + k];
+                }
+            out[r] += 0.5f * e8m0(o->e[r]) * x[b].d * (float)acc;
+        }
+    }
+    for (int64_t b = 0; b < n / 32 && type != MOE_T_MXFP4X8; b++) {
         int acc[8] = {0};
         const uint16_t *d;
         if (type == MOE_T_Q4_0X8) {
@@ -816,6 +874,41 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q4_0_avx2(const void *w, const m
     AVX2_X4_STORE();
 }
 
+/* MXFP4x8 helpers: 16 codes per 128-bit lane -> 2 E2M1 + 12 (0..24, unsigned for maddubs and
+ * dpbusd: the kernels subtract 12 * sum(x)); the 8 rows' E8M0 scales as 0.5 * 2^(e-127) in
+ * floats, as e8m0() makes them (e = 0: 2^-127, e = 255: NaN) */
+MOE_TARGET("avx2,fma") static inline __m256i mxfp4x8_lut_avx2(void) {
+    return _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+}
+MOE_TARGET("avx2,fma") static inline __m256 mxfp4x8_scales_avx2(const uint8_t *e) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)e));
+    __m256i bits = _mm256_slli_epi32(v, 23);
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x00400000), _mm256_cmpeq_epi32(v, _mm256_setzero_si256()));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7fc00000), _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0.5f));
+}
+
+/* as dotq8_q4_0_avx2 with the codes looked up; products up to 24 x 127 x 2 let only 4 chunk
+ * products add up in 16 bits, so two int16 sums */
+MOE_TARGET("avx2,fma") static void dotq8_mxfp4_avx2(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_mxfp4x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), lut = mxfp4x8_lut_avx2();
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        const int32_t *xq = (const int32_t *)x[b].qs;
+        __m256i s16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c));
+            const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4)), hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            s16[c >> 1] = _mm256_add_epi16(s16[c >> 1], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xq[c])), _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xq[c + 4]))));
+        }
+        const __m256i s32 = _mm256_sub_epi32(_mm256_add_epi32(_mm256_madd_epi16(s16[0], ones), _mm256_madd_epi16(s16[1], ones)), _mm256_set1_epi32(12 * x[b].sum));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(mxfp4x8_scales_avx2(o[b].e), _mm256_set1_ps(x[b].d)), _mm256_cvtepi32_ps(s32), acc);
+    }
+    _mm256_storeu_ps(out, acc);
+}
+
 MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -925,6 +1018,34 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_v
     _mm256_storeu_ps(out, _mm256_add_ps(a00, a01)), _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11)),             \
         _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21)), _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31))
 
+/* as dotq8_q4_0_vnni with the codes looked up (bias -12) */
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_mxfp4_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_mxfp4x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        const int32_t *xq = (const int32_t *)x[b].qs;
+#define LO(c) _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c))), m4))
+#define HI(c) _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c))), 4), m4))
+        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-12 * x[b].sum), LO(0), _mm256_set1_epi32(xq[0]));
+        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), HI(0), _mm256_set1_epi32(xq[4]));
+        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), LO(1), _mm256_set1_epi32(xq[1]));
+        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), HI(1), _mm256_set1_epi32(xq[5]));
+        s0 = _mm256_dpbusd_epi32(s0, LO(2), _mm256_set1_epi32(xq[2]));
+        s1 = _mm256_dpbusd_epi32(s1, HI(2), _mm256_set1_epi32(xq[6]));
+        s2 = _mm256_dpbusd_epi32(s2, LO(3), _mm256_set1_epi32(xq[3]));
+        s3 = _mm256_dpbusd_epi32(s3, HI(3), _mm256_set1_epi32(xq[7]));
+#undef LO
+#undef HI
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
+        const __m256 d = _mm256_mul_ps(mxfp4x8_scales_avx2(o[b].e), _mm256_set1_ps(x[b].d));
+        if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);
+        else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
+}
+
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q4_0x8 *o = w;
     const __m256i m4 = _mm256_set1_epi8(15);
@@ -954,6 +1075,23 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q8_0
 #undef QV
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
         VNNI_X4_BLOCK(-128);
+    }
+    VNNI_X4_STORE();
+}
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_mxfp4_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_mxfp4x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
+        const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
+#define CODES(v) _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4))
+        const __m256i u0 = CODES(v0), u4 = CODES(_mm256_srli_epi16(v0, 4)), u1 = CODES(v1), u5 = CODES(_mm256_srli_epi16(v1, 4));
+        const __m256i u2 = CODES(v2), u6 = CODES(_mm256_srli_epi16(v2, 4)), u3 = CODES(v3), u7 = CODES(_mm256_srli_epi16(v3, 4));
+#undef CODES
+        const __m256 dw = mxfp4x8_scales_avx2(o[b].e);
+        VNNI_X4_BLOCK(-12);
     }
     VNNI_X4_STORE();
 }
@@ -1025,6 +1163,25 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #undef QV
         const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
         VNNI_X4X2_BLOCK(-128);
+    }
+    VNNI_X4X2_STORE();
+}
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_mxfp4_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_mxfp4x8 *oa = w, *ob = oa + n / 32;
+    const __m512i m4 = _mm512_set1_epi8(15), lut = _mm512_broadcast_i32x4(_mm256_castsi256_si128(mxfp4x8_lut_avx2()));
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(oa + b, sizeof *oa);
+        prefetch_ahead(ob + b, sizeof *ob);
+        const __m512i v0 = PAIR256(oa[b].qs, ob[b].qs), v1 = PAIR256(oa[b].qs + 32, ob[b].qs + 32);
+        const __m512i v2 = PAIR256(oa[b].qs + 64, ob[b].qs + 64), v3 = PAIR256(oa[b].qs + 96, ob[b].qs + 96);
+#define CODES(v) _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4))
+        const __m512i u0 = CODES(v0), u4 = CODES(_mm512_srli_epi16(v0, 4)), u1 = CODES(v1), u5 = CODES(_mm512_srli_epi16(v1, 4));
+        const __m512i u2 = CODES(v2), u6 = CODES(_mm512_srli_epi16(v2, 4)), u3 = CODES(v3), u7 = CODES(_mm512_srli_epi16(v3, 4));
+#undef CODES
+        const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(mxfp4x8_scales_avx2(oa[b].e))),
+                                                              _mm256_castps_pd(mxfp4x8_scales_avx2(ob[b].e)), 1));
+        VNNI_X4X2_BLOCK(-12);
     }
     VNNI_X4X2_STORE();
 }
@@ -1817,6 +1974,41 @@ static void dotq8_q4_0_neon(const void *w, const moe__block_q8a *x, int64_t n, f
     vst1q_f32(out + 4, acc1);
 }
 
+/* MXFP4x8: codes looked up as signed 2 E2M1 (no bias); the 4 rows' E8M0 scales at e as
+ * 0.5 * 2^(e-127) in floats, as e8m0() makes them */
+static inline float32x4_t mxfp4x8_scales_neon(const uint8_t *e) {
+    const uint32x4_t v = {e[0], e[1], e[2], e[3]};
+    uint32x4_t bits = vshlq_n_u32(v, 23);
+    bits = vbslq_u32(vceqq_u32(v, vdupq_n_u32(0)), vdupq_n_u32(0x00400000), bits);
+    bits = vbslq_u32(vceqq_u32(v, vdupq_n_u32(255)), vdupq_n_u32(0x7fc00000), bits);
+    return vmulq_n_f32(vreinterpretq_f32_u32(bits), 0.5f);
+}
+
+/* ROWS4(acc, codes, activations): rows4_neon here, SDOT in the dotprod kernel */
+#define MXFP4X8_NEON_BODY(ROWS4)                                                                                   \
+    const moe__block_mxfp4x8 *o = w;                                                                               \
+    const int8x16_t lut = vld1q_s8(e2m1x2);                                                                        \
+    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);                                                      \
+    for (int64_t b = 0; b < n / 32; b++) {                                                                         \
+        prefetch_ahead(o + b, sizeof *o);                                                                          \
+        const int32_t *xq = (const int32_t *)x[b].qs;                                                              \
+        int32x4_t s0 = vdupq_n_s32(0), s1 = s0;                                                                    \
+        for (int c = 0; c < 4; c++) {                                                                              \
+            const uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);                \
+            const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(xq[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(xq[c + 4])); \
+            s0 = ROWS4(s0, vqtbl1q_s8(lut, vandq_u8(v0, vdupq_n_u8(15))), xl);                                     \
+            s1 = ROWS4(s1, vqtbl1q_s8(lut, vandq_u8(v1, vdupq_n_u8(15))), xl);                                     \
+            s0 = ROWS4(s0, vqtbl1q_s8(lut, vshrq_n_u8(v0, 4)), xh);                                                \
+            s1 = ROWS4(s1, vqtbl1q_s8(lut, vshrq_n_u8(v1, 4)), xh);                                                \
+        }                                                                                                          \
+        acc0 = vfmaq_f32(acc0, vmulq_n_f32(mxfp4x8_scales_neon(o[b].e), x[b].d), vcvtq_f32_s32(s0));              \
+        acc1 = vfmaq_f32(acc1, vmulq_n_f32(mxfp4x8_scales_neon(o[b].e + 4), x[b].d), vcvtq_f32_s32(s1));          \
+    }                                                                                                              \
+    vst1q_f32(out, acc0);                                                                                          \
+    vst1q_f32(out + 4, acc1)
+
+static void dotq8_mxfp4_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) { MXFP4X8_NEON_BODY(rows4_neon); }
+
 static void dotq8_q8_0_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
     float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
@@ -1951,6 +2143,9 @@ MOE_DOTPROD static void dotq8_q4_0_dotprod(const void *w, const moe__block_q8a *
     vst1q_f32(out, acc0);
     vst1q_f32(out + 4, acc1);
 }
+
+MOE_DOTPROD static void dotq8_mxfp4_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) { MXFP4X8_NEON_BODY(vdotq_s32); }
+#undef MXFP4X8_NEON_BODY
 
 MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     const moe__block_q8_0x8 *o = w;
@@ -3176,6 +3371,7 @@ static void mla_ctx8_neon(const moe__mla_block8 *b, int h0, int h1) {
 
 static void dotq8_q4_0_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_Q4_0X8, w, x, n, out); }
 static void dotq8_q8_0_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_Q8_0X8, w, x, n, out); }
+static void dotq8_mxfp4_ref(const void *w, const moe__block_q8a *x, int64_t n, float *out) { moe__dotq8_ref(MOE_T_MXFP4X8, w, x, n, out); }
 
 static void axpy_ref(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
@@ -3197,6 +3393,7 @@ static void kernels_scalar(moe__kernels *k) {
     k->quant_q8a = moe__quant_q8a_ref;
     k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_ref;
     k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_ref;
+    k->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_ref;
     k->axpy = axpy_ref;
     k->kda_recurrent = moe__kda_recurrent;
     k->mla_scores = moe__mla_scores_ref;
@@ -3235,6 +3432,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_avx2;
         k->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_avx2;
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avx2;
+        k->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avx2;
         k->axpy = axpy_avx2;
         k->kda_recurrent = kda_recurrent_avx2;
         k->mla_scores = mla_scores_avx2;
@@ -3279,6 +3477,9 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_vnni;
                 v->dotq8x4x2[MOE_T_Q4_0X8] = dotq8x4x2_q4_0_vnni;
                 v->dotq8x4x2[MOE_T_Q8_0X8] = dotq8x4x2_q8_0_vnni;
+                v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
+                v->dotq8x4[MOE_T_MXFP4X8] = dotq8x4_mxfp4_vnni;
+                v->dotq8x4x2[MOE_T_MXFP4X8] = dotq8x4x2_mxfp4_vnni;
                 v->mla_scores8 = mla_scores8_vnni;
                 v->mla_ctx8 = mla_ctx8_vnni;
                 v->isa = "avx512vnni";
@@ -3310,6 +3511,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq_mxfp4 = dotq_mxfp4_neon;
         k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_neon;
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_neon;
+        k->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_neon;
         k->mla_scores = mla_scores_neon;
         k->mla_ctx = mla_ctx_neon;
         k->mla_scores16 = mla_scores16_neon;
@@ -3329,6 +3531,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_dotprod;
             v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_dotprod;
             v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_dotprod;
+            v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_dotprod;
             v->mla_scores8 = mla_scores8_dotprod;
             v->isa = "neon-dotprod";
         }

@@ -143,7 +143,7 @@ static double int8_peak(int threads) {
     float *xf = malloc(sizeof(float) * n);
     for (int i = 0; i < n; i++) xf[i] = (float)((i * 37) % 101 - 50) / 50.0f;
     for (int r = 0; r < 8; r++) moe__quantize_row(MOE_T_Q8_0, xf, w + (size_t)r * (n / 32), n);
-    moe__repack_x8(MOE_T_Q8_0, w, (int64_t)(n / 32 * sizeof *w), wx, n);
+    moe__repack_x8(MOE_T_Q8_0, w, (int64_t)(n / 32 * sizeof *w), NULL, wx, n);
     memcpy(wx + n / 32, wx, sizeof *wx * (size_t)(n / 32));
     for (int t = 0; t < 4; t++) k->quant_q8a(xf, x + (size_t)t * (n / 32), n);
     /* prefill's kernel: 4 activation rows per pass over the weights (and two row groups at once)

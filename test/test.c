@@ -212,6 +212,48 @@ static void test_mxfp4_int8_kernels(void) {
         }
 }
 
+/* a ggml MXFP4 row of random codes; row 3's scales tiny (one block 2^-127: e = 0), row 5's large */
+static void mxfp4_random_row(unsigned char *row, int n, int r) {
+    moe__block_mxfp4 *b = (moe__block_mxfp4 *)(void *)row;
+    for (int i = 0; i < n / 32; i++) {
+        b[i].e = (uint8_t)(r == 3 ? (i == 0 ? 0 : 1 + i % 3) : r == 5 ? 200 + i % 50 : 112 + urand() * 16);
+        for (int j = 0; j < 16; j++) b[i].qs[j] = (uint8_t)(urand() * 256);
+    }
+}
+
+/* MXFP4x8: the scalar x8 kernel gives each row what the row references give bit for bit (the
+ * ggml row as stored, and the same codes in the compressed-tensors layout, which repacks to the
+ * same bytes) */
+static void mxfp4_x8_exact(const unsigned char *rows, const unsigned char *packed, const moe__block_q8a *xq, int n) {
+    const int nb = n / 32;
+    const int64_t rb = moe__row_bytes(MOE_T_MXFP4_GGML, n);
+    uint8_t *ct = malloc((size_t)n / 2 * 8), *sc = malloc((size_t)nb * 8);
+    unsigned char *packed_ct = malloc((size_t)rb * 8);
+    for (int r = 0; r < 8; r++)
+        for (int b = 0; b < nb; b++) {
+            const moe__block_mxfp4 *g = (const moe__block_mxfp4 *)(const void *)(rows + r * rb) + b;
+            sc[r * nb + b] = g->e;
+            for (int i = 0; i < 16; i++) { /* column 2i in the low nibble, 2i+1 in the high */
+                const int c0 = 2 * i, c1 = 2 * i + 1;
+                const int q0 = c0 < 16 ? g->qs[c0] & 15 : g->qs[c0 - 16] >> 4, q1 = c1 < 16 ? g->qs[c1] & 15 : g->qs[c1 - 16] >> 4;
+                ct[(size_t)r * (n / 2) + b * 16 + i] = (uint8_t)(q0 | q1 << 4);
+            }
+        }
+    moe__repack_x8(MOE_T_MXFP4, ct, n / 2, sc, packed_ct, n);
+    CHECKF(!memcmp(packed, packed_ct, (size_t)rb * 8), "n %d: the compressed-tensors layout repacks to other bytes", n);
+    float out[8];
+    moe__dotq8_ref(MOE_T_MXFP4X8, packed, xq, n, out);
+    moe__kernels k;
+    moe__kernels_init(&k, MOE_FLAG_FORCE_SCALAR);
+    int same = 1;
+    for (int r = 0; r < 8; r++) {
+        const float g = k.dotq[MOE_T_MXFP4_GGML](rows + r * rb, xq, n), c = moe__dotq_mxfp4_ref(ct + (size_t)r * (n / 2), sc + r * nb, xq, n);
+        same &= !memcmp(&out[r], &g, 4) && !memcmp(&out[r], &c, 4);
+    }
+    CHECKF(same, "n %d: the x8 reference differs from the MXFP4 row references", n);
+    free(ct), free(sc), free(packed_ct);
+}
+
 /* every SIMD level against the scalar reference, ragged lengths and extreme values */
 static void test_dot_levels(void) {
     moe__kernels lv[4];
@@ -427,22 +469,25 @@ static void test_quant_blocks(void) {
     free(xa), free(w), free(qa), free(qb), free(w8), free(w4);
     /* interleaved groups: 8 random rows repacked; every level's x8 kernel against the plain
      * per-row reference on the original blocks (same integers, different float summation) */
-    for (int type = MOE_T_Q8_0; type <= MOE_T_Q4_0; type++)
+    const int x8_bases[] = {MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_MXFP4_GGML};
+    for (int ti = 0; ti < 3; ti++)
         for (int ni = 0; ni < 4; ni++) {
-            const int n = ni == 0 ? 32 : ni == 1 ? 96 : ni == 2 ? 2048 : 7168;
+            const int type = x8_bases[ti], xt = moe__x8_of(type), n = ni == 0 ? 32 : ni == 1 ? 96 : ni == 2 ? 2048 : 7168;
             const int64_t rb = moe__row_bytes(type, n);
-            unsigned char *rows = malloc((size_t)rb * 8), *packed = malloc((size_t)moe__row_bytes(type == MOE_T_Q8_0 ? MOE_T_Q8_0X8 : MOE_T_Q4_0X8, n) * 8);
+            unsigned char *rows = malloc((size_t)rb * 8), *packed = malloc((size_t)moe__row_bytes(xt, n) * 8);
             float *v = malloc(sizeof(float) * (size_t)n);
             moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(n / 32));
             for (int r = 0; r < 8; r++) {
                 for (int i = 0; i < n; i++) v[i] = nrand() * (r == 3 ? 1e-4f : 0.05f);
                 if (r == 5) v[7] = -40.0f; /* an outlier: q = -127 / 0 */
-                moe__quantize_row(type, v, rows + r * rb, n);
+                if (type != MOE_T_MXFP4_GGML) moe__quantize_row(type, v, rows + r * rb, n);
+                else
+                    mxfp4_random_row(rows + r * rb, n, r);
             }
             for (int i = 0; i < n; i++) v[i] = nrand();
             lv[0].quant_q8a(v, xq, n);
-            moe__repack_x8(type, rows, rb, packed, n);
-            const int xt = type == MOE_T_Q8_0 ? MOE_T_Q8_0X8 : MOE_T_Q4_0X8;
+            moe__repack_x8(type, rows, rb, NULL, packed, n);
+            if (type == MOE_T_MXFP4_GGML) mxfp4_x8_exact(rows, packed, xq, n);
             /* four activation rows (the first is xq), blocks 3 rows apart as in a strided batch:
              * the 4-row kernels give each row's dotq8 bit for bit */
             const int64_t nb = n / 32, xs = 3 * nb;
@@ -470,9 +515,11 @@ static void test_quant_blocks(void) {
             memcpy(pair, packed, (size_t)gsz);
             for (int r = 0; r < 8; r++) {
                 for (int i = 0; i < n; i++) v[i] = nrand() * (r == 6 ? 3.0f : 0.05f);
-                moe__quantize_row(type, v, rows_b + r * rb, n);
+                if (type != MOE_T_MXFP4_GGML) moe__quantize_row(type, v, rows_b + r * rb, n);
+                else
+                    mxfp4_random_row(rows_b + r * rb, n, r + 8);
             }
-            moe__repack_x8(type, rows_b, rb, pair + gsz, n);
+            moe__repack_x8(type, rows_b, rb, NULL, pair + gsz, n);
             free(rows_b);
             for (int li = 0; li < nl; li++) {
                 if (!lv[li].dotq8x4x2[xt]) continue;
@@ -490,13 +537,15 @@ static void test_quant_blocks(void) {
                 float out[8];
                 lv[li].dotq8[xt](packed, xq, n, out);
                 for (int r = 0; r < 8; r++) {
-                    float want = moe__dotq_ref(type, rows + r * rb, xq, n);
+                    float want = lv[0].dotq[type](rows + r * rb, xq, n);
                     float *dw = malloc(sizeof(float) * (size_t)n);
                     moe__row_to_f32(type, rows + r * rb, NULL, dw, n);
                     double ab = 0;
                     for (int i = 0; i < n; i++) ab += fabs((double)dw[i] * xq[i / 32].d * xq[i / 32].qs[i % 32]);
                     free(dw);
-                    CHECKF(fabs((double)out[r] - want) <= 2e-5 * ab + 1e-30, "%s x8 type %d n %d row %d: %g vs %g", lv[li].isa, type, n, r, out[r], want);
+                    /* (MXFP4's row 3 sums terms near 2^-127: a slack far below them) */
+                    CHECKF(fabs((double)out[r] - want) <= 2e-5 * ab + (type == MOE_T_MXFP4_GGML ? 1e-42 : 1e-30), "%s x8 type %d n %d row %d: %g vs %g",
+                           lv[li].isa, type, n, r, out[r], want);
                 }
             }
             free(rows), free(packed), free(v), free(xq);
@@ -888,7 +937,7 @@ static void test_matmul_threads(void) {
                 for (int k = 0; k < K; k++) ((uint16_t *)(void *)(d + r * rb))[k] = moe__f32_to_bf16(v[k]);
             else moe__quantize_row(x8 ? base : t, v, d + r * rb, K);
         }
-        for (int64_t g = 0; x8 && g < rows[i] / 8; g++) moe__repack_x8(base, d + g * 8 * rb, rb, p + g * 8 * rb, K);
+        for (int64_t g = 0; x8 && g < rows[i] / 8; g++) moe__repack_x8(base, d + g * 8 * rb, rb, NULL, p + g * 8 * rb, K);
         if (x8) free(d), d = p;
         data[i] = d;
         w[i] = (moe__weight){t, rows[i], K, d, NULL};
@@ -1174,6 +1223,33 @@ static void test_expert_paths(void) {
             moe_model_close(a), moe_model_close(b);
             remove(out);
         }
+    /* MXFP4 experts under MOE_FLAG_MXFP4_INT8, interleaved at load and by the cache's reads: the
+     * checkpoint's compressed-tensors layout (scales apart: the cache rewrites the unit) and the
+     * ggml layout of its GGUF (in place) */
+    for (int gi = 0; gi < 2; gi++) {
+        char dir[600], out[600];
+        snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
+        snprintf(out, sizeof out, "%s/paths.gguf", tmp_root);
+        CHECK(!gi || convert(dir, out, "--dense f32") == 0);
+        moe_options o = moe_default_options();
+        o.n_threads = 2, o.flags = MOE_FLAG_MXFP4_INT8;
+        moe_model *a = NULL, *b = NULL;
+        CHECK(moe_model_open(&a, gi ? out : dir, &o, NULL, 0) == MOE_OK);
+        o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 256 << 20;
+        CHECK(moe_model_open(&b, gi ? out : dir, &o, NULL, 0) == MOE_OK);
+        int n;
+        int32_t *ids = golden_ids("k3mx", 2, &n);
+        if (a && b && ids && n >= 48) {
+            const size_t nv = (size_t)48 * moe_model_config(a)->vocab_size;
+            float *la = logits_in_pieces(a, ids, 48, pieces), *lb = logits_in_pieces(b, ids, 48, pieces);
+            CHECKF(la && lb && max_abs_diff(la, lb, nv) == 0, "k3mx MXFP4 int8 (%s): mapping vs cache %.3g", gi ? "gguf" : "checkpoint",
+                   la && lb ? max_abs_diff(la, lb, nv) : -1.0);
+            free(la), free(lb);
+        }
+        free(ids);
+        moe_model_close(a), moe_model_close(b);
+        if (gi) remove(out);
+    }
 }
 
 static void test_cached_decode_vs_recompute(void) {
