@@ -839,9 +839,11 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q4_0_avx2(const void *w, const moe
     const int32_t *q3 = (const int32_t *)x3->qs;                                                                   \
     __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0
 /* the block's int32 sums S(s) into the 4 rows' float sums */
-#define AVX2_X4_ACC(S)                                                                                             \
+#define AVX2_X4_ACC(S) AVX2_X4_ACC_DW(S, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)))
+/* the same with the weights' scales DW */
+#define AVX2_X4_ACC_DW(S, DW)                                                                                      \
     do {                                                                                                           \
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));                              \
+        const __m256 dw = DW;                                                                                      \
         a0 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x0->d)), _mm256_cvtepi32_ps(S(s0, x0)), a0);        \
         a1 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x1->d)), _mm256_cvtepi32_ps(S(s1, x1)), a1);        \
         a2 = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(x2->d)), _mm256_cvtepi32_ps(S(s2, x2)), a2);        \
@@ -1215,8 +1217,40 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q8_0_avx2(const void *w, const m
     }
     AVX2_X4_STORE();
 }
+/* MXFP4x8 for 4 rows: signed codes (|w| <= 12) through maddubs(|w|, x with w's sign), so all 8
+ * chunk products (<= 12 x 127 x 2 each) add up in one int16 sum per row; the integer sums are
+ * dotq8_mxfp4_avx2's, the float steps too */
+MOE_TARGET("avx2,fma,f16c") static void dotq8x4_mxfp4_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_mxfp4x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+        AVX2_X4_ROWS; /* int16 sums here */
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * c));
+            const __m256i ls = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4)), hs = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            const __m256i la = _mm256_abs_epi8(ls), ha = _mm256_abs_epi8(hs);
+#define ROW(S, Q)                                                                                                  \
+    S = _mm256_add_epi16(S, _mm256_add_epi16(_mm256_maddubs_epi16(la, _mm256_sign_epi8(_mm256_set1_epi32(Q[c]), ls)),          \
+                                             _mm256_maddubs_epi16(ha, _mm256_sign_epi8(_mm256_set1_epi32(Q[c + 4]), hs))))
+            ROW(s0, q0);
+            ROW(s1, q1);
+            ROW(s2, q2);
+            ROW(s3, q3);
+#undef ROW
+        }
+#define S32(S, X) _mm256_madd_epi16(S, ones)
+        AVX2_X4_ACC_DW(S32, mxfp4x8_scales_avx2(o[b].e));
+#undef S32
+    }
+    AVX2_X4_STORE();
+}
+
 #undef AVX2_X4_ROWS
 #undef AVX2_X4_ACC
+#undef AVX2_X4_ACC_DW
 #undef AVX2_X4_STORE
 
 MOE_TARGET("avx2,fma") static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
@@ -2182,10 +2216,11 @@ MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *
     int32x4_t s00 = vdupq_n_s32(INIT(x0)), s01 = s00, s10 = vdupq_n_s32(INIT(x1)), s11 = s10;                      \
     int32x4_t s20 = vdupq_n_s32(INIT(x2)), s21 = s20, s30 = vdupq_n_s32(INIT(x3)), s31 = s30
 /* the block's sums into the 4 rows' float sums a<row><half> */
-#define DOTPROD_X4_ACC()                                                                                           \
+#define DOTPROD_X4_ACC() DOTPROD_X4_ACC_DW(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))))
+/* the same with the weights' scales DW0 (rows 0-3) and DW1 (rows 4-7) */
+#define DOTPROD_X4_ACC_DW(DW0, DW1)                                                                                \
     do {                                                                                                           \
-        const float32x4_t dw0 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d)));                              \
-        const float32x4_t dw1 = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4)));                          \
+        const float32x4_t dw0 = DW0, dw1 = DW1;                                                                    \
         a00 = vfmaq_f32(a00, vmulq_n_f32(dw0, x0->d), vcvtq_f32_s32(s00));                                         \
         a01 = vfmaq_f32(a01, vmulq_n_f32(dw1, x0->d), vcvtq_f32_s32(s01));                                         \
         a10 = vfmaq_f32(a10, vmulq_n_f32(dw0, x1->d), vcvtq_f32_s32(s10));                                         \
@@ -2256,8 +2291,38 @@ MOE_DOTPROD static void dotq8x4_q8_0_dotprod(const void *w, const moe__block_q8a
     }
     DOTPROD_X4_STORE();
 }
+MOE_DOTPROD static void dotq8x4_mxfp4_dotprod(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    const moe__block_mxfp4x8 *o = w;
+    const int8x16_t lut = vld1q_s8(e2m1x2);
+    float32x4_t a00 = vdupq_n_f32(0), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+#define ZERO(X) 0
+        DOTPROD_X4_ROWS(ZERO);
+#undef ZERO
+        for (int c = 0; c < 4; c++) {
+            const uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
+            const int8x16_t l0 = vqtbl1q_s8(lut, vandq_u8(v0, vdupq_n_u8(15))), l1 = vqtbl1q_s8(lut, vandq_u8(v1, vdupq_n_u8(15)));
+            const int8x16_t h0 = vqtbl1q_s8(lut, vshrq_n_u8(v0, 4)), h1 = vqtbl1q_s8(lut, vshrq_n_u8(v1, 4));
+#define ROW(S0, S1, Q)                                                                                             \
+    do {                                                                                                           \
+        const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(Q[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(Q[c + 4])); \
+        S0 = vdotq_s32(vdotq_s32(S0, l0, xl), h0, xh);                                                             \
+        S1 = vdotq_s32(vdotq_s32(S1, l1, xl), h1, xh);                                                             \
+    } while (0)
+            ROW(s00, s01, q0);
+            ROW(s10, s11, q1);
+            ROW(s20, s21, q2);
+            ROW(s30, s31, q3);
+#undef ROW
+        }
+        DOTPROD_X4_ACC_DW(mxfp4x8_scales_neon(o[b].e), mxfp4x8_scales_neon(o[b].e + 4));
+    }
+    DOTPROD_X4_STORE();
+}
 #undef DOTPROD_X4_ROWS
 #undef DOTPROD_X4_ACC
+#undef DOTPROD_X4_ACC_DW
 #undef DOTPROD_X4_STORE
 
 static int cpu_has_dotprod(void) {
@@ -3433,6 +3498,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_avx2;
         k->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avx2;
         k->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avx2;
+        k->dotq8x4[MOE_T_MXFP4X8] = dotq8x4_mxfp4_avx2;
         k->axpy = axpy_avx2;
         k->kda_recurrent = kda_recurrent_avx2;
         k->mla_scores = mla_scores_avx2;
@@ -3532,6 +3598,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_dotprod;
             v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_dotprod;
             v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_dotprod;
+            v->dotq8x4[MOE_T_MXFP4X8] = dotq8x4_mxfp4_dotprod;
             v->mla_scores8 = mla_scores8_dotprod;
             v->isa = "neon-dotprod";
         }
