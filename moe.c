@@ -1741,7 +1741,40 @@ static void progress(const moe_model *m, const char *stage, int i, int n) {
     if (m->opt.progress) m->opt.progress(m->opt.progress_ud, stage, n > 0 ? (float)i / (float)n : 1.0f);
 }
 
+/* the bytes repack_weight would take for w, or 0 */
+static uint64_t repack_bytes(const moe_model *m, const moe__weight *w) { return w->data && x8_type(m, w) >= 0 ? weight_bytes(w) : 0; }
+
+/* whether the routed experts are interleaved at load: the mapped ones only when everything to
+ * interleave fits in repack_budget (0: three quarters of the physical RAM; unknown: yes) */
+static int repack_experts(const moe_model *m) {
+    if (m->opt.expert_mode) return 1; /* cache mode: no mapped expert is repacked (units are, as read) */
+    uint64_t all = repack_bytes(m, &m->lm_head), mapped = 0;
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        layer *L = &m->layers[i];
+        all += repack_bytes(m, &L->router);
+        for (size_t k = 0; k < N_DENSE_FIELDS && !L->stream; k++) all += repack_bytes(m, layer_matrix(L, k));
+        if (!L->stream) all += repack_bytes(m, &L->k_b) + repack_bytes(m, &L->v_b); /* (at most) */
+        for (int e = 0; L->experts && e < m->cfg.n_experts; e++)
+            for (int j = 0; j < 3; j++) {
+                const moe__weight *w = j == 0 ? &L->experts[e].w1 : j == 1 ? &L->experts[e].w2 : &L->experts[e].w3;
+                const uint64_t b = repack_bytes(m, w);
+                all += b;
+                if (in_mapping(m, w->data)) mapped += b;
+            }
+    }
+    if (!mapped) return 1; /* nothing read from the files: converted at load, already in RAM */
+    uint64_t budget = m->opt.repack_budget;
+    if (!budget) {
+        const long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        if (pages <= 0 || psz <= 0) return 1;
+        budget = (uint64_t)pages / 4 * 3 * (uint64_t)psz;
+    }
+    return all <= budget;
+}
+
 static moe_status repack_weights(moe_model *m) {
+    const int experts = repack_experts(m);
+    m->info.experts_kept_mapped = !experts;
     moe_status st = repack_weight(m, &m->lm_head);
     for (int i = 0; i < m->cfg.n_layers && !st; i++) {
         layer *L = &m->layers[i];
@@ -1754,7 +1787,7 @@ static moe_status repack_weights(moe_model *m) {
             st = repack_weight(m, &L->k_b);
             if (!st) st = repack_weight(m, &L->v_b);
         }
-        for (int e = 0; L->experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) { /* cache mode reads experts as stored */
+        for (int e = 0; L->experts && experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) { /* cache mode: as read */
             st = repack_weight(m, &L->experts[e].w1);
             if (!st) st = repack_weight(m, &L->experts[e].w2);
             if (!st) st = repack_weight(m, &L->experts[e].w3);

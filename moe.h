@@ -125,6 +125,12 @@ typedef struct {
     int expert_type;        /* moe_wtype for the routed experts (makes them resident) */
     unsigned flags;         /* MOE_FLAG_* */
     int kv_type;            /* moe_kv_type: the element of the sessions' MLA latent caches */
+    size_t repack_budget;   /* MMAP mode: mapped routed experts in Q4_0/Q8_0 (MXFP4 under
+                               MOE_FLAG_MXFP4_INT8) are interleaved into RAM at load only when
+                               every matrix to interleave fits in this many bytes (0: three
+                               quarters of the physical RAM); otherwise they stay mapped as stored
+                               and run the row kernels (a model larger than RAM streams from disk
+                               through the page cache instead of filling RAM and swap) */
     /* called from moe_model_open while weights are converted or interleaved (the slow part of a
      * load): stage names the work, frac runs from 0 to 1; may be NULL */
     void (*progress)(void *ud, const char *stage, float frac);
@@ -183,6 +189,8 @@ typedef struct {
     int n_files;              /* safetensors files mapped */
     const char *format;       /* "safetensors" or "gguf" */
     const char *weight_type;  /* the format holding most weight bytes after load: "bf16", "q4_0", ... */
+    int experts_kept_mapped;  /* 1: MMAP mode kept routed experts that the x8 kernels could take
+                                 mapped as stored, as they did not fit in repack_budget */
 } moe_model_info;
 
 /* Opens a model: a Hugging Face checkpoint directory (config.json + model.safetensors or shards

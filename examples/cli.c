@@ -284,6 +284,9 @@ int main(int argc, char **argv) {
     moe_model_info info = moe_model_get_info(m);
     fprintf(stderr, "moe-cli: %d layers, %.3g B params (%.3g B active), %d files, loaded in %.2f s\n", c->n_layers, info.n_params / 1e9,
             info.n_params_active / 1e9, info.n_files, now() - t0);
+    if (info.experts_kept_mapped)
+        fprintf(stderr, "moe-cli: the routed experts do not fit in RAM: they stay mapped and are read from disk as needed "
+                        "(row kernels; --load-mode cache streams them through a fixed budget instead)\n");
     if (!ids_mode && (st = moe_tokenizer_for_model(&tok, m, err, sizeof err))) {
         fprintf(stderr, "moe-cli: %s (use --ids to give token ids)\n", err);
         goto out;

@@ -2931,15 +2931,21 @@ static void test_gguf_quant_resume(void) {
     {
         snprintf(dir, sizeof dir, "%s/kimi", golden_dir());
         CHECK(convert(dir, a, "--dense q8_0 --experts q4_0") == 0);
-        moe_model *r[3] = {open_path(a, 0, 1), open_path(a, MOE_FLAG_NO_REPACK, 1), open_path(a, MOE_FLAG_FORCE_SCALAR, 2)};
+        /* r[3]: a repack budget the experts do not fit in: they stay mapped (row kernels) */
+        moe_options ob = moe_default_options();
+        ob.repack_budget = 1;
+        moe_model *r[4] = {open_path(a, 0, 1), open_path(a, MOE_FLAG_NO_REPACK, 1), open_path(a, MOE_FLAG_FORCE_SCALAR, 2), NULL};
+        CHECK(moe_model_open(&r[3], a, &ob, NULL, 0) == MOE_OK);
+        CHECK(r[0] && moe_model_get_info(r[0]).experts_kept_mapped == 0);
+        CHECK(r[3] && moe_model_get_info(r[3]).experts_kept_mapped == 1);
         int n;
         int32_t *ids = golden_ids("kimi", 2, &n);
-        if (r[0] && r[1] && r[2]) {
+        if (r[0] && r[1] && r[2] && r[3]) {
             const moe_config *c = moe_model_config(r[0]);
             const size_t nv = (size_t)n * c->vocab_size;
-            float *x[3];
+            float *x[4];
             int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
-            for (int k = 0; k < 3; k++) {
+            for (int k = 0; k < 4; k++) {
                 moe_session *s;
                 x[k] = malloc(sizeof(float) * nv);
                 CHECK(moe_session_new(&s, r[k], n, NULL, 0) == MOE_OK);
@@ -2949,14 +2955,15 @@ static void test_gguf_quant_resume(void) {
                 CHECK(moe_step(r[k], &q, 1, NULL, NULL, 0) == MOE_OK);
                 moe_session_free(s);
             }
-            double d1 = max_abs_diff(x[0], x[1], nv), d2 = max_abs_diff(x[0], x[2], nv), m1 = 0, m2 = 0;
-            for (size_t i = 0; i < nv; i++) m1 += fabs(x[0][i] - x[1][i]), m2 += fabs(x[0][i] - x[2][i]);
-            m1 /= nv, m2 /= nv;
+            double d1 = max_abs_diff(x[0], x[1], nv), d2 = max_abs_diff(x[0], x[2], nv), d3 = max_abs_diff(x[0], x[3], nv), m1 = 0, m2 = 0, m3 = 0;
+            for (size_t i = 0; i < nv; i++) m1 += fabs(x[0][i] - x[1][i]), m2 += fabs(x[0][i] - x[2][i]), m3 += fabs(x[0][i] - x[3][i]);
+            m1 /= nv, m2 /= nv, m3 /= nv;
             CHECKF(d1 < 1.0 && d2 < 1.0 && m1 < 0.05 && m2 < 0.05, "repacked vs mapped: max %.3g mean %.3g; vs scalar: max %.3g mean %.3g", d1, m1, d2, m2);
-            free(x[0]), free(x[1]), free(x[2]), free(routes);
+            CHECKF(d3 > 0 && d3 < 1.0 && m3 < 0.05, "experts left mapped by the repack budget: max %.3g mean %.3g", d3, m3);
+            free(x[0]), free(x[1]), free(x[2]), free(x[3]), free(routes);
         }
         free(ids);
-        for (int k = 0; k < 3; k++) moe_model_close(r[k]);
+        for (int k = 0; k < 4; k++) moe_model_close(r[k]);
     }
     /* a q8_0 file runs; on the Kimi-Linear golden model, with the reference's routing (random
      * tiny models flip near-tie experts on any change), its KL to the original stays small */
