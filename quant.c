@@ -319,6 +319,23 @@ int moe__x8_of(int type) {
     }
 }
 
+/* a compressed-tensors block's 16 bytes (column 2i in byte i's low nibble, 2i+1 in its high) in
+ * ggml's order (column j in byte j's low nibble, j + 16 in its high): the codes split by nibble,
+ * interleaved back into column order one per byte, and columns j and j + 16 joined */
+#if defined(MOE_X86)
+static void mxfp4_block_to_ggml(const uint8_t *ct, uint8_t *g) { /* SSE2: every x86-64 CPU */
+    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)ct), m4 = _mm_set1_epi8(15);
+    const __m128i even = _mm_and_si128(v, m4), odd = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+    const __m128i c0 = _mm_unpacklo_epi8(even, odd), c16 = _mm_unpackhi_epi8(even, odd); /* columns 0-15, 16-31 */
+    _mm_storeu_si128((__m128i *)(void *)g, _mm_or_si128(c0, _mm_slli_epi16(c16, 4)));
+}
+#elif defined(MOE_NEON)
+static void mxfp4_block_to_ggml(const uint8_t *ct, uint8_t *g) {
+    const uint8x16_t v = vld1q_u8(ct), m4 = vdupq_n_u8(15);
+    const uint8x16x2_t c = vzipq_u8(vandq_u8(v, m4), vshrq_n_u8(v, 4)); /* columns 0-15, 16-31 */
+    vst1q_u8(g, vorrq_u8(c.val[0], vshlq_n_u8(c.val[1], 4)));
+}
+#else
 /* 8 packed codes (a 32-bit word, code k at bits 4k) -> one per byte, in the low nibbles */
 static uint64_t nibbles_to_bytes(uint32_t x) {
     uint64_t v = x;
@@ -326,9 +343,6 @@ static uint64_t nibbles_to_bytes(uint32_t x) {
     v = (v | v << 8) & 0x00FF00FF00FF00FFull;
     return (v | v << 4) & 0x0F0F0F0F0F0F0F0Full;
 }
-
-/* a compressed-tensors block's 16 bytes (column 2i in byte i's low nibble, 2i+1 in its high) in
- * ggml's order (column j in byte j's low nibble, j + 16 in its high) */
 static void mxfp4_block_to_ggml(const uint8_t *ct, uint8_t *g) {
     uint32_t w[4];
     memcpy(w, ct, 16); /* columns 0-7, 8-15, 16-23, 24-31 (little-endian) */
@@ -336,6 +350,7 @@ static void mxfp4_block_to_ggml(const uint8_t *ct, uint8_t *g) {
     memcpy(g, &lo, 8);
     memcpy(g + 8, &hi, 8);
 }
+#endif
 
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
