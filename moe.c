@@ -3029,6 +3029,7 @@ struct expert_cache {
     size_t spare_bytes[SPARE_MAX];
     int n_spare;
     int fail_after; /* fault injection: the n-th read from now fails (0: never) */
+    size_t direct_min; /* units of at least this many bytes are read with O_DIRECT (DIRECT_MIN) */
     uint64_t bytes_read; /* by every thread since open */
     /* I/O threads read queued units into free or evictable room, most urgent first (what the
      * current layer needs, then read-ahead), in file and offset order within each class */
@@ -3144,6 +3145,7 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     struct expert_cache *k = xcalloc(1, sizeof *k);
     if (!k) return MOE_ERR_NOMEM;
     m->cache = k;
+    k->direct_min = DIRECT_MIN;
     pthread_mutex_init(&k->lock, NULL);
     pthread_cond_init(&k->unpinned, NULL);
     pthread_cond_init(&k->work, NULL);
@@ -3286,9 +3288,11 @@ static int unit_span(const moe_model *m, const moe__weight *const *w, int nw, in
     }
     const int f = lo ? mapped_file(m, lo, (uint64_t)(hi - lo)) : -1;
     if (f < 0 || (uint64_t)(hi - lo) > bytes + bytes / 8 + IO_ALIGN) return 0; /* not in one file, or not adjacent */
+    for (int i = 0; i < nw; i++) /* unit_repack rewrites each MXFP4 matrix over its codes and then its scales */
+        if (w[i]->scale && w[i]->scale != (const unsigned char *)w[i]->data + weight_data_bytes(w[i])) return 0;
     const unsigned char *b = m->files[f].map;
     *file = f, *start = (uint64_t)(lo - b), *end = (uint64_t)(hi - b);
-    *direct = bytes >= DIRECT_MIN && m->cache && m->cache->dfds && m->cache->dfds[f] >= 0;
+    *direct = m->cache && bytes >= m->cache->direct_min && m->cache->dfds && m->cache->dfds[f] >= 0;
     if (*direct) *start &= ~(uint64_t)(IO_ALIGN - 1), *end = (*end + IO_ALIGN - 1) & ~(uint64_t)(IO_ALIGN - 1);
     return 1;
 }
@@ -3316,7 +3320,7 @@ static int unit_pieces(const moe_model *m, const moe__weight *const *w, int nw, 
             if (f < 0) return -1;
             unit_piece *q = &pc[np++];
             q->file = f, q->start = (uint64_t)(p - (const unsigned char *)m->files[f].map), q->end = q->start + n, q->need = n, q->skip = 0;
-            q->direct = total >= DIRECT_MIN && m->cache && m->cache->dfds && m->cache->dfds[f] >= 0;
+            q->direct = m->cache && total >= m->cache->direct_min && m->cache->dfds && m->cache->dfds[f] >= 0;
             if (q->direct) {
                 const uint64_t a = q->start & ~(uint64_t)(IO_ALIGN - 1);
                 q->skip = (size_t)(q->start - a), q->need = q->skip + n;
@@ -3359,49 +3363,38 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
 /* Interleaves the matrices of a unit just read 8 rows at a time in place, as repack_weight does
  * at load for what stays mapped or resident, so a cached expert runs the same x8 kernels as a
  * mapped one: the same sums in the same order, the same logits whichever mode loads it. A group
- * of 8 Q4_0/Q8_0/ggml MXFP4 rows takes the same bytes in either layout; compressed-tensors MXFP4
- * keeps its scales apart, so such a unit is copied aside and its matrices written one after
- * another from the buffer's start (they took at least as many bytes as read). Rows not a
- * multiple of 8 stay as they are. */
+ * of 8 Q4_0/Q8_0/ggml MXFP4 rows takes the same bytes in either layout. A compressed-tensors
+ * MXFP4 matrix becomes x8 blocks over its codes and the as many bytes again as its scales right
+ * after them: its scales themselves when the unit was read in one stretch (unit_span asks for
+ * that), else alignment padding and the scales' own piece (unit_pieces puts it after the codes').
+ * Its scales are set aside first, then its row groups are rewritten from the last: group g's
+ * blocks start no earlier than its own codes (copied aside too), so the codes of the groups
+ * before it are still in place when their turn comes. Rows not a multiple of 8 stay as they
+ * are. */
 static int unit_repack(const moe_model *m, cache_entry *v, int nw) {
-    int apart = 0;
-    for (int i = 0; i < nw; i++) apart |= x8_type(m, &v->w[i]) >= 0 && v->w[i].scale;
-    unsigned char *copy = apart ? malloc(v->bytes) : NULL;
-    if (apart && !copy) return ENOMEM;
-    if (apart) memcpy(copy, v->buf, v->bytes);
-    size_t at = 0; /* where the next matrix goes when the unit is rewritten */
     for (int i = 0; i < nw; i++) {
         moe__weight *w = &v->w[i];
         const int to = x8_type(m, w);
-        const int64_t rb = moe__row_bytes(w->type, w->cols), sb = w->cols / 32, gb = to < 0 ? 0 : 8 * moe__row_bytes(to, w->cols);
-        const size_t db = (size_t)weight_data_bytes(w), sbytes = (size_t)weight_scale_bytes(w);
-        if (apart) { /* from the copy to buf + at */
-            const unsigned char *d = copy + ((const unsigned char *)w->data - v->buf);
-            const uint8_t *sc = w->scale ? copy + (w->scale - v->buf) : NULL;
-            unsigned char *out = v->buf + at;
-            if (to >= 0) {
-                for (int64_t g = 0; g < w->rows / 8; g++) moe__repack_x8(w->type, d + g * 8 * rb, rb, sc ? sc + g * 8 * sb : NULL, out + g * gb, w->cols);
-                *w = (moe__weight){to, w->rows, w->cols, out, NULL};
-                at += (size_t)(gb * (w->rows / 8));
-            } else {
-                memcpy(out, d, db);
-                w->data = out;
-                if (sc) memcpy(out + db, sc, sbytes), w->scale = out + db;
-                at += db + sbytes;
-            }
-            continue;
-        }
         if (to < 0) continue;
-        unsigned char *tmp = malloc((size_t)gb), *p = (unsigned char *)w->data;
-        if (!tmp) return ENOMEM; /* nothing is copied aside in this case */
-        for (int64_t g = 0; g < w->rows / 8; g++) {
-            moe__repack_x8(w->type, p + g * gb, rb, NULL, tmp, w->cols);
-            memcpy(p + g * gb, tmp, (size_t)gb);
-        }
+        const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8, sb = w->cols / 32;
+        const size_t scales = (size_t)weight_scale_bytes(w);
+        unsigned char *tmp = malloc((size_t)(8 * rb) + scales), *p = (unsigned char *)w->data;
+        if (!tmp) return ENOMEM;
+        if (scales) { /* compressed-tensors: codes [rows, cols/2], then scales [rows, cols/32] */
+            uint8_t *sc = tmp + 8 * rb;
+            memcpy(sc, w->scale, scales);
+            for (int64_t g = ng - 1; g >= 0; g--) {
+                memcpy(tmp, p + g * 8 * rb, (size_t)(8 * rb));
+                moe__repack_x8(w->type, tmp, rb, sc + g * 8 * sb, p + g * gb, w->cols);
+            }
+        } else
+            for (int64_t g = 0; g < ng; g++) {
+                moe__repack_x8(w->type, p + g * gb, rb, NULL, tmp, w->cols);
+                memcpy(p + g * gb, tmp, (size_t)gb);
+            }
         free(tmp);
-        w->type = to;
+        *w = (moe__weight){to, w->rows, w->cols, p, NULL};
     }
-    free(copy);
     return 0;
 }
 
@@ -3539,6 +3532,10 @@ static void cache_put(const moe_model *m, int li, int e) {
     cache_entry *v = k->slot[unit_id(k, li, e)];
     if (v && v->pins > 0 && --v->pins == 0) pthread_cond_broadcast(&k->unpinned);
     pthread_mutex_unlock(&k->lock);
+}
+
+void moe__set_direct_min(moe_model *m, size_t bytes) {
+    if (m && m->cache) m->cache->direct_min = bytes;
 }
 
 void moe__fail_expert_read(moe_model *m, int n) {

@@ -594,6 +594,9 @@ moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size
 /* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);
+/* CACHE mode: units of at least `bytes` are read with O_DIRECT where the file allows (tests: the
+ * aligned piece-by-piece reads of small models) */
+void moe__set_direct_min(moe_model *m, size_t bytes);
 /* Test hook: y[i] = x W[i]^T for n (<= 8) matrices with x's cols, x [T, cols], through the
  * runtime's parallel product on nt threads (the kernels flags selects: 0 or MOE_FLAG_FORCE_SCALAR). */
 moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, const float *x, int T, int nt, unsigned flags);

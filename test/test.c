@@ -2711,24 +2711,30 @@ static void test_shipped_mxfp4_int8(void) {
     CHECK(moe_model_open(&q, shipped_dir(), &o, NULL, 0) == MOE_OK);
     o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 16 << 20;
     CHECK(moe_model_open(&qc, shipped_dir(), &o, NULL, 0) == MOE_OK);
-    if (ids && f && q && qc) {
+    /* qd: every unit read with O_DIRECT, piece by piece (this model's w1, w2 and w3 lie apart):
+     * each matrix's scales land aligned, away from its codes, and are moved next to them */
+    moe_model *qd = NULL;
+    CHECK(moe_model_open(&qd, shipped_dir(), &o, NULL, 0) == MOE_OK);
+    moe__set_direct_min(qd, 1);
+    if (ids && f && q && qc && qd) {
         const moe_config *c = moe_model_config(f);
         const int V = c->vocab_size, n = (int)(li / 4);
         int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
         const int pieces[] = {n - 3, 1, 1, 1, 0};
         float *xf = logits_routed(f, ids, n, pieces, routes, NULL), *xq = logits_routed(q, ids, n, pieces, NULL, routes);
-        float *xc = logits_routed(qc, ids, n, pieces, NULL, routes);
-        CHECK(xf && xq && xc);
-        if (xf && xq && xc) {
+        float *xc = logits_routed(qc, ids, n, pieces, NULL, routes), *xd = logits_routed(qd, ids, n, pieces, NULL, routes);
+        CHECK(xf && xq && xc && xd);
+        if (xf && xq && xc && xd) {
             const double kl = mean_kl(xf, xq, n, V);
             if (getenv("MOE_TEST_VERBOSE")) printf("  MXFP4 int8 input: mean KL %.3g over %d tokens (routing pinned)\n", kl, n);
             CHECKF(kl > 0 && kl < 1e-3, "MXFP4 int8 vs f32 input: mean KL %.3g", kl);
             CHECKF(max_abs_diff(xq, xc, (size_t)n * V) == 0, "MXFP4 int8: cache vs mapping %.3g", max_abs_diff(xq, xc, (size_t)n * V));
+            CHECKF(max_abs_diff(xq, xd, (size_t)n * V) == 0, "MXFP4 int8: O_DIRECT cache vs mapping %.3g", max_abs_diff(xq, xd, (size_t)n * V));
         }
-        free(xf), free(xq), free(xc), free(routes);
+        free(xf), free(xq), free(xc), free(xd), free(routes);
     }
     free(ids);
-    moe_model_close(f), moe_model_close(q), moe_model_close(qc);
+    moe_model_close(f), moe_model_close(q), moe_model_close(qc), moe_model_close(qd);
 }
 
 /* our logits against the PyTorch reference of the exported checkpoint (bf16 dense, MXFP4
