@@ -949,31 +949,40 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 
 /* x8 groups, AVX-512 VNNI (256-bit): dpbusd does maddubs + madd + add in one instruction and
  * cannot saturate, so both formats use the unsigned form and subtract off * sum(x) */
+/* Block b of an x8 group against one activation row, VNNI: the group's 8 chunks U(0) .. U(7)
+ * (unsigned bytes, in the order of the activation's 4-byte groups) in four dpbusd chains with
+ * bias * sum(x) folded into the first, then the block's sum times DW (the rows' scales) and the
+ * activation's scale into the even or odd float accumulator. dpbusd has a latency of several
+ * cycles: four independent sums per block and two float accumulators keep the chains short, so
+ * the loads, not the latencies, set the pace. */
+#define VNNI_X1_BLOCK(U, bias, DW)                                                                                 \
+    do {                                                                                                           \
+        const int32_t *xq = (const int32_t *)x[b].qs;                                                              \
+        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32((bias) * x[b].sum), U(0), _mm256_set1_epi32(xq[0]));    \
+        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U(4), _mm256_set1_epi32(xq[4]));                  \
+        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U(1), _mm256_set1_epi32(xq[1]));                  \
+        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U(5), _mm256_set1_epi32(xq[5]));                  \
+        s0 = _mm256_dpbusd_epi32(s0, U(2), _mm256_set1_epi32(xq[2]));                                              \
+        s1 = _mm256_dpbusd_epi32(s1, U(6), _mm256_set1_epi32(xq[6]));                                              \
+        s2 = _mm256_dpbusd_epi32(s2, U(3), _mm256_set1_epi32(xq[3]));                                              \
+        s3 = _mm256_dpbusd_epi32(s3, U(7), _mm256_set1_epi32(xq[7]));                                              \
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                   \
+        const __m256 d = _mm256_mul_ps(DW, _mm256_set1_ps(x[b].d));                                                \
+        if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);                                         \
+        else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);                                               \
+    } while (0)
+/* chunk c of block b's 32-byte rows: a Q8_0x8 chunk, or the low (c < 4) or high nibbles of a
+ * 4-bit chunk, as they are (Q4_0) or looked up (MXFP4) */
+#define X8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * ((c) & 3)))
+#define X8_NIBBLES(c) _mm256_and_si256((c) < 4 ? X8_CHUNK(c) : _mm256_srli_epi16(X8_CHUNK(c), 4), m4)
+
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    /* dpbusd has a latency of several cycles: four independent sums per block and two float
-     * accumulators (even and odd blocks) keep the chains short, so the loads, not the
-     * latencies, set the pace */
     const moe__block_q4_0x8 *o = w;
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    const int64_t nb = n / 32;
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
-        const int32_t *xq = (const int32_t *)x[b].qs;
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
-        const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
-        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-8 * x[b].sum), _mm256_and_si256(v0, m4), _mm256_set1_epi32(xq[0]));
-        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), _mm256_set1_epi32(xq[4]));
-        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(v1, m4), _mm256_set1_epi32(xq[1]));
-        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), _mm256_set1_epi32(xq[5]));
-        s0 = _mm256_dpbusd_epi32(s0, _mm256_and_si256(v2, m4), _mm256_set1_epi32(xq[2]));
-        s1 = _mm256_dpbusd_epi32(s1, _mm256_and_si256(_mm256_srli_epi16(v2, 4), m4), _mm256_set1_epi32(xq[6]));
-        s2 = _mm256_dpbusd_epi32(s2, _mm256_and_si256(v3, m4), _mm256_set1_epi32(xq[3]));
-        s3 = _mm256_dpbusd_epi32(s3, _mm256_and_si256(_mm256_srli_epi16(v3, 4), m4), _mm256_set1_epi32(xq[7]));
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
-        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
-        if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);
-        else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);
+        VNNI_X1_BLOCK(X8_NIBBLES, -8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)));
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
 }
@@ -983,24 +992,29 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_v
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
-        const int32_t *xq = (const int32_t *)x[b].qs;
 #define QV(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
-        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-128 * x[b].sum), QV(0), _mm256_set1_epi32(xq[0]));
-        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), QV(1), _mm256_set1_epi32(xq[1]));
-        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), QV(2), _mm256_set1_epi32(xq[2]));
-        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), QV(3), _mm256_set1_epi32(xq[3]));
-        s0 = _mm256_dpbusd_epi32(s0, QV(4), _mm256_set1_epi32(xq[4]));
-        s1 = _mm256_dpbusd_epi32(s1, QV(5), _mm256_set1_epi32(xq[5]));
-        s2 = _mm256_dpbusd_epi32(s2, QV(6), _mm256_set1_epi32(xq[6]));
-        s3 = _mm256_dpbusd_epi32(s3, QV(7), _mm256_set1_epi32(xq[7]));
+        VNNI_X1_BLOCK(QV, -128, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)));
 #undef QV
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
-        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)), _mm256_set1_ps(x[b].d));
-        if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);
-        else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);
     }
     _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
 }
+
+/* MXFP4x8: codes looked up as 2 E2M1 + 12 (bias -12) */
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_mxfp4_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
+    const moe__block_mxfp4x8 *o = w;
+    const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n / 32; b++) {
+        prefetch_ahead(o + b, sizeof *o);
+#define CODES(c) _mm256_shuffle_epi8(lut, X8_NIBBLES(c))
+        VNNI_X1_BLOCK(CODES, -12, mxfp4x8_scales_avx2(o[b].e));
+#undef CODES
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
+}
+#undef VNNI_X1_BLOCK
+#undef X8_CHUNK
+#undef X8_NIBBLES
 
 /* Prefill: one x8 row group against 4 activation rows (x, x + xs, ... in blocks): the weights
  * are loaded (and unpacked) once for the 4 rows, and each row's sums are formed as the 1-row
@@ -1034,34 +1048,6 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_v
 #define VNNI_X4_STORE()                                                                                            \
     _mm256_storeu_ps(out, _mm256_add_ps(a00, a01)), _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11)),             \
         _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21)), _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31))
-
-/* as dotq8_q4_0_vnni with the codes looked up (bias -12) */
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_mxfp4_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    const moe__block_mxfp4x8 *o = w;
-    const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-        const int32_t *xq = (const int32_t *)x[b].qs;
-#define LO(c) _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c))), m4))
-#define HI(c) _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c))), 4), m4))
-        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32(-12 * x[b].sum), LO(0), _mm256_set1_epi32(xq[0]));
-        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), HI(0), _mm256_set1_epi32(xq[4]));
-        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), LO(1), _mm256_set1_epi32(xq[1]));
-        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), HI(1), _mm256_set1_epi32(xq[5]));
-        s0 = _mm256_dpbusd_epi32(s0, LO(2), _mm256_set1_epi32(xq[2]));
-        s1 = _mm256_dpbusd_epi32(s1, HI(2), _mm256_set1_epi32(xq[6]));
-        s2 = _mm256_dpbusd_epi32(s2, LO(3), _mm256_set1_epi32(xq[3]));
-        s3 = _mm256_dpbusd_epi32(s3, HI(3), _mm256_set1_epi32(xq[7]));
-#undef LO
-#undef HI
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));
-        const __m256 d = _mm256_mul_ps(mxfp4x8_scales_avx2(o[b].e), _mm256_set1_ps(x[b].d));
-        if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);
-        else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);
-    }
-    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
-}
 
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q4_0x8 *o = w;
@@ -1183,6 +1169,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     }
     VNNI_X4X2_STORE();
 }
+
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_mxfp4_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_mxfp4x8 *oa = w, *ob = oa + n / 32;
     const __m512i m4 = _mm512_set1_epi8(15), lut = _mm512_broadcast_i32x4(_mm256_castsi256_si128(mxfp4x8_lut_avx2()));
@@ -2248,6 +2235,23 @@ MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *
 #define DOTPROD_X4_STORE()                                                                                         \
     vst1q_f32(out, a00), vst1q_f32(out + 4, a01), vst1q_f32(out + 8, a10), vst1q_f32(out + 12, a11),               \
         vst1q_f32(out + 16, a20), vst1q_f32(out + 20, a21), vst1q_f32(out + 24, a30), vst1q_f32(out + 28, a31)
+/* the block's 4 nibble chunks of both halves (rows 0-3, 4-7) decoded by LO / HI into signed
+ * bytes, chunk c against activation group c (low nibbles) and c + 4 (high), into the 4 rows' sums */
+#define DOTPROD_X4_NIBBLES(LO, HI)                                                                                 \
+    for (int c = 0; c < 4; c++) {                                                                                  \
+        const uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);                    \
+        const int8x16_t l0 = LO(v0), l1 = LO(v1), h0 = HI(v0), h1 = HI(v1);                                        \
+        DOTPROD_X4_NIBBLE_ROW(s00, s01, q0);                                                                       \
+        DOTPROD_X4_NIBBLE_ROW(s10, s11, q1);                                                                       \
+        DOTPROD_X4_NIBBLE_ROW(s20, s21, q2);                                                                       \
+        DOTPROD_X4_NIBBLE_ROW(s30, s31, q3);                                                                       \
+    }
+#define DOTPROD_X4_NIBBLE_ROW(S0, S1, Q)                                                                           \
+    do {                                                                                                           \
+        const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(Q[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(Q[c + 4])); \
+        S0 = vdotq_s32(vdotq_s32(S0, l0, xl), h0, xh);                                                             \
+        S1 = vdotq_s32(vdotq_s32(S1, l1, xl), h1, xh);                                                             \
+    } while (0)
 
 MOE_DOTPROD static void dotq8x4_q4_0_dotprod(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q4_0x8 *o = w;
@@ -2257,22 +2261,11 @@ MOE_DOTPROD static void dotq8x4_q4_0_dotprod(const void *w, const moe__block_q8a
 #define BIAS(X) -8 * (X)->sum
         DOTPROD_X4_ROWS(BIAS);
 #undef BIAS
-        for (int c = 0; c < 4; c++) {
-            const uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
-            const int8x16_t l0 = vreinterpretq_s8_u8(vandq_u8(v0, vdupq_n_u8(15))), l1 = vreinterpretq_s8_u8(vandq_u8(v1, vdupq_n_u8(15)));
-            const int8x16_t h0 = vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), h1 = vreinterpretq_s8_u8(vshrq_n_u8(v1, 4));
-#define ROW(S0, S1, Q)                                                                                             \
-    do {                                                                                                           \
-        const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(Q[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(Q[c + 4])); \
-        S0 = vdotq_s32(vdotq_s32(S0, l0, xl), h0, xh);                                                             \
-        S1 = vdotq_s32(vdotq_s32(S1, l1, xl), h1, xh);                                                             \
-    } while (0)
-            ROW(s00, s01, q0);
-            ROW(s10, s11, q1);
-            ROW(s20, s21, q2);
-            ROW(s30, s31, q3);
-#undef ROW
-        }
+#define LO(v) vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15)))
+#define HI(v) vreinterpretq_s8_u8(vshrq_n_u8(v, 4))
+        DOTPROD_X4_NIBBLES(LO, HI);
+#undef LO
+#undef HI
         DOTPROD_X4_ACC();
     }
     DOTPROD_X4_STORE();
@@ -2306,6 +2299,7 @@ MOE_DOTPROD static void dotq8x4_q8_0_dotprod(const void *w, const moe__block_q8a
     }
     DOTPROD_X4_STORE();
 }
+
 MOE_DOTPROD static void dotq8x4_mxfp4_dotprod(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_mxfp4x8 *o = w;
     const int8x16_t lut = vld1q_s8(e2m1x2);
@@ -2315,22 +2309,11 @@ MOE_DOTPROD static void dotq8x4_mxfp4_dotprod(const void *w, const moe__block_q8
 #define ZERO(X) 0
         DOTPROD_X4_ROWS(ZERO);
 #undef ZERO
-        for (int c = 0; c < 4; c++) {
-            const uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
-            const int8x16_t l0 = vqtbl1q_s8(lut, vandq_u8(v0, vdupq_n_u8(15))), l1 = vqtbl1q_s8(lut, vandq_u8(v1, vdupq_n_u8(15)));
-            const int8x16_t h0 = vqtbl1q_s8(lut, vshrq_n_u8(v0, 4)), h1 = vqtbl1q_s8(lut, vshrq_n_u8(v1, 4));
-#define ROW(S0, S1, Q)                                                                                             \
-    do {                                                                                                           \
-        const int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(Q[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(Q[c + 4])); \
-        S0 = vdotq_s32(vdotq_s32(S0, l0, xl), h0, xh);                                                             \
-        S1 = vdotq_s32(vdotq_s32(S1, l1, xl), h1, xh);                                                             \
-    } while (0)
-            ROW(s00, s01, q0);
-            ROW(s10, s11, q1);
-            ROW(s20, s21, q2);
-            ROW(s30, s31, q3);
-#undef ROW
-        }
+#define LO(v) vqtbl1q_s8(lut, vandq_u8(v, vdupq_n_u8(15)))
+#define HI(v) vqtbl1q_s8(lut, vshrq_n_u8(v, 4))
+        DOTPROD_X4_NIBBLES(LO, HI);
+#undef LO
+#undef HI
         DOTPROD_X4_ACC_DW(mxfp4x8_scales_neon(o[b].e), mxfp4x8_scales_neon(o[b].e + 4));
     }
     DOTPROD_X4_STORE();
@@ -2338,6 +2321,8 @@ MOE_DOTPROD static void dotq8x4_mxfp4_dotprod(const void *w, const moe__block_q8
 #undef DOTPROD_X4_ROWS
 #undef DOTPROD_X4_ACC
 #undef DOTPROD_X4_ACC_DW
+#undef DOTPROD_X4_NIBBLES
+#undef DOTPROD_X4_NIBBLE_ROW
 #undef DOTPROD_X4_STORE
 
 static int cpu_has_dotprod(void) {
