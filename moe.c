@@ -2722,8 +2722,8 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
             for (int i = 0; i < cw; i++) Q16[(size_t)h * cw + i] = moe__f32_to_bf16(i < r ? QA[(size_t)h * r + i] : q[(size_t)h * dq + dn + i - r]);
         for (int h = h0; h < h1 && q8; h++) { /* q^_h and q_r,h in int8, each with its scale */
             int32_t sum;
-            moe__quant8_row(QA + (size_t)h * r, r, Q8 + (size_t)h * cw, &QD[2 * h], &sum);
-            moe__quant8_row(q + (size_t)h * dq + dn, dr, Q8 + (size_t)h * cw + r, &QD[2 * h + 1], &sum);
+            m->k.quant8_row(QA + (size_t)h * r, r, Q8 + (size_t)h * cw, &QD[2 * h], &sum);
+            m->k.quant8_row(q + (size_t)h * dq + dn, dr, Q8 + (size_t)h * cw + r, &QD[2 * h + 1], &sum);
         }
         memset(CTX, 0, sizeof(float) * (size_t)H * r);
         for (int h = 0; h < H; h++) M[h] = -INFINITY, LS[h] = 0;
@@ -2947,8 +2947,8 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
         if (m->opt.kv_type == MOE_KV_Q8) {
             int8_t *row = (int8_t *)cache + (size_t)(pos + t) * cw;
             moe__kv8_meta *mt = meta + pos + t;
-            moe__quant8_row(l, r, row, &mt->dc, &mt->sc);
-            moe__quant8_row(l + r, dr, row + r, &mt->dr, &mt->sr);
+            m->k.quant8_row(l, r, row, &mt->dc, &mt->sc);
+            m->k.quant8_row(l + r, dr, row + r, &mt->dr, &mt->sr);
         } else if (bf16)
             for (int i = 0; i < cw; i++) ((uint16_t *)cache)[(size_t)(pos + t) * cw + i] = moe__f32_to_bf16(l[i]);
         else

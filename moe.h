@@ -495,6 +495,7 @@ typedef struct {
     void (*mla_scores8)(const struct moe__mla_block8_s *b);   /* see moe__mla_scores8_ref */
     void (*mla_ctx8)(const struct moe__mla_block8_s *b, int h0, int h1);
     /* see moe__mla_weights8 (the same bytes and scales at every level) */
+    void (*quant8_row)(const float *x, int n, int8_t *q, float *d, int32_t *sum); /* see moe__quant8_row */
     void (*mla_weights8)(const float *p, int ld, const struct moe__kv8_meta_s *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
                          float *work);
     void (*act)(float *y, const float *x, int64_t n, int kind); /* see moe__act_ref */

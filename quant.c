@@ -3215,6 +3215,41 @@ MOE_TARGET("avx2,fma") static void mla_scores8_avx2(const moe__mla_block8 *b) {
         _mm256_storeu_ps(o_ + 8, _mm256_add_ps(_mm256_loadu_ps(o_ + 8), _mm256_mul_ps(s_, _mm256_cvtepi32_ps(y1_)))); \
     } while (0)
 /* moe__mla_weights8 in 8 lanes: the same products, maximum and rounding steps, so the same bytes */
+/* moe__quant8_row: the largest |x| in 8 lanes (max(v, m) keeps m where v is NaN, as the
+ * reference's compare does), the same scale, cvtps2dq rounding as lrintf does (to nearest even,
+ * the default mode), the same clamp; bit for bit the reference */
+MOE_TARGET("avx2,fma") static void quant8_row_avx2(const float *x, int n, int8_t *q, float *d, int32_t *sum) {
+    const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 mv = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) mv = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs), mv);
+    float m8[8], amax = 0;
+    _mm256_storeu_ps(m8, mv);
+    for (int k = 0; k < 8; k++) amax = m8[k] > amax ? m8[k] : amax;
+    for (int j = i; j < n; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
+    __m256i s8 = _mm256_setzero_si256();
+    for (i = 0; i + 8 <= n; i += 8) {
+        __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(inv)));
+        v = _mm256_max_epi32(_mm256_min_epi32(v, hi), lo); /* out of range and NaN: INT_MIN, -> -127 */
+        s8 = _mm256_add_epi32(s8, v);
+        const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(void *)(q + i), _mm_packs_epi16(v16, v16));
+    }
+    int32_t s[8], total = 0;
+    _mm256_storeu_si256((__m256i *)(void *)s, s8);
+    for (int k = 0; k < 8; k++) total += s[k];
+    for (; i < n; i++) {
+        long v = lrintf(x[i] * inv);
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        q[i] = (int8_t)v;
+        total += (int32_t)v;
+    }
+    *d = amax / 127.0f;
+    *sum = total;
+}
+
 MOE_TARGET("avx2,fma") static void mla_weights8_avx2(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w,
                                                      int lw, float *ws, float *work) {
     for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
@@ -3379,6 +3414,35 @@ MOE_DOTPROD static void mla_scores8_dotprod(const moe__mla_block8 *b) {
  * int32 accumulators (multiply-accumulate long by scalar); heads one at a time */
 /* moe__mla_weights8 in 4 lanes: the same products, maximum (selects, as the reference's
  * comparisons) and rounding steps, so the same bytes */
+/* moe__quant8_row: vmaxnm ignores a NaN as the reference's compare does; vcvtn rounds to
+ * nearest even as lrintf does in the default mode */
+static void quant8_row_neon(const float *x, int n, int8_t *q, float *d, int32_t *sum) {
+    float32x4_t mv = vdupq_n_f32(0);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) mv = vmaxnmq_f32(vabsq_f32(vld1q_f32(x + i)), mv);
+    float amax = vmaxnmvq_f32(mv);
+    for (int j = i; j < n; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+    int32x4_t s4 = vdupq_n_s32(0);
+    for (i = 0; i + 4 <= n; i += 4) {
+        int32x4_t v = vcvtnq_s32_f32(vmulq_n_f32(vld1q_f32(x + i), inv));
+        v = vmaxq_s32(vminq_s32(v, vdupq_n_s32(127)), vdupq_n_s32(-127));
+        s4 = vaddq_s32(s4, v);
+        const int16x4_t v16 = vmovn_s32(v);
+        const int8x8_t v8 = vmovn_s16(vcombine_s16(v16, v16));
+        memcpy(q + i, &v8, 4);
+    }
+    int32_t total = vaddvq_s32(s4);
+    for (; i < n; i++) {
+        long v = lrintf(x[i] * inv);
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        q[i] = (int8_t)v;
+        total += (int32_t)v;
+    }
+    *d = amax / 127.0f;
+    *sum = total;
+}
+
 static void mla_weights8_neon(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
                               float *work) {
     for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
@@ -3468,6 +3532,7 @@ static void kernels_scalar(moe__kernels *k) {
     k->mla_scores8 = moe__mla_scores8_ref;
     k->mla_ctx8 = moe__mla_ctx8_ref;
     k->mla_weights8 = moe__mla_weights8;
+    k->quant8_row = moe__quant8_row;
     k->act = moe__act_ref;
     k->exp_sum = moe__exp_sum_ref;
     k->widen_bf16 = moe__widen_bf16_ref;
@@ -3508,6 +3573,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_scores8 = mla_scores8_avx2;
         k->mla_ctx8 = mla_ctx8_avx2;
         k->mla_weights8 = mla_weights8_avx2;
+        k->quant8_row = quant8_row_avx2;
         k->act = act_avx2;
         k->exp_sum = exp_sum_avx2;
         k->widen_bf16 = widen_bf16_avx2;
@@ -3584,6 +3650,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_ctx16 = mla_ctx16_neon;
         k->mla_ctx8 = mla_ctx8_neon;
         k->mla_weights8 = mla_weights8_neon;
+        k->quant8_row = quant8_row_neon;
         k->act = act_neon;
         k->exp_sum = exp_sum_neon;
         k->widen_bf16 = widen_bf16_neon;

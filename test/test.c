@@ -1028,6 +1028,27 @@ static void test_mla16_kernels(void) {
 static void test_mla8_kernels(void) {
     moe__kernels lv[4];
     int nl = moe__kernel_levels(lv, 4);
+    /* the row quantizer: every level bit for bit the reference (ties of x / d at k + 0.5, zeros,
+     * tiny and huge values, tails) */
+    {
+        const int lens[] = {1, 3, 7, 8, 9, 16, 17, 31, 64, 512, 513};
+        float x[513];
+        int8_t q0[513], q1[513];
+        for (size_t a = 0; a < sizeof lens / sizeof *lens; a++)
+            for (int mode = 0; mode < 5; mode++) {
+                const int n = lens[a];
+                for (int i = 0; i < n; i++)
+                    x[i] = mode == 0 ? nrand() : mode == 1 ? (float)(i % 9) - 4.5f : mode == 2 ? 0.0f : nrand() * (mode == 3 ? 1e-39f : 1e37f);
+                if (mode == 1) x[n - 1] = 127.0f; /* scale 1: the halves are ties */
+                float d0, d1;
+                int32_t s0, s1;
+                moe__quant8_row(x, n, q0, &d0, &s0);
+                for (int li = 1; li < nl; li++) {
+                    lv[li].quant8_row(x, n, q1, &d1, &s1);
+                    CHECKF(!memcmp(q0, q1, (size_t)n) && !memcmp(&d0, &d1, 4) && s0 == s1, "%s quant8_row n %d mode %d", lv[li].isa, n, mode);
+                }
+            }
+    }
     const int shapes[][4] = {{16, 512, 64, 256}, {16, 512, 64, 37}, {20, 512, 64, 13}, {33, 128, 16, 9}, {5, 64, 16, 37},
                              {3, 96, 32, 20}, {4, 40, 8, 3}, {1, 32, 0, 1}, {6, 64, 7, 4}}; /* H, r, d_r, keys */
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
