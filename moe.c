@@ -3288,8 +3288,8 @@ static int unit_span(const moe_model *m, const moe__weight *const *w, int nw, in
     }
     const int f = lo ? mapped_file(m, lo, (uint64_t)(hi - lo)) : -1;
     if (f < 0 || (uint64_t)(hi - lo) > bytes + bytes / 8 + IO_ALIGN) return 0; /* not in one file, or not adjacent */
-    for (int i = 0; i < nw; i++) /* unit_repack rewrites each MXFP4 matrix over its codes and then its scales */
-        if (w[i]->scale && w[i]->scale != (const unsigned char *)w[i]->data + weight_data_bytes(w[i])) return 0;
+    for (int i = 0; i < nw; i++) /* unit_repack rewrites an interleaved MXFP4 matrix over its codes and then its scales */
+        if (w[i]->scale && x8_type(m, w[i]) >= 0 && w[i]->scale != (const unsigned char *)w[i]->data + weight_data_bytes(w[i])) return 0;
     const unsigned char *b = m->files[f].map;
     *file = f, *start = (uint64_t)(lo - b), *end = (uint64_t)(hi - b);
     *direct = m->cache && bytes >= m->cache->direct_min && m->cache->dfds && m->cache->dfds[f] >= 0;
