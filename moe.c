@@ -3364,9 +3364,10 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
  * at load for what stays mapped or resident, so a cached expert runs the same x8 kernels as a
  * mapped one: the same sums in the same order, the same logits whichever mode loads it. A group
  * of 8 Q4_0/Q8_0/ggml MXFP4 rows takes the same bytes in either layout. A compressed-tensors
- * MXFP4 matrix becomes x8 blocks over its codes and the as many bytes again as its scales right
- * after them: its scales themselves when the unit was read in one stretch (unit_span asks for
- * that), else alignment padding and the scales' own piece (unit_pieces puts it after the codes').
+ * MXFP4 matrix becomes x8 blocks over its codes and, right after them, as many bytes again as
+ * its scales take: its scales themselves when the unit was read in one stretch (unit_span asks
+ * for that), else alignment padding and the scales' own piece (unit_pieces puts it after the
+ * codes').
  * Its scales are set aside first, then its row groups are rewritten from the last: group g's
  * blocks start no earlier than its own codes (copied aside too), so the codes of the groups
  * before it are still in place when their turn comes. Rows not a multiple of 8 stay as they

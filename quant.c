@@ -971,8 +971,8 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
         if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);                                         \
         else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);                                               \
     } while (0)
-/* chunk c of block b's 32-byte rows: a Q8_0x8 chunk, or the low (c < 4) or high nibbles of a
- * 4-bit chunk, as they are (Q4_0) or looked up (MXFP4) */
+/* 4-bit x8 blocks: the 32 bytes holding chunk c (chunks c and c + 4 share them), and chunk c's
+ * values: their low (c < 4) or high nibbles, as Q4_0 uses them (MXFP4 looks them up) */
 #define X8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * ((c) & 3)))
 #define X8_NIBBLES(c) _mm256_and_si256((c) < 4 ? X8_CHUNK(c) : _mm256_srli_epi16(X8_CHUNK(c), 4), m4)
 
