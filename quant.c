@@ -2412,19 +2412,28 @@ void moe__mla_ctx16_ref(const moe__mla_block16 *b, int h0, int h1) {
 
 /* ---- int8 latent cache (MOE_KV_Q8) --------------------------------------------------------- */
 
-void moe__quant8_row(const float *x, int n, int8_t *q, float *d, int32_t *sum) {
-    float amax = 0;
-    for (int i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
-    const float inv = amax > 0 ? 127.0f / amax : 0.0f;
+/* the steps of moe__quant8_row from value i0 on, which the SIMD versions leave to it: the
+ * largest |x| (m: the largest before i0; a NaN is passed over), and the rounding of values i0 ..
+ * n-1 into q, whose sum it returns */
+static float quant8_absmax_tail(const float *x, int i0, int n, float m) {
+    for (int i = i0; i < n; i++) m = fabsf(x[i]) > m ? fabsf(x[i]) : m;
+    return m;
+}
+static int32_t quant8_round_tail(const float *x, float inv, int i0, int n, int8_t *q) {
     int32_t s = 0;
-    for (int i = 0; i < n; i++) {
+    for (int i = i0; i < n; i++) {
         long v = lrintf(x[i] * inv);
         v = v > 127 ? 127 : v < -127 ? -127 : v;
         q[i] = (int8_t)v;
         s += (int32_t)v;
     }
+    return s;
+}
+
+void moe__quant8_row(const float *x, int n, int8_t *q, float *d, int32_t *sum) {
+    const float amax = quant8_absmax_tail(x, 0, n, 0.0f), inv = amax > 0 ? 127.0f / amax : 0.0f;
+    *sum = quant8_round_tail(x, inv, 0, n, q);
     *d = amax / 127.0f;
-    *sum = s;
 }
 
 size_t moe__mla_qt8_bytes(int H, int cw) { return (size_t)(H + 15) / 16 * 16 * (size_t)cw; }
@@ -3258,7 +3267,7 @@ MOE_TARGET("avx2,fma") static void quant8_row_avx2(const float *x, int n, int8_t
     float m8[8], amax = 0;
     _mm256_storeu_ps(m8, mv);
     for (int k = 0; k < 8; k++) amax = m8[k] > amax ? m8[k] : amax;
-    for (int j = i; j < n; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    amax = quant8_absmax_tail(x, i, n, amax);
     const float inv = amax > 0 ? 127.0f / amax : 0.0f;
     const __m256i hi = _mm256_set1_epi32(127), lo = _mm256_set1_epi32(-127);
     __m256i s8 = _mm256_setzero_si256();
@@ -3269,15 +3278,9 @@ MOE_TARGET("avx2,fma") static void quant8_row_avx2(const float *x, int n, int8_t
         const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
         _mm_storel_epi64((__m128i *)(void *)(q + i), _mm_packs_epi16(v16, v16));
     }
-    int32_t s[8], total = 0;
+    int32_t s[8], total = quant8_round_tail(x, inv, i, n, q);
     _mm256_storeu_si256((__m256i *)(void *)s, s8);
     for (int k = 0; k < 8; k++) total += s[k];
-    for (; i < n; i++) {
-        long v = lrintf(x[i] * inv);
-        v = v > 127 ? 127 : v < -127 ? -127 : v;
-        q[i] = (int8_t)v;
-        total += (int32_t)v;
-    }
     *d = amax / 127.0f;
     *sum = total;
 }
@@ -3452,8 +3455,7 @@ static void quant8_row_neon(const float *x, int n, int8_t *q, float *d, int32_t 
     float32x4_t mv = vdupq_n_f32(0);
     int i = 0;
     for (; i + 4 <= n; i += 4) mv = vmaxnmq_f32(vabsq_f32(vld1q_f32(x + i)), mv);
-    float amax = vmaxnmvq_f32(mv);
-    for (int j = i; j < n; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+    const float amax = quant8_absmax_tail(x, i, n, vmaxnmvq_f32(mv));
     const float inv = amax > 0 ? 127.0f / amax : 0.0f;
     int32x4_t s4 = vdupq_n_s32(0);
     for (i = 0; i + 4 <= n; i += 4) {
@@ -3464,13 +3466,7 @@ static void quant8_row_neon(const float *x, int n, int8_t *q, float *d, int32_t 
         const int8x8_t v8 = vmovn_s16(vcombine_s16(v16, v16));
         memcpy(q + i, &v8, 4);
     }
-    int32_t total = vaddvq_s32(s4);
-    for (; i < n; i++) {
-        long v = lrintf(x[i] * inv);
-        v = v > 127 ? 127 : v < -127 ? -127 : v;
-        q[i] = (int8_t)v;
-        total += (int32_t)v;
-    }
+    const int32_t total = vaddvq_s32(s4) + quant8_round_tail(x, inv, i, n, q);
     *d = amax / 127.0f;
     *sum = total;
 }
