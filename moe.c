@@ -1741,59 +1741,61 @@ static void progress(const moe_model *m, const char *stage, int i, int n) {
     if (m->opt.progress) m->opt.progress(m->opt.progress_ud, stage, n > 0 ? (float)i / (float)n : 1.0f);
 }
 
-/* the bytes repack_weight would take for w, or 0 */
-static uint64_t repack_bytes(const moe_model *m, const moe__weight *w) { return w->data && x8_type(m, w) >= 0 ? weight_bytes(w) : 0; }
-
-/* whether the routed experts are interleaved at load: the mapped ones only when everything to
- * interleave fits in repack_budget (0: three quarters of the physical RAM; unknown: yes) */
-static int repack_experts(const moe_model *m) {
-    if (m->opt.expert_mode) return 1; /* cache mode: no mapped expert is repacked (units are, as read) */
-    uint64_t all = repack_bytes(m, &m->lm_head), mapped = 0;
-    for (int i = 0; i < m->cfg.n_layers; i++) {
-        layer *L = &m->layers[i];
-        all += repack_bytes(m, &L->router);
-        for (size_t k = 0; k < N_DENSE_FIELDS && !L->stream; k++) all += repack_bytes(m, layer_matrix(L, k));
-        if (!L->stream) all += repack_bytes(m, &L->k_b) + repack_bytes(m, &L->v_b); /* (at most) */
-        for (int e = 0; L->experts && e < m->cfg.n_experts; e++)
-            for (int j = 0; j < 3; j++) {
-                const moe__weight *w = j == 0 ? &L->experts[e].w1 : j == 1 ? &L->experts[e].w2 : &L->experts[e].w3;
-                const uint64_t b = repack_bytes(m, w);
-                all += b;
-                if (in_mapping(m, w->data)) mapped += b;
-            }
-    }
-    if (!mapped) return 1; /* nothing read from the files: converted at load, already in RAM */
-    uint64_t budget = m->opt.repack_budget;
-    if (!budget) {
-        const long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-        if (pages <= 0 || psz <= 0) return 1;
-        budget = (uint64_t)pages / 4 * 3 * (uint64_t)psz;
-    }
-    return all <= budget;
-}
-
-static moe_status repack_weights(moe_model *m) {
-    const int experts = repack_experts(m);
-    m->info.experts_kept_mapped = !experts;
-    moe_status st = repack_weight(m, &m->lm_head);
+/* The matrices repack_weights may interleave, each given to fn with whether it is a routed
+ * expert's (none in cache mode: the cache interleaves each as it reads it); stage: the
+ * progress stage to report per layer, or NULL. */
+typedef moe_status (*repack_fn)(moe_model *m, moe__weight *w, int expert, void *ud);
+static moe_status each_repackable(moe_model *m, repack_fn fn, void *ud, const char *stage) {
+    moe_status st = fn(m, &m->lm_head, 0, ud);
     for (int i = 0; i < m->cfg.n_layers && !st; i++) {
         layer *L = &m->layers[i];
-        progress(m, "interleaving", i, m->cfg.n_layers);
-        st = repack_weight(m, &L->router);
-        for (size_t k = 0; k < N_DENSE_FIELDS && !st && !L->stream; k++) st = repack_weight(m, layer_matrix(L, k));
+        if (stage) progress(m, stage, i, m->cfg.n_layers);
+        st = fn(m, &L->router, 0, ud);
+        for (size_t k = 0; k < N_DENSE_FIELDS && !st && !L->stream; k++) st = fn(m, layer_matrix(L, k), 0, ud);
         /* absorbed MLA takes k_b and v_b a head at a time: interleaved where a head's rows are
          * whole groups (rows_times) */
         if (!st && L->k_b.data && !L->stream && m->cfg.kv_lora_rank % 8 == 0 && m->cfg.v_head_dim % 8 == 0) {
-            st = repack_weight(m, &L->k_b);
-            if (!st) st = repack_weight(m, &L->v_b);
+            st = fn(m, &L->k_b, 0, ud);
+            if (!st) st = fn(m, &L->v_b, 0, ud);
         }
-        for (int e = 0; L->experts && experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) { /* cache mode: as read */
-            st = repack_weight(m, &L->experts[e].w1);
-            if (!st) st = repack_weight(m, &L->experts[e].w2);
-            if (!st) st = repack_weight(m, &L->experts[e].w3);
+        for (int e = 0; L->experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) {
+            st = fn(m, &L->experts[e].w1, 1, ud);
+            if (!st) st = fn(m, &L->experts[e].w2, 1, ud);
+            if (!st) st = fn(m, &L->experts[e].w3, 1, ud);
         }
     }
     return st;
+}
+
+/* the bytes everything to interleave takes, and those of it routed experts read from the files */
+typedef struct { uint64_t all, mapped; } repack_count;
+static moe_status count_repack(moe_model *m, moe__weight *w, int expert, void *ud) {
+    repack_count *c = ud;
+    const uint64_t b = w->data && x8_type(m, w) >= 0 ? weight_bytes(w) : 0;
+    c->all += b;
+    if (expert && in_mapping(m, w->data)) c->mapped += b;
+    return MOE_OK;
+}
+
+/* ud: whether the routed experts are interleaved too */
+static moe_status repack_one(moe_model *m, moe__weight *w, int expert, void *ud) {
+    return expert && !*(const int *)ud ? MOE_OK : repack_weight(m, w);
+}
+
+/* Interleaves what the x8 kernels take; the routed experts read from the files only when
+ * everything to interleave fits in repack_budget (0: three quarters of the physical RAM;
+ * unknown: they do), so a model bigger than RAM is not copied into RAM. */
+static moe_status repack_weights(moe_model *m) {
+    repack_count c = {0, 0};
+    each_repackable(m, count_repack, &c, NULL);
+    uint64_t budget = m->opt.repack_budget;
+    if (!budget) {
+        const long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+        budget = pages > 0 && psz > 0 ? (uint64_t)pages / 4 * 3 * (uint64_t)psz : UINT64_MAX;
+    }
+    const int experts = !c.mapped || c.all <= budget;
+    m->info.experts_kept_mapped = !experts;
+    return each_repackable(m, repack_one, (void *)&experts, "interleaving");
 }
 
 static moe_status convert_weights(moe_model *m) {
