@@ -401,19 +401,22 @@ void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_
  * reference's on the row as stored) */
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     for (int r = 0; r < 8; r++) out[r] = 0;
-    for (int64_t b = 0; b < n / 32 && type == MOE_T_MXFP4X8; b++) {
-        const moe__block_mxfp4x8 *o = (const moe__block_mxfp4x8 *)w + b;
-        for (int r = 0; r < 8; r++) {
-            int acc = 0;
-            for (int c = 0; c < 4; c++)
-                for (int k = 0; k < 4; k++) {
-                    const uint8_t v = o->qs[c * 32 + r * 4 + k];
-                    acc += e2m1x2[v & 15] * x[b].qs[4 * c + k] + e2m1x2[v >> 4] * x[b].qs[4 * (c + 4) + k];
-                }
-            out[r] += 0.5f * e8m0(o->e[r]) * x[b].d * (float)acc;
+    if (type == MOE_T_MXFP4X8) {
+        for (int64_t b = 0; b < n / 32; b++) {
+            const moe__block_mxfp4x8 *o = (const moe__block_mxfp4x8 *)w + b;
+            for (int r = 0; r < 8; r++) {
+                int acc = 0;
+                for (int c = 0; c < 4; c++)
+                    for (int k = 0; k < 4; k++) {
+                        const uint8_t v = o->qs[c * 32 + r * 4 + k];
+                        acc += e2m1x2[v & 15] * x[b].qs[4 * c + k] + e2m1x2[v >> 4] * x[b].qs[4 * (c + 4) + k];
+                    }
+                out[r] += 0.5f * e8m0(o->e[r]) * x[b].d * (float)acc;
+            }
         }
+        return;
     }
-    for (int64_t b = 0; b < n / 32 && type != MOE_T_MXFP4X8; b++) {
+    for (int64_t b = 0; b < n / 32; b++) {
         int acc[8] = {0};
         const uint16_t *d;
         if (type == MOE_T_Q4_0X8) {
