@@ -1051,6 +1051,14 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_mxfp4_
 #define VNNI_X4_STORE()                                                                                            \
     _mm256_storeu_ps(out, _mm256_add_ps(a00, a01)), _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11)),             \
         _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21)), _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31))
+/* a 4-bit x8 block's 8 chunks u0..u7 in the order of the activation's 4-byte groups: chunk c in
+ * the low nibbles of the block's 32-byte row c, chunk c + 4 in its high ones, each decoded by
+ * DEC (masked: Q4_0; looked up: MXFP4) */
+#define VNNI_X4_NIBBLE_CHUNKS(DEC)                                                                                 \
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32)); \
+    const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96)); \
+    const __m256i u0 = DEC(v0), u4 = DEC(_mm256_srli_epi16(v0, 4)), u1 = DEC(v1), u5 = DEC(_mm256_srli_epi16(v1, 4)); \
+    const __m256i u2 = DEC(v2), u6 = DEC(_mm256_srli_epi16(v2, 4)), u3 = DEC(v3), u7 = DEC(_mm256_srli_epi16(v3, 4))
 
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q4_0x8 *o = w;
@@ -1058,13 +1066,9 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
-        const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
-        /* chunk c (activation group c) in the low nibbles, chunk c + 4 in the high */
-        const __m256i u0 = _mm256_and_si256(v0, m4), u4 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m4);
-        const __m256i u1 = _mm256_and_si256(v1, m4), u5 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m4);
-        const __m256i u2 = _mm256_and_si256(v2, m4), u6 = _mm256_and_si256(_mm256_srli_epi16(v2, 4), m4);
-        const __m256i u3 = _mm256_and_si256(v3, m4), u7 = _mm256_and_si256(_mm256_srli_epi16(v3, 4), m4);
+#define NIBBLES(v) _mm256_and_si256(v, m4)
+        VNNI_X4_NIBBLE_CHUNKS(NIBBLES);
+#undef NIBBLES
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
         VNNI_X4_BLOCK(-8);
     }
@@ -1090,11 +1094,8 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_mxfp
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(o + b, sizeof *o);
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(o[b].qs)), v1 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 32));
-        const __m256i v2 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 64)), v3 = _mm256_loadu_si256((const __m256i *)(o[b].qs + 96));
 #define CODES(v) _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4))
-        const __m256i u0 = CODES(v0), u4 = CODES(_mm256_srli_epi16(v0, 4)), u1 = CODES(v1), u5 = CODES(_mm256_srli_epi16(v1, 4));
-        const __m256i u2 = CODES(v2), u6 = CODES(_mm256_srli_epi16(v2, 4)), u3 = CODES(v3), u7 = CODES(_mm256_srli_epi16(v3, 4));
+        VNNI_X4_NIBBLE_CHUNKS(CODES);
 #undef CODES
         const __m256 dw = mxfp4x8_scales_avx2(o[b].e);
         VNNI_X4_BLOCK(-12);
@@ -1102,6 +1103,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_mxfp
     VNNI_X4_STORE();
 }
 #undef VNNI_X4_ROW
+#undef VNNI_X4_NIBBLE_CHUNKS
 #undef VNNI_X4_BLOCK
 #undef VNNI_X4_STORE
 
@@ -1138,6 +1140,12 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_mxfp
 #define PAIR256(p, q) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))), _mm256_loadu_si256((const __m256i *)(q)), 1)
 /* the two groups' 8 fp16 scales each as 16 floats */
 #define PAIR_SCALES(oa, ob) _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(oa).d)), _mm_loadu_si128((const __m128i *)(ob).d), 1))
+/* as VNNI_X4_NIBBLE_CHUNKS for the two groups, A in the low halves and B in the high */
+#define VNNI_X4X2_NIBBLE_CHUNKS(DEC)                                                                               \
+    const __m512i v0 = PAIR256(oa[b].qs, ob[b].qs), v1 = PAIR256(oa[b].qs + 32, ob[b].qs + 32);                    \
+    const __m512i v2 = PAIR256(oa[b].qs + 64, ob[b].qs + 64), v3 = PAIR256(oa[b].qs + 96, ob[b].qs + 96);          \
+    const __m512i u0 = DEC(v0), u4 = DEC(_mm512_srli_epi16(v0, 4)), u1 = DEC(v1), u5 = DEC(_mm512_srli_epi16(v1, 4)); \
+    const __m512i u2 = DEC(v2), u6 = DEC(_mm512_srli_epi16(v2, 4)), u3 = DEC(v3), u7 = DEC(_mm512_srli_epi16(v3, 4))
 
 MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     const moe__block_q4_0x8 *oa = w, *ob = oa + n / 32;
@@ -1146,12 +1154,9 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(oa + b, sizeof *oa);
         prefetch_ahead(ob + b, sizeof *ob);
-        const __m512i v0 = PAIR256(oa[b].qs, ob[b].qs), v1 = PAIR256(oa[b].qs + 32, ob[b].qs + 32);
-        const __m512i v2 = PAIR256(oa[b].qs + 64, ob[b].qs + 64), v3 = PAIR256(oa[b].qs + 96, ob[b].qs + 96);
-        const __m512i u0 = _mm512_and_si512(v0, m4), u4 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4);
-        const __m512i u1 = _mm512_and_si512(v1, m4), u5 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4);
-        const __m512i u2 = _mm512_and_si512(v2, m4), u6 = _mm512_and_si512(_mm512_srli_epi16(v2, 4), m4);
-        const __m512i u3 = _mm512_and_si512(v3, m4), u7 = _mm512_and_si512(_mm512_srli_epi16(v3, 4), m4);
+#define NIBBLES(v) _mm512_and_si512(v, m4)
+        VNNI_X4X2_NIBBLE_CHUNKS(NIBBLES);
+#undef NIBBLES
         const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
         VNNI_X4X2_BLOCK(-8);
     }
@@ -1180,11 +1185,8 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     for (int64_t b = 0; b < n / 32; b++) {
         prefetch_ahead(oa + b, sizeof *oa);
         prefetch_ahead(ob + b, sizeof *ob);
-        const __m512i v0 = PAIR256(oa[b].qs, ob[b].qs), v1 = PAIR256(oa[b].qs + 32, ob[b].qs + 32);
-        const __m512i v2 = PAIR256(oa[b].qs + 64, ob[b].qs + 64), v3 = PAIR256(oa[b].qs + 96, ob[b].qs + 96);
 #define CODES(v) _mm512_shuffle_epi8(lut, _mm512_and_si512(v, m4))
-        const __m512i u0 = CODES(v0), u4 = CODES(_mm512_srli_epi16(v0, 4)), u1 = CODES(v1), u5 = CODES(_mm512_srli_epi16(v1, 4));
-        const __m512i u2 = CODES(v2), u6 = CODES(_mm512_srli_epi16(v2, 4)), u3 = CODES(v3), u7 = CODES(_mm512_srli_epi16(v3, 4));
+        VNNI_X4X2_NIBBLE_CHUNKS(CODES);
 #undef CODES
         const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(mxfp4x8_scales_avx2(oa[b].e))),
                                                               _mm256_castps_pd(mxfp4x8_scales_avx2(ob[b].e)), 1));
@@ -1196,6 +1198,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #undef VNNI_X4X2_BLOCK
 #undef VNNI_X4X2_STORE
 #undef PAIR256
+#undef VNNI_X4X2_NIBBLE_CHUNKS
 #undef PAIR_SCALES
 
 /* the same for Q8_0x8, each chunk loaded once for the 4 rows */
