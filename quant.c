@@ -2487,15 +2487,27 @@ static void weights8_round_tail(const float *p, const float *d, float inv, int j
     for (int j = jn; j < lw; j++) w[j] = 0;
 }
 
-void moe__mla_weights8(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
-                       float *work) {
+/* moe__mla_weights8 with a level's two steps for a head's row p of jn weights (d: the keys'
+ * scales): the largest product, and the products times inv rounded into bytes, zeros up to lw */
+typedef float (*weights8_max_fn)(const float *p, const float *d, int jn);
+typedef void (*weights8_round_fn)(const float *p, const float *d, float inv, int jn, int lw, uint8_t *w);
+static void weights8_heads(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
+                           float *work, weights8_max_fn max, weights8_round_fn round) {
     for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
     for (int h = h0; h < h1; h++) {
-        const float wmax = max_prod(p + (size_t)h * ld, work, jn), inv = wmax > 0 ? 255.0f / wmax : 0.0f;
-        uint8_t *wh = w + (size_t)h * lw;
-        weights8_round_tail(p + (size_t)h * ld, work, inv, 0, jn, lw, wh);
+        const float wmax = max(p + (size_t)h * ld, work, jn), inv = wmax > 0 ? 255.0f / wmax : 0.0f;
+        round(p + (size_t)h * ld, work, inv, jn, lw, w + (size_t)h * lw);
         ws[h] = wmax / 255.0f;
     }
+}
+
+static void weights8_round_ref(const float *p, const float *d, float inv, int jn, int lw, uint8_t *w) {
+    weights8_round_tail(p, d, inv, 0, jn, lw, w);
+}
+
+void moe__mla_weights8(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
+                       float *work) {
+    weights8_heads(p, ld, meta, jn, h0, h1, w, lw, ws, work, max_prod, weights8_round_ref);
 }
 
 /* the score of key j (row c, meta mt) for head h from the two integer dot products */
@@ -3120,26 +3132,24 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
  * broadcast: 4 heads x 64 latent values in 16 accumulators; slices of 64 values outside, so the
  * block's slice stays in L1 while the head groups pass */
 /* moe__mla_weights8 in 16 lanes: the same products, maximum and rounding steps, so the same bytes */
-MOE_TARGET(MOE_AVX512) static void mla_weights8_avx512(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w,
-                                                       int lw, float *ws, float *work) {
-    for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
-    for (int h = h0; h < h1; h++) {
-        const float *ph = p + (size_t)h * ld;
-        __m512 mv = _mm512_setzero_ps();
-        int j = 0;
-        for (; j + 16 <= jn; j += 16) mv = _mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(ph + j), _mm512_loadu_ps(work + j)), mv);
-        float wmax = _mm512_reduce_max_ps(mv);
-        wmax = weights8_max_tail(ph, work, j, jn, wmax);
-        const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
-        const __m512 vi = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(255.0f);
-        uint8_t *wh = w + (size_t)h * lw;
-        for (j = 0; j + 16 <= jn; j += 16) {
-            const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(ph + j), _mm512_loadu_ps(work + j)), vi), half);
-            _mm_storeu_si128((__m128i *)(wh + j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(v, top))));
-        }
-        weights8_round_tail(ph, work, inv, j, jn, lw, wh);
-        ws[h] = wmax / 255.0f;
+MOE_TARGET(MOE_AVX512) static float weights8_max_avx512(const float *p, const float *d, int jn) {
+    __m512 mv = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= jn; j += 16) mv = _mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(p + j), _mm512_loadu_ps(d + j)), mv);
+    return weights8_max_tail(p, d, j, jn, _mm512_reduce_max_ps(mv));
+}
+MOE_TARGET(MOE_AVX512) static void weights8_round_avx512(const float *p, const float *d, float inv, int jn, int lw, uint8_t *w) {
+    const __m512 vi = _mm512_set1_ps(inv), half = _mm512_set1_ps(0.5f), top = _mm512_set1_ps(255.0f);
+    int j = 0;
+    for (; j + 16 <= jn; j += 16) {
+        const __m512 v = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(p + j), _mm512_loadu_ps(d + j)), vi), half);
+        _mm_storeu_si128((__m128i *)(w + j), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(v, top))));
     }
+    weights8_round_tail(p, d, inv, j, jn, lw, w);
+}
+static void mla_weights8_avx512(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
+                                float *work) {
+    weights8_heads(p, ld, meta, jn, h0, h1, w, lw, ws, work, weights8_max_avx512, weights8_round_avx512);
 }
 
 MOE_TARGET(MOE_AVX512VNNI) static void mla_ctx8_vnni(const moe__mla_block8 *b, int h0, int h1) {
@@ -3291,30 +3301,29 @@ MOE_TARGET("avx2,fma") static void quant8_row_avx2(const float *x, int n, int8_t
     *sum = total;
 }
 
-MOE_TARGET("avx2,fma") static void mla_weights8_avx2(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w,
-                                                     int lw, float *ws, float *work) {
-    for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
-    for (int h = h0; h < h1; h++) {
-        const float *ph = p + (size_t)h * ld;
-        __m256 mv = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 8 <= jn; j += 8) mv = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(ph + j), _mm256_loadu_ps(work + j)), mv);
-        float m8[8], wmax = 0;
-        _mm256_storeu_ps(m8, mv);
-        for (int k = 0; k < 8; k++) wmax = m8[k] > wmax ? m8[k] : wmax;
-        wmax = weights8_max_tail(ph, work, j, jn, wmax);
-        const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
-        const __m256 vi = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(255.0f);
-        uint8_t *wh = w + (size_t)h * lw;
-        for (j = 0; j + 8 <= jn; j += 8) {
-            const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(ph + j), _mm256_loadu_ps(work + j)), vi), half);
-            const __m256i d = _mm256_cvttps_epi32(_mm256_min_ps(v, top)); /* 0..255 */
-            const __m128i s = _mm_packs_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
-            _mm_storel_epi64((__m128i *)(wh + j), _mm_packus_epi16(s, s));
-        }
-        weights8_round_tail(ph, work, inv, j, jn, lw, wh);
-        ws[h] = wmax / 255.0f;
+MOE_TARGET("avx2,fma") static float weights8_max_avx2(const float *p, const float *d, int jn) {
+    __m256 mv = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= jn; j += 8) mv = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), _mm256_loadu_ps(d + j)), mv);
+    float m8[8], m = 0;
+    _mm256_storeu_ps(m8, mv);
+    for (int k = 0; k < 8; k++) m = m8[k] > m ? m8[k] : m;
+    return weights8_max_tail(p, d, j, jn, m);
+}
+MOE_TARGET("avx2,fma") static void weights8_round_avx2(const float *p, const float *d, float inv, int jn, int lw, uint8_t *w) {
+    const __m256 vi = _mm256_set1_ps(inv), half = _mm256_set1_ps(0.5f), top = _mm256_set1_ps(255.0f);
+    int j = 0;
+    for (; j + 8 <= jn; j += 8) {
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(p + j), _mm256_loadu_ps(d + j)), vi), half);
+        const __m256i q = _mm256_cvttps_epi32(_mm256_min_ps(v, top)); /* 0..255 */
+        const __m128i s = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(w + j), _mm_packus_epi16(s, s));
     }
+    weights8_round_tail(p, d, inv, j, jn, lw, w);
+}
+static void mla_weights8_avx2(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
+                              float *work) {
+    weights8_heads(p, ld, meta, jn, h0, h1, w, lw, ws, work, weights8_max_avx2, weights8_round_avx2);
 }
 
 MOE_TARGET("avx2,fma") static void mla_ctx8_avx2(const moe__mla_block8 *b, int h0, int h1) {
@@ -3477,33 +3486,32 @@ static void quant8_row_neon(const float *x, int n, int8_t *q, float *d, int32_t 
     *sum = total;
 }
 
+static float weights8_max_neon(const float *p, const float *d, int jn) {
+    float32x4_t mv = vdupq_n_f32(0);
+    int j = 0;
+    for (; j + 4 <= jn; j += 4) {
+        const float32x4_t v = vmulq_f32(vld1q_f32(p + j), vld1q_f32(d + j));
+        mv = vbslq_f32(vcgtq_f32(v, mv), v, mv);
+    }
+    float m4[4], m = 0;
+    vst1q_f32(m4, mv);
+    for (int k = 0; k < 4; k++) m = m4[k] > m ? m4[k] : m;
+    return weights8_max_tail(p, d, j, jn, m);
+}
+static void weights8_round_neon(const float *p, const float *d, float inv, int jn, int lw, uint8_t *w) {
+    const float32x4_t vi = vdupq_n_f32(inv), half = vdupq_n_f32(0.5f), top = vdupq_n_f32(255.0f);
+    int j = 0;
+    for (; j + 8 <= jn; j += 8) {
+        const float32x4_t a = vaddq_f32(vmulq_f32(vmulq_f32(vld1q_f32(p + j), vld1q_f32(d + j)), vi), half);
+        const float32x4_t b = vaddq_f32(vmulq_f32(vmulq_f32(vld1q_f32(p + j + 4), vld1q_f32(d + j + 4)), vi), half);
+        const uint32x4_t ia = vcvtq_u32_f32(vbslq_f32(vcltq_f32(a, top), a, top)), ib = vcvtq_u32_f32(vbslq_f32(vcltq_f32(b, top), b, top));
+        vst1_u8(w + j, vmovn_u16(vcombine_u16(vmovn_u32(ia), vmovn_u32(ib))));
+    }
+    weights8_round_tail(p, d, inv, j, jn, lw, w);
+}
 static void mla_weights8_neon(const float *p, int ld, const moe__kv8_meta *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
                               float *work) {
-    for (int j = 0; j < jn; j++) work[j] = meta[j].dc;
-    for (int h = h0; h < h1; h++) {
-        const float *ph = p + (size_t)h * ld;
-        float32x4_t mv = vdupq_n_f32(0);
-        int j = 0;
-        for (; j + 4 <= jn; j += 4) {
-            const float32x4_t v = vmulq_f32(vld1q_f32(ph + j), vld1q_f32(work + j));
-            mv = vbslq_f32(vcgtq_f32(v, mv), v, mv);
-        }
-        float m4[4], wmax = 0;
-        vst1q_f32(m4, mv);
-        for (int k = 0; k < 4; k++) wmax = m4[k] > wmax ? m4[k] : wmax;
-        wmax = weights8_max_tail(ph, work, j, jn, wmax);
-        const float inv = wmax > 0 ? 255.0f / wmax : 0.0f;
-        const float32x4_t vi = vdupq_n_f32(inv), half = vdupq_n_f32(0.5f), top = vdupq_n_f32(255.0f);
-        uint8_t *wh = w + (size_t)h * lw;
-        for (j = 0; j + 8 <= jn; j += 8) {
-            const float32x4_t a = vaddq_f32(vmulq_f32(vmulq_f32(vld1q_f32(ph + j), vld1q_f32(work + j)), vi), half);
-            const float32x4_t b = vaddq_f32(vmulq_f32(vmulq_f32(vld1q_f32(ph + j + 4), vld1q_f32(work + j + 4)), vi), half);
-            const uint32x4_t ia = vcvtq_u32_f32(vbslq_f32(vcltq_f32(a, top), a, top)), ib = vcvtq_u32_f32(vbslq_f32(vcltq_f32(b, top), b, top));
-            vst1_u8(wh + j, vmovn_u16(vcombine_u16(vmovn_u32(ia), vmovn_u32(ib))));
-        }
-        weights8_round_tail(ph, work, inv, j, jn, lw, wh);
-        ws[h] = wmax / 255.0f;
-    }
+    weights8_heads(p, ld, meta, jn, h0, h1, w, lw, ws, work, weights8_max_neon, weights8_round_neon);
 }
 
 static void mla_ctx8_neon(const moe__mla_block8 *b, int h0, int h1) {
