@@ -1245,8 +1245,8 @@ static void test_expert_paths(void) {
             remove(out);
         }
     /* MXFP4 experts under MOE_FLAG_MXFP4_INT8, interleaved at load and by the cache's reads: the
-     * checkpoint's compressed-tensors layout (scales apart: the cache rewrites the unit) and the
-     * ggml layout of its GGUF (in place) */
+     * checkpoint's compressed-tensors layout (codes and then scales rewritten together) and the
+     * ggml layout of its GGUF (group by group) */
     for (int gi = 0; gi < 2; gi++) {
         char dir[600], out[600];
         snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
