@@ -40,6 +40,13 @@ static inline void prefetch_row(const void *p, int bytes) {
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o));
 }
 static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row((const void *)((uintptr_t)p + PREFETCH_AHEAD), bytes); }
+/* the same into L2 only (prefetcht1, PLDL2KEEP): on Zen 4 a burst of prefetches into L1 (8 keys of
+ * the int8 latent cache, 72 lines) left the scores kernel reading its keys from memory at half
+ * the speed of keys already in L3; into L2 it ran as fast as from L3 (bench/RESULTS.md) */
+static inline void prefetch_row_l2(const void *p, int bytes) {
+    const uintptr_t a = (uintptr_t)p;
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o), 0, 2);
+}
 #endif
 
 /* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
@@ -2612,9 +2619,9 @@ MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
     for (; j + 2 <= b->j1; j += 2) {
         const float *c0 = b->cache + (size_t)j * cw, *c1 = c0 + cw;
         int h = 0;
-        if (b->H < 8) prefetch_row(c0 + (size_t)4 * cw, cw * 8); /* keys j+4 and j+5 */
+        if (b->H < 8) prefetch_row_l2(c0 + (size_t)4 * cw, cw * 8); /* keys j+4 and j+5 */
         for (; h + 4 <= b->H; h += 4) {
-            if (b->H >= 8 && h < 8) prefetch_row(c0 + (size_t)(4 + h / 4) * cw, cw * 4); /* one of them per head group */
+            if (b->H >= 8 && h < 8) prefetch_row_l2(c0 + (size_t)(4 + h / 4) * cw, cw * 4); /* one of them per head group */
             const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
             const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
             __m256 t00 = _mm256_setzero_ps(), t01 = t00, t10 = t00, t11 = t00, t20 = t00, t21 = t00, t30 = t00, t31 = t00;
@@ -2638,7 +2645,7 @@ MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
         if (h < b->H) mla_scores1_avx2(b, j, h), mla_scores1_avx2(b, j + 1, h);
     }
     for (; j < b->j1; j++) {
-        prefetch_row(b->cache + (size_t)(j + 4) * cw, cw * 4);
+        prefetch_row_l2(b->cache + (size_t)(j + 4) * cw, cw * 4);
         mla_scores1_avx2(b, j, 0);
     }
 }
@@ -2791,7 +2798,7 @@ MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
                     const float *c0 = b->cache + (size_t)jq * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
                     /* the first four head groups prefetch one row each of the next jg keys per tile: a
                      * decode step reads the latent cache from memory, once */
-                    if (h < 16) prefetch_row(b->cache + (size_t)(j + jg + h / 4 * (jg / 4) + (jq - j) / 4) * cw, cw * 4);
+                    if (h < 16) prefetch_row_l2(b->cache + (size_t)(j + jg + h / 4 * (jg / 4) + (jq - j) / 4) * cw, cw * 4);
                     const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
                     const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
                     __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
@@ -2900,7 +2907,7 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_scores16_avx512bf16(const moe__mla_bl
             const uint16_t *c0 = b->cache + (size_t)j * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
             int h = 0;
             for (; h + 4 <= b->H; h += 4) {
-                if (h < 16) prefetch_row(c0 + (size_t)(8 + h / 4) * cw, cw * 2); /* keys j+8 .. j+11, one per head group (measured best; 4 ahead: 10% slower) */
+                if (h < 16) prefetch_row_l2(c0 + (size_t)(8 + h / 4) * cw, cw * 2); /* keys j+8 .. j+11, one per head group (measured best; 4 ahead: 10% slower) */
                 const uint16_t *a0 = b->q + (size_t)h * cw, *a1 = a0 + cw, *a2 = a1 + cw, *a3 = a2 + cw;
                 __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
                 __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
@@ -3019,7 +3026,7 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
     int j = b->j0;
     for (; j + 8 <= b->j1; j += 8) {
         const int8_t *c = b->cache + (size_t)j * cw;
-        prefetch_row(c + (size_t)8 * cw, 8 * cw);
+        prefetch_row_l2(c + (size_t)8 * cw, 8 * cw);
         const moe__kv8_meta *mt = b->meta + j;
         for (int g = 0; g < ng; g++) {
             const int8_t *qt = b->qt + (size_t)g * nq * 64;
@@ -3038,10 +3045,12 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
         DPBUSD512(a3, q_, BC(3, i)); DPBUSD512(a4, q_, BC(4, i)); DPBUSD512(a5, q_, BC(5, i));              \
         DPBUSD512(a6, q_, BC(6, i)); DPBUSD512(a7, q_, BC(7, i));                                          \
     } while (0)
-/* 16 bytes of each key at once, in every 128-bit lane (one load for 4 chunks), each chunk picked
- * in registers by vpshufd: a broadcast load per dpbusd held the kernel to about 320 G
- * multiply-adds/s on one core, this to about 425 (256 keys of 576 bytes in L2); with 16384 keys
- * a layer from memory 0.51-0.54 -> 0.39-0.42 ms (throwaway harness, bench/RESULTS.md) */
+/* 16 bytes of each key at a time: the first two 4-byte chunks picked in registers by vpshufd from
+ * one load into every 128-bit lane, the other two broadcast from memory. Picking all four was
+ * the fastest on Zen 5 (full-width 512-bit units: about 425 G multiply-adds/s on one core against
+ * 320 with a broadcast load per dpbusd) and the slowest on Zen 4 (double-pumped: 148 against 177,
+ * the shuffles queue for the vector units while the load units idle); two and two ran at 172 on
+ * Zen 4 (256 keys of 576 bytes in L2; bench/RESULTS.md) */
 #define KEY16(n, i) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)(c + (size_t)(n) * cw + (i))))
 #define STEP8_PICK(i, s, imm)                                                                               \
     do {                                                                                                    \
@@ -3057,8 +3066,8 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
         const __m512i k4 = KEY16(4, i), k5 = KEY16(5, i), k6 = KEY16(6, i), k7 = KEY16(7, i);               \
         STEP8_PICK(i, 0, _MM_PERM_AAAA);                                                                    \
         STEP8_PICK(i, 1, _MM_PERM_BBBB);                                                                    \
-        STEP8_PICK(i, 2, _MM_PERM_CCCC);                                                                    \
-        STEP8_PICK(i, 3, _MM_PERM_DDDD);                                                                    \
+        STEP8((i) + 8);                                                                                     \
+        STEP8((i) + 12);                                                                                    \
     } while (0)
             if (wide)
                 for (int i = 0; i < r; i += 16) STEP8X4(i);
