@@ -39,14 +39,14 @@ static inline void prefetch_row(const void *p, int bytes) {
     const uintptr_t a = (uintptr_t)p;
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o));
 }
-static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row((const void *)((uintptr_t)p + PREFETCH_AHEAD), bytes); }
-/* the same into L2 only (prefetcht1, PLDL2KEEP): on Zen 4 a burst of prefetches into L1 (8 keys of
+/* prefetch_row into L2 only (prefetcht1, PLDL2KEEP): on Zen 4 a burst of prefetches into L1 (8 keys of
  * the int8 latent cache, 72 lines) left the scores kernel reading its keys from memory at half
  * the speed of keys already in L3; into L2 it ran as fast as from L3 (bench/RESULTS.md) */
 static inline void prefetch_row_l2(const void *p, int bytes) {
     const uintptr_t a = (uintptr_t)p;
     for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o), 0, 2);
 }
+static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row((const void *)((uintptr_t)p + PREFETCH_AHEAD), bytes); }
 #endif
 
 /* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
@@ -986,42 +986,52 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 #define X8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * ((c) & 3)))
 #define X8_NIBBLES(c) _mm256_and_si256((c) < 4 ? X8_CHUNK(c) : _mm256_srli_epi16(X8_CHUNK(c), 4), m4)
 
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    const moe__block_q4_0x8 *o = w;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-        VNNI_X1_BLOCK(X8_NIBBLES, -8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)));
+/* The three 1-row VNNI kernels come in two builds: with the software prefetch of the weights
+ * (PREFETCH_AHEAD) and without it, leaving the stream to the hardware prefetchers.
+ * moe__kernel_levels takes the second on Zen 4, where it was 5% faster for a whole decode token
+ * (2 threads, tokens alternating between the builds in one process), as prefetching to L2 was
+ * 7-8% slower; on Zen 5 the software prefetch had taken one core from 28-30 to 40 GB/s
+ * (bench/RESULTS.md). Same products, bit for bit (quant_blocks runs both). */
+#define VNNI_X1_KERNELS(name, PF)                                                                                   \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q4_0_##name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
+        const moe__block_q4_0x8 *o = w;                                                                             \
+        const __m256i m4 = _mm256_set1_epi8(15);                                                                    \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                              \
+        for (int64_t b = 0; b < n / 32; b++) {                                                                      \
+            PF(o + b, sizeof *o);                                                                                   \
+            VNNI_X1_BLOCK(X8_NIBBLES, -8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)));               \
+        }                                                                                                           \
+        _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                           \
+    }                                                                                                               \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_##name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
+        const moe__block_q8_0x8 *o = w;                                                                             \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                              \
+        for (int64_t b = 0; b < n / 32; b++) {                                                                      \
+            PF(o + b, sizeof *o);                                                                                   \
+            VNNI_X1_BLOCK(Q8_CHUNK, -128, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)));               \
+        }                                                                                                           \
+        _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                           \
+    }                                                                                                               \
+    /* MXFP4x8: codes looked up as 2 E2M1 + 12 (bias -12) */                                                     \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_mxfp4_##name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
+        const moe__block_mxfp4x8 *o = w;                                                                            \
+        const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();                                          \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                              \
+        for (int64_t b = 0; b < n / 32; b++) {                                                                      \
+            PF(o + b, sizeof *o);                                                                                   \
+            VNNI_X1_BLOCK(MXFP4_CODES, -12, mxfp4x8_scales_avx2(o[b].e));                                           \
+        }                                                                                                           \
+        _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                           \
     }
-    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
-}
-
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    const moe__block_q8_0x8 *o = w;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-#define QV(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
-        VNNI_X1_BLOCK(QV, -128, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)));
-#undef QV
-    }
-    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
-}
-
-/* MXFP4x8: codes looked up as 2 E2M1 + 12 (bias -12) */
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_mxfp4_vnni(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    const moe__block_mxfp4x8 *o = w;
-    const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-#define CODES(c) _mm256_shuffle_epi8(lut, X8_NIBBLES(c))
-        VNNI_X1_BLOCK(CODES, -12, mxfp4x8_scales_avx2(o[b].e));
-#undef CODES
-    }
-    _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));
-}
+#define Q8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
+#define MXFP4_CODES(c) _mm256_shuffle_epi8(lut, X8_NIBBLES(c))
+#define NO_PREFETCH(p, bytes) ((void)(p), (void)(bytes))
+VNNI_X1_KERNELS(vnni, prefetch_ahead)
+VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
+#undef VNNI_X1_KERNELS
+#undef Q8_CHUNK
+#undef MXFP4_CODES
+#undef NO_PREFETCH
 #undef VNNI_X1_BLOCK
 #undef X8_CHUNK
 #undef X8_NIBBLES
@@ -1637,6 +1647,15 @@ static int cpu_has_vnni(void) {
 static int cpu_has_avx512bf16(void) {
     unsigned a, b, c, d;
     return cpu_has_avx512() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
+}
+
+/* AMD family 19h: Zen 3 and Zen 4 (the ones with AVX-512 are Zen 4) */
+static int cpu_is_amd_family19(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u || d != 0x69746e65u || c != 0x444d4163u) return 0; /* "AuthenticAMD" */
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned base = (a >> 8) & 0xf;
+    return (base == 0xf ? base + ((a >> 20) & 0xff) : base) == 0x19;
 }
 
 static int cpu_has_avx2(void) {
@@ -3590,6 +3609,17 @@ static void kernels_scalar(moe__kernels *k) {
     k->isa = "scalar";
 }
 
+void moe__x8_prefetch(moe__kernels *k, int on) {
+#ifdef MOE_X86
+    if (k->dotq8[MOE_T_Q4_0X8] != dotq8_q4_0_vnni && k->dotq8[MOE_T_Q4_0X8] != dotq8_q4_0_vnni_hw) return;
+    k->dotq8[MOE_T_Q4_0X8] = on ? dotq8_q4_0_vnni : dotq8_q4_0_vnni_hw;
+    k->dotq8[MOE_T_Q8_0X8] = on ? dotq8_q8_0_vnni : dotq8_q8_0_vnni_hw;
+    k->dotq8[MOE_T_MXFP4X8] = on ? dotq8_mxfp4_vnni : dotq8_mxfp4_vnni_hw;
+#else
+    (void)k, (void)on;
+#endif
+}
+
 int moe__kernel_levels(moe__kernels *out, int max) {
     int n = 0;
     if (n < max) kernels_scalar(&out[n++]);
@@ -3656,11 +3686,12 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq[MOE_T_Q4_0] = dotq_q4_0_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
+                v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
+                if (cpu_is_amd_family19()) moe__x8_prefetch(v, 0);
                 v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_vnni;
                 v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_vnni;
                 v->dotq8x4x2[MOE_T_Q4_0X8] = dotq8x4x2_q4_0_vnni;
                 v->dotq8x4x2[MOE_T_Q8_0X8] = dotq8x4x2_q8_0_vnni;
-                v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
                 v->dotq8x4[MOE_T_MXFP4X8] = dotq8x4_mxfp4_vnni;
                 v->dotq8x4x2[MOE_T_MXFP4X8] = dotq8x4x2_mxfp4_vnni;
                 v->mla_scores8 = mla_scores8_vnni;

@@ -533,6 +533,13 @@ static void test_quant_blocks(void) {
             }
             free(pair);
             free(x4);
+            for (int li = 0; li < nl; li++) { /* the builds with and without software prefetch */
+                moe__kernels on = lv[li], off = lv[li];
+                moe__x8_prefetch(&on, 1), moe__x8_prefetch(&off, 0);
+                float o1[8], o0[8];
+                on.dotq8[xt](packed, xq, n, o1), off.dotq8[xt](packed, xq, n, o0);
+                CHECKF(!memcmp(o1, o0, sizeof o1), "%s x8 type %d n %d: the prefetch builds differ", lv[li].isa, type, n);
+            }
             for (int li = 0; li < nl; li++) {
                 float out[8];
                 lv[li].dotq8[xt](packed, xq, n, out);
