@@ -2330,9 +2330,16 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
 /* tasks u0 .. u0+n-1 of the jobs whose tasks start at start[0..] (job i: start[i] .. start[i+1]-1) */
 static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, int64_t u0, int64_t n) {
     int i = 0;
-    for (int64_t u = u0; u < u0 + n; u++) {
+    for (int64_t u = u0; u < u0 + n;) {
         while (u >= start[i + 1]) i++;
-        mm_task(m, &j[i], (u - start[i]) * mm_task_rows(m, &j[i]));
+        const moe__weight *W = j[i].W;
+        if (j[i].T == 1 && mm_per(W) == 8) { /* decode over an interleaved matrix: this job's groups in one loop (the calls mm_task makes) */
+            const int64_t end = start[i + 1] < u0 + n ? start[i + 1] : u0 + n, gb = 8 * moe__row_bytes(W->type, W->cols);
+            const unsigned char *base = W->data;
+            for (int64_t g = u - start[i]; g < end - start[i]; g++) m->k.dotq8[W->type](base + g * gb, j[i].xq, W->cols, j[i].y + 8 * g);
+            u = end;
+        } else
+            mm_task(m, &j[i], (u - start[i]) * mm_task_rows(m, &j[i])), u++;
     }
 }
 
