@@ -1568,13 +1568,19 @@ static void count_params(moe_model *m) {
     m->info.format = m->gguf ? "gguf" : "safetensors";
 }
 
-/* Asks for transparent huge pages over [p, p + bytes) before it is first written (a hint: where
- * the system has none, nothing changes) */
-static void advise_huge(void *p, size_t bytes) {
+/* the 4 KB pages wholly inside [p, p + n): [*a, *e); 0 if there are none */
+static int whole_pages(const void *p, size_t n, uintptr_t *a, uintptr_t *e) {
+    *a = ((uintptr_t)p + 4095) & ~(uintptr_t)4095, *e = ((uintptr_t)p + n) & ~(uintptr_t)4095;
+    return *e > *a;
+}
+
+/* Asks for transparent huge pages over the pages wholly inside [p, p + n) before they are first
+ * written (a hint: where the system has none, nothing changes) */
+static void advise_huge(const void *p, size_t n) {
+    uintptr_t a, e;
+    if (!whole_pages(p, n, &a, &e)) return;
 #ifdef MADV_HUGEPAGE
-    madvise(p, bytes, MADV_HUGEPAGE);
-#else
-    (void)p, (void)bytes;
+    madvise((void *)a, e - a, MADV_HUGEPAGE);
 #endif
 }
 
@@ -1582,8 +1588,8 @@ static void advise_huge(void *p, size_t bytes) {
  * page cache keeps clean pages that the kernel, or a memory cgroup, reclaims first). Only pages
  * wholly inside the range; a hint. */
 static void drop_mapped(const void *p, size_t n) {
-    uintptr_t a = ((uintptr_t)p + 4095) & ~(uintptr_t)4095, e = ((uintptr_t)p + n) & ~(uintptr_t)4095;
-    if (e <= a) return;
+    uintptr_t a, e;
+    if (!whole_pages(p, n, &a, &e)) return;
 #ifdef MADV_DONTNEED
     madvise((void *)a, e - a, MADV_DONTNEED); /* private read-only mapping: re-read from the file if touched */
 #else
@@ -2651,8 +2657,7 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
     /* huge pages for the rows not yet written: a decode step reads the whole cache from memory,
      * and with 4 KB pages the int8 scores of 6 layers x 8192 keys took 3.8 ms, with THP 3.1
      * (Zen 4, one thread; bench/RESULTS.md) */
-    const uintptr_t a = ((uintptr_t)p + 4095) & ~(uintptr_t)4095, e = ((uintptr_t)p + bytes) & ~(uintptr_t)4095;
-    if (e > a) advise_huge((void *)a, e - a);
+    advise_huge(p, bytes);
     if (s->m->opt.kv_type == MOE_KV_Q8) {
         moe__kv8_meta *mp = realloc(s->mla_meta[li], sizeof *mp * (size_t)cap);
         if (!mp) return MOE_ERR_NOMEM; /* the larger cache is kept; its capacity is not raised */
