@@ -2268,6 +2268,14 @@ static int mm_mxfp4_int8(const moe_model *m, const moe__weight *W) {
 /* whether W's kernels read the activations quantized to 8-bit blocks */
 static int mm_quantized(const moe_model *m, const moe__weight *W) { return mm_per(W) == 8 || moe__is_quant(W->type) || mm_mxfp4_int8(m, W); }
 
+/* the x8 groups g0 .. g1-1 of interleaved W times one activation row xq (x quantized by
+ * quant_q8a), one kernel call each: group g's 8 outputs at y[8 (g - g0)] */
+static void x8_groups(const moe_model *m, const moe__weight *W, int64_t g0, int64_t g1, const moe__block_q8a *xq, float *y) {
+    const int64_t gb = 8 * moe__row_bytes(W->type, W->cols);
+    const unsigned char *base = W->data;
+    for (int64_t g = g0; g < g1; g++) m->k.dotq8[W->type](base + g * gb, xq, W->cols, y + 8 * (g - g0));
+}
+
 /* y[i] = scale * (row row0 + i of W) . x for n rows: x as f32 for the float formats, as xq (x
  * quantized by quant_q8a) for Q8_0/Q4_0, interleaved or not (and MXFP4 under
  * MOE_FLAG_MXFP4_INT8); for an interleaved W, row0 and n are multiples of 8 */
@@ -2276,10 +2284,8 @@ static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, i
     const int64_t K = W->cols, rb = moe__row_bytes(W->type, K), sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
     const unsigned char *base = W->data;
     if (mm_per(W) == 8) { /* interleaved (row0 and n whole groups): 8 rows a call */
-        for (int64_t g = 0; g < n / 8; g++) {
-            m->k.dotq8[W->type](base + (row0 + 8 * g) * rb, xq, K, y + 8 * g);
-            for (int i = 0; scale != 1.0f && i < 8; i++) y[8 * g + i] *= scale;
-        }
+        x8_groups(m, W, row0 / 8, (row0 + n) / 8, xq, y);
+        for (int64_t i = 0; scale != 1.0f && i < n; i++) y[i] *= scale;
         return;
     }
     if (moe__is_quant(W->type) || (W->type == MOE_T_MXFP4_GGML && mm_mxfp4_int8(m, W))) {
@@ -2320,7 +2326,7 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
                     for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(tg + i) * N + rg, o32 + 8 * i, sizeof(float) * 8);
                 }
             for (; tg < T; tg++) /* decode: the 8 outputs straight into y */
-                m->k.dotq8[W->type](base + rg / 8 * gb, j->xq + (int64_t)tg * nb, K, j->y + (int64_t)tg * N + rg);
+                x8_groups(m, W, rg / 8, rg / 8 + 1, j->xq + (int64_t)tg * nb, j->y + (int64_t)tg * N + rg);
         }
         return;
     }
@@ -2340,9 +2346,8 @@ static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, 
         while (u >= start[i + 1]) i++;
         const moe__weight *W = j[i].W;
         if (j[i].T == 1 && mm_per(W) == 8) { /* decode over an interleaved matrix: this job's groups in one loop (the calls mm_task makes) */
-            const int64_t end = start[i + 1] < u0 + n ? start[i + 1] : u0 + n, gb = 8 * moe__row_bytes(W->type, W->cols);
-            const unsigned char *base = W->data;
-            for (int64_t g = u - start[i]; g < end - start[i]; g++) m->k.dotq8[W->type](base + g * gb, j[i].xq, W->cols, j[i].y + 8 * g);
+            const int64_t end = start[i + 1] < u0 + n ? start[i + 1] : u0 + n, g0 = u - start[i];
+            x8_groups(m, W, g0, end - start[i], j[i].xq, j[i].y + 8 * g0);
             u = end;
         } else
             mm_task(m, &j[i], (u - start[i]) * mm_task_rows(m, &j[i])), u++;

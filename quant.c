@@ -34,18 +34,15 @@
  * ranges of rows). A prefetch never faults; the address is formed as an integer, so no pointer
  * past an object is made. */
 #define PREFETCH_AHEAD 8192
-/* the lines of bytes at p (which may lie past the end of the data: never dereferenced) */
-static inline void prefetch_row(const void *p, int bytes) {
-    const uintptr_t a = (uintptr_t)p;
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o));
-}
+/* the lines of bytes at p (which may lie past the end of the data: never dereferenced), with
+ * __builtin_prefetch's locality (a constant): 3 into L1, 2 into L2 */
+#define PREFETCH_LINES(p, bytes, locality)                                                                         \
+    for (int o_ = 0; o_ < (bytes); o_ += 64) __builtin_prefetch((const void *)((uintptr_t)(p) + (uintptr_t)o_), 0, locality)
+static inline void prefetch_row(const void *p, int bytes) { PREFETCH_LINES(p, bytes, 3); }
 /* prefetch_row into L2 only (prefetcht1, PLDL2KEEP): on Zen 4 a burst of prefetches into L1 (8 keys of
  * the int8 latent cache, 72 lines) left the scores kernel reading its keys from memory at half
  * the speed of keys already in L3; into L2 it ran as fast as from L3 (bench/RESULTS.md) */
-static inline void prefetch_row_l2(const void *p, int bytes) {
-    const uintptr_t a = (uintptr_t)p;
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const void *)(a + (uintptr_t)o), 0, 2);
-}
+static inline void prefetch_row_l2(const void *p, int bytes) { PREFETCH_LINES(p, bytes, 2); }
 static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row((const void *)((uintptr_t)p + PREFETCH_AHEAD), bytes); }
 #endif
 
@@ -957,30 +954,35 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
     _mm256_storeu_ps(out, acc);
 }
 
-/* x8 groups, AVX-512 VNNI (256-bit): dpbusd does maddubs + madd + add in one instruction and
- * cannot saturate, so both formats use the unsigned form and subtract off * sum(x) */
-/* Block b of an x8 group against one activation row, VNNI: the group's 8 chunks U(0) .. U(7)
- * (unsigned bytes, in the order of the activation's 4-byte groups) in four dpbusd chains with
- * bias * sum(x) folded into the first, then the block's sum times DW (the rows' scales) and the
- * activation's scale into the even or odd float accumulator. dpbusd has a latency of several
- * cycles: four independent sums per block and two float accumulators keep the chains short, so
- * the loads, not the latencies, set the pace. */
-#define VNNI_X1_BLOCK(U, bias, DW)                                                                                 \
+/* x8 groups, AVX-512 VNNI: dpbusd does maddubs + madd + add in one instruction and cannot
+ * saturate, so every format uses the unsigned form and subtracts off * sum(x) */
+/* Block b of x8 weights in W-bit registers (256: one group; 512: two groups side by side) against
+ * one activation block XB: the block's 8 chunks U(0) .. U(7) (unsigned bytes, in the order of the
+ * activation's 4-byte groups) in four dpbusd chains with bias * sum(x) folded into the first,
+ * then the block's sum times DW (the rows' scales) and the activation's scale into the even (A0)
+ * or odd (A1) float accumulator. dpbusd has a latency of several cycles: four independent sums
+ * per block and two float accumulators keep the chains short, so the loads, not the latencies,
+ * set the pace. The 1-row, 4-row and two-group kernels all take these steps, so each of their
+ * outputs is the same bits. */
+#define VNNI_BLOCK(W, XB, U, bias, DW, A0, A1)                                                                     \
     do {                                                                                                           \
-        const int32_t *xq = (const int32_t *)x[b].qs;                                                              \
-        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32((bias) * x[b].sum), U(0), _mm256_set1_epi32(xq[0]));    \
-        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U(4), _mm256_set1_epi32(xq[4]));                  \
-        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U(1), _mm256_set1_epi32(xq[1]));                  \
-        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), U(5), _mm256_set1_epi32(xq[5]));                  \
-        s0 = _mm256_dpbusd_epi32(s0, U(2), _mm256_set1_epi32(xq[2]));                                              \
-        s1 = _mm256_dpbusd_epi32(s1, U(6), _mm256_set1_epi32(xq[6]));                                              \
-        s2 = _mm256_dpbusd_epi32(s2, U(3), _mm256_set1_epi32(xq[3]));                                              \
-        s3 = _mm256_dpbusd_epi32(s3, U(7), _mm256_set1_epi32(xq[7]));                                              \
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                   \
-        const __m256 d = _mm256_mul_ps(DW, _mm256_set1_ps(x[b].d));                                                \
-        if (b & 1) acc1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc1);                                         \
-        else acc0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc0);                                               \
+        const moe__block_q8a *xb_ = (XB);                                                                          \
+        const int32_t *xq = (const int32_t *)xb_->qs;                                                              \
+        __m##W##i s0 = _mm##W##_dpbusd_epi32(_mm##W##_set1_epi32((bias) * xb_->sum), U(0), _mm##W##_set1_epi32(xq[0])); \
+        __m##W##i s1 = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), U(4), _mm##W##_set1_epi32(xq[4]));          \
+        __m##W##i s2 = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), U(1), _mm##W##_set1_epi32(xq[1]));          \
+        __m##W##i s3 = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), U(5), _mm##W##_set1_epi32(xq[5]));          \
+        s0 = _mm##W##_dpbusd_epi32(s0, U(2), _mm##W##_set1_epi32(xq[2]));                                          \
+        s1 = _mm##W##_dpbusd_epi32(s1, U(6), _mm##W##_set1_epi32(xq[6]));                                          \
+        s2 = _mm##W##_dpbusd_epi32(s2, U(3), _mm##W##_set1_epi32(xq[3]));                                          \
+        s3 = _mm##W##_dpbusd_epi32(s3, U(7), _mm##W##_set1_epi32(xq[7]));                                          \
+        const __m##W##i s = _mm##W##_add_epi32(_mm##W##_add_epi32(s0, s1), _mm##W##_add_epi32(s2, s3));           \
+        const __m##W d = _mm##W##_mul_ps(DW, _mm##W##_set1_ps(xb_->d));                                            \
+        if (b & 1) A1 = _mm##W##_fmadd_ps(d, _mm##W##_cvtepi32_ps(s), A1);                                         \
+        else A0 = _mm##W##_fmadd_ps(d, _mm##W##_cvtepi32_ps(s), A0);                                               \
     } while (0)
+/* the chunks of the 4-row and two-group kernels, unpacked into u0 .. u7 beforehand */
+#define VNNI_UREG(c) u##c
 /* 4-bit x8 blocks: the 32 bytes holding chunk c (chunks c and c + 4 share them), and chunk c's
  * values: their low (c < 4) or high nibbles, as Q4_0 uses them (MXFP4 looks them up) */
 #define X8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * ((c) & 3)))
@@ -992,47 +994,36 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
  * (2 threads, tokens alternating between the builds in one process), as prefetching to L2 was
  * 7-8% slower; on Zen 5 the software prefetch had taken one core from 28-30 to 40 GB/s
  * (bench/RESULTS.md). Same products, bit for bit (quant_blocks runs both). */
-#define VNNI_X1_KERNELS(name, PF)                                                                                   \
-    MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q4_0_##name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
-        const moe__block_q4_0x8 *o = w;                                                                             \
-        const __m256i m4 = _mm256_set1_epi8(15);                                                                    \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                              \
-        for (int64_t b = 0; b < n / 32; b++) {                                                                      \
-            PF(o + b, sizeof *o);                                                                                   \
-            VNNI_X1_BLOCK(X8_NIBBLES, -8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)));               \
-        }                                                                                                           \
-        _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                           \
-    }                                                                                                               \
-    MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_q8_0_##name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
-        const moe__block_q8_0x8 *o = w;                                                                             \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                              \
-        for (int64_t b = 0; b < n / 32; b++) {                                                                      \
-            PF(o + b, sizeof *o);                                                                                   \
-            VNNI_X1_BLOCK(Q8_CHUNK, -128, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d)));               \
-        }                                                                                                           \
-        _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                           \
-    }                                                                                                               \
-    /* MXFP4x8: codes looked up as 2 E2M1 + 12 (bias -12) */                                                     \
-    MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8_mxfp4_##name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
-        const moe__block_mxfp4x8 *o = w;                                                                            \
-        const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();                                          \
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                              \
-        for (int64_t b = 0; b < n / 32; b++) {                                                                      \
-            PF(o + b, sizeof *o);                                                                                   \
-            VNNI_X1_BLOCK(MXFP4_CODES, -12, mxfp4x8_scales_avx2(o[b].e));                                           \
-        }                                                                                                           \
-        _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                           \
+/* one 1-row kernel: block type BT, set-up declarations SETUP, chunk decoder U, bias, scales DW */
+#define VNNI_X1_KERNEL(fname, BT, SETUP, U, bias, DW, PF)                                                          \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void fname(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
+        const BT *o = w;                                                                                           \
+        SETUP                                                                                                      \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                             \
+        for (int64_t b = 0; b < n / 32; b++) {                                                                     \
+            PF(o + b, sizeof *o);                                                                                  \
+            VNNI_BLOCK(256, x + b, U, bias, DW, acc0, acc1);                                                       \
+        }                                                                                                          \
+        _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                          \
     }
+/* Q4_0 and Q8_0 with their fp16 scales; MXFP4x8 with codes looked up as 2 E2M1 + 12 (bias -12) */
+#define VNNI_X1_KERNELS(name, PF)                                                                                  \
+    VNNI_X1_KERNEL(dotq8_q4_0_##name, moe__block_q4_0x8, const __m256i m4 = _mm256_set1_epi8(15);, X8_NIBBLES, -8, X8_FP16_SCALES, PF) \
+    VNNI_X1_KERNEL(dotq8_q8_0_##name, moe__block_q8_0x8, , Q8_CHUNK, -128, X8_FP16_SCALES, PF)                     \
+    VNNI_X1_KERNEL(dotq8_mxfp4_##name, moe__block_mxfp4x8, const __m256i m4 = _mm256_set1_epi8(15); const __m256i lut = mxfp4x8_lut_avx2();, \
+                   MXFP4_CODES, -12, mxfp4x8_scales_avx2(o[b].e), PF)
+#define X8_FP16_SCALES _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d))
 #define Q8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
 #define MXFP4_CODES(c) _mm256_shuffle_epi8(lut, X8_NIBBLES(c))
 #define NO_PREFETCH(p, bytes) ((void)(p), (void)(bytes))
 VNNI_X1_KERNELS(vnni, prefetch_ahead)
 VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
 #undef VNNI_X1_KERNELS
+#undef VNNI_X1_KERNEL
+#undef X8_FP16_SCALES
 #undef Q8_CHUNK
 #undef MXFP4_CODES
 #undef NO_PREFETCH
-#undef VNNI_X1_BLOCK
 #undef X8_CHUNK
 #undef X8_NIBBLES
 
@@ -1042,29 +1033,13 @@ VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
  * so out[t * 8 ..] is bit for bit that kernel's result for row t. u0..u7: the block's 8 weight
  * vectors in the order of the activation's 4-byte groups; bias: -8 (Q4_0) or -128 (Q8_0) times
  * the activation sum. */
-#define VNNI_X4_ROW(t, A0, A1, bias)                                                                               \
-    do {                                                                                                           \
-        const moe__block_q8a *xb = x + (t) * xs + b;                                                               \
-        const int32_t *xq = (const int32_t *)xb->qs;                                                               \
-        __m256i s0 = _mm256_dpbusd_epi32(_mm256_set1_epi32((bias) * xb->sum), u0, _mm256_set1_epi32(xq[0]));       \
-        __m256i s1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, _mm256_set1_epi32(xq[1]));                    \
-        __m256i s2 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u2, _mm256_set1_epi32(xq[2]));                    \
-        __m256i s3 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u3, _mm256_set1_epi32(xq[3]));                    \
-        s0 = _mm256_dpbusd_epi32(s0, u4, _mm256_set1_epi32(xq[4]));                                                \
-        s1 = _mm256_dpbusd_epi32(s1, u5, _mm256_set1_epi32(xq[5]));                                                \
-        s2 = _mm256_dpbusd_epi32(s2, u6, _mm256_set1_epi32(xq[6]));                                                \
-        s3 = _mm256_dpbusd_epi32(s3, u7, _mm256_set1_epi32(xq[7]));                                                \
-        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(s0, s1), _mm256_add_epi32(s2, s3));                   \
-        const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(xb->d));                                                 \
-        if (b & 1) A1 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A1);                                             \
-        else A0 = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), A0);                                                   \
-    } while (0)
-/* the block's 4 rows, then after the last block the sums of each row's even and odd blocks */
-#define VNNI_X4_BLOCK(bias)                                                                                        \
-    VNNI_X4_ROW(0, a00, a01, bias);                                                                                \
-    VNNI_X4_ROW(1, a10, a11, bias);                                                                                \
-    VNNI_X4_ROW(2, a20, a21, bias);                                                                                \
-    VNNI_X4_ROW(3, a30, a31, bias)
+/* the block's 4 activation rows in W-bit registers, into a00/a01 .. a30/a31 */
+#define VNNI_ROWS4(W, bias)                                                                                        \
+    VNNI_BLOCK(W, x + b, VNNI_UREG, bias, dw, a00, a01);                                                           \
+    VNNI_BLOCK(W, x + xs + b, VNNI_UREG, bias, dw, a10, a11);                                                      \
+    VNNI_BLOCK(W, x + 2 * xs + b, VNNI_UREG, bias, dw, a20, a21);                                                  \
+    VNNI_BLOCK(W, x + 3 * xs + b, VNNI_UREG, bias, dw, a30, a31)
+/* after the last block: the sums of each row's even and odd blocks */
 #define VNNI_X4_STORE()                                                                                            \
     _mm256_storeu_ps(out, _mm256_add_ps(a00, a01)), _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11)),             \
         _mm256_storeu_ps(out + 16, _mm256_add_ps(a20, a21)), _mm256_storeu_ps(out + 24, _mm256_add_ps(a30, a31))
@@ -1087,7 +1062,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0
         VNNI_X4_NIBBLE_CHUNKS(NIBBLES);
 #undef NIBBLES
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
-        VNNI_X4_BLOCK(-8);
+        VNNI_ROWS4(256, -8);
     }
     VNNI_X4_STORE();
 }
@@ -1101,7 +1076,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q8_0
         const __m256i u0 = QV(0), u1 = QV(1), u2 = QV(2), u3 = QV(3), u4 = QV(4), u5 = QV(5), u6 = QV(6), u7 = QV(7);
 #undef QV
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
-        VNNI_X4_BLOCK(-128);
+        VNNI_ROWS4(256, -128);
     }
     VNNI_X4_STORE();
 }
@@ -1115,41 +1090,17 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_mxfp
         VNNI_X4_NIBBLE_CHUNKS(CODES);
 #undef CODES
         const __m256 dw = mxfp4x8_scales_avx2(o[b].e);
-        VNNI_X4_BLOCK(-12);
+        VNNI_ROWS4(256, -12);
     }
     VNNI_X4_STORE();
 }
-#undef VNNI_X4_ROW
 #undef VNNI_X4_NIBBLE_CHUNKS
-#undef VNNI_X4_BLOCK
 #undef VNNI_X4_STORE
 
 /* Two adjacent x8 groups (16 weight rows) times 4 activation rows in 512-bit registers: group A in
  * the low half of each register, B in the high half, so one dpbusd serves both groups. Each
  * lane does what the 256-bit kernel's lane does (same integer sums, same float operations), so
  * every output is bit for bit the level's dotq8: out[t * 16 + i], rows 0-7 of A then 0-7 of B. */
-#define VNNI_X4X2_ROW(t, A0, A1, bias)                                                                             \
-    do {                                                                                                           \
-        const moe__block_q8a *xb = x + (t) * xs + b;                                                               \
-        const int32_t *xq = (const int32_t *)xb->qs;                                                               \
-        __m512i s0 = _mm512_dpbusd_epi32(_mm512_set1_epi32((bias) * xb->sum), u0, _mm512_set1_epi32(xq[0]));       \
-        __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u1, _mm512_set1_epi32(xq[1]));                    \
-        __m512i s2 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u2, _mm512_set1_epi32(xq[2]));                    \
-        __m512i s3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u3, _mm512_set1_epi32(xq[3]));                    \
-        s0 = _mm512_dpbusd_epi32(s0, u4, _mm512_set1_epi32(xq[4]));                                                \
-        s1 = _mm512_dpbusd_epi32(s1, u5, _mm512_set1_epi32(xq[5]));                                                \
-        s2 = _mm512_dpbusd_epi32(s2, u6, _mm512_set1_epi32(xq[6]));                                                \
-        s3 = _mm512_dpbusd_epi32(s3, u7, _mm512_set1_epi32(xq[7]));                                                \
-        const __m512i s = _mm512_add_epi32(_mm512_add_epi32(s0, s1), _mm512_add_epi32(s2, s3));                   \
-        const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(xb->d));                                                 \
-        if (b & 1) A1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), A1);                                             \
-        else A0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), A0);                                                   \
-    } while (0)
-#define VNNI_X4X2_BLOCK(bias)                                                                                      \
-    VNNI_X4X2_ROW(0, a00, a01, bias);                                                                              \
-    VNNI_X4X2_ROW(1, a10, a11, bias);                                                                              \
-    VNNI_X4X2_ROW(2, a20, a21, bias);                                                                              \
-    VNNI_X4X2_ROW(3, a30, a31, bias)
 #define VNNI_X4X2_STORE()                                                                                          \
     _mm512_storeu_ps(out, _mm512_add_ps(a00, a01)), _mm512_storeu_ps(out + 16, _mm512_add_ps(a10, a11)),          \
         _mm512_storeu_ps(out + 32, _mm512_add_ps(a20, a21)), _mm512_storeu_ps(out + 48, _mm512_add_ps(a30, a31))
@@ -1175,7 +1126,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
         VNNI_X4X2_NIBBLE_CHUNKS(NIBBLES);
 #undef NIBBLES
         const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
-        VNNI_X4X2_BLOCK(-8);
+        VNNI_ROWS4(512, -8);
     }
     VNNI_X4X2_STORE();
 }
@@ -1190,7 +1141,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
         const __m512i u0 = QV(0), u1 = QV(1), u2 = QV(2), u3 = QV(3), u4 = QV(4), u5 = QV(5), u6 = QV(6), u7 = QV(7);
 #undef QV
         const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
-        VNNI_X4X2_BLOCK(-128);
+        VNNI_ROWS4(512, -128);
     }
     VNNI_X4X2_STORE();
 }
@@ -1207,12 +1158,13 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #undef CODES
         const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(mxfp4x8_scales_avx2(oa[b].e))),
                                                               _mm256_castps_pd(mxfp4x8_scales_avx2(ob[b].e)), 1));
-        VNNI_X4X2_BLOCK(-12);
+        VNNI_ROWS4(512, -12);
     }
     VNNI_X4X2_STORE();
 }
-#undef VNNI_X4X2_ROW
-#undef VNNI_X4X2_BLOCK
+#undef VNNI_BLOCK
+#undef VNNI_UREG
+#undef VNNI_ROWS4
 #undef VNNI_X4X2_STORE
 #undef PAIR256
 #undef VNNI_X4X2_NIBBLE_CHUNKS
