@@ -2767,15 +2767,21 @@ MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
             for (; h + 4 <= b->H; h += 4)
                 for (int jq = j; jq < j + jg; jq += 4) {
                     const float *c0 = b->cache + (size_t)jq * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
-                    /* the first four head groups prefetch one row each of the next jg keys per tile: a
-                     * decode step reads the latent cache from memory, once */
-                    if (h < 16) prefetch_row_l2(b->cache + (size_t)(j + jg + h / 4 * (jg / 4) + (jq - j) / 4) * cw, cw * 4);
+                    /* the first four head groups prefetch one row each of the next jg keys per tile (a
+                     * decode step reads the latent cache from memory, once), a line per step */
+                    const uintptr_t pf = h < 16 ? (uintptr_t)(b->cache + (size_t)(j + jg + h / 4 * (jg / 4) + (jq - j) / 4) * cw) : 0;
                     const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
                     const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
                     __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
                     __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
-                    for (int i = 0; i < r; i += 16) MLA_TILE_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i, c2 + i, c3 + i);
-                    for (int i = 0; i < dr; i += 16) MLA_TILE_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i, c2 + r + i, c3 + r + i);
+                    for (int i = 0; i < r; i += 16) {
+                        if (pf) __builtin_prefetch((const void *)(pf + 4 * (size_t)i), 0, 2);
+                        MLA_TILE_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i, c2 + i, c3 + i);
+                    }
+                    for (int i = 0; i < dr; i += 16) {
+                        if (pf) __builtin_prefetch((const void *)(pf + 4 * (size_t)(r + i)), 0, 2);
+                        MLA_TILE_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i, c2 + r + i, c3 + r + i);
+                    }
                     MLA_TILE_STORE(b->sc + (size_t)h * b->ld + jq, b->ld, b->scale);
                 }
             if (h < b->H) { /* the last heads of these keys */
@@ -2878,12 +2884,17 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_scores16_avx512bf16(const moe__mla_bl
             const uint16_t *c0 = b->cache + (size_t)j * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
             int h = 0;
             for (; h + 4 <= b->H; h += 4) {
-                if (h < 16) prefetch_row_l2(c0 + (size_t)(8 + h / 4) * cw, cw * 2); /* keys j+8 .. j+11, one per head group (measured best; 4 ahead: 10% slower) */
+                /* keys j+8 .. j+11, one per head group (measured best; 4 ahead: 10% slower), a line per step */
+                const uintptr_t pf = h < 16 ? (uintptr_t)(c0 + (size_t)(8 + h / 4) * cw) : 0;
                 const uint16_t *a0 = b->q + (size_t)h * cw, *a1 = a0 + cw, *a2 = a1 + cw, *a3 = a2 + cw;
                 __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
                 __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
                 int i = 0;
-                for (; i < full; i += 32) MLA_TILE16_STEP(_mm512_loadu_si512);
+                for (; i < full; i += 32) {
+                    if (pf) __builtin_prefetch((const void *)(pf + 2 * (size_t)i), 0, 2);
+                    MLA_TILE16_STEP(_mm512_loadu_si512);
+                }
+                if (pf && i < cw) __builtin_prefetch((const void *)(pf + 2 * (size_t)i), 0, 2);
 #define LD_TAIL(p) _mm512_maskz_loadu_epi16(tail, p)
                 if (i < cw) MLA_TILE16_STEP(LD_TAIL);
 #undef LD_TAIL
@@ -2987,7 +2998,11 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_ctx16_avx512bf16(const moe__mla_block
  * unsigned bytes by one xor) and meets 4 bytes of each of 8 keys, broadcast; one accumulator per
  * key, no horizontal sums (a 4 heads x 4 keys tile spent half its time in them). The offset's
  * 128 * (sum of the key's bytes) is taken off after. 8 keys' rows (4.6 KB at K3's width) stay in
- * L1 across the head groups; the next 8 are prefetched. */
+ * L1 across the head groups. Keys SCORES8_AHEAD .. +7 ahead are prefetched into L2 two lines per
+ * 16 bytes of the current keys, spread through the pass: one burst of their 72 lines per 8 keys
+ * (as before) read a depth-16384 cache at 130 G multiply-adds/s on a Zen 4 core, spread at
+ * 170-190, about its speed from L2 (bench/RESULTS.md). */
+#define SCORES8_AHEAD 12
 MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b) {
     const int r = b->r, cw = b->cw, ng = (b->H + 15) / 16, nq = cw / 4;
     if (cw % 4 || r % 4) { moe__mla_scores8_ref(b); return; }
@@ -2997,7 +3012,7 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
     int j = b->j0;
     for (; j + 8 <= b->j1; j += 8) {
         const int8_t *c = b->cache + (size_t)j * cw;
-        prefetch_row_l2(c + (size_t)8 * cw, 8 * cw);
+        if (!wide) prefetch_row_l2(c + (size_t)8 * cw, 8 * cw);
         const moe__kv8_meta *mt = b->meta + j;
         for (int g = 0; g < ng; g++) {
             const int8_t *qt = b->qt + (size_t)g * nq * 64;
@@ -3033,6 +3048,7 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
     } while (0)
 #define STEP8X4(i)                                                                                          \
     do {                                                                                                    \
+        if (g == 0) prefetch_row_l2((const void *)((uintptr_t)c + (size_t)SCORES8_AHEAD * cw + 8 * (size_t)(i)), 128); \
         const __m512i k0 = KEY16(0, i), k1 = KEY16(1, i), k2 = KEY16(2, i), k3 = KEY16(3, i);               \
         const __m512i k4 = KEY16(4, i), k5 = KEY16(5, i), k6 = KEY16(6, i), k7 = KEY16(7, i);               \
         STEP8_PICK(i, 0, _MM_PERM_AAAA);                                                                    \
