@@ -43,7 +43,9 @@ static inline void prefetch_row(const void *p, int bytes) { PREFETCH_LINES(p, by
  * the int8 latent cache, 72 lines) left the scores kernel reading its keys from memory at half
  * the speed of keys already in L3; into L2 it ran as fast as from L3 (bench/RESULTS.md) */
 static inline void prefetch_row_l2(const void *p, int bytes) { PREFETCH_LINES(p, bytes, 2); }
-static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row((const void *)((uintptr_t)p + PREFETCH_AHEAD), bytes); }
+/* the address bytes past p, formed as an integer (it may lie past the end of p's object) */
+static inline const void *bytes_past(const void *p, size_t bytes) { return (const void *)((uintptr_t)p + bytes); }
+static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row(bytes_past(p, PREFETCH_AHEAD), bytes); }
 #endif
 
 /* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
@@ -2058,7 +2060,7 @@ static void mla_scores_neon(const moe__mla_block *b) {
     const size_t qs = (size_t)b->qr_stride;
     for (int j = b->j0; j < b->j1; j++) {
         const float *c = b->cache + (size_t)j * b->cw;
-        prefetch_row(c + (size_t)4 * b->cw, b->cw * 4); /* the key four rows on, from memory */
+        prefetch_row(bytes_past(c, sizeof(float) * 4 * (size_t)b->cw), b->cw * 4); /* the key four rows on, from memory */
         int h = 0;
         for (; h + 4 <= b->H; h += 4) {
             const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
@@ -2590,9 +2592,9 @@ MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
     for (; j + 2 <= b->j1; j += 2) {
         const float *c0 = b->cache + (size_t)j * cw, *c1 = c0 + cw;
         int h = 0;
-        if (b->H < 8) prefetch_row_l2(c0 + (size_t)4 * cw, cw * 8); /* keys j+4 and j+5 */
+        if (b->H < 8) prefetch_row_l2(bytes_past(c0, sizeof(float) * 4 * (size_t)cw), cw * 8); /* keys j+4 and j+5 */
         for (; h + 4 <= b->H; h += 4) {
-            if (b->H >= 8 && h < 8) prefetch_row_l2(c0 + (size_t)(4 + h / 4) * cw, cw * 4); /* one of them per head group */
+            if (b->H >= 8 && h < 8) prefetch_row_l2(bytes_past(c0, sizeof(float) * (size_t)(4 + h / 4) * cw), cw * 4); /* one of them per head group */
             const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
             const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
             __m256 t00 = _mm256_setzero_ps(), t01 = t00, t10 = t00, t11 = t00, t20 = t00, t21 = t00, t30 = t00, t31 = t00;
@@ -2616,7 +2618,7 @@ MOE_TARGET("avx2,fma") static void mla_scores_avx2(const moe__mla_block *b) {
         if (h < b->H) mla_scores1_avx2(b, j, h), mla_scores1_avx2(b, j + 1, h);
     }
     for (; j < b->j1; j++) {
-        prefetch_row_l2(b->cache + (size_t)(j + 4) * cw, cw * 4);
+        prefetch_row_l2(bytes_past(b->cache, sizeof(float) * (size_t)(j + 4) * cw), cw * 4);
         mla_scores1_avx2(b, j, 0);
     }
 }
@@ -2769,17 +2771,17 @@ MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
                     const float *c0 = b->cache + (size_t)jq * cw, *c1 = c0 + cw, *c2 = c1 + cw, *c3 = c2 + cw;
                     /* the first four head groups prefetch one row each of the next jg keys per tile (a
                      * decode step reads the latent cache from memory, once), a line per step */
-                    const uintptr_t pf = h < 16 ? (uintptr_t)(b->cache + (size_t)(j + jg + h / 4 * (jg / 4) + (jq - j) / 4) * cw) : 0;
+                    const char *pf = h < 16 ? bytes_past(b->cache, sizeof(float) * (size_t)(j + jg + h / 4 * (jg / 4) + (jq - j) / 4) * cw) : NULL;
                     const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
                     const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
                     __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
                     __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
                     for (int i = 0; i < r; i += 16) {
-                        if (pf) __builtin_prefetch((const void *)(pf + 4 * (size_t)i), 0, 2);
+                        if (pf) __builtin_prefetch(bytes_past(pf, 4 * (size_t)i), 0, 2);
                         MLA_TILE_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i, c2 + i, c3 + i);
                     }
                     for (int i = 0; i < dr; i += 16) {
-                        if (pf) __builtin_prefetch((const void *)(pf + 4 * (size_t)(r + i)), 0, 2);
+                        if (pf) __builtin_prefetch(bytes_past(pf, 4 * (size_t)(r + i)), 0, 2);
                         MLA_TILE_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i, c2 + r + i, c3 + r + i);
                     }
                     MLA_TILE_STORE(b->sc + (size_t)h * b->ld + jq, b->ld, b->scale);
@@ -2885,16 +2887,16 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_scores16_avx512bf16(const moe__mla_bl
             int h = 0;
             for (; h + 4 <= b->H; h += 4) {
                 /* keys j+8 .. j+11, one per head group (measured best; 4 ahead: 10% slower), a line per step */
-                const uintptr_t pf = h < 16 ? (uintptr_t)(c0 + (size_t)(8 + h / 4) * cw) : 0;
+                const char *pf = h < 16 ? bytes_past(c0, sizeof(uint16_t) * (size_t)(8 + h / 4) * cw) : NULL;
                 const uint16_t *a0 = b->q + (size_t)h * cw, *a1 = a0 + cw, *a2 = a1 + cw, *a3 = a2 + cw;
                 __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
                 __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
                 int i = 0;
                 for (; i < full; i += 32) {
-                    if (pf) __builtin_prefetch((const void *)(pf + 2 * (size_t)i), 0, 2);
+                    if (pf) __builtin_prefetch(bytes_past(pf, 2 * (size_t)i), 0, 2);
                     MLA_TILE16_STEP(_mm512_loadu_si512);
                 }
-                if (pf && i < cw) __builtin_prefetch((const void *)(pf + 2 * (size_t)i), 0, 2);
+                if (pf && i < cw) __builtin_prefetch(bytes_past(pf, 2 * (size_t)i), 0, 2);
 #define LD_TAIL(p) _mm512_maskz_loadu_epi16(tail, p)
                 if (i < cw) MLA_TILE16_STEP(LD_TAIL);
 #undef LD_TAIL
@@ -3012,7 +3014,7 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
     int j = b->j0;
     for (; j + 8 <= b->j1; j += 8) {
         const int8_t *c = b->cache + (size_t)j * cw;
-        if (!wide) prefetch_row_l2(c + (size_t)8 * cw, 8 * cw);
+        if (!wide) prefetch_row_l2(bytes_past(c, (size_t)8 * cw), 8 * cw);
         const moe__kv8_meta *mt = b->meta + j;
         for (int g = 0; g < ng; g++) {
             const int8_t *qt = b->qt + (size_t)g * nq * 64;
@@ -3048,7 +3050,7 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
     } while (0)
 #define STEP8X4(i)                                                                                          \
     do {                                                                                                    \
-        if (g == 0) prefetch_row_l2((const void *)((uintptr_t)c + (size_t)SCORES8_AHEAD * cw + 8 * (size_t)(i)), 128); \
+        if (g == 0) prefetch_row_l2(bytes_past(c, (size_t)SCORES8_AHEAD * cw + 8 * (size_t)(i)), 128);         \
         const __m512i k0 = KEY16(0, i), k1 = KEY16(1, i), k2 = KEY16(2, i), k3 = KEY16(3, i);               \
         const __m512i k4 = KEY16(4, i), k5 = KEY16(5, i), k6 = KEY16(6, i), k7 = KEY16(7, i);               \
         STEP8_PICK(i, 0, _MM_PERM_AAAA);                                                                    \
