@@ -4048,6 +4048,11 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     float *sh = c->n_shared ? malloc(sizeof(float) * (size_t)n * d) : NULL;
     if (c->n_shared && !sh) { st = MOE_ERR_NOMEM; goto done; }
     if (rows_split) st = experts_by_rows(m, L, cnt, rows, xe, n, de, Ie, eb, x, sh);
+    /* On the rows_split path this loop does nothing, yet on this project's Zen 4 VM taking it out
+     * of that path (no OpenMP region there) made decode tokens 25-28% slower in-process: about
+     * 230 us a MoE layer passed before the next loop's first instruction, with no CPU samples
+     * there; a 1-2 us delay or a malloc/free in its place restored the speed. Cause not found
+     * (bench/RESULTS.md, session 18): measure before changing it. */
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (by_expert && !rows_split)
 #endif
