@@ -34,17 +34,17 @@
  * ranges of rows). A prefetch never faults; the address is formed as an integer, so no pointer
  * past an object is made. */
 #define PREFETCH_AHEAD 8192
+/* the address bytes past p, formed as an integer (it may lie past the end of p's object) */
+static inline const void *bytes_past(const void *p, size_t bytes) { return (const void *)((uintptr_t)p + bytes); }
 /* the lines of bytes at p (which may lie past the end of the data: never dereferenced), with
  * __builtin_prefetch's locality (a constant): 3 into L1, 2 into L2 */
-#define PREFETCH_LINES(p, bytes, locality)                                                                         \
-    for (int o_ = 0; o_ < (bytes); o_ += 64) __builtin_prefetch((const void *)((uintptr_t)(p) + (uintptr_t)o_), 0, locality)
+#define PREFETCH_LINES(p, bytes, locality) \
+    for (int o_ = 0; o_ < (bytes); o_ += 64) __builtin_prefetch(bytes_past(p, (size_t)o_), 0, locality)
 static inline void prefetch_row(const void *p, int bytes) { PREFETCH_LINES(p, bytes, 3); }
 /* prefetch_row into L2 only (prefetcht1, PLDL2KEEP): on Zen 4 a burst of prefetches into L1 (8 keys of
  * the int8 latent cache, 72 lines) left the scores kernel reading its keys from memory at half
  * the speed of keys already in L3; into L2 it ran as fast as from L3 (bench/RESULTS.md) */
 static inline void prefetch_row_l2(const void *p, int bytes) { PREFETCH_LINES(p, bytes, 2); }
-/* the address bytes past p, formed as an integer (it may lie past the end of p's object) */
-static inline const void *bytes_past(const void *p, size_t bytes) { return (const void *)((uintptr_t)p + bytes); }
 static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row(bytes_past(p, PREFETCH_AHEAD), bytes); }
 #endif
 
@@ -2777,11 +2777,11 @@ MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
                     __m512 t00 = _mm512_setzero_ps(), t01 = t00, t02 = t00, t03 = t00, t10 = t00, t11 = t00, t12 = t00, t13 = t00;
                     __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
                     for (int i = 0; i < r; i += 16) {
-                        if (pf) __builtin_prefetch(bytes_past(pf, 4 * (size_t)i), 0, 2);
+                        if (pf) prefetch_row_l2(bytes_past(pf, 4 * (size_t)i), 64);
                         MLA_TILE_STEP(a0 + i, a1 + i, a2 + i, a3 + i, c0 + i, c1 + i, c2 + i, c3 + i);
                     }
                     for (int i = 0; i < dr; i += 16) {
-                        if (pf) __builtin_prefetch(bytes_past(pf, 4 * (size_t)(r + i)), 0, 2);
+                        if (pf) prefetch_row_l2(bytes_past(pf, 4 * (size_t)(r + i)), 64);
                         MLA_TILE_STEP(q0 + i, q1 + i, q2 + i, q3 + i, c0 + r + i, c1 + r + i, c2 + r + i, c3 + r + i);
                     }
                     MLA_TILE_STORE(b->sc + (size_t)h * b->ld + jq, b->ld, b->scale);
@@ -2893,12 +2893,14 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_scores16_avx512bf16(const moe__mla_bl
                 __m512 t20 = t00, t21 = t00, t22 = t00, t23 = t00, t30 = t00, t31 = t00, t32 = t00, t33 = t00;
                 int i = 0;
                 for (; i < full; i += 32) {
-                    if (pf) __builtin_prefetch(bytes_past(pf, 2 * (size_t)i), 0, 2);
+                    if (pf) prefetch_row_l2(bytes_past(pf, 2 * (size_t)i), 64);
                     MLA_TILE16_STEP(_mm512_loadu_si512);
                 }
-                if (pf && i < cw) __builtin_prefetch(bytes_past(pf, 2 * (size_t)i), 0, 2);
 #define LD_TAIL(p) _mm512_maskz_loadu_epi16(tail, p)
-                if (i < cw) MLA_TILE16_STEP(LD_TAIL);
+                if (i < cw) {
+                    if (pf) prefetch_row_l2(bytes_past(pf, 2 * (size_t)i), 64);
+                    MLA_TILE16_STEP(LD_TAIL);
+                }
 #undef LD_TAIL
                 MLA_TILE_STORE(b->sc + (size_t)h * b->ld + j, b->ld, b->scale);
             }
