@@ -3,13 +3,13 @@
  *   moe-bench -m MODEL [-m MODEL...] [-t THREADS[,THREADS...]] [--depth D[,D...]] [-n TOKENS]
  *             [--prefill N] [--reps R]
  *
- * First it measures the memory read bandwidth (a large buffer summed by every thread) and the
- * int8 kernel peak (the interleaved Q8_0 kernel, 4 rows at a time, on cache-resident data: what the integer matmul
- * can do when memory is not the limit). Then per model and thread count: decode tok/s at each depth
- * (depth = tokens already in the context), with the bytes one decoded token reads (weights
- * actually touched: dense matrices, the routed experts chosen, plus KDA states and the MLA
- * latent cache) against the measured bandwidth, and prefill tok/s of N tokens against the
- * int8 peak (2 x active parameters operations per token). One JSON line per configuration.
+ * Per model and thread count: prefill tok/s of N tokens against the int8 kernel peak (the
+ * interleaved Q8_0 kernel, 4 rows at a time, on cache-resident data: what the integer matmul can do
+ * when memory is not the limit; measured before and after the prefill; 2 x active parameters
+ * operations per token), and decode tok/s at each depth (depth = tokens already in the context)
+ * with the bytes each decoded token reads (weights actually touched: dense matrices, the routed
+ * experts chosen, plus KDA states and the MLA latent cache) against the memory read bandwidth (a
+ * large buffer summed by every thread), probed every few tokens. One JSON line per configuration.
  *
  *   moe-bench --stream -m DIR [-n TOKENS] [-t THREADS] [--expert-budget SIZE] [--io-threads N]
  *             [--dense TYPE] [--seqs 1,16,64] [--prefill N]
@@ -57,10 +57,10 @@ static int usage(const char *msg) {
     return 2;
 }
 
-/* Read bandwidth in GB/s: each thread streams its share of a 1 GiB buffer with the widest loads
- * the CPU has (the kernels do), with and without software prefetch 8 KB ahead (the weight
- * kernels prefetch so; on this project's machine either can be the faster from minute to
- * minute), best of both and of reps: the limit the decode fraction is taken against. */
+/* Read bandwidth: each thread streams its share of a large buffer with the widest loads the CPU
+ * has (the kernels do), with and without software prefetch 8 KB ahead (on this project's machine
+ * either can be the faster from minute to minute), the best of both: the limit the decode
+ * fraction is taken against. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 __attribute__((target("avx2"))) static uint64_t sum_avx2(const uint64_t *a, size_t n, int prefetch) {
@@ -103,34 +103,48 @@ static double kv_row_bytes(const moe_config *c, int kv_type) {
     return kv_type == MOE_KV_Q8 ? cw + 16 : kv_type == MOE_KV_BF16 ? 2 * cw : 4 * cw;
 }
 
-static double membw(int threads, int reps) {
-    const size_t n = (size_t)1 << 27, chunk = 1 << 16; /* 2^27 x 8 bytes */
-    uint64_t *a = aligned_alloc((size_t)2 << 20, n * sizeof *a);
-    if (!a) return 0;
+/* A buffer far larger than any cache for the bandwidth probes, kept for the whole run: in huge
+ * pages, as the runtime keeps its interleaved weights and latent cache, for the machine's read
+ * limit with the fewest TLB misses (on this project's VM 4 KB pages read 3-20% slower) */
+typedef struct { uint64_t *a; size_t n; } bw_buffer;
+
+static int bw_buffer_new(bw_buffer *b, size_t bytes) {
+    b->n = bytes / sizeof *b->a;
+    b->a = aligned_alloc((size_t)2 << 20, b->n * sizeof *b->a);
+    if (!b->a) return -1;
 #ifdef MADV_HUGEPAGE
-    /* in huge pages, as the runtime keeps its interleaved weights and latent cache: the machine's
-     * read limit with the fewest TLB misses (on this project's VM 4 KB pages read 3-20% slower) */
-    madvise(a, n * sizeof *a, MADV_HUGEPAGE);
+    madvise(b->a, b->n * sizeof *b->a, MADV_HUGEPAGE);
 #endif
-    for (size_t i = 0; i < n; i++) a[i] = i * 2654435761u;
+    for (size_t i = 0; i < b->n; i++) b->a[i] = i * 2654435761u;
+    return 0;
+}
+
+/* decode tokens between two bandwidth probes, probe size and passes: a probe reads 512 MiB, about
+ * 15 ms at 35 GB/s, so stretches of 4 tokens (~100 ms) keep the probes under a fifth of the run */
+#define DECODE_STRETCH 4
+#define PROBE_BYTES ((size_t)256 << 20)
+#define PROBE_PASSES 2
+
+/* the best of `passes` reads of the whole buffer, alternately with and without prefetch, in GB/s */
+static double membw(const bw_buffer *b, int threads, int passes) {
+    const size_t chunk = 1 << 16;
     const int wide = have_avx2();
     double best = 0;
     volatile uint64_t sink = 0;
-    for (int r = 0; r < 2 * (reps + 1); r++) {
+    for (int r = 0; r < passes; r++) {
         const int pf = r % 2;
         double t0 = now();
         uint64_t total = 0;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) reduction(^ : total) schedule(static)
 #endif
-        for (size_t c = 0; c < n; c += chunk) total ^= wide ? sum_avx2(a + c, chunk, pf) : sum_plain(a + c, chunk, pf);
+        for (size_t c = 0; c < b->n; c += chunk) total ^= wide ? sum_avx2(b->a + c, chunk, pf) : sum_plain(b->a + c, chunk, pf);
         double t = now() - t0;
         sink ^= total;
-        if (n * sizeof *a / t / 1e9 > best) best = n * sizeof *a / t / 1e9;
+        if (b->n * sizeof *b->a / t / 1e9 > best) best = b->n * sizeof *b->a / t / 1e9;
     }
     (void)sink;
     (void)threads;
-    free(a);
     return best;
 }
 
@@ -155,22 +169,27 @@ static double int8_peak(int threads) {
     /* prefill's kernel: 4 activation rows per pass over the weights (and two row groups at once)
      * where the level has it */
     const int rows = k->dotq8x4[MOE_T_Q8_0X8] ? 4 : 1, groups = k->dotq8x4x2[MOE_T_Q8_0X8] ? 2 : 1;
-    const long iters = 40000;
     double best = 0;
     float sink = 0;
     for (int rep = 0; rep < 5; rep++) { /* best of 5: the machine is shared */
-        double t0 = now();
+        /* batches of 2000 calls (~0.6 ms here) until 20 ms have passed, so a slow machine or an
+         * emulator takes as long as a fast one */
+        long done = 0;
+        double t0 = now(), t;
+        do {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) reduction(+ : sink) schedule(static)
 #endif
-        for (long it = 0; it < iters; it++) {
-            float o[64];
-            if (groups == 2) k->dotq8x4x2[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
-            else if (rows == 4) k->dotq8x4[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
-            else k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
-            sink += o[it & 7];
-        }
-        double ops = 2.0 * 8 * groups * rows * n * iters / (now() - t0);
+            for (long it = 0; it < 2000; it++) {
+                float o[64];
+                if (groups == 2) k->dotq8x4x2[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
+                else if (rows == 4) k->dotq8x4[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
+                else k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
+                sink += o[it & 7];
+            }
+            done += 2000;
+        } while ((t = now() - t0) < 0.02);
+        double ops = 2.0 * 8 * groups * rows * n * done / t;
         best = ops > best ? ops : best;
     }
     (void)threads;
@@ -461,6 +480,8 @@ int main(int argc, char **argv) {
         else return usage("unknown or incomplete argument");
     }
     if (!n_models || n_decode < 1 || n_prefill < 1 || reps < 1) return usage("need -m MODEL");
+    bw_buffer probe;
+    if (bw_buffer_new(&probe, PROBE_BYTES)) { fprintf(stderr, "moe-bench: no memory for the bandwidth probe\n"); return 1; }
     for (int mi = 0; mi < n_models; mi++)
         for (int ti = 0; ti < n_threads; ti++) {
             const int t = threads[ti] < 1 ? 1 : threads[ti];
@@ -502,6 +523,10 @@ int main(int argc, char **argv) {
                 double tps = n_prefill / (now() - t0);
                 pf = tps > pf ? tps : pf;
             }
+            /* the peak drifts too (440 to 670 Gop/s within minutes on this project's VM): the
+             * better of the figures before and after the prefill */
+            const double peak_after = int8_peak(t);
+            if (peak_after > peak) peak = peak_after;
             /* active parameters (2 ops each): everything a token touches but the embedding */
             const double ops_per_token = 2.0 * ((double)info.n_params_active - (double)c->vocab_size * c->hidden_size);
             int n_kda = 0, n_mla = 0;
@@ -509,6 +534,8 @@ int main(int argc, char **argv) {
                 if (c->layer_kind[l] == MOE_LAYER_KDA) n_kda++;
                 else n_mla++;
             }
+            /* each KDA layer reads and writes its f32 state once a token */
+            const double kda_state_bytes = (double)n_kda * c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4 * 2;
             for (int di = 0; di < n_depths; di++) {
                 const int depth = depths[di];
                 moe_session_reset(s);
@@ -516,31 +543,41 @@ int main(int argc, char **argv) {
                     moe_seq q = {.s = s, .tokens = ids, .n = depth};
                     if ((st = moe_step(m, &q, 1, NULL, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
                 }
-                /* the bandwidth drifts on a shared machine: measure it right before the decode it
-                 * divides, and right after, and keep the better */
-                double bw = membw(t, 2);
+                /* The bandwidth swings within seconds on a shared VM (30 to 67 GB/s seen), so one
+                 * figure before a whole decode can be far from the one it ran at. Decode runs in
+                 * stretches of DECODE_STRETCH tokens with a bandwidth probe between each two; a
+                 * stretch's roofline time is its bytes over the better probe beside it, and the
+                 * fraction is the sum of those over the sum of the stretches' times. */
                 moe_step_stats ss;
-                uint64_t ebytes = 0;
-                double t0 = 0;
-                for (int k = 0; k <= n_decode; k++) {
-                    if (k == 1) t0 = now();
-                    moe_seq q = {.s = s, .tokens = ids + depth + k, .n = 1, .logits = logits};
-                    if ((st = moe_step(m, &q, 1, &ss, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
-                    if (k) ebytes += ss.expert_bytes;
+                moe_seq q0 = {.s = s, .tokens = ids + depth, .n = 1, .logits = logits}; /* warm-up token */
+                if ((st = moe_step(m, &q0, 1, &ss, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+                double bw_before = membw(&probe, t, PROBE_PASSES);
+                double roof_s = 0, time_s = 0, bytes = 0, bw_lo = bw_before, bw_hi = bw_before;
+                for (int k = 1; k <= n_decode; k += DECODE_STRETCH) {
+                    const int nk = n_decode - k + 1 < DECODE_STRETCH ? n_decode - k + 1 : DECODE_STRETCH;
+                    double stretch_bytes = 0;
+                    const double t0 = now();
+                    for (int j = 0; j < nk; j++) {
+                        moe_seq q = {.s = s, .tokens = ids + depth + k + j, .n = 1, .logits = logits};
+                        if ((st = moe_step(m, &q, 1, &ss, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
+                        /* the token at position p reads the KDA states and p + 1 cached MLA rows */
+                        stretch_bytes += (double)info.dense_bytes_per_token + (double)ss.expert_bytes + kda_state_bytes +
+                                         (double)n_mla * (depth + k + j + 1) * kv_row_bytes(c, kv_type);
+                    }
+                    time_s += now() - t0;
+                    const double bw_after = membw(&probe, t, PROBE_PASSES);
+                    const double bw = bw_after > bw_before ? bw_after : bw_before;
+                    roof_s += stretch_bytes / (bw * 1e9), bytes += stretch_bytes;
+                    bw_lo = bw_after < bw_lo ? bw_after : bw_lo, bw_hi = bw_after > bw_hi ? bw_after : bw_hi;
+                    bw_before = bw_after;
                 }
-                const double dt = (now() - t0) / n_decode;
-                const double bw2 = membw(t, 2);
-                bw = bw2 > bw ? bw2 : bw;
-                fprintf(stderr, "moe-bench: %d thread(s), depth %d: memory read %.1f GB/s\n", t, depth, bw);
-                const double state = (double)n_kda * c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4 * 2 +
-                                     (double)n_mla * (depth + n_decode / 2.0) * kv_row_bytes(c, kv_type);
-                const double bytes = (double)info.dense_bytes_per_token + (double)ebytes / n_decode + state;
-                const double roof = bytes / (bw * 1e9);
+                const double bw = bytes / roof_s / 1e9; /* the bandwidth the whole decode is taken against */
+                fprintf(stderr, "moe-bench: %d thread(s), depth %d: memory read %.1f GB/s (probes %.1f to %.1f)\n", t, depth, bw, bw_lo, bw_hi);
                 const char *name = strrchr(models[mi], '/') ? strrchr(models[mi], '/') + 1 : models[mi];
                 printf("{\"model\": \"%s\", \"format\": \"%s\", \"kv_type\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
-                       "\"decode_tok_s\": %.3f, \"decode_bytes_per_token\": %.0f, \"decode_roofline_frac\": %.3f, "
+                       "\"membw_min_gbps\": %.2f, \"membw_max_gbps\": %.2f, \"decode_tok_s\": %.3f, \"decode_bytes_per_token\": %.0f, \"decode_roofline_frac\": %.3f, "
                        "\"prefill_tok_s\": %.2f, \"prefill_tokens\": %d, \"int8_peak_gops\": %.1f, \"prefill_peak_frac\": %.3f}\n",
-                       name, info.weight_type, kv_type == MOE_KV_Q8 ? "q8" : kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw, 1.0 / dt, bytes, roof / dt, pf, n_prefill, peak / 1e9,
+                       name, info.weight_type, kv_type == MOE_KV_Q8 ? "q8" : kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw, bw_lo, bw_hi, n_decode / time_s, bytes / n_decode, roof_s / time_s, pf, n_prefill, peak / 1e9,
                        pf * ops_per_token / peak);
                 fflush(stdout);
             }
@@ -548,5 +585,6 @@ int main(int argc, char **argv) {
             free(ids), free(logits);
             moe_model_close(m);
         }
+    free(probe.a);
     return 0;
 }

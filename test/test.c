@@ -2839,6 +2839,36 @@ static void test_shipped_cli(void) {
     CHECK(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "--chat-template") && strstr(a, "--stop"));
 }
 
+/* moe-bench on the shipped model: one JSON line per depth with every field the README lists, the
+ * bandwidth it divides by within its probes' range, a deeper context reading more bytes a token */
+static void test_shipped_bench(void) {
+    char cmd[2400], out[8192];
+    snprintf(cmd, sizeof cmd, "%s/moe-bench -m %s -t 1 --depth 0,6 -n 6 --prefill 4 --reps 1 2>/dev/null", exe_dir, shipped_dir());
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    static const char *keys[] = {"model", "format", "threads", "membw_read_gbps", "decode_tok_s", "decode_bytes_per_token",
+                                 "decode_roofline_frac", "prefill_tok_s", "prefill_peak_frac"};
+    double bytes[2] = {0, 0};
+    int lines = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n"), lines++) {
+        moe__json *j = NULL;
+        CHECKF(lines < 2 && moe__json_parse(line, strlen(line), &j, NULL, 0) == MOE_OK, "%s", line);
+        if (!j) continue;
+        for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) CHECKF(moe__json_get(j, keys[k]), "%s: no %s", line, keys[k]);
+        const moe__json *bw = moe__json_get(j, "membw_read_gbps"), *lo = moe__json_get(j, "membw_min_gbps"),
+                        *hi = moe__json_get(j, "membw_max_gbps"), *tok = moe__json_get(j, "decode_tok_s"),
+                        *frac = moe__json_get(j, "decode_roofline_frac"), *b = moe__json_get(j, "decode_bytes_per_token"),
+                        *d = moe__json_get(j, "depth");
+        CHECKF(bw && lo && hi && tok && frac && b && d && lo->num > 0 && lo->num <= bw->num * 1.0001 && bw->num <= hi->num * 1.0001 &&
+                   tok->num > 0 && frac->num > 0 && (int)d->num == 6 * lines,
+               "%s", line);
+        if (b) bytes[lines] = b->num;
+        moe__json_free(j);
+    }
+    CHECKF(lines == 2 && bytes[0] > 0 && bytes[1] > bytes[0], "%d lines, %.0f then %.0f bytes a token", lines, bytes[0], bytes[1]);
+    snprintf(cmd, sizeof cmd, "%s/moe-bench -t 1 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+}
+
 /* moe-batch with text and chat requests through the model's tokenizer */
 static void test_shipped_batch(void) {
     char in[600], out[600], cmd[2400], buf[8192];
@@ -3711,6 +3741,7 @@ static const struct {
     {"shipped_reference", test_shipped_reference},
     {"shipped_mxfp4_int8", test_shipped_mxfp4_int8},
     {"shipped_cli", test_shipped_cli},
+    {"shipped_bench", test_shipped_bench},
     {"shipped_batch", test_shipped_batch},
     {"shipped_gguf_vocab", test_shipped_gguf_vocab},
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
