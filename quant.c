@@ -1232,12 +1232,22 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8x4_mxfp4_avx2(const void *w, const 
 #undef AVX2_X4_ACC_DW
 #undef AVX2_X4_STORE
 
-MOE_TARGET("avx2,fma") static void axpy_avx2(float *y, float a, const float *x, int64_t n) {
-    const __m256 va = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
+/* Float kernels written once for both x86 vector widths, W = 256 (AVX2: 8 floats) or 512
+ * (AVX-512: 16): VEC(W) is the float vector type, VOP(W, op) the intrinsic _mm<W>_<op>, and a
+ * *_KERNEL macro makes the function of one width (AVX2's here, AVX-512's in its section). */
+#define VEC(W) __m##W
+#define VOP(W, op) _mm##W##_##op
+#define LANES(W) ((W) / 32)
+
+#define AXPY_KERNEL(name, target, W)                                                                         \
+    MOE_TARGET(target) static void name(float *y, float a, const float *x, int64_t n) {                      \
+        const VEC(W) va = VOP(W, set1_ps)(a);                                                                \
+        int64_t i = 0;                                                                                       \
+        for (; i + LANES(W) <= n; i += LANES(W))                                                             \
+            VOP(W, storeu_ps)(y + i, VOP(W, fmadd_ps)(va, VOP(W, loadu_ps)(x + i), VOP(W, loadu_ps)(y + i))); \
+        for (; i < n; i++) y[i] += a * x[i];                                                                 \
+    }
+AXPY_KERNEL(axpy_avx2, "avx2,fma", 256)
 
 /* e^x at 8 lanes: 2^n applied in two halves (each a normal float) so that results down to the
  * subnormal range round once, as expf's do */
@@ -1260,17 +1270,19 @@ MOE_TARGET("avx2,fma") static inline __m256 exp_avx2(__m256 x) {
 }
 
 /* log1p(u) for u in [0, 1]: 2 s (1 + t/3 + t^2/5 + ... + t^7/15), s = u / (2 + u), t = s^2 <= 1/9 */
-MOE_TARGET("avx2,fma") static inline __m256 log1p01_avx2(__m256 u) {
-    const __m256 sv = _mm256_div_ps(u, _mm256_add_ps(u, _mm256_set1_ps(2.0f))), t = _mm256_mul_ps(sv, sv);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(1.0f / 15), t, _mm256_set1_ps(1.0f / 13));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 11));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 9));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 7));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 5));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f / 3));
-    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.0f));
-    return _mm256_mul_ps(_mm256_add_ps(sv, sv), p);
-}
+#define LOG1P01_KERNEL(name, target, W)                                                                   \
+    MOE_TARGET(target) static inline VEC(W) name(VEC(W) u) {                                              \
+        const VEC(W) sv = VOP(W, div_ps)(u, VOP(W, add_ps)(u, VOP(W, set1_ps)(2.0f))), t = VOP(W, mul_ps)(sv, sv); \
+        VEC(W) p = VOP(W, fmadd_ps)(VOP(W, set1_ps)(1.0f / 15), t, VOP(W, set1_ps)(1.0f / 13));          \
+        p = VOP(W, fmadd_ps)(p, t, VOP(W, set1_ps)(1.0f / 11));                                            \
+        p = VOP(W, fmadd_ps)(p, t, VOP(W, set1_ps)(1.0f / 9));                                             \
+        p = VOP(W, fmadd_ps)(p, t, VOP(W, set1_ps)(1.0f / 7));                                             \
+        p = VOP(W, fmadd_ps)(p, t, VOP(W, set1_ps)(1.0f / 5));                                             \
+        p = VOP(W, fmadd_ps)(p, t, VOP(W, set1_ps)(1.0f / 3));                                             \
+        p = VOP(W, fmadd_ps)(p, t, VOP(W, set1_ps)(1.0f));                                                 \
+        return VOP(W, mul_ps)(VOP(W, add_ps)(sv, sv), p);                                                  \
+    }
+LOG1P01_KERNEL(log1p01_avx2, "avx2,fma", 256)
 
 MOE_TARGET("avx2,fma") static void act_avx2(float *y, const float *x, int64_t n, int kind) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
@@ -1292,65 +1304,71 @@ MOE_TARGET("avx2,fma") static void act_avx2(float *y, const float *x, int64_t n,
     moe__act_ref(y + i, x + i, n - i, kind);
 }
 
-MOE_TARGET("avx2,fma") static float exp_sum_avx2(float *y, const float *x, float shift, int64_t n) {
-    const __m256 sh = _mm256_set1_ps(shift);
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
-        _mm256_storeu_ps(y + i, e);
-        acc = _mm256_add_ps(acc, e);
+/* y = e^(x - shift) and its sum; the tail (n % LANES) through `tail` */
+#define EXP_SUM_KERNEL(name, target, W, exp, hsum, tail)                                 \
+    MOE_TARGET(target) static float name(float *y, const float *x, float shift, int64_t n) { \
+        const VEC(W) sh = VOP(W, set1_ps)(shift);                                        \
+        VEC(W) acc = VOP(W, setzero_ps)();                                               \
+        int64_t i = 0;                                                                   \
+        for (; i + LANES(W) <= n; i += LANES(W)) {                                       \
+            const VEC(W) e = exp(VOP(W, sub_ps)(VOP(W, loadu_ps)(x + i), sh));           \
+            VOP(W, storeu_ps)(y + i, e);                                                 \
+            acc = VOP(W, add_ps)(acc, e);                                                \
+        }                                                                                \
+        return hsum(acc) + tail(y + i, x + i, shift, n - i);                             \
     }
-    return hsum_avx2(acc) + moe__exp_sum_ref(y + i, x + i, shift, n - i);
-}
+EXP_SUM_KERNEL(exp_sum_avx2, "avx2,fma", 256, exp_avx2, hsum_avx2, moe__exp_sum_ref)
 
-MOE_TARGET("avx2,fma") static void widen_bf16_avx2(float *y, const uint16_t *x, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, load_bf16_avx2(x + i));
-    moe__widen_bf16_ref(y + i, x + i, n - i);
-}
+/* bf16 -> f32 (exact); the tail through `tail` */
+#define WIDEN_BF16_KERNEL(name, target, W, load_bf16, tail)                                         \
+    MOE_TARGET(target) static void name(float *y, const uint16_t *x, int64_t n) {                   \
+        int64_t i = 0;                                                                              \
+        for (; i + LANES(W) <= n; i += LANES(W)) VOP(W, storeu_ps)(y + i, load_bf16(x + i));        \
+        tail(y + i, x + i, n - i);                                                                  \
+    }
+WIDEN_BF16_KERNEL(widen_bf16_avx2, "avx2,fma", 256, load_bf16_avx2, moe__widen_bf16_ref)
 
 /* The recurrence with the state rows in registers' reach: two passes over S per token (decay +
- * prediction, then update + output), D/8 vectors per row. D % 8 != 0 goes to the reference. */
-MOE_TARGET("avx2,fma") static void kda_recurrent_avx2(const moe__kda_head *a) {
-    const int D = a->D;
-    if (D % 8 || D > 512) { moe__kda_recurrent(a); return; }
-    float *S = a->S;
-    __attribute__((aligned(32))) float pred[512], u[512], o[512], decay[512];
-    for (int t = 0; t < a->n; t++) {
-        const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
-        const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
-        const float beta = a->beta[(size_t)t * a->beta_stride];
-        for (int j = 0; j < D; j += 8) _mm256_store_ps(pred + j, _mm256_setzero_ps());
-        exp_sum_avx2(decay, g, 0.0f, D);
-        for (int i = 0; i < D; i++) {
-            const __m256 dec = _mm256_set1_ps(decay[i]), ki = _mm256_set1_ps(k[i]);
-            float *row = S + (size_t)i * D;
-            for (int j = 0; j < D; j += 8) {
-                __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + j), dec);
-                _mm256_storeu_ps(row + j, r);
-                _mm256_store_ps(pred + j, _mm256_fmadd_ps(r, ki, _mm256_load_ps(pred + j)));
-            }
-        }
-        const __m256 vb = _mm256_set1_ps(beta);
-        for (int j = 0; j < D; j += 8) {
-            _mm256_store_ps(u + j, _mm256_mul_ps(vb, _mm256_sub_ps(_mm256_loadu_ps(v + j), _mm256_load_ps(pred + j))));
-            _mm256_store_ps(o + j, _mm256_setzero_ps());
-        }
-        for (int i = 0; i < D; i++) {
-            const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
-            float *row = S + (size_t)i * D;
-            for (int j = 0; j < D; j += 8) {
-                __m256 r = _mm256_fmadd_ps(ki, _mm256_load_ps(u + j), _mm256_loadu_ps(row + j));
-                _mm256_storeu_ps(row + j, r);
-                _mm256_store_ps(o + j, _mm256_fmadd_ps(r, qi, _mm256_load_ps(o + j)));
-            }
-        }
-        memcpy(a->o + (size_t)t * a->stride, o, sizeof(float) * (size_t)D);
+ * prediction, then update + output), D/LANES vectors per row. Other D go to `fallback`. */
+#define KDA_RECURRENT_KERNEL(name, target, W, fallback, exp_sum)                                                         \
+    MOE_TARGET(target) static void name(const moe__kda_head *a) {                                                        \
+        const int D = a->D;                                                                                              \
+        if (D % LANES(W) || D > 512) { fallback(a); return; }                                                            \
+        float *S = a->S;                                                                                                 \
+        __attribute__((aligned(W / 8))) float pred[512], u[512], o[512], decay[512];                                     \
+        for (int t = 0; t < a->n; t++) {                                                                                 \
+            const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;                            \
+            const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;                            \
+            const float beta = a->beta[(size_t)t * a->beta_stride];                                                      \
+            for (int j = 0; j < D; j += LANES(W)) VOP(W, store_ps)(pred + j, VOP(W, setzero_ps)());                      \
+            exp_sum(decay, g, 0.0f, D);                                                                                  \
+            for (int i = 0; i < D; i++) {                                                                                \
+                const VEC(W) dec = VOP(W, set1_ps)(decay[i]), ki = VOP(W, set1_ps)(k[i]);                                \
+                float *row = S + (size_t)i * D;                                                                          \
+                for (int j = 0; j < D; j += LANES(W)) {                                                                  \
+                    VEC(W) r = VOP(W, mul_ps)(VOP(W, loadu_ps)(row + j), dec);                                           \
+                    VOP(W, storeu_ps)(row + j, r);                                                                       \
+                    VOP(W, store_ps)(pred + j, VOP(W, fmadd_ps)(r, ki, VOP(W, load_ps)(pred + j)));                      \
+                }                                                                                                        \
+            }                                                                                                            \
+            const VEC(W) vb = VOP(W, set1_ps)(beta);                                                                     \
+            for (int j = 0; j < D; j += LANES(W)) {                                                                      \
+                VOP(W, store_ps)(u + j, VOP(W, mul_ps)(vb, VOP(W, sub_ps)(VOP(W, loadu_ps)(v + j), VOP(W, load_ps)(pred + j)))); \
+                VOP(W, store_ps)(o + j, VOP(W, setzero_ps)());                                                           \
+            }                                                                                                            \
+            for (int i = 0; i < D; i++) {                                                                                \
+                const VEC(W) ki = VOP(W, set1_ps)(k[i]), qi = VOP(W, set1_ps)(q[i]);                                     \
+                float *row = S + (size_t)i * D;                                                                          \
+                for (int j = 0; j < D; j += LANES(W)) {                                                                  \
+                    VEC(W) r = VOP(W, fmadd_ps)(ki, VOP(W, load_ps)(u + j), VOP(W, loadu_ps)(row + j));                  \
+                    VOP(W, storeu_ps)(row + j, r);                                                                       \
+                    VOP(W, store_ps)(o + j, VOP(W, fmadd_ps)(r, qi, VOP(W, load_ps)(o + j)));                            \
+                }                                                                                                        \
+            }                                                                                                            \
+            memcpy(a->o + (size_t)t * a->stride, o, sizeof(float) * (size_t)D);                                          \
+        }                                                                                                                \
     }
-}
-
-
+KDA_RECURRENT_KERNEL(kda_recurrent_avx2, "avx2,fma", 256, moe__kda_recurrent, exp_sum_avx2)
 
 /* ---- AVX-512 (F, BW, VL): the float kernels at 16 lanes ------------------------------------ */
 #define MOE_AVX512 "avx2,fma,f16c,avx512f,avx512bw,avx512vl"
@@ -1582,12 +1600,7 @@ MOE_TARGET(MOE_AVX512) static void quant_q8a_avx512(const float *x, moe__block_q
     }
 }
 
-MOE_TARGET(MOE_AVX512) static void axpy_avx512(float *y, float a, const float *x, int64_t n) {
-    const __m512 va = _mm512_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
+AXPY_KERNEL(axpy_avx512, MOE_AVX512, 512)
 
 static int cpu_has_avx512(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
@@ -1637,17 +1650,7 @@ MOE_TARGET(MOE_AVX512) static inline __m512 exp_avx512(__m512 x) {
     return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
 }
 
-MOE_TARGET(MOE_AVX512) static inline __m512 log1p01_avx512(__m512 u) {
-    const __m512 sv = _mm512_div_ps(u, _mm512_add_ps(u, _mm512_set1_ps(2.0f))), t = _mm512_mul_ps(sv, sv);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 15), t, _mm512_set1_ps(1.0f / 13));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 11));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 9));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 7));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 5));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f / 3));
-    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.0f));
-    return _mm512_mul_ps(_mm512_add_ps(sv, sv), p);
-}
+LOG1P01_KERNEL(log1p01_avx512, MOE_AVX512, 512)
 
 MOE_TARGET(MOE_AVX512) static void act_avx512(float *y, const float *x, int64_t n, int kind) {
     const __m512 one = _mm512_set1_ps(1.0f);
@@ -1668,23 +1671,8 @@ MOE_TARGET(MOE_AVX512) static void act_avx512(float *y, const float *x, int64_t 
     act_avx2(y + i, x + i, n - i, kind);
 }
 
-MOE_TARGET(MOE_AVX512) static float exp_sum_avx512(float *y, const float *x, float shift, int64_t n) {
-    const __m512 sh = _mm512_set1_ps(shift);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh));
-        _mm512_storeu_ps(y + i, e);
-        acc = _mm512_add_ps(acc, e);
-    }
-    return _mm512_reduce_add_ps(acc) + exp_sum_avx2(y + i, x + i, shift, n - i);
-}
-
-MOE_TARGET(MOE_AVX512) static void widen_bf16_avx512(float *y, const uint16_t *x, int64_t n) {
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, load_bf16_avx512(x + i));
-    widen_bf16_avx2(y + i, x + i, n - i);
-}
+EXP_SUM_KERNEL(exp_sum_avx512, MOE_AVX512, 512, exp_avx512, _mm512_reduce_add_ps, exp_sum_avx2)
+WIDEN_BF16_KERNEL(widen_bf16_avx512, MOE_AVX512, 512, load_bf16_avx512, widen_bf16_avx2)
 #endif /* MOE_X86 */
 
 /* ---- NEON (AArch64) -------------------------------------------------------------------- */
@@ -1972,29 +1960,32 @@ static inline int32x4_t rows4_neon(int32x4_t acc, int8x16_t w, int8x16_t xb) {
     return vaddq_s32(acc, vpaddq_s32(lo, hi));
 }
 
-static void dotq8_q4_0_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    const moe__block_q4_0x8 *o = w;
-    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-        const int32_t *xq = (const int32_t *)x[b].qs;
-        int32x4_t s0 = vdupq_n_s32(-8 * x[b].sum), s1 = s0;
-        for (int c = 0; c < 4; c++) {
-            uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
-            int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(xq[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(xq[c + 4]));
-            s0 = rows4_neon(s0, vreinterpretq_s8_u8(vandq_u8(v0, vdupq_n_u8(15))), xl);
-            s1 = rows4_neon(s1, vreinterpretq_s8_u8(vandq_u8(v1, vdupq_n_u8(15))), xl);
-            s0 = rows4_neon(s0, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), xh);
-            s1 = rows4_neon(s1, vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), xh);
-        }
-        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);
-        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);
-        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));
-        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));
-    }
-    vst1q_f32(out, acc0);
-    vst1q_f32(out + 4, acc1);
-}
+/* x8 groups of Q4_0 (Q4_0X8): chunk c holds [row][4] bytes, rows 0-3 in the first 16 bytes, 4-7
+ * in the next; ROWS4 sums each row's 4 products into its lane (rows4_neon, or SDOT) */
+#define Q4_0X8_NEON_BODY(ROWS4)                                                                                    \
+    const moe__block_q4_0x8 *o = w;                                                                                \
+    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);                                                      \
+    for (int64_t b = 0; b < n / 32; b++) {                                                                         \
+        prefetch_ahead(o + b, sizeof *o);                                                                          \
+        const int32_t *xq = (const int32_t *)x[b].qs;                                                              \
+        int32x4_t s0 = vdupq_n_s32(-8 * x[b].sum), s1 = s0;                                                        \
+        for (int c = 0; c < 4; c++) {                                                                              \
+            uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);                      \
+            int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(xq[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(xq[c + 4])); \
+            s0 = ROWS4(s0, vreinterpretq_s8_u8(vandq_u8(v0, vdupq_n_u8(15))), xl);                                 \
+            s1 = ROWS4(s1, vreinterpretq_s8_u8(vandq_u8(v1, vdupq_n_u8(15))), xl);                                 \
+            s0 = ROWS4(s0, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), xh);                                            \
+            s1 = ROWS4(s1, vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), xh);                                            \
+        }                                                                                                          \
+        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);                \
+        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);            \
+        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));                                                             \
+        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));                                                             \
+    }                                                                                                              \
+    vst1q_f32(out, acc0);                                                                                          \
+    vst1q_f32(out + 4, acc1)
+
+static void dotq8_q4_0_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) { Q4_0X8_NEON_BODY(rows4_neon); }
 
 /* MXFP4x8: codes looked up as signed 2 E2M1 (no bias); the 4 rows' E8M0 scales at e as
  * 0.5 * 2^(e-127) in floats, as e8m0() makes them */
@@ -2031,27 +2022,29 @@ static inline float32x4_t mxfp4x8_scales_neon(const uint8_t *e) {
 
 static void dotq8_mxfp4_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) { MXFP4X8_NEON_BODY(rows4_neon); }
 
-static void dotq8_q8_0_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    const moe__block_q8_0x8 *o = w;
-    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
-    const uint8x16_t flip = vdupq_n_u8(0x80); /* stored as w + 128: back to signed w */
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-        const int32_t *xq = (const int32_t *)x[b].qs;
-        int32x4_t s0 = vdupq_n_s32(0), s1 = s0;
-        for (int c = 0; c < 8; c++) {
-            int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(xq[c]));
-            s0 = rows4_neon(s0, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c), flip)), xb);
-            s1 = rows4_neon(s1, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c + 16), flip)), xb);
-        }
-        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);
-        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);
-        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));
-        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));
-    }
-    vst1q_f32(out, acc0);
-    vst1q_f32(out + 4, acc1);
-}
+/* x8 groups of Q8_0 (Q8_0X8), stored as w + 128 */
+#define Q8_0X8_NEON_BODY(ROWS4)                                                                                    \
+    const moe__block_q8_0x8 *o = w;                                                                                \
+    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);                                                      \
+    const uint8x16_t flip = vdupq_n_u8(0x80); /* back to signed w */                                               \
+    for (int64_t b = 0; b < n / 32; b++) {                                                                         \
+        prefetch_ahead(o + b, sizeof *o);                                                                          \
+        const int32_t *xq = (const int32_t *)x[b].qs;                                                              \
+        int32x4_t s0 = vdupq_n_s32(0), s1 = s0;                                                                    \
+        for (int c = 0; c < 8; c++) {                                                                              \
+            int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(xq[c]));                                               \
+            s0 = ROWS4(s0, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c), flip)), xb);                   \
+            s1 = ROWS4(s1, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c + 16), flip)), xb);              \
+        }                                                                                                          \
+        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);                \
+        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);            \
+        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));                                                             \
+        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));                                                             \
+    }                                                                                                              \
+    vst1q_f32(out, acc0);                                                                                          \
+    vst1q_f32(out + 4, acc1)
+
+static void dotq8_q8_0_neon(const void *w, const moe__block_q8a *x, int64_t n, float *out) { Q8_0X8_NEON_BODY(rows4_neon); }
 
 /* absorbed MLA, 4 lanes: scores 4 heads at a time, ctx 2 heads x 16 latent floats */
 static void mla_scores_neon(const moe__mla_block *b) {
@@ -2141,55 +2134,13 @@ MOE_DOTPROD static float dotq_q4_0_dotprod(const void *w, const moe__block_q8a *
     return vaddvq_f32(acc);
 }
 
-/* x8 groups: chunk c holds [row][4] bytes; rows 0-3 in the first 16 bytes, 4-7 in the next */
-MOE_DOTPROD static void dotq8_q4_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    const moe__block_q4_0x8 *o = w;
-    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-        const int32_t *xq = (const int32_t *)x[b].qs;
-        int32x4_t s0 = vdupq_n_s32(-8 * x[b].sum), s1 = s0;
-        for (int c = 0; c < 4; c++) {
-            uint8x16_t v0 = vld1q_u8(o[b].qs + 32 * c), v1 = vld1q_u8(o[b].qs + 32 * c + 16);
-            int8x16_t xl = vreinterpretq_s8_s32(vdupq_n_s32(xq[c])), xh = vreinterpretq_s8_s32(vdupq_n_s32(xq[c + 4]));
-            s0 = vdotq_s32(s0, vreinterpretq_s8_u8(vandq_u8(v0, vdupq_n_u8(15))), xl);
-            s1 = vdotq_s32(s1, vreinterpretq_s8_u8(vandq_u8(v1, vdupq_n_u8(15))), xl);
-            s0 = vdotq_s32(s0, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), xh);
-            s1 = vdotq_s32(s1, vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), xh);
-        }
-        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);
-        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);
-        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));
-        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));
-    }
-    vst1q_f32(out, acc0);
-    vst1q_f32(out + 4, acc1);
-}
-
+MOE_DOTPROD static void dotq8_q4_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) { Q4_0X8_NEON_BODY(vdotq_s32); }
 MOE_DOTPROD static void dotq8_mxfp4_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) { MXFP4X8_NEON_BODY(vdotq_s32); }
 #undef MXFP4X8_NEON_BODY
 
-MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) {
-    const moe__block_q8_0x8 *o = w;
-    float32x4_t acc0 = vdupq_n_f32(0), acc1 = vdupq_n_f32(0);
-    const uint8x16_t flip = vdupq_n_u8(0x80); /* stored as w + 128: back to signed w */
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-        const int32_t *xq = (const int32_t *)x[b].qs;
-        int32x4_t s0 = vdupq_n_s32(0), s1 = s0;
-        for (int c = 0; c < 8; c++) {
-            int8x16_t xb = vreinterpretq_s8_s32(vdupq_n_s32(xq[c]));
-            s0 = vdotq_s32(s0, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c), flip)), xb);
-            s1 = vdotq_s32(s1, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c + 16), flip)), xb);
-        }
-        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);
-        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);
-        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));
-        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));
-    }
-    vst1q_f32(out, acc0);
-    vst1q_f32(out + 4, acc1);
-}
+MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n, float *out) { Q8_0X8_NEON_BODY(vdotq_s32); }
+#undef Q4_0X8_NEON_BODY
+#undef Q8_0X8_NEON_BODY
 
 /* prefill: one x8 row group against 4 activation rows (x + t * xs), each row bit for bit the
  * 1-row dotprod kernel's result (exact integer sums, the same float steps), each chunk of
@@ -2550,36 +2501,40 @@ static void mla_ctx16_widened(const moe__mla_block16 *b, int h0, int h1, mla_ctx
 
 #ifdef MOE_X86
 /* the scores of key j for heads h0 .. H-1: 4 heads at a time share each load of c_j */
-MOE_TARGET("avx2,fma") static void mla_scores1_avx2(const moe__mla_block *b, int j, int h0) {
-    const int r = b->r, dr = b->dr;
-    const float *c = b->cache + (size_t)j * b->cw;
-    int h = h0;
-    for (; h + 4 <= b->H; h += 4) {
-        const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
-        const float *q0 = b->qr + (size_t)h * b->qr_stride, *q1 = q0 + b->qr_stride, *q2 = q1 + b->qr_stride, *q3 = q2 + b->qr_stride;
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (int i = 0; i < r; i += 8) {
-            __m256 cv = _mm256_loadu_ps(c + i);
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a0 + i), cv, s0), s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a1 + i), cv, s1);
-            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(a2 + i), cv, s2), s3 = _mm256_fmadd_ps(_mm256_loadu_ps(a3 + i), cv, s3);
-        }
-        for (int i = 0; i < dr; i += 8) {
-            __m256 cv = _mm256_loadu_ps(c + r + i);
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + i), cv, s0), s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + i), cv, s1);
-            s2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + i), cv, s2), s3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + i), cv, s3);
-        }
-        b->sc[(size_t)h * b->ld + j] = hsum_avx2(s0) * b->scale;
-        b->sc[(size_t)(h + 1) * b->ld + j] = hsum_avx2(s1) * b->scale;
-        b->sc[(size_t)(h + 2) * b->ld + j] = hsum_avx2(s2) * b->scale;
-        b->sc[(size_t)(h + 3) * b->ld + j] = hsum_avx2(s3) * b->scale;
+/* scores of key j for heads h0.. : 4 heads at a time, then one (the tails of the kernels below) */
+#define MLA_SCORES1_KERNEL(name, target, W, hsum)                                                                          \
+    MOE_TARGET(target) static void name(const moe__mla_block *b, int j, int h0) {                                          \
+        const int r = b->r, dr = b->dr;                                                                                    \
+        const size_t qs = (size_t)b->qr_stride;                                                                            \
+        const float *c = b->cache + (size_t)j * b->cw;                                                                     \
+        int h = h0;                                                                                                        \
+        for (; h + 4 <= b->H; h += 4) {                                                                                    \
+            const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;                             \
+            const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;                         \
+            VEC(W) s0 = VOP(W, setzero_ps)(), s1 = s0, s2 = s0, s3 = s0;                                                   \
+            for (int i = 0; i < r; i += LANES(W)) {                                                                        \
+                VEC(W) cv = VOP(W, loadu_ps)(c + i);                                                                       \
+                s0 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(a0 + i), cv, s0), s1 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(a1 + i), cv, s1); \
+                s2 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(a2 + i), cv, s2), s3 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(a3 + i), cv, s3); \
+            }                                                                                                              \
+            for (int i = 0; i < dr; i += LANES(W)) {                                                                       \
+                VEC(W) cv = VOP(W, loadu_ps)(c + r + i);                                                                   \
+                s0 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(q0 + i), cv, s0), s1 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(q1 + i), cv, s1); \
+                s2 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(q2 + i), cv, s2), s3 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(q3 + i), cv, s3); \
+            }                                                                                                              \
+            b->sc[(size_t)h * b->ld + j] = hsum(s0) * b->scale;                                                            \
+            b->sc[(size_t)(h + 1) * b->ld + j] = hsum(s1) * b->scale;                                                      \
+            b->sc[(size_t)(h + 2) * b->ld + j] = hsum(s2) * b->scale;                                                      \
+            b->sc[(size_t)(h + 3) * b->ld + j] = hsum(s3) * b->scale;                                                      \
+        }                                                                                                                  \
+        for (; h < b->H; h++) {                                                                                            \
+            VEC(W) s0 = VOP(W, setzero_ps)();                                                                              \
+            for (int i = 0; i < r; i += LANES(W)) s0 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(b->qa + (size_t)h * r + i), VOP(W, loadu_ps)(c + i), s0); \
+            for (int i = 0; i < dr; i += LANES(W)) s0 = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(b->qr + (size_t)h * qs + i), VOP(W, loadu_ps)(c + r + i), s0); \
+            b->sc[(size_t)h * b->ld + j] = hsum(s0) * b->scale;                                                            \
+        }                                                                                                                  \
     }
-    for (; h < b->H; h++) {
-        __m256 s0 = _mm256_setzero_ps();
-        for (int i = 0; i < r; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b->qa + (size_t)h * r + i), _mm256_loadu_ps(c + i), s0);
-        for (int i = 0; i < dr; i += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(b->qr + (size_t)h * b->qr_stride + i), _mm256_loadu_ps(c + r + i), s0);
-        b->sc[(size_t)h * b->ld + j] = hsum_avx2(s0) * b->scale;
-    }
-}
+MLA_SCORES1_KERNEL(mla_scores1_avx2, "avx2,fma", 256, hsum_avx2)
 
 /* scores, 4 heads x 2 keys at a time: 8 independent sums (enough to cover the FMA latency) and
  * 6 loads per 8 FMAs; the keys' rows are prefetched four keys ahead (a decode step reads the
@@ -2653,80 +2608,9 @@ MOE_TARGET("avx2,fma") static void mla_ctx_avx2(const moe__mla_block *b, int h0,
 
 /* ---- AVX-512 linear and latent attention: the AVX2 kernels at 16 lanes -------------------- */
 
-MOE_TARGET(MOE_AVX512) static void kda_recurrent_avx512(const moe__kda_head *a) {
-    const int D = a->D;
-    if (D % 16 || D > 512) { kda_recurrent_avx2(a); return; }
-    float *S = a->S;
-    __attribute__((aligned(64))) float pred[512], u[512], o[512], decay[512];
-    for (int t = 0; t < a->n; t++) {
-        const float *q = a->q + (size_t)t * a->stride, *k = a->k + (size_t)t * a->stride;
-        const float *v = a->v + (size_t)t * a->stride, *g = a->g + (size_t)t * a->stride;
-        const float beta = a->beta[(size_t)t * a->beta_stride];
-        for (int j = 0; j < D; j += 16) _mm512_store_ps(pred + j, _mm512_setzero_ps());
-        exp_sum_avx512(decay, g, 0.0f, D);
-        for (int i = 0; i < D; i++) {
-            const __m512 dec = _mm512_set1_ps(decay[i]), ki = _mm512_set1_ps(k[i]);
-            float *row = S + (size_t)i * D;
-            for (int j = 0; j < D; j += 16) {
-                __m512 r = _mm512_mul_ps(_mm512_loadu_ps(row + j), dec);
-                _mm512_storeu_ps(row + j, r);
-                _mm512_store_ps(pred + j, _mm512_fmadd_ps(r, ki, _mm512_load_ps(pred + j)));
-            }
-        }
-        const __m512 vb = _mm512_set1_ps(beta);
-        for (int j = 0; j < D; j += 16) {
-            _mm512_store_ps(u + j, _mm512_mul_ps(vb, _mm512_sub_ps(_mm512_loadu_ps(v + j), _mm512_load_ps(pred + j))));
-            _mm512_store_ps(o + j, _mm512_setzero_ps());
-        }
-        for (int i = 0; i < D; i++) {
-            const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
-            float *row = S + (size_t)i * D;
-            for (int j = 0; j < D; j += 16) {
-                __m512 r = _mm512_fmadd_ps(ki, _mm512_load_ps(u + j), _mm512_loadu_ps(row + j));
-                _mm512_storeu_ps(row + j, r);
-                _mm512_store_ps(o + j, _mm512_fmadd_ps(r, qi, _mm512_load_ps(o + j)));
-            }
-        }
-        memcpy(a->o + (size_t)t * a->stride, o, sizeof(float) * (size_t)D);
-    }
-}
+KDA_RECURRENT_KERNEL(kda_recurrent_avx512, MOE_AVX512, 512, kda_recurrent_avx2, exp_sum_avx512)
 
-/* scores of one key for 4 heads at a time (the tails of the tiled kernel below) */
-MOE_TARGET(MOE_AVX512) static void mla_scores1_avx512(const moe__mla_block *b, int j) {
-    const int r = b->r, dr = b->dr;
-    const size_t qs = (size_t)b->qr_stride;
-    const float *c = b->cache + (size_t)j * b->cw;
-    int h = 0;
-    for (; h + 4 <= b->H; h += 4) {
-        const float *a0 = b->qa + (size_t)h * r, *a1 = a0 + r, *a2 = a1 + r, *a3 = a2 + r;
-        const float *q0 = b->qr + (size_t)h * qs, *q1 = q0 + qs, *q2 = q1 + qs, *q3 = q2 + qs;
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (int i = 0; i < r; i += 16) {
-            __m512 cv = _mm512_loadu_ps(c + i);
-            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a0 + i), cv, s0);
-            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a1 + i), cv, s1);
-            s2 = _mm512_fmadd_ps(_mm512_loadu_ps(a2 + i), cv, s2);
-            s3 = _mm512_fmadd_ps(_mm512_loadu_ps(a3 + i), cv, s3);
-        }
-        for (int i = 0; i < dr; i += 16) {
-            __m512 cv = _mm512_loadu_ps(c + r + i);
-            s0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + i), cv, s0);
-            s1 = _mm512_fmadd_ps(_mm512_loadu_ps(q1 + i), cv, s1);
-            s2 = _mm512_fmadd_ps(_mm512_loadu_ps(q2 + i), cv, s2);
-            s3 = _mm512_fmadd_ps(_mm512_loadu_ps(q3 + i), cv, s3);
-        }
-        b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s0) * b->scale;
-        b->sc[(size_t)(h + 1) * b->ld + j] = _mm512_reduce_add_ps(s1) * b->scale;
-        b->sc[(size_t)(h + 2) * b->ld + j] = _mm512_reduce_add_ps(s2) * b->scale;
-        b->sc[(size_t)(h + 3) * b->ld + j] = _mm512_reduce_add_ps(s3) * b->scale;
-    }
-    for (; h < b->H; h++) {
-        __m512 s0 = _mm512_setzero_ps();
-        for (int i = 0; i < r; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(b->qa + (size_t)h * r + i), _mm512_loadu_ps(c + i), s0);
-        for (int i = 0; i < dr; i += 16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(b->qr + (size_t)h * qs + i), _mm512_loadu_ps(c + r + i), s0);
-        b->sc[(size_t)h * b->ld + j] = _mm512_reduce_add_ps(s0) * b->scale;
-    }
-}
+MLA_SCORES1_KERNEL(mla_scores1_avx512, MOE_AVX512, 512, _mm512_reduce_add_ps)
 
 /* a 4 heads x 4 keys tile's sums t<head><key>, times the scale, into rows sc, sc + ld, ... */
 #define MLA_TILE_STORE(sc, ld, scale)                                                                     \
@@ -2789,10 +2673,10 @@ MOE_TARGET(MOE_AVX512) static void mla_scores_avx512(const moe__mla_block *b) {
             if (h < b->H) { /* the last heads of these keys */
                 moe__mla_block t = *b;
                 t.qa += (size_t)h * r, t.qr += (size_t)h * qs, t.sc += (size_t)h * b->ld, t.H -= h;
-                for (int jj = j; jj < j + jg; jj++) mla_scores1_avx512(&t, jj);
+                for (int jj = j; jj < j + jg; jj++) mla_scores1_avx512(&t, jj, 0);
             }
         }
-    for (; j < b->j1; j++) mla_scores1_avx512(b, j);
+    for (; j < b->j1; j++) mla_scores1_avx512(b, j, 0);
 }
 #undef MLA_TILE_STEP
 
