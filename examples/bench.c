@@ -526,6 +526,7 @@ int main(int argc, char **argv) {
             /* the peak drifts too (440 to 670 Gop/s within minutes on this project's VM): the
              * better of the figures before and after the prefill */
             const double peak_after = int8_peak(t);
+            fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak after the prefill %.1f Gop/s\n", t, peak_after / 1e9);
             if (peak_after > peak) peak = peak_after;
             /* active parameters (2 ops each): everything a token touches but the embedding */
             const double ops_per_token = 2.0 * ((double)info.n_params_active - (double)c->vocab_size * c->hidden_size);
