@@ -2611,6 +2611,16 @@ MOE_TARGET("avx2,fma") static void mla_ctx_avx2(const moe__mla_block *b, int h0,
 KDA_RECURRENT_KERNEL(kda_recurrent_avx512, MOE_AVX512, 512, kda_recurrent_avx2, exp_sum_avx512)
 
 MLA_SCORES1_KERNEL(mla_scores1_avx512, MOE_AVX512, 512, _mm512_reduce_add_ps)
+/* the last width-generic kernel: the generators and their helpers end here */
+#undef AXPY_KERNEL
+#undef LOG1P01_KERNEL
+#undef EXP_SUM_KERNEL
+#undef WIDEN_BF16_KERNEL
+#undef KDA_RECURRENT_KERNEL
+#undef MLA_SCORES1_KERNEL
+#undef VEC
+#undef VOP
+#undef LANES
 
 /* a 4 heads x 4 keys tile's sums t<head><key>, times the scale, into rows sc, sc + ld, ... */
 #define MLA_TILE_STORE(sc, ld, scale)                                                                     \
