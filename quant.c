@@ -1960,6 +1960,9 @@ static inline int32x4_t rows4_neon(int32x4_t acc, int8x16_t w, int8x16_t xb) {
     return vaddq_s32(acc, vpaddq_s32(lo, hi));
 }
 
+/* 4 rows' fp16 scales of a Q4_0X8/Q8_0X8 block in floats */
+static inline float32x4_t x8_fp16_scales_neon(const uint16_t *d) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(d))); }
+
 /* x8 groups of Q4_0 (Q4_0X8): chunk c holds [row][4] bytes, rows 0-3 in the first 16 bytes, 4-7
  * in the next; ROWS4 sums each row's 4 products into its lane (rows4_neon, or SDOT) */
 #define Q4_0X8_NEON_BODY(ROWS4)                                                                                    \
@@ -1977,10 +1980,8 @@ static inline int32x4_t rows4_neon(int32x4_t acc, int8x16_t w, int8x16_t xb) {
             s0 = ROWS4(s0, vreinterpretq_s8_u8(vshrq_n_u8(v0, 4)), xh);                                            \
             s1 = ROWS4(s1, vreinterpretq_s8_u8(vshrq_n_u8(v1, 4)), xh);                                            \
         }                                                                                                          \
-        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);                \
-        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);            \
-        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));                                                             \
-        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));                                                             \
+        acc0 = vfmaq_f32(acc0, vmulq_n_f32(x8_fp16_scales_neon(o[b].d), x[b].d), vcvtq_f32_s32(s0));              \
+        acc1 = vfmaq_f32(acc1, vmulq_n_f32(x8_fp16_scales_neon(o[b].d + 4), x[b].d), vcvtq_f32_s32(s1));          \
     }                                                                                                              \
     vst1q_f32(out, acc0);                                                                                          \
     vst1q_f32(out + 4, acc1)
@@ -2036,10 +2037,8 @@ static void dotq8_mxfp4_neon(const void *w, const moe__block_q8a *x, int64_t n, 
             s0 = ROWS4(s0, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c), flip)), xb);                   \
             s1 = ROWS4(s1, vreinterpretq_s8_u8(veorq_u8(vld1q_u8(o[b].qs + 32 * c + 16), flip)), xb);              \
         }                                                                                                          \
-        float32x4_t d0 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), x[b].d);                \
-        float32x4_t d1 = vmulq_n_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))), x[b].d);            \
-        acc0 = vfmaq_f32(acc0, d0, vcvtq_f32_s32(s0));                                                             \
-        acc1 = vfmaq_f32(acc1, d1, vcvtq_f32_s32(s1));                                                             \
+        acc0 = vfmaq_f32(acc0, vmulq_n_f32(x8_fp16_scales_neon(o[b].d), x[b].d), vcvtq_f32_s32(s0));              \
+        acc1 = vfmaq_f32(acc1, vmulq_n_f32(x8_fp16_scales_neon(o[b].d + 4), x[b].d), vcvtq_f32_s32(s1));          \
     }                                                                                                              \
     vst1q_f32(out, acc0);                                                                                          \
     vst1q_f32(out + 4, acc1)
@@ -2155,7 +2154,7 @@ MOE_DOTPROD static void dotq8_q8_0_dotprod(const void *w, const moe__block_q8a *
     int32x4_t s00 = vdupq_n_s32(INIT(x0)), s01 = s00, s10 = vdupq_n_s32(INIT(x1)), s11 = s10;                      \
     int32x4_t s20 = vdupq_n_s32(INIT(x2)), s21 = s20, s30 = vdupq_n_s32(INIT(x3)), s31 = s30
 /* the block's sums into the 4 rows' float sums a<row><half> */
-#define DOTPROD_X4_ACC() DOTPROD_X4_ACC_DW(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d))), vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(o[b].d + 4))))
+#define DOTPROD_X4_ACC() DOTPROD_X4_ACC_DW(x8_fp16_scales_neon(o[b].d), x8_fp16_scales_neon(o[b].d + 4))
 /* the same with the weights' scales DW0 (rows 0-3) and DW1 (rows 4-7) */
 #define DOTPROD_X4_ACC_DW(DW0, DW1)                                                                                \
     do {                                                                                                           \
