@@ -128,6 +128,7 @@ static int bw_buffer_new(bw_buffer *b, size_t bytes) {
 /* the best of `passes` reads of the whole buffer, alternately with and without prefetch, in GB/s */
 static double membw(const bw_buffer *b, int threads, int passes) {
     const size_t chunk = 1 << 16;
+    const double bytes = (double)(b->n * sizeof *b->a);
     const int wide = have_avx2();
     double best = 0;
     volatile uint64_t sink = 0;
@@ -141,7 +142,7 @@ static double membw(const bw_buffer *b, int threads, int passes) {
         for (size_t c = 0; c < b->n; c += chunk) total ^= wide ? sum_avx2(b->a + c, chunk, pf) : sum_plain(b->a + c, chunk, pf);
         double t = now() - t0;
         sink ^= total;
-        if (b->n * sizeof *b->a / t / 1e9 > best) best = b->n * sizeof *b->a / t / 1e9;
+        if (bytes / t / 1e9 > best) best = bytes / t / 1e9;
     }
     (void)sink;
     (void)threads;
