@@ -962,11 +962,13 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
  * one activation block XB: the block's 8 chunks U(0) .. U(7) (unsigned bytes, in the order of the
  * activation's 4-byte groups) in four dpbusd chains with bias * sum(x) folded into the first,
  * then the block's sum times DW (the rows' scales) and the activation's scale into the even (A0)
- * or odd (A1) float accumulator. dpbusd has a latency of several cycles: four independent sums
+ * or odd (A1) float accumulator. HI scales the sum of the chunks 4-7 (chains s1, s3) before it
+ * joins the sum of chunks 0-3: VNNI_SAME, or X16_DOWN where those chunks are 16 times their
+ * values (Q4_0's high nibbles masked in place). dpbusd has a latency of several cycles: four independent sums
  * per block and two float accumulators keep the chains short, so the loads, not the latencies,
  * set the pace. The 1-row, 4-row and two-group kernels all take these steps, so each of their
  * outputs is the same bits. */
-#define VNNI_BLOCK(W, XB, U, bias, DW, A0, A1)                                                                     \
+#define VNNI_BLOCK(W, XB, U, HI, bias, DW, A0, A1)                                                                 \
     do {                                                                                                           \
         const moe__block_q8a *xb_ = (XB);                                                                          \
         const int32_t *xq = (const int32_t *)xb_->qs;                                                              \
@@ -978,17 +980,37 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
         s1 = _mm##W##_dpbusd_epi32(s1, U(6), _mm##W##_set1_epi32(xq[6]));                                          \
         s2 = _mm##W##_dpbusd_epi32(s2, U(3), _mm##W##_set1_epi32(xq[3]));                                          \
         s3 = _mm##W##_dpbusd_epi32(s3, U(7), _mm##W##_set1_epi32(xq[7]));                                          \
-        const __m##W##i s = _mm##W##_add_epi32(_mm##W##_add_epi32(s0, s1), _mm##W##_add_epi32(s2, s3));           \
+        const __m##W##i s = _mm##W##_add_epi32(_mm##W##_add_epi32(s0, s2), HI(W, _mm##W##_add_epi32(s1, s3)));    \
         const __m##W d = _mm##W##_mul_ps(DW, _mm##W##_set1_ps(xb_->d));                                            \
         if (b & 1) A1 = _mm##W##_fmadd_ps(d, _mm##W##_cvtepi32_ps(s), A1);                                         \
         else A0 = _mm##W##_fmadd_ps(d, _mm##W##_cvtepi32_ps(s), A0);                                               \
     } while (0)
 /* the chunks of the 4-row and two-group kernels, unpacked into u0 .. u7 beforehand */
 #define VNNI_UREG(c) u##c
-/* 4-bit x8 blocks: the 32 bytes holding chunk c (chunks c and c + 4 share them), and chunk c's
- * values: their low (c < 4) or high nibbles, as Q4_0 uses them (MXFP4 looks them up) */
-#define X8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * ((c) & 3)))
-#define X8_NIBBLES(c) _mm256_and_si256((c) < 4 ? X8_CHUNK(c) : _mm256_srli_epi16(X8_CHUNK(c), 4), m4)
+/* the sum of chunks 4-7 as it is (VNNI_SAME) or divided by 16 (X16_DOWN: exact, the chunks were
+ * high nibbles masked in place, 16 times their values) */
+#define VNNI_SAME(W, s) (s)
+#define X16_DOWN(W, s) _mm##W##_srai_epi32(s, 4)
+
+/* The 1-row kernels load each 32 bytes of a 4-bit block once, into v0 .. v3 (X8_LOAD): the empty
+ * asm statement keeps each load in a register, where GCC otherwise folds it into both of its
+ * uses. The kernel is limited by how many vector instructions a cycle the core issues, loads
+ * about two a cycle among them (Zen 4), and the 8 activation broadcasts per block are loads too:
+ * this and masking Q4_0's high nibbles in place (no shift) took the Q4_0 kernel from 45 to 50-52
+ * GB/s from L2 on one Zen 4 core (bench/RESULTS.md, session 20). */
+#define X8_LOAD(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
+#define X8_PIN(v) __asm__("" : "+x"(v))
+#define X8_LOADS                                                                                                   \
+    __m256i v0 = X8_LOAD(0), v1 = X8_LOAD(1), v2 = X8_LOAD(2), v3 = X8_LOAD(3);                                     \
+    X8_PIN(v0); X8_PIN(v1); X8_PIN(v2); X8_PIN(v3);
+/* chunk c of a 4-bit block: the 32 bytes holding it (chunks c and c + 4 share them) */
+#define X8_V(c) (((c) & 3) == 0 ? v0 : ((c) & 3) == 1 ? v1 : ((c) & 3) == 2 ? v2 : v3)
+/* Q4_0: chunk c < 4 in the low nibbles, c + 4 in the high nibbles, 16 times (X16_DOWN) */
+#define Q4_0_NIBBLES(c) _mm256_and_si256(X8_V(c), (c) < 4 ? m4 : m4h)
+/* MXFP4: codes looked up from the low or high nibbles */
+#define MXFP4_CODES(c) _mm256_shuffle_epi8(lut, _mm256_and_si256((c) < 4 ? X8_V(c) : _mm256_srli_epi16(X8_V(c), 4), m4))
+#define Q8_CHUNK(c) X8_LOAD(c)
+#define X8_FP16_SCALES _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d))
 
 /* The three 1-row VNNI kernels come in two builds: with the software prefetch of the weights
  * (PREFETCH_AHEAD) and without it, leaving the stream to the hardware prefetchers.
@@ -996,27 +1018,27 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
  * (2 threads, tokens alternating between the builds in one process), as prefetching to L2 was
  * 7-8% slower; on Zen 5 the software prefetch had taken one core from 28-30 to 40 GB/s
  * (bench/RESULTS.md). Same products, bit for bit (quant_blocks runs both). */
-/* one 1-row kernel: block type BT, set-up declarations SETUP, chunk decoder U, bias, scales DW */
-#define VNNI_X1_KERNEL(fname, BT, SETUP, U, bias, DW, PF)                                                          \
+/* one 1-row kernel: block type BT, set-up declarations SETUP, per-block loads LOADS, chunk
+ * decoder U, high-chunk scaling HI, bias, scales DW */
+#define VNNI_X1_KERNEL(fname, BT, SETUP, LOADS, U, HI, bias, DW, PF)                                               \
     MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void fname(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
         const BT *o = w;                                                                                           \
         SETUP                                                                                                      \
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                             \
         for (int64_t b = 0; b < n / 32; b++) {                                                                     \
             PF(o + b, sizeof *o);                                                                                  \
-            VNNI_BLOCK(256, x + b, U, bias, DW, acc0, acc1);                                                       \
+            LOADS                                                                                                  \
+            VNNI_BLOCK(256, x + b, U, HI, bias, DW, acc0, acc1);                                                   \
         }                                                                                                          \
         _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                          \
     }
 /* Q4_0 and Q8_0 with their fp16 scales; MXFP4x8 with codes looked up as 2 E2M1 + 12 (bias -12) */
 #define VNNI_X1_KERNELS(name, PF)                                                                                  \
-    VNNI_X1_KERNEL(dotq8_q4_0_##name, moe__block_q4_0x8, const __m256i m4 = _mm256_set1_epi8(15);, X8_NIBBLES, -8, X8_FP16_SCALES, PF) \
-    VNNI_X1_KERNEL(dotq8_q8_0_##name, moe__block_q8_0x8, , Q8_CHUNK, -128, X8_FP16_SCALES, PF)                     \
+    VNNI_X1_KERNEL(dotq8_q4_0_##name, moe__block_q4_0x8, const __m256i m4 = _mm256_set1_epi8(15); const __m256i m4h = _mm256_set1_epi8((char)0xf0);, \
+                   X8_LOADS, Q4_0_NIBBLES, X16_DOWN, -8, X8_FP16_SCALES, PF)                                       \
+    VNNI_X1_KERNEL(dotq8_q8_0_##name, moe__block_q8_0x8, , , Q8_CHUNK, VNNI_SAME, -128, X8_FP16_SCALES, PF)        \
     VNNI_X1_KERNEL(dotq8_mxfp4_##name, moe__block_mxfp4x8, const __m256i m4 = _mm256_set1_epi8(15); const __m256i lut = mxfp4x8_lut_avx2();, \
-                   MXFP4_CODES, -12, mxfp4x8_scales_avx2(o[b].e), PF)
-#define X8_FP16_SCALES _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d))
-#define Q8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
-#define MXFP4_CODES(c) _mm256_shuffle_epi8(lut, X8_NIBBLES(c))
+                   X8_LOADS, MXFP4_CODES, VNNI_SAME, -12, mxfp4x8_scales_avx2(o[b].e), PF)
 #define NO_PREFETCH(p, bytes) ((void)(p), (void)(bytes))
 VNNI_X1_KERNELS(vnni, prefetch_ahead)
 VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
@@ -1025,9 +1047,13 @@ VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
 #undef X8_FP16_SCALES
 #undef Q8_CHUNK
 #undef MXFP4_CODES
+#undef Q4_0_NIBBLES
 #undef NO_PREFETCH
-#undef X8_CHUNK
-#undef X8_NIBBLES
+#undef X8_LOAD
+#undef X8_PIN
+#undef X8_LOADS
+#undef X8_V
+#undef X16_DOWN
 
 /* Prefill: one x8 row group against 4 activation rows (x, x + xs, ... in blocks): the weights
  * are loaded (and unpacked) once for the 4 rows, and each row's sums are formed as the 1-row
@@ -1037,10 +1063,10 @@ VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
  * the activation sum. */
 /* the block's 4 activation rows in W-bit registers, into a00/a01 .. a30/a31 */
 #define VNNI_ROWS4(W, bias)                                                                                        \
-    VNNI_BLOCK(W, x + b, VNNI_UREG, bias, dw, a00, a01);                                                           \
-    VNNI_BLOCK(W, x + xs + b, VNNI_UREG, bias, dw, a10, a11);                                                      \
-    VNNI_BLOCK(W, x + 2 * xs + b, VNNI_UREG, bias, dw, a20, a21);                                                  \
-    VNNI_BLOCK(W, x + 3 * xs + b, VNNI_UREG, bias, dw, a30, a31)
+    VNNI_BLOCK(W, x + b, VNNI_UREG, VNNI_SAME, bias, dw, a00, a01);                                                \
+    VNNI_BLOCK(W, x + xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a10, a11);                                           \
+    VNNI_BLOCK(W, x + 2 * xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a20, a21);                                       \
+    VNNI_BLOCK(W, x + 3 * xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a30, a31)
 /* after the last block: the sums of each row's even and odd blocks */
 #define VNNI_X4_STORE()                                                                                            \
     _mm256_storeu_ps(out, _mm256_add_ps(a00, a01)), _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11)),             \
@@ -1166,6 +1192,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 }
 #undef VNNI_BLOCK
 #undef VNNI_UREG
+#undef VNNI_SAME
 #undef VNNI_ROWS4
 #undef VNNI_X4X2_STORE
 #undef PAIR256
