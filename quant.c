@@ -966,8 +966,8 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
  * joins the sum of chunks 0-3: VNNI_SAME, or X16_DOWN where those chunks are 16 times their
  * values (Q4_0's high nibbles masked in place). dpbusd has a latency of several cycles: four
  * independent sums per block and two float accumulators keep the chains short, so the
- * instructions issued (loads among them), not the latencies, set the pace. The 1-row, 4-row and two-group kernels all take these steps, so each of their
- * outputs is the same bits. */
+ * instructions issued (loads among them), not the latencies, set the pace. The 1-row, 4-row and
+ * two-group kernels all take these steps, so each of their outputs is the same bits. */
 #define VNNI_BLOCK(W, XB, U, HI, bias, DW, A0, A1)                                                                 \
     do {                                                                                                           \
         const moe__block_q8a *xb_ = (XB);                                                                          \
