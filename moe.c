@@ -355,6 +355,7 @@ static const struct { const char *name; int type, size; } st_dtypes[] = {
     {"U64", -1, 8},        {"F8_E4M3", -1, 1},    {"F8_E5M2", -1, 1},     {"F8_E8M0", -1, 1},
 };
 
+#define KDA_CONV_MAX 64 /* the longest KDA short convolution a config may ask for */
 #define ST_MAX_HEADER (512ull << 20)
 #define ST_MAX_DIM (1ll << 40)
 
@@ -780,7 +781,8 @@ struct moe_session {
     moe_model *m;
     int n_ctx, pos;
     float **kda_state; /* per layer: [H_k, D, D] or NULL */
-    float **conv_tail; /* per layer: [W-1, 3*H_k*D] (pre-convolution q,k,v rows) */
+    float **conv_tail; /* per layer: [H_k, W-1, 3, D] (each head's last pre-convolution q, k, v
+                          rows, together so that a head reads its tail as one short stream) */
     void **mla_cache; /* per layer: [cap, r + d_r] latents c (normalised) and kr, f32, bf16 or int8 (kv_type) */
     moe__kv8_meta **mla_meta; /* per layer with an int8 cache: [cap] the rows' scales and sums */
     int *mla_cap;
@@ -867,7 +869,7 @@ static moe_status parse_config(moe_model *m, const moe__json *root, char *err, s
     if (la && la->type != MOE_JSON_OBJ) la = NULL;
     g->kda_heads = la ? cint(&c, la, "num_heads", NULL, -1, 1, 4096) : 0;
     g->kda_head_dim = la ? cint(&c, la, "head_dim", NULL, -1, 1, 512) : 0;
-    g->conv_kernel = la ? cint(&c, la, "short_conv_kernel_size", NULL, 4, 1, 64) : 0;
+    g->conv_kernel = la ? cint(&c, la, "short_conv_kernel_size", NULL, 4, 1, KDA_CONV_MAX) : 0;
     const moe__json *lb = la ? cget(la, "gate_lower_bound", NULL) : NULL;
     g->kda_gate_bounded = lb != NULL;
     g->kda_gate_lower_bound = lb ? cfloat(&c, la, "gate_lower_bound", 0, -1e4, -1e-6) : 0.0f;
@@ -2533,7 +2535,7 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     const moe_config *c = &m->cfg;
     const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
     const int W = c->conv_kernel, Wm = W - 1;
-    const size_t ext = (size_t)(Wm + n) * HD;
+    const size_t ext = (size_t)n * HD; /* the new pre-convolution rows of q, k, v */
     const unsigned fl = m->opt.flags;
     const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
     const size_t wsz = moe__kda_chunk_work(D), nbuf = 3 * ext + 7 * (size_t)n * HD + (size_t)n * H + (size_t)n * D;
@@ -2550,7 +2552,7 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     /* 1, 4, 5, 7. every projection of x in one pass: q, k, v, the decay gate's first factor,
      * beta, and the output gate (full rank, or its first factor) */
     {
-        const mm_out proj[6] = {{qe + (size_t)Wm * HD, &L->q}, {ke + (size_t)Wm * HD, &L->k}, {ve + (size_t)Wm * HD, &L->v},
+        const mm_out proj[6] = {{qe, &L->q}, {ke, &L->k}, {ve, &L->v},
                                 {tmp, &L->f_a}, {beta, &L->b}, {og, c->kda_full_rank_gate ? &L->g : &L->g_a}};
         st = matmul_multi(m, x, d, n, proj, 6, m->opt.n_threads);
     }
@@ -2570,22 +2572,28 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
 #endif
     for (int h = 0; h < H; h++) {
         const size_t c0 = (size_t)h * D;
-        /* 2. the causal depthwise convolution over [tail | new rows], this head's channels */
+        /* 2. the causal depthwise convolution over the window [tail | new rows], this head's
+         * channels: window row r < Wm is the session's tail row r, row Wm + t the new row t */
+        float *th = tail + (size_t)h * Wm * 3 * D; /* this head's tail: [row][q, k, v][D] */
         for (int a = 0; a < 3; a++) {
-            float *e = exts[a];
-            for (int r = 0; r < Wm; r++) memcpy(e + (size_t)r * HD + c0, tail + ((size_t)r * 3 + a) * HD + c0, sizeof(float) * D);
+            const float *nw = exts[a] + c0;
+#define WINDOW_ROW(r) ((r) < Wm ? th + ((size_t)(r) * 3 + a) * D : nw + (size_t)((r) - Wm) * HD)
             for (int t = 0; t < n; t++) {
-                float *o = outs[a] + (size_t)t * HD;
-                for (size_t ch = c0; ch < c0 + (size_t)D; ch++) {
+                const float *rows[KDA_CONV_MAX];
+                for (int j = 0; j < W; j++) rows[j] = WINDOW_ROW(t + j);
+                float *o = outs[a] + (size_t)t * HD + c0;
+                for (int i = 0; i < D; i++) {
                     float acc = 0;
-                    const float *w = convw[a] + ch * W;
-                    for (int j = 0; j < W; j++) acc += w[j] * e[(size_t)(t + j) * HD + ch];
-                    o[ch] = acc;
+                    const float *w = convw[a] + (c0 + (size_t)i) * W;
+                    for (int j = 0; j < W; j++) acc += w[j] * rows[j][i];
+                    o[i] = acc;
                 }
-                m->k.act(o + c0, o + c0, D, MOE__ACT_SILU);
+                m->k.act(o, o, D, MOE__ACT_SILU);
             }
-            for (int r = 0; r < Wm; r++)
-                memcpy(tail + ((size_t)r * 3 + a) * HD + c0, e + (size_t)(n + r) * HD + c0, sizeof(float) * D);
+            /* the window's last Wm rows become the tail (rows move up: row n + r > r is read
+             * before it is overwritten) */
+            for (int r = 0; r < Wm; r++) memmove(th + ((size_t)r * 3 + a) * D, WINDOW_ROW(n + r), sizeof(float) * D);
+#undef WINDOW_ROW
         }
         const float ga = expf(L->A_log[h]);
         for (int t = 0; t < n; t++) {
