@@ -2535,24 +2535,24 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     const moe_config *c = &m->cfg;
     const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
     const int W = c->conv_kernel, Wm = W - 1;
-    const size_t ext = (size_t)n * HD; /* the new pre-convolution rows of q, k, v */
     const unsigned fl = m->opt.flags;
     const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
-    const size_t wsz = moe__kda_chunk_work(D), nbuf = 3 * ext + 7 * (size_t)n * HD + (size_t)n * H + (size_t)n * D;
+    const size_t wsz = moe__kda_chunk_work(D), nbuf = 10 * (size_t)n * HD + (size_t)n * H + (size_t)n * D;
     float *buf = work_get(&wk->layer, sizeof(float) * (nbuf + (chunked ? wsz * (size_t)H : 0)));
     if (!buf) return MOE_ERR_NOMEM;
     float *work = chunked ? buf + nbuf : NULL;
-    float *qe = buf, *ke = qe + ext, *ve = ke + ext, *q = ve + ext, *k = q + (size_t)n * HD;
+    /* qp, kp, vp: the new rows of q, k, v before the convolution; q, k, v after it */
+    float *qp = buf, *kp = qp + (size_t)n * HD, *vp = kp + (size_t)n * HD, *q = vp + (size_t)n * HD, *k = q + (size_t)n * HD;
     float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD, *og = o + (size_t)n * HD;
     float *gl = og + (size_t)n * HD, *beta = gl + (size_t)n * HD, *tmp = beta + (size_t)n * H;
     float *tail = s->conv_tail[li];
     moe_status st = MOE_OK;
-    float *exts[3] = {qe, ke, ve}, *outs[3] = {q, k, v};
+    float *pre[3] = {qp, kp, vp}, *outs[3] = {q, k, v};
     const float *convw[3] = {L->q_conv, L->k_conv, L->v_conv};
     /* 1, 4, 5, 7. every projection of x in one pass: q, k, v, the decay gate's first factor,
      * beta, and the output gate (full rank, or its first factor) */
     {
-        const mm_out proj[6] = {{qe, &L->q}, {ke, &L->k}, {ve, &L->v},
+        const mm_out proj[6] = {{qp, &L->q}, {kp, &L->k}, {vp, &L->v},
                                 {tmp, &L->f_a}, {beta, &L->b}, {og, c->kda_full_rank_gate ? &L->g : &L->g_a}};
         st = matmul_multi(m, x, d, n, proj, 6, m->opt.n_threads);
     }
@@ -2576,7 +2576,7 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
          * channels: window row r < Wm is the session's tail row r, row Wm + t the new row t */
         float *th = tail + (size_t)h * Wm * 3 * D; /* this head's tail: [row][q, k, v][D] */
         for (int a = 0; a < 3; a++) {
-            const float *nw = exts[a] + c0;
+            const float *nw = pre[a] + c0;
 #define WINDOW_ROW(r) ((r) < Wm ? th + ((size_t)(r) * 3 + a) * D : nw + (size_t)((r) - Wm) * HD)
             for (int t = 0; t < n; t++) {
                 const float *rows[KDA_CONV_MAX];
