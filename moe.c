@@ -24,6 +24,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <pthread.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef _OPENMP
@@ -775,6 +776,8 @@ struct moe_model {
     int n_owned, cap_owned;
     struct expert_cache *cache; /* CACHE mode */
     int mla_key_block; /* test hook: keys per block of the expanded MLA form (0: by MLA_EXPANDED_BLOCK_BYTES) */
+    int step_team;     /* test hook (par_run): 0 a team for the step when the threads fit the
+                          processors, 1 never (each loop its own OpenMP region), 2 always */
 };
 
 struct moe_session {
@@ -2168,6 +2171,153 @@ moe_model_info moe_model_get_info(const moe_model *m) {
     return m ? m->info : z;
 }
 
+/* ==== the step's threads ========================================================================
+ * Work is split across threads by par_run(nt, fn, arg): fn(arg, p) runs once on each of the
+ * threads, p giving its number (p->me) and their count (p->nth), and par_barrier(p) waits for
+ * all of them. A decode step runs ~270 such loops a token (products, KDA heads, MLA), each tens
+ * of microseconds long, and opening and closing an OpenMP region costs 0.6 us with 2 threads and
+ * 5 us with 16 (libgomp on this project's machines, bench/RESULTS.md). So forward() opens one
+ * region for the whole step (step_team): thread 0 runs the step and posts each loop to the
+ * others, which poll for it (as libgomp's own threads do between regions) and report when their
+ * share is done: 0.1-0.3 us with 2 threads, 2-3 us with 16. Decode tokens were 3-4% faster with
+ * 16 threads, 2% with 8, about 1% with 2 (in-process A/B, same logits). Without a team (the
+ * expert cache's steps, more threads than processors, no OpenMP or no C11 atomics) each par_run
+ * is an OpenMP region of its own, or a plain call. A par_run inside another's fn runs on its
+ * calling thread alone, as a nested OpenMP region did. Which thread runs which share never
+ * changes a result. */
+
+typedef struct step_team step_team;
+typedef struct {
+    int me, nth;     /* this thread's number and the number of threads sharing the work */
+    step_team *team; /* the step's team running it, else NULL */
+} par_ctx;
+typedef void (*par_fn)(void *arg, const par_ctx *p);
+
+#if defined(_OPENMP) && !defined(__STDC_NO_ATOMICS__)
+#include <stdatomic.h>
+#define STEP_TEAM 1
+#define STEP_TEAM_MAX 64 /* the most threads a step's team (and the task stealer) serves */
+
+struct step_team {
+    _Alignas(64) _Atomic unsigned posted;   /* loops posted so far; each helper runs each once */
+    _Alignas(64) _Atomic unsigned finished; /* helpers' runs of them finished so far */
+    _Alignas(64) _Atomic unsigned arrived, passed; /* par_barrier: threads arrived, barriers passed */
+    par_fn fn;
+    void *arg;
+    int nth;  /* threads in the team, thread 0 included */
+    int stop; /* posted last: the helpers leave */
+};
+
+static _Thread_local step_team *team_led; /* the team this thread leads (thread 0 of a step) */
+static _Thread_local int par_depth;       /* > 0 while this thread runs a par_run's fn */
+
+/* A waiting thread of the team spins TEAM_SPINS times, then gives its core away between looks
+ * (sched_yield): another thread of the team, or of another program, may be waiting for that
+ * core. With 3 threads on 2 cores (forced; forward() does not start a team larger than the
+ * processors) pure spinning took decode tokens from 34 ms to 1 s, and 2^14 spins before
+ * yielding to 141 ms; 2^8 spins ran as fast as OpenMP regions (32 ms, Zen 4 VM), and a yield
+ * between looks costs a system call of well under a microsecond when no one else wants the
+ * core. */
+#define TEAM_SPINS (1 << 8)
+static void team_pause(int *spins) {
+    if (*spins < TEAM_SPINS) {
+        ++*spins;
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+        __builtin_ia32_pause();
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+        __asm__ __volatile__("yield");
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
+/* posts fn to the helpers, runs thread 0's share, waits for theirs */
+static void team_run(step_team *t, par_fn fn, void *arg) {
+    t->fn = fn, t->arg = arg;
+    const unsigned target = atomic_load_explicit(&t->finished, memory_order_relaxed) + (unsigned)t->nth - 1;
+    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
+    const par_ctx p = {0, t->nth, t};
+    par_depth++;
+    fn(arg, &p);
+    par_depth--;
+    for (int sp = 0; atomic_load_explicit(&t->finished, memory_order_acquire) != target;) team_pause(&sp);
+}
+
+/* a helper: runs every posted loop until the step ends */
+static void team_serve(step_team *t, int me) {
+    for (unsigned seen = 0;; seen++) {
+        for (int sp = 0; atomic_load_explicit(&t->posted, memory_order_acquire) == seen;) team_pause(&sp);
+        if (t->stop) return;
+        const par_ctx p = {me, t->nth, t};
+        par_depth++;
+        t->fn(t->arg, &p);
+        par_depth--;
+        atomic_fetch_add_explicit(&t->finished, 1, memory_order_release);
+    }
+}
+
+static void team_barrier(step_team *t) {
+    const unsigned g = atomic_load_explicit(&t->passed, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == (unsigned)t->nth - 1) {
+        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&t->passed, 1, memory_order_release);
+    } else {
+        for (int sp = 0; atomic_load_explicit(&t->passed, memory_order_acquire) == g;) team_pause(&sp);
+    }
+}
+#endif
+
+static void par_run(int nt, par_fn fn, void *arg) {
+#ifdef STEP_TEAM
+    if (par_depth) nt = 1;
+    step_team *t = team_led;
+    if (nt > 1 && t && t->nth > 1) {
+        team_run(t, fn, arg);
+        return;
+    }
+#endif
+#ifdef _OPENMP
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            const par_ctx p = {omp_get_thread_num(), omp_get_num_threads(), NULL};
+#ifdef STEP_TEAM
+            par_depth++;
+            fn(arg, &p);
+            par_depth--;
+#else
+            fn(arg, &p);
+#endif
+        }
+        return;
+    }
+#endif
+    (void)nt;
+    const par_ctx p = {0, 1, NULL};
+    fn(arg, &p);
+}
+
+/* waits until every thread of p's loop has reached this point */
+static void par_barrier(const par_ctx *p) {
+    if (p->nth < 2) return;
+#ifdef STEP_TEAM
+    if (p->team) {
+        team_barrier(p->team);
+        return;
+    }
+#endif
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+/* items [i0, i1) of n that thread p takes in a static split */
+static void par_share(const par_ctx *p, int64_t n, int64_t *i0, int64_t *i1) {
+    *i0 = n * p->me / p->nth;
+    *i1 = n * (p->me + 1) / p->nth;
+}
+
 /* ==== matmul ==================================================================================
  * y[t, n] = sum_k x[t, k] W[n, k]: threads split the weight rows; each output element is one
  * kernel dot, so results do not depend on the thread count. */
@@ -2183,10 +2333,8 @@ moe_model_info moe_model_get_info(const moe_model *m) {
  * traffic, an interrupt): with a static split the master spent ~9% of a decode step's samples
  * waiting at closing barriers for the other thread. Which thread runs a task does not change
  * its result. Needs C11 atomics; without them (or OpenMP) loops split statically. */
-#if defined(_OPENMP) && !defined(__STDC_NO_ATOMICS__)
-#include <stdatomic.h>
+#ifdef STEP_TEAM
 #define TASK_STEALING 1
-#define STEAL_MAX_THREADS 64
 #define OWN_TASKS 4 /* the fewest tasks a thread takes from its own range at a time */
 
 typedef struct {
@@ -2364,6 +2512,33 @@ static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, 
 #define MM_PAR_BYTES (128 << 10)
 static int mm_parallel(int nt, int64_t macs, int64_t bytes) { return nt > 1 && (macs > MM_PAR_MACS || bytes > MM_PAR_BYTES); }
 
+/* one parallel loop's products: the jobs, where each one's tasks start, their number */
+typedef struct {
+    const moe_model *m;
+    const mm_job *j;
+    const int64_t *start;
+    int64_t tasks;
+#ifdef TASK_STEALING
+    task_range *rg;
+    int nr;
+#endif
+} mm_loop;
+
+#ifdef TASK_STEALING
+static void mm_steal_share(void *arg, const par_ctx *p) {
+    const mm_loop *l = arg;
+    int64_t u0;
+    for (int got; (got = task_next(l->rg, l->nr, p->me, &u0));) mm_tasks(l->m, l->j, l->start, u0, got);
+}
+#endif
+
+static void mm_static_share(void *arg, const par_ctx *p) {
+    const mm_loop *l = arg;
+    int64_t u0, u1;
+    par_share(p, l->tasks, &u0, &u1);
+    if (u1 > u0) mm_tasks(l->m, l->j, l->start, u0, u1 - u0);
+}
+
 /* n products in one parallel loop: the threads split the row tasks of all of them (with stealing
  * where available), so that a step pays one fork and join for them instead of one each. Each
  * output is the same kernel call on the same data whatever the grouping and thread count. */
@@ -2376,41 +2551,49 @@ static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
         work += j[i].W->rows * (int64_t)j[i].T * j[i].W->cols;
         bytes += (int64_t)weight_bytes(j[i].W);
     }
-    const int64_t tasks = start[n];
-    const int par = mm_parallel(nt, work, bytes);
-    if (!par) {
-        mm_tasks(m, j, start, 0, tasks);
+    mm_loop l = {m, j, start, start[n]
 #ifdef TASK_STEALING
-    } else if (nt <= STEAL_MAX_THREADS && tasks < UINT32_MAX) {
-        task_range rg[STEAL_MAX_THREADS];
-        task_ranges_init(rg, nt, tasks);
-#pragma omp parallel num_threads(nt)
-        {
-            const int me = omp_get_thread_num();
-            int64_t u0;
-            for (int got; (got = task_next(rg, nt, me, &u0));) mm_tasks(m, j, start, u0, got);
-        }
+                 , NULL, 0
+#endif
+    };
+    if (!mm_parallel(nt, work, bytes)) {
+        mm_tasks(m, j, start, 0, l.tasks);
+#ifdef TASK_STEALING
+    } else if (nt <= STEP_TEAM_MAX && l.tasks < UINT32_MAX) {
+        task_range rg[STEP_TEAM_MAX];
+        task_ranges_init(rg, nt, l.tasks);
+        l.rg = rg, l.nr = nt;
+        par_run(nt, mm_steal_share, &l);
 #endif
     } else {
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static)
-#endif
-        for (int64_t u = 0; u < tasks; u++) mm_tasks(m, j, start, u, 1);
+        par_run(nt, mm_static_share, &l);
     }
     if (start != start_small) free(start);
     return MOE_OK;
 }
 
+typedef struct {
+    const moe_model *m;
+    const float *x;
+    int64_t ldx, K;
+    int T;
+    moe__block_q8a *xq;
+} quant_loop;
+
+static void quant_share(void *arg, const par_ctx *p) {
+    const quant_loop *l = arg;
+    const int64_t nb = l->K / 32;
+    int64_t t0, t1;
+    par_share(p, l->T, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) l->m->k.quant_q8a(l->x + t * l->ldx, l->xq + t * nb, l->K);
+}
+
 /* x[T, K] (row stride ldx) quantized by quant_q8a into a new array (NULL: out of memory) */
 static moe__block_q8a *quantized_rows(const moe_model *m, const float *x, int64_t ldx, int T, int64_t K, int nt) {
-    const int64_t nb = K / 32;
-    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(nb * T) + 1);
+    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(K / 32 * T) + 1);
     if (!xq) return NULL;
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && T > 1 && (int64_t)T * K > MM_PAR_MACS / 64)
-#endif
-    for (int t = 0; t < T; t++) m->k.quant_q8a(x + (int64_t)t * ldx, xq + (int64_t)t * nb, K);
+    quant_loop l = {m, x, ldx, K, T, xq};
+    par_run(T > 1 && (int64_t)T * K > MM_PAR_MACS / 64 ? nt : 1, quant_share, &l);
     return xq;
 }
 
@@ -2530,11 +2713,95 @@ static void *work_get(work_buf *w, size_t bytes) {
     return w->p;
 }
 
+/* one KDA layer's per-head work (steps 2-7 of kda_forward) for n rows: the arrays and the
+ * session's tail and state of kda_forward, shared by the heads */
+typedef struct {
+    const moe_model *m;
+    const layer *L;
+    int n, chunked, bounded;
+    float qscale;
+    float *tail, *state, *work;
+    float *pre[3], *outs[3];
+    const float *convw[3];
+    float *q, *k, *v, *g, *o, *beta, *gate;
+} kda_heads;
+
+/* head h: everything from the convolution to the output gate touches only its channels */
+static void kda_head(const kda_heads *kw, int h) {
+    const moe_model *m = kw->m;
+    const layer *L = kw->L;
+    const moe_config *c = &m->cfg;
+    const int H = c->kda_heads, D = c->kda_head_dim, HD = H * D, W = c->conv_kernel, Wm = W - 1, n = kw->n;
+    const int chunked = kw->chunked, bounded = kw->bounded;
+    const float qscale = kw->qscale;
+    const size_t wsz = moe__kda_chunk_work(D);
+    float *tail = kw->tail, *work = kw->work, *const *pre = kw->pre, *const *outs = kw->outs;
+    const float *const *convw = kw->convw;
+    float *q = kw->q, *k = kw->k, *v = kw->v, *g = kw->g, *o = kw->o, *beta = kw->beta, *gate = kw->gate;
+    const size_t c0 = (size_t)h * D;
+    /* 2. the causal depthwise convolution over the window [tail | new rows], this head's
+     * channels: window row r < Wm is the session's tail row r, row Wm + t the new row t */
+    float *th = tail + (size_t)h * Wm * 3 * D; /* this head's tail: [row][q, k, v][D] */
+    for (int a = 0; a < 3; a++) {
+        const float *nw = pre[a] + c0;
+#define WINDOW_ROW(r) ((r) < Wm ? th + ((size_t)(r) * 3 + a) * D : nw + (size_t)((r) - Wm) * HD)
+        for (int t = 0; t < n; t++) {
+            const float *rows[KDA_CONV_MAX];
+            for (int j = 0; j < W; j++) rows[j] = WINDOW_ROW(t + j);
+            float *o = outs[a] + (size_t)t * HD + c0;
+            for (int i = 0; i < D; i++) {
+                float acc = 0;
+                const float *w = convw[a] + (c0 + (size_t)i) * W;
+                for (int j = 0; j < W; j++) acc += w[j] * rows[j][i];
+                o[i] = acc;
+            }
+            m->k.act(o, o, D, MOE__ACT_SILU);
+        }
+        /* the window's last Wm rows become the tail (rows move up: row n + r > r is read
+         * before it is overwritten) */
+        for (int r = 0; r < Wm; r++) memmove(th + ((size_t)r * 3 + a) * D, WINDOW_ROW(n + r), sizeof(float) * D);
+#undef WINDOW_ROW
+    }
+    const float ga = expf(L->A_log[h]);
+    for (int t = 0; t < n; t++) {
+        /* 3. L2 norm of q and k; q also scaled by D^-1/2 */
+        float *qh = q + (size_t)t * HD + c0, *kh = k + (size_t)t * HD + c0;
+        const double sq = sum_squares(qh, D), sk = sum_squares(kh, D);
+        const float iq = (float)(1.0 / sqrt(sq + 1e-6)) * qscale, ik = (float)(1.0 / sqrt(sk + 1e-6));
+        for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
+        /* 4. decay gate from z = (x f_a^T) f_b^T + dt_bias; 5. beta */
+        float *gh = g + (size_t)t * HD + c0;
+        const int bgate = c->kda_gate_bounded;
+        for (int i = 0; i < D; i++) gh[i] = (gh[i] + L->dt_bias[c0 + (size_t)i]) * (bgate ? ga : 1.0f);
+        m->k.act(gh, gh, D, bgate ? MOE__ACT_SIGMOID : MOE__ACT_SOFTPLUS);
+        const float gs = bgate ? c->kda_gate_lower_bound : -ga; /* lb sigmoid(a z), or -a softplus(z) */
+        for (int i = 0; i < D; i++) gh[i] *= gs;
+        beta[(size_t)t * H + h] = sigmoidf(beta[(size_t)t * H + h]);
+    }
+    /* 6. the core: chunked for prefill, the recurrence for short steps */
+    moe__kda_head a = {n, D, HD, H, q + c0, k + c0, v + c0, g + c0, beta + h, o + c0, kw->state + c0 * D};
+    if (chunked) moe__kda_chunked(&a, bounded, work + wsz * (size_t)h, &m->k);
+    else m->k.kda_recurrent(&a);
+    /* 7. per-head RMSNorm and the output gate */
+    for (int t = 0; t < n; t++) {
+        float *oh = o + (size_t)t * HD + c0;
+        float *gt = gate + (size_t)t * HD + c0;
+        rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
+        m->k.act(gt, gt, D, MOE__ACT_SIGMOID);
+        for (int i = 0; i < D; i++) oh[i] *= gt[i];
+    }
+}
+
+static void kda_heads_share(void *arg, const par_ctx *p) {
+    int64_t h0, h1;
+    par_share(p, ((const kda_heads *)arg)->m->cfg.kda_heads, &h0, &h1);
+    for (int64_t h = h0; h < h1; h++) kda_head(arg, (int)h);
+}
+
 static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s, int li,
                               const float *x, int n, float *out, step_work *wk) {
     const moe_config *c = &m->cfg;
     const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
-    const int W = c->conv_kernel, Wm = W - 1;
     const unsigned fl = m->opt.flags;
     const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
     const size_t wsz = moe__kda_chunk_work(D), nbuf = 10 * (size_t)n * HD + (size_t)n * H + (size_t)n * D;
@@ -2547,8 +2814,6 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     float *gl = og + (size_t)n * HD, *beta = gl + (size_t)n * HD, *tmp = beta + (size_t)n * H;
     float *tail = s->conv_tail[li];
     moe_status st = MOE_OK;
-    float *pre[3] = {qp, kp, vp}, *outs[3] = {q, k, v};
-    const float *convw[3] = {L->q_conv, L->k_conv, L->v_conv};
     /* 1, 4, 5, 7. every projection of x in one pass: q, k, v, the decay gate's first factor,
      * beta, and the output gate (full rank, or its first factor) */
     {
@@ -2565,65 +2830,10 @@ static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s
     if (st) return st;
     const int bounded = c->kda_gate_bounded && c->kda_gate_lower_bound >= -5.0f;
     const float qscale = 1.0f / sqrtf((float)D);
-    /* 2-7 per head, the heads in parallel: everything from here to the output projection
-     * touches only its head's channels (a decode step has no serial part left) */
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1 && H > 1)
-#endif
-    for (int h = 0; h < H; h++) {
-        const size_t c0 = (size_t)h * D;
-        /* 2. the causal depthwise convolution over the window [tail | new rows], this head's
-         * channels: window row r < Wm is the session's tail row r, row Wm + t the new row t */
-        float *th = tail + (size_t)h * Wm * 3 * D; /* this head's tail: [row][q, k, v][D] */
-        for (int a = 0; a < 3; a++) {
-            const float *nw = pre[a] + c0;
-#define WINDOW_ROW(r) ((r) < Wm ? th + ((size_t)(r) * 3 + a) * D : nw + (size_t)((r) - Wm) * HD)
-            for (int t = 0; t < n; t++) {
-                const float *rows[KDA_CONV_MAX];
-                for (int j = 0; j < W; j++) rows[j] = WINDOW_ROW(t + j);
-                float *o = outs[a] + (size_t)t * HD + c0;
-                for (int i = 0; i < D; i++) {
-                    float acc = 0;
-                    const float *w = convw[a] + (c0 + (size_t)i) * W;
-                    for (int j = 0; j < W; j++) acc += w[j] * rows[j][i];
-                    o[i] = acc;
-                }
-                m->k.act(o, o, D, MOE__ACT_SILU);
-            }
-            /* the window's last Wm rows become the tail (rows move up: row n + r > r is read
-             * before it is overwritten) */
-            for (int r = 0; r < Wm; r++) memmove(th + ((size_t)r * 3 + a) * D, WINDOW_ROW(n + r), sizeof(float) * D);
-#undef WINDOW_ROW
-        }
-        const float ga = expf(L->A_log[h]);
-        for (int t = 0; t < n; t++) {
-            /* 3. L2 norm of q and k; q also scaled by D^-1/2 */
-            float *qh = q + (size_t)t * HD + c0, *kh = k + (size_t)t * HD + c0;
-            const double sq = sum_squares(qh, D), sk = sum_squares(kh, D);
-            const float iq = (float)(1.0 / sqrt(sq + 1e-6)) * qscale, ik = (float)(1.0 / sqrt(sk + 1e-6));
-            for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
-            /* 4. decay gate from z = (x f_a^T) f_b^T + dt_bias; 5. beta */
-            float *gh = g + (size_t)t * HD + c0;
-            const int bgate = c->kda_gate_bounded;
-            for (int i = 0; i < D; i++) gh[i] = (gh[i] + L->dt_bias[c0 + (size_t)i]) * (bgate ? ga : 1.0f);
-            m->k.act(gh, gh, D, bgate ? MOE__ACT_SIGMOID : MOE__ACT_SOFTPLUS);
-            const float gs = bgate ? c->kda_gate_lower_bound : -ga; /* lb sigmoid(a z), or -a softplus(z) */
-            for (int i = 0; i < D; i++) gh[i] *= gs;
-            beta[(size_t)t * H + h] = sigmoidf(beta[(size_t)t * H + h]);
-        }
-        /* 6. the core: chunked for prefill, the recurrence for short steps */
-        moe__kda_head a = {n, D, HD, H, q + c0, k + c0, v + c0, g + c0, beta + h, o + c0, s->kda_state[li] + c0 * D};
-        if (chunked) moe__kda_chunked(&a, bounded, work + wsz * (size_t)h, &m->k);
-        else m->k.kda_recurrent(&a);
-        /* 7. per-head RMSNorm and the output gate */
-        for (int t = 0; t < n; t++) {
-            float *oh = o + (size_t)t * HD + c0;
-            float *gt = gate + (size_t)t * HD + c0;
-            rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
-            m->k.act(gt, gt, D, MOE__ACT_SIGMOID);
-            for (int i = 0; i < D; i++) oh[i] *= gt[i];
-        }
-    }
+    /* 2-7 per head, the heads in parallel (a decode step has no serial part left) */
+    kda_heads kh = {m, L, n, chunked, bounded, qscale, tail, s->kda_state[li], work, {qp, kp, vp}, {q, k, v},
+                    {L->q_conv, L->k_conv, L->v_conv}, q, k, v, g, o, beta, gate};
+    par_run(H > 1 ? m->opt.n_threads : 1, kda_heads_share, &kh);
     /* 8. output projection */
     MM(out, o, n, &L->o);
     return st;
@@ -2739,8 +2949,27 @@ static float max_of(const float *x, int n) {
     return m[0];
 }
 
-static void mla_absorbed_token(const moe_model *m, const layer *L, const void *cache, const moe__kv8_meta *meta, int len,
-                               const float *q, float *y, float *w, int nt) {
+/* one token's absorbed attention (mla_absorbed_token's arguments) */
+typedef struct {
+    const moe_model *m;
+    const layer *L;
+    const void *cache;
+    const moe__kv8_meta *meta;
+    int len;
+    const float *q;
+    float *y, *w;
+} mla_token;
+
+/* thread p's share of mla_absorbed_token: its heads' queries, its keys, its heads' merge */
+static void mla_token_share(void *arg, const par_ctx *p) {
+    const mla_token *a = arg;
+    const moe_model *m = a->m;
+    const layer *L = a->L;
+    const void *cache = a->cache;
+    const moe__kv8_meta *meta = a->meta;
+    const int len = a->len;
+    const float *q = a->q;
+    float *y = a->y, *w = a->w;
     const moe_config *c = &m->cfg;
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
     const int dq = dn + dr, cw = r + dr, KB = MLA_KEY_BLOCK;
@@ -2753,113 +2982,102 @@ static void mla_absorbed_token(const moe_model *m, const layer *L, const void *c
     const int bf16 = m->opt.kv_type == MOE_KV_BF16, q8 = m->opt.kv_type == MOE_KV_Q8;
     const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
     const int split = L->k_b.data && !L->stream; /* a streamed layer reads only its cache unit */
-    (void)nt;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nt) if (nt > 1)
-#endif
-    {
-        const int tid = thread_id();
-#ifdef _OPENMP
-        const int nth = omp_get_num_threads();
-#else
-        const int nth = 1;
-#endif
-        const int h0 = H * tid / nth, h1 = H * (tid + 1) / nth; /* this thread's heads */
-        float *SC = w + mla_absorbed_shared(m) + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
-        float *row = LS + H;
-        moe__block_q8a *xq = (moe__block_q8a *)(void *)(row + r);
-        float *wide = row + 2 * (size_t)r;
-        uint8_t *W8 = (uint8_t *)wide; /* an int8 cache: the block's weights in bytes [H, KB], their scales [H], work */
-        float *WS8 = wide + (size_t)H * KB / 4;
-        /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
-         * h*(d_n+d_v) .. +d_n taken as columns */
-        for (int h = h0; h < h1 && split; h++) {
-            if (mm_quantized(m, &L->k_b)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
-            rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
-        }
-        for (int h = h0; h < h1 && !split; h++) {
-            float *qa = QA + (size_t)h * r;
-            memset(qa, 0, sizeof(float) * (size_t)r);
-            for (int i = 0; i < dn; i++) {
-                const int64_t wr = (int64_t)h * (dn + dv) + i;
-                const unsigned char *wp = (const unsigned char *)L->kv_b.data + wr * kvrow;
-                const float *rw = (const float *)wp;
-                if (L->kv_b.type != MOE_T_F32) {
-                    moe__row_to_f32(L->kv_b.type, wp, L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
-                    rw = row;
-                }
-                m->k.axpy(qa, q[(size_t)h * dq + i], rw, r);
+    const int tid = p->me, nth = p->nth;
+    const int h0 = H * tid / nth, h1 = H * (tid + 1) / nth; /* this thread's heads */
+    float *SC = w + mla_absorbed_shared(m) + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
+    float *row = LS + H;
+    moe__block_q8a *xq = (moe__block_q8a *)(void *)(row + r);
+    float *wide = row + 2 * (size_t)r;
+    uint8_t *W8 = (uint8_t *)wide; /* an int8 cache: the block's weights in bytes [H, KB], their scales [H], work */
+    float *WS8 = wide + (size_t)H * KB / 4;
+    /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
+     * h*(d_n+d_v) .. +d_n taken as columns */
+    for (int h = h0; h < h1 && split; h++) {
+        if (mm_quantized(m, &L->k_b)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
+        rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
+    }
+    for (int h = h0; h < h1 && !split; h++) {
+        float *qa = QA + (size_t)h * r;
+        memset(qa, 0, sizeof(float) * (size_t)r);
+        for (int i = 0; i < dn; i++) {
+            const int64_t wr = (int64_t)h * (dn + dv) + i;
+            const unsigned char *wp = (const unsigned char *)L->kv_b.data + wr * kvrow;
+            const float *rw = (const float *)wp;
+            if (L->kv_b.type != MOE_T_F32) {
+                moe__row_to_f32(L->kv_b.type, wp, L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
+                rw = row;
             }
-        }
-        for (int h = h0; h < h1 && bf16; h++) /* [q^_h | q_r,h] rounded to bf16 */
-            for (int i = 0; i < cw; i++) Q16[(size_t)h * cw + i] = moe__f32_to_bf16(i < r ? QA[(size_t)h * r + i] : q[(size_t)h * dq + dn + i - r]);
-        for (int h = h0; h < h1 && q8; h++) { /* q^_h and q_r,h in int8, each with its scale */
-            int32_t sum;
-            m->k.quant8_row(QA + (size_t)h * r, r, Q8 + (size_t)h * cw, &QD[2 * h], &sum);
-            m->k.quant8_row(q + (size_t)h * dq + dn, dr, Q8 + (size_t)h * cw + r, &QD[2 * h + 1], &sum);
-        }
-        memset(CTX, 0, sizeof(float) * (size_t)H * r);
-        for (int h = 0; h < H; h++) M[h] = -INFINITY, LS[h] = 0;
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-        if (q8 && tid == 0) moe__mla_qt8(Q8, H, cw, QT8); /* every head's int8 query, transposed */
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-        /* this thread's keys, every head */
-        const int jb = (int)((int64_t)len * tid / nth), je = (int)((int64_t)len * (tid + 1) / nth);
-        for (int j0 = jb; j0 < je; j0 += KB) {
-            const int jn = je - j0 < KB ? je - j0 : KB;
-            const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, bf16 ? NULL : (const float *)cache + (size_t)j0 * cw, SC, CTX};
-            const moe__mla_block16 b16 = {H, r, cw, jn, 0, jn, KB, scale, Q16, bf16 ? (const uint16_t *)cache + (size_t)j0 * cw : NULL, SC, CTX, wide};
-            const moe__mla_block8 b8 = {H, r, cw, jn, 0, jn, KB, KB, scale, Q8, QT8, QD, q8 ? (const int8_t *)cache + (size_t)j0 * cw : NULL,
-                                        q8 ? meta + j0 : NULL, SC, CTX, W8, WS8};
-            if (bf16) m->k.mla_scores16(&b16);
-            else if (q8) m->k.mla_scores8(&b8);
-            else m->k.mla_scores(&blk);
-            for (int h = 0; h < H; h++) {
-                float *sc = SC + (size_t)h * KB, mx = max_of(sc, jn);
-                mx = M[h] > mx ? M[h] : mx;
-                const float f = expf(M[h] - mx); /* 0 on the first block */
-                if (f != 1.0f) {
-                    for (int i = 0; i < r; i++) CTX[(size_t)h * r + i] *= f;
-                    LS[h] *= f;
-                }
-                LS[h] += m->k.exp_sum(sc, sc, mx, jn);
-                M[h] = mx;
-            }
-            if (bf16) m->k.mla_ctx16(&b16, 0, H);
-            else if (q8) {
-                m->k.mla_weights8(SC, KB, b8.meta, jn, 0, H, W8, KB, WS8, WS8 + H);
-                m->k.mla_ctx8(&b8, 0, H);
-            } else
-                m->k.mla_ctx(&blk, 0, H);
-        }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-        /* merge the threads' partial sums at the common max, this thread's heads; then
-         * y_h = W_UV,h ctx_h / sum */
-        for (int h = h0; h < h1; h++) {
-            /* thread t's CTX, M and LS, at the offsets of this thread's own */
-#define PART(t, p) (w + mla_absorbed_shared(m) + (size_t)(t) * per + ((p) - SC))
-            float mx = -INFINITY, ls = 0;
-            for (int t = 0; t < nth; t++) mx = PART(t, M)[h] > mx ? PART(t, M)[h] : mx;
-            memset(row, 0, sizeof(float) * (size_t)r);
-            for (int t = 0; t < nth; t++) {
-                const float mt = PART(t, M)[h];
-                if (mt == -INFINITY) continue; /* a thread without keys (len < threads) */
-                const float f = expf(mt - mx);
-                ls += f * PART(t, LS)[h];
-                m->k.axpy(row, f, PART(t, CTX) + (size_t)h * r, r);
-            }
-#undef PART
-            const moe__weight *uv = split ? &L->v_b : &L->kv_b; /* W_UV,h: v_b rows h*d_v.., or kv_b rows h*(d_n+d_v)+d_n.. */
-            if (mm_quantized(m, uv)) m->k.quant_q8a(row, xq, r);
-            rows_times(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls);
+            m->k.axpy(qa, q[(size_t)h * dq + i], rw, r);
         }
     }
+    for (int h = h0; h < h1 && bf16; h++) /* [q^_h | q_r,h] rounded to bf16 */
+        for (int i = 0; i < cw; i++) Q16[(size_t)h * cw + i] = moe__f32_to_bf16(i < r ? QA[(size_t)h * r + i] : q[(size_t)h * dq + dn + i - r]);
+    for (int h = h0; h < h1 && q8; h++) { /* q^_h and q_r,h in int8, each with its scale */
+        int32_t sum;
+        m->k.quant8_row(QA + (size_t)h * r, r, Q8 + (size_t)h * cw, &QD[2 * h], &sum);
+        m->k.quant8_row(q + (size_t)h * dq + dn, dr, Q8 + (size_t)h * cw + r, &QD[2 * h + 1], &sum);
+    }
+    memset(CTX, 0, sizeof(float) * (size_t)H * r);
+    for (int h = 0; h < H; h++) M[h] = -INFINITY, LS[h] = 0;
+    par_barrier(p);
+    if (q8 && tid == 0) moe__mla_qt8(Q8, H, cw, QT8); /* every head's int8 query, transposed */
+    par_barrier(p);
+    /* this thread's keys, every head */
+    const int jb = (int)((int64_t)len * tid / nth), je = (int)((int64_t)len * (tid + 1) / nth);
+    for (int j0 = jb; j0 < je; j0 += KB) {
+        const int jn = je - j0 < KB ? je - j0 : KB;
+        const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, bf16 ? NULL : (const float *)cache + (size_t)j0 * cw, SC, CTX};
+        const moe__mla_block16 b16 = {H, r, cw, jn, 0, jn, KB, scale, Q16, bf16 ? (const uint16_t *)cache + (size_t)j0 * cw : NULL, SC, CTX, wide};
+        const moe__mla_block8 b8 = {H, r, cw, jn, 0, jn, KB, KB, scale, Q8, QT8, QD, q8 ? (const int8_t *)cache + (size_t)j0 * cw : NULL,
+                                    q8 ? meta + j0 : NULL, SC, CTX, W8, WS8};
+        if (bf16) m->k.mla_scores16(&b16);
+        else if (q8) m->k.mla_scores8(&b8);
+        else m->k.mla_scores(&blk);
+        for (int h = 0; h < H; h++) {
+            float *sc = SC + (size_t)h * KB, mx = max_of(sc, jn);
+            mx = M[h] > mx ? M[h] : mx;
+            const float f = expf(M[h] - mx); /* 0 on the first block */
+            if (f != 1.0f) {
+                for (int i = 0; i < r; i++) CTX[(size_t)h * r + i] *= f;
+                LS[h] *= f;
+            }
+            LS[h] += m->k.exp_sum(sc, sc, mx, jn);
+            M[h] = mx;
+        }
+        if (bf16) m->k.mla_ctx16(&b16, 0, H);
+        else if (q8) {
+            m->k.mla_weights8(SC, KB, b8.meta, jn, 0, H, W8, KB, WS8, WS8 + H);
+            m->k.mla_ctx8(&b8, 0, H);
+        } else
+            m->k.mla_ctx(&blk, 0, H);
+    }
+    par_barrier(p);
+    /* merge the threads' partial sums at the common max, this thread's heads; then
+     * y_h = W_UV,h ctx_h / sum */
+    for (int h = h0; h < h1; h++) {
+        /* thread t's CTX, M and LS, at the offsets of this thread's own */
+#define PART(t, p) (w + mla_absorbed_shared(m) + (size_t)(t) * per + ((p) - SC))
+        float mx = -INFINITY, ls = 0;
+        for (int t = 0; t < nth; t++) mx = PART(t, M)[h] > mx ? PART(t, M)[h] : mx;
+        memset(row, 0, sizeof(float) * (size_t)r);
+        for (int t = 0; t < nth; t++) {
+            const float mt = PART(t, M)[h];
+            if (mt == -INFINITY) continue; /* a thread without keys (len < threads) */
+            const float f = expf(mt - mx);
+            ls += f * PART(t, LS)[h];
+            m->k.axpy(row, f, PART(t, CTX) + (size_t)h * r, r);
+        }
+#undef PART
+        const moe__weight *uv = split ? &L->v_b : &L->kv_b; /* W_UV,h: v_b rows h*d_v.., or kv_b rows h*(d_n+d_v)+d_n.. */
+        if (mm_quantized(m, uv)) m->k.quant_q8a(row, xq, r);
+        rows_times(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls);
+    }
+}
+
+static void mla_absorbed_token(const moe_model *m, const layer *L, const void *cache, const moe__kv8_meta *meta, int len,
+                               const float *q, float *y, float *w, int nt) {
+    mla_token a = {m, L, cache, meta, len, q, y, w};
+    par_run(nt, mla_token_share, &a);
 }
 
 moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, const float *x, int T, int nt, unsigned flags) {
@@ -2877,6 +3095,80 @@ moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, cons
 
 void moe__set_mla_key_block(moe_model *m, int keys) {
     if (m) m->mla_key_block = keys > 0 ? keys : 0;
+}
+
+void moe__set_step_team(moe_model *m, int mode) {
+    if (m) m->step_team = mode;
+}
+
+/* one key block of mla_expanded, shared by the heads: the block's keys k0 .. k0+kn-1 (latents in
+ * rows, keys and values through kv_b in kv), the query rows, outputs and running softmax state */
+typedef struct {
+    const moe_model *m;
+    const float *q, *rows, *kv;
+    float *y, *scr, *MX;
+    double *LS;
+    size_t scratch, kvw;
+    int pos, n, k0, kn, KB;
+    float scale;
+} mla_key_block;
+
+/* head h of the block, in thread me's scratch */
+static void mla_expanded_head(const mla_key_block *b, int h, int me) {
+    const moe_model *m = b->m;
+    const moe_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, QB = MLA_QUERY_BLOCK;
+    const int pos = b->pos, n = b->n, k0 = b->k0, kn = b->kn, KB = b->KB;
+    const size_t scratch = b->scratch, kvw = b->kvw;
+    const float scale = b->scale, *q = b->q, *rows = b->rows, *kv = b->kv;
+    float *y = b->y, *scr = b->scr, *MX = b->MX;
+    double *LS = b->LS;
+    float *K = scr + scratch * (size_t)me, *V = K + (size_t)KB * dq, *QN = V + (size_t)KB * dv;
+    float *QR = QN + (size_t)n * dn, *SC = QR + (size_t)n * dr, *CT = SC + (size_t)QB * KB, *F = CT + (size_t)QB * dv;
+    for (int j = 0; j < kn; j++) {
+        const float *src = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
+        memcpy(K + (size_t)j * dq, src, sizeof(float) * dn);
+        memcpy(K + (size_t)j * dq + dn, rows + (size_t)j * cw + r, sizeof(float) * dr);
+        memcpy(V + (size_t)j * dv, src + dn, sizeof(float) * dv);
+    }
+    for (int t = 0; t < n; t++) {
+        memcpy(QN + (size_t)t * dn, q + (size_t)t * H * dq + (size_t)h * dq, sizeof(float) * dn);
+        memcpy(QR + (size_t)t * dr, q + (size_t)t * H * dq + (size_t)h * dq + dn, sizeof(float) * dr);
+    }
+    for (int t0 = 0; t0 < n; t0 += QB) {
+        const int nq = n - t0 < QB ? n - t0 : QB, last = pos + t0 + nq - 1; /* the query block's last position */
+        if (k0 > last) continue;                                            /* it sees no key of this block */
+        const int keys = last + 1 - k0 < kn ? last + 1 - k0 : kn;
+        moe__mla_block b = {nq, dn, dr, dq, keys, 0, keys, KB, dr, scale, QN + (size_t)t0 * dn, QR + (size_t)t0 * dr, K, SC, CT};
+        m->k.mla_scores(&b);
+        for (int i = 0; i < nq; i++) { /* row t0 + i sees keys up to position pos + t0 + i */
+            float *sc = SC + (size_t)i * KB, mx = -INFINITY;
+            const int vis = pos + t0 + i + 1 - k0 < keys ? pos + t0 + i + 1 - k0 : keys;
+            const size_t at = (size_t)(t0 + i) * H + h;
+            mx = max_of(sc, vis);
+            const float mnew = mx > MX[at] ? mx : MX[at];
+            F[i] = vis > 0 && MX[at] != -INFINITY ? expf(MX[at] - mnew) : 1.0f; /* the old sums' rescale */
+            if (vis > 0) {
+                LS[at] = LS[at] * F[i] + m->k.exp_sum(sc, sc, mnew, vis);
+                MX[at] = mnew;
+            }
+            for (int j = vis > 0 ? vis : 0; j < keys; j++) sc[j] = 0;
+        }
+        memset(CT, 0, sizeof(float) * (size_t)nq * dv);
+        moe__mla_block bv = {nq, dv, 0, dv, keys, 0, keys, KB, 0, 1.0f, NULL, NULL, V, SC, CT};
+        m->k.mla_ctx(&bv, 0, nq);
+        for (int i = 0; i < nq; i++) {
+            float *yo = y + (size_t)(t0 + i) * H * dv + (size_t)h * dv;
+            for (int d = 0; d < dv; d++) yo[d] = yo[d] * F[i] + CT[(size_t)i * dv + d];
+        }
+    }
+}
+
+static void mla_expanded_share(void *arg, const par_ctx *p) {
+    int64_t h0, h1;
+    par_share(p, ((const mla_key_block *)arg)->m->cfg.mla_heads, &h0, &h1);
+    for (int64_t h = h0; h < h1; h++) mla_expanded_head(arg, (int)h, p->me);
 }
 
 /* Expanded attention of the n query rows at positions pos .. pos+n-1 over the pos+n cached
@@ -2916,50 +3208,8 @@ static moe_status mla_expanded(const moe_model *m, const layer *L, const void *c
         const int kn = S - k0 < KB ? S - k0 : KB;
         const float *rows = kv_rows_f32(m, cache, meta, k0, kn, cw, wide);
         if ((st = matmul_ld(m, kv, rows, cw, kn, &L->kv_b))) break; /* [kn, H (d_n + d_v)] */
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (nt > 1 && H > 1)
-#endif
-        for (int h = 0; h < H; h++) {
-            float *K = scr + scratch * (size_t)thread_id(), *V = K + (size_t)KB * dq, *QN = V + (size_t)KB * dv;
-            float *QR = QN + (size_t)n * dn, *SC = QR + (size_t)n * dr, *CT = SC + (size_t)QB * KB, *F = CT + (size_t)QB * dv;
-            for (int j = 0; j < kn; j++) {
-                const float *src = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
-                memcpy(K + (size_t)j * dq, src, sizeof(float) * dn);
-                memcpy(K + (size_t)j * dq + dn, rows + (size_t)j * cw + r, sizeof(float) * dr);
-                memcpy(V + (size_t)j * dv, src + dn, sizeof(float) * dv);
-            }
-            for (int t = 0; t < n; t++) {
-                memcpy(QN + (size_t)t * dn, q + (size_t)t * H * dq + (size_t)h * dq, sizeof(float) * dn);
-                memcpy(QR + (size_t)t * dr, q + (size_t)t * H * dq + (size_t)h * dq + dn, sizeof(float) * dr);
-            }
-            for (int t0 = 0; t0 < n; t0 += QB) {
-                const int nq = n - t0 < QB ? n - t0 : QB, last = pos + t0 + nq - 1; /* the query block's last position */
-                if (k0 > last) continue;                                            /* it sees no key of this block */
-                const int keys = last + 1 - k0 < kn ? last + 1 - k0 : kn;
-                moe__mla_block b = {nq, dn, dr, dq, keys, 0, keys, KB, dr, scale, QN + (size_t)t0 * dn, QR + (size_t)t0 * dr, K, SC, CT};
-                m->k.mla_scores(&b);
-                for (int i = 0; i < nq; i++) { /* row t0 + i sees keys up to position pos + t0 + i */
-                    float *sc = SC + (size_t)i * KB, mx = -INFINITY;
-                    const int vis = pos + t0 + i + 1 - k0 < keys ? pos + t0 + i + 1 - k0 : keys;
-                    const size_t at = (size_t)(t0 + i) * H + h;
-                    mx = max_of(sc, vis);
-                    const float mnew = mx > MX[at] ? mx : MX[at];
-                    F[i] = vis > 0 && MX[at] != -INFINITY ? expf(MX[at] - mnew) : 1.0f; /* the old sums' rescale */
-                    if (vis > 0) {
-                        LS[at] = LS[at] * F[i] + m->k.exp_sum(sc, sc, mnew, vis);
-                        MX[at] = mnew;
-                    }
-                    for (int j = vis > 0 ? vis : 0; j < keys; j++) sc[j] = 0;
-                }
-                memset(CT, 0, sizeof(float) * (size_t)nq * dv);
-                moe__mla_block bv = {nq, dv, 0, dv, keys, 0, keys, KB, 0, 1.0f, NULL, NULL, V, SC, CT};
-                m->k.mla_ctx(&bv, 0, nq);
-                for (int i = 0; i < nq; i++) {
-                    float *yo = y + (size_t)(t0 + i) * H * dv + (size_t)h * dv;
-                    for (int d = 0; d < dv; d++) yo[d] = yo[d] * F[i] + CT[(size_t)i * dv + d];
-                }
-            }
-        }
+        const mla_key_block b = {m, q, rows, kv, y, scr, MX, LS, scratch, kvw, pos, n, k0, kn, KB, scale};
+        par_run(H > 1 ? nt : 1, mla_expanded_share, (void *)&b);
     }
     for (int t = 0; t < n && !st; t++) /* every row saw at least its own key */
         for (int h = 0; h < H; h++) {
@@ -4176,7 +4426,7 @@ typedef struct {
     int start, n, row0; /* tokens [start, start+n) of q, at rows [row0, row0+n) */
 } segment;
 
-static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_stats *stats) {
+static moe_status forward_layers(moe_model *m, segment *sg, int nsg, int R, moe_step_stats *stats) {
     const moe_config *c = &m->cfg;
     const int d = c->hidden_size, Lc = c->n_layers, B = c->attn_res_block, V = c->vocab_size;
     const int nbmax = B ? Lc / B + 2 : 0, K = c->n_active;
@@ -4283,6 +4533,37 @@ done:
     free(frc);
     free(pred);
     return st;
+}
+
+/* The step through forward_layers, its parallel loops run by one team of threads for the whole
+ * step (see par_run), except with the expert cache (thread 0 may wait for disk reads while the
+ * helpers poll) and with more threads than processors (OpenMP's own waiting handles that). */
+static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_stats *stats) {
+#ifdef STEP_TEAM
+    const int nt = m->opt.n_threads;
+    if (nt > 1 && nt <= STEP_TEAM_MAX && (nt <= omp_get_num_procs() || m->step_team == 2) && m->step_team != 1 && !m->cache && !team_led &&
+        !par_depth) {
+        step_team t;
+        memset(&t, 0, sizeof t);
+        atomic_init(&t.posted, 0), atomic_init(&t.finished, 0), atomic_init(&t.arrived, 0), atomic_init(&t.passed, 0);
+        moe_status st = MOE_OK;
+#pragma omp parallel num_threads(nt)
+        {
+            if (omp_get_thread_num() == 0) {
+                t.nth = omp_get_num_threads();
+                team_led = &t;
+                st = forward_layers(m, sg, nsg, R, stats);
+                team_led = NULL;
+                t.stop = 1;
+                atomic_fetch_add_explicit(&t.posted, 1, memory_order_release);
+            } else {
+                team_serve(&t, omp_get_thread_num());
+            }
+        }
+        return st;
+    }
+#endif
+    return forward_layers(m, sg, nsg, R, stats);
 }
 
 moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *stats, char *err,

@@ -606,6 +606,10 @@ void moe__set_direct_min(moe_model *m, size_t bytes);
 moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, const float *x, int T, int nt, unsigned flags);
 /* Test hook: keys per block of the expanded MLA form (0: sized by memory, the default). */
 void moe__set_mla_key_block(moe_model *m, int keys);
+/* Test hook: whether a step's parallel loops run on one team of threads for the whole step: 0
+ * when the threads fit the processors (the default), 1 never (each loop an OpenMP region of its
+ * own), 2 always. */
+void moe__set_step_team(moe_model *m, int mode);
 /* CACHE mode: bytes read from the files since open, by every thread. */
 uint64_t moe__expert_bytes_read(const moe_model *m);
 /* CACHE mode: bytes the expert cache holds now, and the most it ever held. */

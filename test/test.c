@@ -1196,6 +1196,38 @@ static float *logits_in_pieces(moe_model *m, const int32_t *ids, int n, const in
 
 static moe_model *open_golden_with(const char *name, const moe_options *o);
 
+/* A step's parallel loops on one team of threads for the whole step give the same logits bit
+ * for bit as each loop in an OpenMP region of its own: 3 threads (uneven shares of heads, keys
+ * and row tasks; the team forced where there are fewer processors), prefill chunks and single tokens, both KDA forms and both MLA forms, every
+ * latent cache type (the absorbed form's barriers). */
+static void test_step_team(void) {
+    const char *cases[] = {"kimi", "seed", "k3mx"};
+    const unsigned flags[] = {MOE_FLAG_KDA_RECURRENT | MOE_FLAG_MLA_ABSORBED, MOE_FLAG_KDA_CHUNKED | MOE_FLAG_MLA_EXPANDED};
+    const int kv[] = {MOE_KV_F32, MOE_KV_BF16, MOE_KV_Q8};
+    const int pieces[] = {7, 1, 1, 5, 1, 2, 1, 1, 0};
+    for (int ci = 0; ci < 3; ci++)
+        for (int fi = 0; fi < 2; fi++)
+            for (int ki = 0; ki < 3; ki++) {
+                moe_options o = moe_default_options();
+                o.n_threads = 3, o.flags = flags[fi], o.kv_type = kv[ki];
+                moe_model *a = open_golden_with(cases[ci], &o), *b = open_golden_with(cases[ci], &o);
+                int n;
+                int32_t *ids = golden_ids(cases[ci], 1, &n);
+                if (a && b && ids && n >= 19) {
+                    moe__set_step_team(a, 2), moe__set_step_team(b, 1);
+                    const size_t nv = (size_t)19 * moe_model_config(a)->vocab_size;
+                    float *la = logits_in_pieces(a, ids, 19, pieces), *lb = logits_in_pieces(b, ids, 19, pieces);
+                    CHECKF(la && lb && max_abs_diff(la, lb, nv) == 0, "%s flags %u kv %d: team vs regions %.3g", cases[ci], flags[fi], kv[ki],
+                           la && lb ? max_abs_diff(la, lb, nv) : -1.0);
+                    free(la), free(lb);
+                } else {
+                    CHECKF(0, "%s: open or ids (%d tokens)", cases[ci], n);
+                }
+                free(ids);
+                moe_model_close(a), moe_model_close(b);
+            }
+}
+
 /* Routed experts of short steps through the mapping (the rows of all of a layer's experts split
  * across the threads) and through the cache (one thread per expert) give the same logits bit for
  * bit; steps of 1-3 tokens, so that an expert gets one row (read in place) or several (gathered) */
@@ -3777,6 +3809,7 @@ static const struct {
     {"cache_faults", test_cache_faults},
     {"cache_prefetch", test_cache_prefetch},
     {"concurrent_sessions", test_concurrent_sessions},
+    {"step_team", test_step_team},
     {"cache_direct_io", test_cache_direct_io},
     {"rss_cache_budget", test_rss_cache_budget},
     {"dense_streaming", test_dense_streaming},
