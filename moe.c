@@ -735,7 +735,7 @@ typedef struct {
     float *attn_res_w, *mlp_res_w; /* AttnRes pseudo-queries: norm weight * proj row, [d] */
     /* mixer projections (KDA and MLA share q, g, o slots) */
     moe__weight q, k, v, f_a, f_b, b, g_a, g_b, g, o;
-    float *q_conv, *k_conv, *v_conv; /* [H_k*D, W] */
+    float *q_conv, *k_conv, *v_conv; /* [W, H_k*D]: by tap (conv_by_tap) */
     float *A_log, *dt_bias, *o_norm; /* [H_k], [H_k*D], [D] */
     moe__weight q_a, q_b, kv_a, kv_b;
     /* a split GGUF's attn_k_b (W_UK^T per head, [H*r, d_n]) and attn_v_b (W_UV, [H*d_v, r]) as
@@ -1325,6 +1325,22 @@ static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, cons
 
 /* A small vector of n values (any shape with n elements, or >= n with `pad_zero` allowing a zero
  * tail), kept as an f32 copy. */
+/* a short convolution's weights as bound, [channel][tap], reordered in place to [tap][channel]
+ * for moe__dwconv; NULL (and b's error) when w is NULL or there is no memory for the copy */
+static float *conv_by_tap(binder *b, float *w, int64_t channels, int64_t taps) {
+    float *t = w ? malloc(sizeof(float) * (size_t)(channels * taps)) : NULL;
+    if (!t) {
+        if (w) b->st = MOE_ERR_NOMEM;
+        free(w);
+        return NULL;
+    }
+    for (int64_t c = 0; c < channels; c++)
+        for (int64_t j = 0; j < taps; j++) t[j * channels + c] = w[c * taps + j];
+    memcpy(w, t, sizeof(float) * (size_t)(channels * taps));
+    free(t);
+    return w;
+}
+
 static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...) {
     if (b->st) return NULL;
     char name[300];
@@ -1460,9 +1476,9 @@ static void bind_layer(binder *b, int i) {
         bind_mat(b, &L->q, HD, d, "%sself_attn.q_proj", p);
         bind_mat(b, &L->k, HD, d, "%sself_attn.k_proj", p);
         bind_mat(b, &L->v, HD, d, "%sself_attn.v_proj", p);
-        L->q_conv = bind_vec(b, HD * W, 0, "%sself_attn.q_conv1d.weight", p);
-        L->k_conv = bind_vec(b, HD * W, 0, "%sself_attn.k_conv1d.weight", p);
-        L->v_conv = bind_vec(b, HD * W, 0, "%sself_attn.v_conv1d.weight", p);
+        L->q_conv = conv_by_tap(b, bind_vec(b, HD * W, 0, "%sself_attn.q_conv1d.weight", p), HD, W);
+        L->k_conv = conv_by_tap(b, bind_vec(b, HD * W, 0, "%sself_attn.k_conv1d.weight", p), HD, W);
+        L->v_conv = conv_by_tap(b, bind_vec(b, HD * W, 0, "%sself_attn.v_conv1d.weight", p), HD, W);
         bind_mat(b, &L->f_a, D, d, "%sself_attn.f_a_proj", p);
         bind_mat(b, &L->f_b, HD, D, "%sself_attn.f_b_proj", p);
         L->A_log = bind_vec(b, H, 1, "%sself_attn.A_log", p);
@@ -2749,12 +2765,7 @@ static void kda_head(const kda_heads *kw, int h) {
             const float *rows[KDA_CONV_MAX];
             for (int j = 0; j < W; j++) rows[j] = WINDOW_ROW(t + j);
             float *o = outs[a] + (size_t)t * HD + c0;
-            for (int i = 0; i < D; i++) {
-                float acc = 0;
-                const float *w = convw[a] + (c0 + (size_t)i) * W;
-                for (int j = 0; j < W; j++) acc += w[j] * rows[j][i];
-                o[i] = acc;
-            }
+            m->k.dwconv(o, rows, convw[a] + c0, HD, W, D);
             m->k.act(o, o, D, MOE__ACT_SILU);
         }
         /* the window's last Wm rows become the tail (rows move up: row n + r > r is read

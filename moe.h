@@ -499,6 +499,8 @@ typedef struct {
     void (*mla_weights8)(const float *p, int ld, const struct moe__kv8_meta_s *meta, int jn, int h0, int h1, uint8_t *w, int lw, float *ws,
                          float *work);
     void (*act)(float *y, const float *x, int64_t n, int kind); /* see moe__act_ref */
+    /* see moe__dwconv_ref */
+    void (*dwconv)(float *y, const float *const *rows, const float *w, int64_t ldw, int taps, int64_t n);
     float (*exp_sum)(float *y, const float *x, float shift, int64_t n); /* see moe__exp_sum_ref */
     void (*widen_bf16)(float *y, const uint16_t *x, int64_t n); /* bf16 -> f32, exact */
     const char *isa;              /* "scalar", "avx2", ... */
@@ -508,6 +510,10 @@ void moe__kernels_init(moe__kernels *k, unsigned flags);
 /* y = f(x) elementwise (y may be x): the logistic sigmoid, x sigmoid(x), softplus log(1 + e^x) */
 enum { MOE__ACT_SIGMOID, MOE__ACT_SILU, MOE__ACT_SOFTPLUS };
 void moe__act_ref(float *y, const float *x, int64_t n, int kind);
+/* A depthwise convolution's taps over n channels: y[i] = sum over j < taps of w[j ldw + i]
+ * rows[j][i], in the order of j (taps >= 1; the SIMD levels fuse the multiply-adds after the
+ * first product). KDA's short convolution: rows the window's rows, w the weights [tap][channel]. */
+void moe__dwconv_ref(float *y, const float *const *rows, const float *w, int64_t ldw, int taps, int64_t n);
 /* y = e^(x - shift) (y may be x); returns the sum of y (a softmax's denominator) */
 float moe__exp_sum_ref(float *y, const float *x, float shift, int64_t n);
 void moe__widen_bf16_ref(float *y, const uint16_t *x, int64_t n);

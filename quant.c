@@ -543,6 +543,14 @@ void moe__widen_bf16_ref(float *y, const uint16_t *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = moe__bf16_to_f32(x[i]);
 }
 
+void moe__dwconv_ref(float *y, const float *const *rows, const float *w, int64_t ldw, int taps, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float acc = w[i] * rows[0][i];
+        for (int j = 1; j < taps; j++) acc += w[j * ldw + i] * rows[j][i];
+        y[i] = acc;
+    }
+}
+
 float moe__exp_sum_ref(float *y, const float *x, float shift, int64_t n) {
     float sum = 0;
     for (int64_t i = 0; i < n; i++) sum += y[i] = expf(x[i] - shift);
@@ -1276,6 +1284,24 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8x4_mxfp4_avx2(const void *w, const 
     }
 AXPY_KERNEL(axpy_avx2, "avx2,fma", 256)
 
+/* moe__dwconv_ref: each lane's taps in order, the first a product, the rest fused multiply-adds */
+#define DWCONV_KERNEL(name, target, W)                                                                                     \
+    MOE_TARGET(target) static void name(float *y, const float *const *rows, const float *w, int64_t ldw, int taps, int64_t n) { \
+        int64_t i = 0;                                                                                                     \
+        for (; i + LANES(W) <= n; i += LANES(W)) {                                                                         \
+            VEC(W) acc = VOP(W, mul_ps)(VOP(W, loadu_ps)(w + i), VOP(W, loadu_ps)(rows[0] + i));                           \
+            for (int j = 1; j < taps; j++)                                                                                 \
+                acc = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(w + j * ldw + i), VOP(W, loadu_ps)(rows[j] + i), acc);             \
+            VOP(W, storeu_ps)(y + i, acc);                                                                                 \
+        }                                                                                                                  \
+        for (; i < n; i++) {                                                                                               \
+            float acc = w[i] * rows[0][i];                                                                                 \
+            for (int j = 1; j < taps; j++) acc = fmaf(w[j * ldw + i], rows[j][i], acc);                                    \
+            y[i] = acc;                                                                                                    \
+        }                                                                                                                  \
+    }
+DWCONV_KERNEL(dwconv_avx2, "avx2,fma", 256)
+
 /* e^x at 8 lanes: 2^n applied in two halves (each a normal float) so that results down to the
  * subnormal range round once, as expf's do */
 MOE_TARGET("avx2,fma") static inline __m256 exp_avx2(__m256 x) {
@@ -1628,6 +1654,7 @@ MOE_TARGET(MOE_AVX512) static void quant_q8a_avx512(const float *x, moe__block_q
 }
 
 AXPY_KERNEL(axpy_avx512, MOE_AVX512, 512)
+DWCONV_KERNEL(dwconv_avx512, MOE_AVX512, 512)
 
 static int cpu_has_avx512(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
@@ -1815,6 +1842,21 @@ static void axpy_neon(float *y, float a, const float *x, int64_t n) {
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_n_f32(vld1q_f32(y + i), vld1q_f32(x + i), a));
     for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* moe__dwconv_ref: the first tap a product, the rest fused multiply-adds */
+static void dwconv_neon(float *y, const float *const *rows, const float *w, int64_t ldw, int taps, int64_t n) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        float32x4_t acc = vmulq_f32(vld1q_f32(w + i), vld1q_f32(rows[0] + i));
+        for (int j = 1; j < taps; j++) acc = vfmaq_f32(acc, vld1q_f32(w + j * ldw + i), vld1q_f32(rows[j] + i));
+        vst1q_f32(y + i, acc);
+    }
+    for (; i < n; i++) {
+        float acc = w[i] * rows[0][i];
+        for (int j = 1; j < taps; j++) acc = fmaf(w[j * ldw + i], rows[j][i], acc);
+        y[i] = acc;
+    }
 }
 
 /* e^x at 4 lanes, 2^n in two halves as on AVX2 */
@@ -3496,6 +3538,7 @@ static void kernels_scalar(moe__kernels *k) {
     k->mla_weights8 = moe__mla_weights8;
     k->quant8_row = moe__quant8_row;
     k->act = moe__act_ref;
+    k->dwconv = moe__dwconv_ref;
     k->exp_sum = moe__exp_sum_ref;
     k->widen_bf16 = moe__widen_bf16_ref;
     k->isa = "scalar";
@@ -3548,6 +3591,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_weights8 = mla_weights8_avx2;
         k->quant8_row = quant8_row_avx2;
         k->act = act_avx2;
+        k->dwconv = dwconv_avx2;
         k->exp_sum = exp_sum_avx2;
         k->widen_bf16 = widen_bf16_avx2;
         k->isa = "avx2";
@@ -3570,6 +3614,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->mla_ctx16 = mla_ctx16_avx512;
             v->mla_weights8 = mla_weights8_avx512;
             v->act = act_avx512;
+            v->dwconv = dwconv_avx512;
             v->exp_sum = exp_sum_avx512;
             v->widen_bf16 = widen_bf16_avx512;
             v->isa = "avx512";
@@ -3626,6 +3671,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->mla_weights8 = mla_weights8_neon;
         k->quant8_row = quant8_row_neon;
         k->act = act_neon;
+        k->dwconv = dwconv_neon;
         k->exp_sum = exp_sum_neon;
         k->widen_bf16 = widen_bf16_neon;
         k->isa = "neon";

@@ -394,6 +394,43 @@ static void test_act_levels(void) {
     free(x), free(r), free(v);
 }
 
+/* KDA's short convolution (moe__dwconv) at every SIMD level against the scalar reference: 1 to
+ * 6 taps and the largest, ragged channel counts (tails), weights with a row stride, magnitudes
+ * from 1e-20 to 1e20, infinities and NaN in some channels */
+static void test_dwconv_levels(void) {
+    moe__kernels lv[4];
+    const int nl = moe__kernel_levels(lv, 4);
+    enum { NMAX = 131, TMAX = 64, LDW = 140 };
+    float *w = malloc(sizeof(float) * LDW * TMAX), *x = malloc(sizeof(float) * NMAX * TMAX), r[NMAX], v[NMAX];
+    const float *rows[TMAX];
+    const int taps[] = {1, 2, 3, 4, 5, 6, TMAX}, lens[] = {1, 3, 4, 7, 8, 15, 16, 17, 33, 128, NMAX};
+    for (int i = 0; i < LDW * TMAX; i++) w[i] = nrand();
+    for (int i = 0; i < NMAX * TMAX; i++) {
+        const int c = i % NMAX;
+        x[i] = c == 5 ? 1e20f * nrand() : c == 6 ? 1e-20f * nrand() : c == 40 ? INFINITY : c == 41 ? NAN : c == 42 ? -0.0f : nrand();
+    }
+    for (int j = 0; j < TMAX; j++) rows[j] = x + (size_t)(TMAX - 1 - j) * NMAX; /* rows anywhere, not in order */
+    for (int li = 1; li < nl; li++)
+        for (size_t ti = 0; ti < sizeof taps / sizeof *taps; ti++)
+            for (size_t a = 0; a < sizeof lens / sizeof *lens; a++) {
+                const int n = lens[a], k = taps[ti];
+                moe__dwconv_ref(r, rows, w, LDW, k, n);
+                for (int i = 0; i < NMAX; i++) v[i] = 12345.0f;
+                lv[li].dwconv(v, rows, w, LDW, k, n);
+                int bad = -1;
+                for (int i = 0; i < n && bad < 0; i++) {
+                    double mag = 0;
+                    for (int j = 0; j < k; j++) mag += fabs((double)w[j * LDW + i] * rows[j][i]);
+                    if (isnan(r[i]) || isinf(r[i]) ? !(isnan(v[i]) == isnan(r[i]) && (isnan(r[i]) || v[i] == r[i]))
+                                                   : !(fabs((double)v[i] - r[i]) <= 1e-6 * k * mag))
+                        bad = i;
+                }
+                CHECKF(bad < 0, "%s dwconv taps %d n %d: channel %d %g vs %g", lv[li].isa, k, n, bad, bad < 0 ? 0 : v[bad], bad < 0 ? 0 : r[bad]);
+                CHECKF(n == NMAX || v[n] == 12345.0f, "%s dwconv taps %d n %d: wrote past n", lv[li].isa, k, n);
+            }
+    free(w), free(x);
+}
+
 /* Q8_0/Q4_0: ggml's rounding (hand-derived known answers), round-trip bounds, and every int8
  * kernel level against the scalar reference; the q8a activation quantizers must agree bit for bit */
 static void test_quant_blocks(void) {
@@ -3781,6 +3818,7 @@ static const struct {
     {"mla16_kernels", test_mla16_kernels},
     {"mla8_kernels", test_mla8_kernels},
     {"matmul_threads", test_matmul_threads},
+    {"dwconv_levels", test_dwconv_levels},
     {"expert_paths", test_expert_paths},
     {"gemm_kernels", test_gemm_kernels},
     {"golden_kimi", test_golden_kimi},
