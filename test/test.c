@@ -3477,12 +3477,14 @@ typedef struct {
     const int32_t *ids;
     int n;
     float *out;
-    int ok;
+    int ok, pieces; /* pieces: steps of worker_pieces' sizes (prefill chunks and single tokens) */
 } worker;
+
+static const int worker_pieces[] = {9, 1, 1, 4, 1, 1, 1, 2, 1, 0}; /* then the rest at once */
 
 static void *run_worker(void *p) {
     worker *w = p;
-    float *x = logits_in_pieces(w->m, w->ids, w->n, NULL);
+    float *x = logits_in_pieces(w->m, w->ids, w->n, w->pieces ? worker_pieces : NULL);
     if (x) memcpy(w->out, x, sizeof(float) * (size_t)w->n * moe_model_config(w->m)->vocab_size), w->ok = 1;
     free(x);
     return NULL;
@@ -3498,7 +3500,7 @@ static void test_concurrent_sessions(void) {
     pthread_t th[3];
     worker w[3];
     for (int i = 0; i < 3; i++) {
-        w[i] = (worker){m, ids[i], n[i], malloc(sizeof(float) * (size_t)V * n[i]), 0};
+        w[i] = (worker){m, ids[i], n[i], malloc(sizeof(float) * (size_t)V * n[i]), 0, 0};
         CHECK(pthread_create(&th[i], NULL, run_worker, &w[i]) == 0);
     }
     for (int i = 0; i < 3; i++) {
@@ -3508,6 +3510,36 @@ static void test_concurrent_sessions(void) {
         free(want), free(w[i].out), free(ids[i]);
     }
     moe_model_close(m), moe_model_close(ref);
+}
+
+/* several sessions stepping at once from their own threads on one mapped model with 2 threads a
+ * step: each step's team of threads (three teams at once, more threads than this machine's
+ * cores) gives the logits of the same steps run one after another, bit for bit */
+static void test_concurrent_teams(void) {
+    moe_model *m = open_model("k3mx", 0, 2);
+    if (!m) return;
+    moe__set_step_team(m, 2); /* a team whatever the number of processors */
+    const int V = moe_model_config(m)->vocab_size;
+    int n[3];
+    int32_t *ids[3] = {golden_ids("k3mx", 1, &n[0]), golden_ids("k3mx", 2, &n[1]), golden_ids("k3mx", 3, &n[2])};
+    float *want[3];
+    for (int i = 0; i < 3; i++) {
+        if (!ids[i] || n[i] < 22) { CHECKF(0, "k3mx prompt %d: %d tokens", i + 1, n[i]); n[i] = 0; } /* worker_pieces take 21 */
+        n[i] = n[i] > 40 ? 40 : n[i];
+        want[i] = n[i] ? logits_in_pieces(m, ids[i], n[i], worker_pieces) : NULL;
+    }
+    pthread_t th[3];
+    worker w[3];
+    for (int i = 0; i < 3; i++) {
+        w[i] = (worker){m, ids[i], n[i], malloc(sizeof(float) * (size_t)V * (n[i] + 1)), 0, 1};
+        CHECK(pthread_create(&th[i], NULL, run_worker, &w[i]) == 0);
+    }
+    for (int i = 0; i < 3; i++) {
+        pthread_join(th[i], NULL);
+        CHECKF(!n[i] || (w[i].ok && want[i] && max_abs_diff(want[i], w[i].out, (size_t)V * n[i]) == 0), "thread %d", i);
+        free(want[i]), free(w[i].out), free(ids[i]);
+    }
+    moe_model_close(m);
 }
 
 /* writes a random-weight checkpoint in the released K3 layout with moe-convert --k3-slice: 3 layers
@@ -3852,6 +3884,7 @@ static const struct {
     {"cache_prefetch", test_cache_prefetch},
     {"concurrent_sessions", test_concurrent_sessions},
     {"step_team", test_step_team},
+    {"concurrent_teams", test_concurrent_teams},
     {"cache_direct_io", test_cache_direct_io},
     {"rss_cache_budget", test_rss_cache_budget},
     {"dense_streaming", test_dense_streaming},
