@@ -75,9 +75,12 @@ test-neon:
 
 QEMU_AARCH64 ?= qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max
 
-# asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, in build-asan/
+# asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, built with OpenMP (the
+# step's team of threads) in build-asan-omp/, then without it (the serial paths) in build-asan/
+ASAN_FLAGS = EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -lpthread -fsanitize=address,undefined"
 asan:
-	$(MAKE) --no-print-directory BUILD=build-asan OPENMP= EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -lpthread -fsanitize=address,undefined" test
+	$(MAKE) --no-print-directory BUILD=build-asan-omp $(ASAN_FLAGS) test
+	$(MAKE) --no-print-directory BUILD=build-asan OPENMP= $(ASAN_FLAGS) test
 
 # bench: decode/prefill speed as fractions of this machine's measured limits (makes the models first)
 bench: all
@@ -112,7 +115,7 @@ FUZZ_TARGETS = json safetensors gguf config ranks tokenize chat batch
 
 # clean: remove every build folder
 clean:
-	rm -rf build build-scalar build-asan build-neon build-fuzz build-tsan
+	rm -rf build build-scalar build-asan build-asan-omp build-neon build-fuzz build-tsan
 
 # help: list the targets
 help:
