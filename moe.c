@@ -1323,24 +1323,19 @@ static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, cons
     *w = (moe__weight){MOE_T_MXFP4, rows, cols, p->data, s->data};
 }
 
-/* A small vector of n values (any shape with n elements, or >= n with `pad_zero` allowing a zero
- * tail), kept as an f32 copy. */
-/* a short convolution's weights as bound, [channel][tap], reordered in place to [tap][channel]
- * for moe__dwconv; NULL (and b's error) when w is NULL or there is no memory for the copy */
+/* a short convolution's weights as bound, [channel][tap], reordered to [tap][channel] for
+ * moe__dwconv (w is freed); NULL (and b's error) when w is NULL or there is no memory */
 static float *conv_by_tap(binder *b, float *w, int64_t channels, int64_t taps) {
     float *t = w ? malloc(sizeof(float) * (size_t)(channels * taps)) : NULL;
-    if (!t) {
-        if (w) b->st = MOE_ERR_NOMEM;
-        free(w);
-        return NULL;
-    }
-    for (int64_t c = 0; c < channels; c++)
+    if (w && !t) b->st = MOE_ERR_NOMEM;
+    for (int64_t c = 0; t && c < channels; c++)
         for (int64_t j = 0; j < taps; j++) t[j * channels + c] = w[c * taps + j];
-    memcpy(w, t, sizeof(float) * (size_t)(channels * taps));
-    free(t);
-    return w;
+    free(w);
+    return t;
 }
 
+/* A small vector of n values (any shape with n elements, or >= n with `pad_zero` allowing a zero
+ * tail), kept as an f32 copy. */
 static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...) {
     if (b->st) return NULL;
     char name[300];
@@ -2588,6 +2583,7 @@ static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
     return MOE_OK;
 }
 
+/* quantized_rows' arguments, shared by the threads that split its rows */
 typedef struct {
     const moe_model *m;
     const float *x;
@@ -3219,8 +3215,8 @@ static moe_status mla_expanded(const moe_model *m, const layer *L, const void *c
         const int kn = S - k0 < KB ? S - k0 : KB;
         const float *rows = kv_rows_f32(m, cache, meta, k0, kn, cw, wide);
         if ((st = matmul_ld(m, kv, rows, cw, kn, &L->kv_b))) break; /* [kn, H (d_n + d_v)] */
-        const mla_key_block b = {m, q, rows, kv, y, scr, MX, LS, scratch, kvw, pos, n, k0, kn, KB, scale};
-        par_run(H > 1 ? nt : 1, mla_expanded_share, (void *)&b);
+        mla_key_block b = {m, q, rows, kv, y, scr, MX, LS, scratch, kvw, pos, n, k0, kn, KB, scale};
+        par_run(H > 1 ? nt : 1, mla_expanded_share, &b);
     }
     for (int t = 0; t < n && !st; t++) /* every row saw at least its own key */
         for (int h = 0; h < H; h++) {

@@ -551,6 +551,15 @@ void moe__dwconv_ref(float *y, const float *const *rows, const float *w, int64_t
     }
 }
 
+/* the SIMD levels' channels i0 .. n-1 past their last whole vector, as their lanes take them */
+static inline void dwconv_tail(float *y, const float *const *rows, const float *w, int64_t ldw, int taps, int64_t i0, int64_t n) {
+    for (int64_t i = i0; i < n; i++) {
+        float acc = w[i] * rows[0][i];
+        for (int j = 1; j < taps; j++) acc = fmaf(w[j * ldw + i], rows[j][i], acc);
+        y[i] = acc;
+    }
+}
+
 float moe__exp_sum_ref(float *y, const float *x, float shift, int64_t n) {
     float sum = 0;
     for (int64_t i = 0; i < n; i++) sum += y[i] = expf(x[i] - shift);
@@ -1294,11 +1303,7 @@ AXPY_KERNEL(axpy_avx2, "avx2,fma", 256)
                 acc = VOP(W, fmadd_ps)(VOP(W, loadu_ps)(w + j * ldw + i), VOP(W, loadu_ps)(rows[j] + i), acc);             \
             VOP(W, storeu_ps)(y + i, acc);                                                                                 \
         }                                                                                                                  \
-        for (; i < n; i++) {                                                                                               \
-            float acc = w[i] * rows[0][i];                                                                                 \
-            for (int j = 1; j < taps; j++) acc = fmaf(w[j * ldw + i], rows[j][i], acc);                                    \
-            y[i] = acc;                                                                                                    \
-        }                                                                                                                  \
+        dwconv_tail(y, rows, w, ldw, taps, i, n);                                                                          \
     }
 DWCONV_KERNEL(dwconv_avx2, "avx2,fma", 256)
 
@@ -1852,11 +1857,7 @@ static void dwconv_neon(float *y, const float *const *rows, const float *w, int6
         for (int j = 1; j < taps; j++) acc = vfmaq_f32(acc, vld1q_f32(w + j * ldw + i), vld1q_f32(rows[j] + i));
         vst1q_f32(y + i, acc);
     }
-    for (; i < n; i++) {
-        float acc = w[i] * rows[0][i];
-        for (int j = 1; j < taps; j++) acc = fmaf(w[j * ldw + i], rows[j][i], acc);
-        y[i] = acc;
-    }
+    dwconv_tail(y, rows, w, ldw, taps, i, n);
 }
 
 /* e^x at 4 lanes, 2^n in two halves as on AVX2 */
