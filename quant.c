@@ -3734,7 +3734,7 @@ void moe__kda_recurrent(const moe__kda_head *a) {
     }
 }
 
-#define KDA_C 16 /* chunk length: with g >= -5, e^{-G} stays below e^80 < FLT_MAX */
+#define KDA_C 16 /* chunk length: with g >= -5 a chunk decays by at most e^-80 */
 
 size_t moe__kda_chunk_work(int D) {
     /* G, Kt (k e^G), Kh (k e^-G), Qt (q e^G), U: [C,D] each; A, P: [C,C]; gn, X: [D];
@@ -3746,8 +3746,12 @@ size_t moe__kda_chunk_work(int D) {
  *   A_ij = beta_i sum_c k_ic k_jc e^{G_ic-G_jc} (j<i);  (I+A) U = diag(beta)(V - K~ S0)
  *   P_ij = sum_c q_ic k_jc e^{G_ic-G_jc} (j<=i);       O = Q~ S0 + P U
  *   S_next = diag(e^{G_n}) S0 + sum_j (k_j e^{G_n-G_j}) u_j^T
- * bounded: the decays factor as e^{G_i} e^{-G_j}, making A, P and the state update plain
- * matrix products; otherwise (softplus gate, unbounded step) each factor is formed per element. */
+ * bounded: the decays factor as e^{G_i-R} e^{R-G_j}, making A, P and the state update plain
+ * matrix products; otherwise (softplus gate, unbounded step) each factor is formed per element.
+ * R = G_n / 2 centres the factors within e^-40 .. e^40: factored from the chunk's start (e^{G_i}
+ * down to e^-80), a key or query element under 6.5e-4 fell below FLT_MIN, lost its precision
+ * as a denormal (or all of it where denormals are flushed), and then met e^{+80}. The two
+ * products with S0 take the state's columns times e^{R} (Sr) instead. */
 /* Elementwise loops of the chunked form (EACH8: the same results as one element at a time) */
 static void kda_add(float *restrict o, const float *restrict a, const float *restrict b, int n) { EACH8(n, o[c] = a[c] + b[c]); }
 static void kda_mul(float *restrict o, const float *restrict a, const float *restrict b, int n) { EACH8(n, o[c] = a[c] * b[c]); }
@@ -3758,7 +3762,33 @@ static void kda_scale_add(float *restrict o, const float *restrict a, const floa
 /* u = beta (v - u) */
 static void kda_rhs(float *restrict u, float beta, const float *restrict v, int n) { EACH8(n, u[c] = beta * (v[c] - u[c])); }
 
+/* The chunked form's decays e^{G} reach e^-80 within a chunk (and lower with the softplus gate),
+ * and their products with the state and the keys fall below FLT_MIN: denormal numbers, which cost
+ * an Intel core a microcode assist per operation (over a hundred cycles). Prefill of the
+ * benchmark shape ran 2.2x faster on an Emerald Rapids Xeon with them flushed to zero (x86's FTZ
+ * and DAZ bits; bench/RESULTS.md, session 22). The chunk flushes them while it runs, then gives
+ * the caller back its own setting (keeping any exception flags raised meanwhile); what changes
+ * is values under 1.2e-38, far below a float's precision at the outputs' scale. */
+static unsigned denormals_flush_begin(void) {
+#ifdef MOE_X86
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040u); /* FTZ (bit 15), DAZ (bit 6) */
+    return csr;
+#else
+    return 0;
+#endif
+}
+
+static void denormals_flush_end(unsigned csr) {
+#ifdef MOE_X86
+    _mm_setcsr(csr | (_mm_getcsr() & 0x3fu)); /* the caller's modes, the exception flags of both */
+#else
+    (void)csr;
+#endif
+}
+
 void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const moe__kernels *kk) {
+    const unsigned csr = denormals_flush_begin();
     const int D = a->D, C = KDA_C;
     float *G = work, *Kt = G + C * D, *Kh = Kt + C * D, *Qt = Kh + C * D, *U = Qt + C * D;
     float *A = U + C * D, *P = A + C * C, *gn = P + C * C, *X = gn + D;
@@ -3775,15 +3805,30 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
         const int n = a->n - t0 < C ? a->n - t0 : C;
 #define ROW(p, t) ((p) + (size_t)(t0 + (t)) * a->stride)
         for (int i = 0; i < n; i++) {
-            const float *g = ROW(a->g, i), *k = ROW(a->k, i), *q = ROW(a->q, i);
-            if (i) kda_add(G + i * D, G + (i - 1) * D, g, D);
+            if (i) kda_add(G + i * D, G + (i - 1) * D, ROW(a->g, i), D);
             else
-                for (int c = 0; c < D; c++) G[c] = 0.0f + g[c];
-            kk->exp_sum(X, G + i * D, 0.0f, D);
+                for (int c = 0; c < D; c++) G[c] = 0.0f + ROW(a->g, 0)[c];
+        }
+        /* gn: the centre R (bounded; e^R once the rows are formed) or G_n */
+        for (int c = 0; c < D; c++) gn[c] = bounded ? 0.5f * G[(n - 1) * D + c] : G[(n - 1) * D + c];
+        for (int i = 0; i < n; i++) {
+            const float *k = ROW(a->k, i), *q = ROW(a->q, i);
+            if (bounded) {
+                for (int c = 0; c < D; c++) X[c] = G[i * D + c] - gn[c];
+                kk->exp_sum(X, X, 0.0f, D);
+            } else {
+                kk->exp_sum(X, G + i * D, 0.0f, D);
+            }
             kda_mul(Kt + i * D, k, X, D);
             kda_mul(Qt + i * D, q, X, D);
             if (bounded) kda_div(Kh + i * D, k, X, D);
             else memset(Kh + i * D, 0, sizeof(float) * (size_t)D);
+        }
+        const float *S0 = St; /* the factor of K~ S0 and Q~ S0: St, or Sr = St diag(e^R) in Y */
+        if (bounded) {
+            kk->exp_sum(gn, gn, 0.0f, D);
+            for (int j = 0; j < D; j++) kda_mul(Y + (size_t)j * D, St + (size_t)j * D, gn, D);
+            S0 = Y;
         }
         /* A and P: with the bounded gate plain dot products of the factored rows */
         for (int i = 0; i < n; i++) {
@@ -3807,7 +3852,7 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
             }
         }
         /* rhs = beta (V - K~ S0), then forward substitution U_i = rhs_i - sum_{j<i} A_ij U_j */
-        gemm(St, D, D, Kt, D, n, D, U, D);
+        gemm(S0, D, D, Kt, D, n, D, U, D);
         for (int i = 0; i < n; i++) {
             float beta = a->beta[(size_t)(t0 + i) * a->beta_stride], *u = U + i * D;
             const float *v = ROW(a->v, i);
@@ -3815,17 +3860,16 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
             for (int m = 0; m < i; m++) kk->axpy(u, -A[i * C + m], U + m * D, D);
         }
         /* O = Q~ S0 + P U */
-        gemm(St, D, D, Qt, D, n, D, ROW(a->o, 0), a->stride);
+        gemm(S0, D, D, Qt, D, n, D, ROW(a->o, 0), a->stride);
         for (int i = 0; i < n; i++)
             for (int m = 0; m <= i; m++) kk->axpy(ROW(a->o, i), P[i * C + m], U + m * D, D);
         /* S_next = diag(e^{G_n}) S0 + F^T U, F_m = k_m e^{G_n - G_m}; transposed:
          * St[j][c] = e^{G_n,c} St[j][c] + sum_m U[m][j] F[m][c] */
-        for (int c = 0; c < D; c++) gn[c] = G[(n - 1) * D + c];
-        kk->exp_sum(X, gn, 0.0f, D); /* the chunk's decay e^{G_n} */
+        kk->exp_sum(X, G + (n - 1) * D, 0.0f, D); /* the chunk's decay e^{G_n} */
         for (int m = 0; m < n; m++) {
             float *f = Kh + m * D;
-            if (bounded) { /* Kh_m = k_m e^{-G_m}: times e^{G_n} */
-                kda_scale(f, X, D);
+            if (bounded) { /* Kh_m = k_m e^{R-G_m}: times e^{G_n-R} = e^R (G_n - G_n/2 is exact) */
+                kda_scale(f, gn, D);
             } else {
                 for (int c = 0; c < D; c++) f[c] = gn[c] - G[m * D + c];
                 kk->exp_sum(f, f, 0.0f, D);
@@ -3844,4 +3888,5 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
     }
     for (int c = 0; c < D; c++)
         for (int j = 0; j < D; j++) S[(size_t)c * D + j] = St[(size_t)j * D + c];
+    denormals_flush_end(csr);
 }
