@@ -2119,6 +2119,7 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
     if (m->opt.n_threads < 1) m->opt.n_threads = 1;
     if (m->opt.n_batch < 1) m->opt.n_batch = 512;
     moe__kernels_init(&m->k, m->opt.flags);
+    m->info.kernels = m->k.isa;
     moe_status st = MOE_OK;
     if (!(m->path = strdup(path))) st = MOE_ERR_NOMEM;
     if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)

@@ -191,6 +191,9 @@ typedef struct {
     const char *weight_type;  /* the format holding most weight bytes after load: "bf16", "q4_0", ... */
     int experts_kept_mapped;  /* 1: MMAP mode kept routed experts that the x8 kernels could take
                                  mapped as stored, as they did not fit in repack_budget */
+    const char *kernels;      /* the kernel set chosen for this CPU at load: "scalar" (also under
+                                 MOE_FLAG_FORCE_SCALAR or a MOE_NO_SIMD build), "avx2", "avx512",
+                                 "avx512vnni", "neon" or "neon-dotprod" */
 } moe_model_info;
 
 /* Opens a model: a Hugging Face checkpoint directory (config.json + model.safetensors or shards

@@ -576,10 +576,10 @@ int main(int argc, char **argv) {
                 const double bw = bytes / roof_s / 1e9; /* the bandwidth the whole decode is taken against */
                 fprintf(stderr, "moe-bench: %d thread(s), depth %d: memory read %.1f GB/s (probes %.1f to %.1f)\n", t, depth, bw, bw_lo, bw_hi);
                 const char *name = strrchr(models[mi], '/') ? strrchr(models[mi], '/') + 1 : models[mi];
-                printf("{\"model\": \"%s\", \"format\": \"%s\", \"kv_type\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
+                printf("{\"model\": \"%s\", \"format\": \"%s\", \"kernels\": \"%s\", \"kv_type\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
                        "\"membw_min_gbps\": %.2f, \"membw_max_gbps\": %.2f, \"decode_tok_s\": %.3f, \"decode_bytes_per_token\": %.0f, \"decode_roofline_frac\": %.3f, "
                        "\"prefill_tok_s\": %.2f, \"prefill_tokens\": %d, \"int8_peak_gops\": %.1f, \"prefill_peak_frac\": %.3f}\n",
-                       name, info.weight_type, kv_type == MOE_KV_Q8 ? "q8" : kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw, bw_lo, bw_hi, n_decode / time_s, bytes / n_decode, roof_s / time_s, pf, n_prefill, peak / 1e9,
+                       name, info.weight_type, info.kernels, kv_type == MOE_KV_Q8 ? "q8" : kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw, bw_lo, bw_hi, n_decode / time_s, bytes / n_decode, roof_s / time_s, pf, n_prefill, peak / 1e9,
                        pf * ops_per_token / peak);
                 fflush(stdout);
             }

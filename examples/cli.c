@@ -73,6 +73,8 @@ static int usage(const char *msg) {
             "  --kv-type f32|bf16|q8 MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16\n"
             "                        products; q8 quarters it, int8 products, lossy: README)\n"
             "  --mxfp4 f32|int8      MXFP4 experts times f32 input (exact, default) or int8-quantized input (faster)\n"
+            "  --scalar        the scalar reference kernels instead of the CPU's SIMD ones (the kernel set\n"
+            "                  in use is printed after loading)\n"
             "  -h, --help      this text\n");
     return msg ? 2 : 0;
 }
@@ -211,6 +213,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-f") && more) file = argv[++i];
         else if (!strcmp(a, "-n") && more && num_arg(argv[++i], -1, 1e8, &v)) n_gen = (int)v;
         else if (!strcmp(a, "-t") && more && num_arg(argv[++i], 1, 1024, &v)) opt.n_threads = (int)v;
+        else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
         else if (!strcmp(a, "-c") && more && num_arg(argv[++i], 1, 1e9, &v)) n_ctx = (int)v;
         else if (!strcmp(a, "--temp") && more && num_arg(argv[++i], 0, 100, &v)) sp.temperature = (float)v;
         else if (!strcmp(a, "--top-k") && more && num_arg(argv[++i], 0, 1e9, &v)) sp.top_k = (int)v;
@@ -282,8 +285,8 @@ int main(int argc, char **argv) {
     if (st) { fprintf(stderr, "moe-cli: %s: %s\n", moe_status_str(st), err); goto out; }
     const moe_config *c = moe_model_config(m);
     moe_model_info info = moe_model_get_info(m);
-    fprintf(stderr, "moe-cli: %d layers, %.3g B params (%.3g B active), %d files, loaded in %.2f s\n", c->n_layers, info.n_params / 1e9,
-            info.n_params_active / 1e9, info.n_files, now() - t0);
+    fprintf(stderr, "moe-cli: %d layers, %.3g B params (%.3g B active), %d files, loaded in %.2f s; %s kernels\n", c->n_layers,
+            info.n_params / 1e9, info.n_params_active / 1e9, info.n_files, now() - t0, info.kernels);
     if (info.experts_kept_mapped)
         fprintf(stderr, "moe-cli: the routed experts do not fit in RAM: they stay mapped and are read from disk as needed "
                         "(row kernels; --load-mode cache streams them through a fixed budget instead)\n");

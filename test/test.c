@@ -813,6 +813,19 @@ static void test_golden_threads_scalar(void) {
     run_golden("seed", MOE_FLAG_FORCE_SCALAR, 2);
     run_golden("k3mx", 0, 2);
 }
+/* moe_model_info.kernels names the set the model computes with: the CPU's best level, or the
+ * scalar one when forced */
+static void test_info_kernels(void) {
+    moe__kernels lv[4];
+    const int nl = moe__kernel_levels(lv, 4);
+    moe_model *m = open_model("kimi", 0, 1), *s = open_model("kimi", MOE_FLAG_FORCE_SCALAR, 1);
+    if (m && s) {
+        const char *a = moe_model_get_info(m).kernels, *b = moe_model_get_info(s).kernels;
+        CHECKF(a && !strcmp(a, lv[nl - 1].isa), "kernels %s, this CPU's best level %s", a ? a : "(null)", lv[nl - 1].isa);
+        CHECKF(b && !strcmp(b, "scalar"), "forced scalar: kernels %s", b ? b : "(null)");
+    }
+    moe_model_close(m), moe_model_close(s);
+}
 static void test_golden_forced_paths(void) {
     run_golden("kimi", MOE_FLAG_KDA_RECURRENT | MOE_FLAG_MLA_ABSORBED, 1);
     run_golden("seed", MOE_FLAG_KDA_CHUNKED | MOE_FLAG_MLA_EXPANDED, 1);
@@ -3907,6 +3920,7 @@ static const struct {
     {"shipped_bench", test_shipped_bench},
     {"shipped_batch", test_shipped_batch},
     {"shipped_gguf_vocab", test_shipped_gguf_vocab},
+    {"info_kernels", test_info_kernels},
     {"kda_chunked_vs_recurrent", test_kda_chunked_vs_recurrent},
 #ifdef TEST_MXCSR
     {"kda_chunked_flush", test_kda_chunked_flush},
