@@ -62,15 +62,21 @@ $(BUILD):
 	mkdir -p $(BUILD)
 
 # test: build everything and run the whole suite (unit, golden, bad input); prints N passed, N failed
+# (TEST_ARGS: run only the tests named)
 test: all
-	$(RUN) ./$(BUILD)/moe-test
+	$(RUN) ./$(BUILD)/moe-test $(TEST_ARGS)
 
 # test-scalar: the suite built without any SIMD code (-DMOE_NO_SIMD), in build-scalar/
 test-scalar:
 	$(MAKE) --no-print-directory BUILD=build-scalar EXTRA_CFLAGS=-DMOE_NO_SIMD test
 
-# test-neon: the suite cross-built for AArch64 (NEON, dot product) and run under qemu-user
+# the tests test-neon also runs built with OpenMP (OpenMP threads under emulation would slow the
+# whole suite for little)
+NEON_THREAD_TESTS = step_team concurrent_teams golden_threads_scalar info_kernels
+
+# test-neon: the suite cross-built for AArch64 (NEON, dot product) and run under qemu-user (the team's tests with OpenMP first)
 test-neon:
+	$(MAKE) --no-print-directory BUILD=build-neon-omp CC=aarch64-linux-gnu-gcc RUN="env MOE_TEST_RUNNER='$(QEMU_AARCH64)' $(QEMU_AARCH64)" TEST_ARGS="$(NEON_THREAD_TESTS)" test
 	$(MAKE) --no-print-directory BUILD=build-neon CC=aarch64-linux-gnu-gcc OPENMP= RUN="env MOE_TEST_RUNNER='$(QEMU_AARCH64)' $(QEMU_AARCH64)" test
 
 QEMU_AARCH64 ?= qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max
