@@ -3737,8 +3737,8 @@ void moe__kda_recurrent(const moe__kda_head *a) {
 #define KDA_C 16 /* chunk length: with g >= -5 a chunk decays by at most e^-80 */
 
 size_t moe__kda_chunk_work(int D) {
-    /* G, Kt (k e^G), Kh (k e^-G), Qt (q e^G), U: [C,D] each; A, P: [C,C]; gn, X: [D];
-     * St (the state transposed), Y: [D,D]; Ut, Ft: [D,C] */
+    /* G, Kt (k e^{G-R}), Kh (k e^{R-G}), Qt (q e^{G-R}), U: [C,D] each (R = 0 with the softplus
+     * gate); A, P: [C,C]; gn, X: [D]; St (the state transposed), Y (also Sr): [D,D]; Ut, Ft: [D,C] */
     return (size_t)5 * KDA_C * D + 2 * KDA_C * KDA_C + 2 * (size_t)D + 2 * (size_t)D * D + 2 * (size_t)D * KDA_C;
 }
 
