@@ -3738,7 +3738,7 @@ void moe__kda_recurrent(const moe__kda_head *a) {
 
 size_t moe__kda_chunk_work(int D) {
     /* G, Kt (k e^{G-R}), Kh (k e^{R-G}), Qt (q e^{G-R}), U: [C,D] each (R = 0 with the softplus
-     * gate); A, P: [C,C]; gn, X: [D]; St (the state transposed), Y (also Sr): [D,D]; Ut, Ft: [D,C] */
+     * gate); A, P: [C,C]; gn (R, then e^R), X: [D]; St (the state transposed), Y (also Sr): [D,D]; Ut, Ft: [D,C] */
     return (size_t)5 * KDA_C * D + 2 * KDA_C * KDA_C + 2 * (size_t)D + 2 * (size_t)D * D + 2 * (size_t)D * KDA_C;
 }
 
@@ -3810,8 +3810,8 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
             else
                 for (int c = 0; c < D; c++) G[c] = 0.0f + ROW(a->g, 0)[c];
         }
-        /* gn: the centre R (bounded; e^R once the rows are formed) or G_n */
-        for (int c = 0; c < D; c++) gn[c] = bounded ? 0.5f * G[(n - 1) * D + c] : G[(n - 1) * D + c];
+        /* bounded: gn holds the centre R, e^R once the rows are formed */
+        for (int c = 0; bounded && c < D; c++) gn[c] = 0.5f * G[(n - 1) * D + c];
         for (int i = 0; i < n; i++) {
             const float *k = ROW(a->k, i), *q = ROW(a->q, i);
             if (bounded) {
@@ -3872,7 +3872,7 @@ void moe__kda_chunked(const moe__kda_head *a, int bounded, float *work, const mo
             if (bounded) { /* Kh_m = k_m e^{R-G_m}: times e^{G_n-R} = e^R (G_n - G_n/2 is exact) */
                 kda_scale(f, gn, D);
             } else {
-                for (int c = 0; c < D; c++) f[c] = gn[c] - G[m * D + c];
+                for (int c = 0; c < D; c++) f[c] = G[(n - 1) * D + c] - G[m * D + c];
                 kk->exp_sum(f, f, 0.0f, D);
                 for (int c = 0; c < D; c++) f[c] *= ROW(a->k, m)[c];
             }

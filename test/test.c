@@ -833,6 +833,18 @@ static void test_golden_forced_paths(void) {
 
 /* ---- KDA chunked vs recurrent -------------------------------------------------------------- */
 
+/* the chunked form (or a level's recurrence: o2, S2) against the scalar recurrence (o1, S1): within
+ * 2e-5 of the largest output and state values, plus 2e-5 */
+static void kda_check_close(const char *isa, int T, int D, int bounded, const float *o1, const float *o2, size_t n, const float *S1,
+                            const float *S2, size_t ns) {
+    const double mo = max_abs_diff(o1, o2, n), ms = max_abs_diff(S1, S2, ns);
+    double so = 0, ss = 0;
+    for (size_t i = 0; i < n; i++) so = fmax(so, fabs(o1[i]));
+    for (size_t i = 0; i < ns; i++) ss = fmax(ss, fabs(S1[i]));
+    CHECKF(mo <= 2e-5 * (1 + so) && ms <= 2e-5 * (1 + ss), "%s T %d D %d bounded %d: output %.3g (max %.3g), state %.3g (max %.3g)",
+           isa, T, D, bounded, mo, so, ms, ss);
+}
+
 static void kda_compare(int T, int D, int bounded, const moe__kernels *kl) {
     const int H = 2, st = H * D;
     size_t n = (size_t)T * st;
@@ -866,12 +878,7 @@ static void kda_compare(int T, int D, int bounded, const moe__kernels *kl) {
         if (T % 2) kl->kda_recurrent(&b); /* odd lengths: this level's recurrence against the reference */
         else moe__kda_chunked(&b, bounded, work, kl);
     }
-    double mo = max_abs_diff(o1, o2, n), ms = max_abs_diff(S1, S2, (size_t)H * D * D);
-    double so = 0, ss = 0;
-    for (size_t i = 0; i < n; i++) so = fmax(so, fabs(o1[i]));
-    for (size_t i = 0; i < (size_t)H * D * D; i++) ss = fmax(ss, fabs(S1[i]));
-    CHECKF(mo <= 2e-5 * (1 + so) && ms <= 2e-5 * (1 + ss), "%s T %d D %d bounded %d: output %.3g (max %.3g), state %.3g (max %.3g)",
-           kl->isa, T, D, bounded, mo, so, ms, ss);
+    kda_check_close(kl->isa, T, D, bounded, o1, o2, n, S1, S2, (size_t)H * D * D);
     free(q), free(k), free(v), free(g), free(beta), free(o1), free(o2), free(S1), free(S2), free(work);
 }
 
@@ -942,11 +949,7 @@ static void test_kda_chunked_flush(void) {
             CHECKF((csr_during & flush) == flush, "%s: the chunk's products ran without FTZ/DAZ (%#x)", lv[l].isa, csr_during);
             CHECKF(after & 0x10u, "%s: no underflow: this test's decays no longer reach the denormal range", lv[l].isa);
             CHECKF((after & ~0x3fu) == caller && (after & 0x20u), "%s: caller's control word %#x, after the chunk %#x", lv[l].isa, caller, after);
-            double so = 0, ss = 0; /* kda_compare's tolerance */
-            for (int i = 0; i < T * D; i++) so = fmax(so, fabs(o1[i]));
-            for (int i = 0; i < D * D; i++) ss = fmax(ss, fabs(S1[i]));
-            const double mo = max_abs_diff(o1, o2, (size_t)T * D), ms = max_abs_diff(S1, S2, (size_t)D * D);
-            CHECKF(mo <= 2e-5 * (1 + so) && ms <= 2e-5 * (1 + ss), "%s: chunked vs recurrent: output %.3g (max %.3g), state %.3g", lv[l].isa, mo, so, ms);
+            kda_check_close(lv[l].isa, T, D, 1, o1, o2, (size_t)T * D, S1, S2, (size_t)D * D);
         }
     free(q), free(k), free(v), free(g), free(beta), free(o1), free(o2), free(S1), free(S2), free(work);
 }
