@@ -539,9 +539,10 @@ void moe__gemm_ref(int type, const void *w, int64_t ldw, int nr, const float *x,
 float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x, int64_t n);
 /* Every kernel level this CPU can run (scalar first); returns how many were written. */
 int moe__kernel_levels(moe__kernels *out, int max);
-/* The level's 1-row x8 kernels with (1) or without (0) software prefetch of the weights, where
- * the level has both builds (AVX-512 VNNI); the levels pick by CPU (quant.c) */
-void moe__x8_prefetch(moe__kernels *k, int on);
+/* The level's 1-row x8 kernels with software prefetch of the weights into L1 (mode 1) or into L2
+ * only (2), or without it (0), where the level has the three builds (AVX-512 VNNI); the levels
+ * pick by CPU (quant.c) */
+void moe__x8_prefetch(moe__kernels *k, int mode);
 
 /* JSON (config.json, safetensors headers, index): a tree in one allocation. */
 enum { MOE_JSON_NULL, MOE_JSON_BOOL, MOE_JSON_NUM, MOE_JSON_STR, MOE_JSON_ARR, MOE_JSON_OBJ };

@@ -46,6 +46,7 @@ static inline void prefetch_row(const void *p, int bytes) { PREFETCH_LINES(p, by
  * the speed of keys already in L3; into L2 it ran as fast as from L3 (bench/RESULTS.md) */
 static inline void prefetch_row_l2(const void *p, int bytes) { PREFETCH_LINES(p, bytes, 2); }
 static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row(bytes_past(p, PREFETCH_AHEAD), bytes); }
+static inline void prefetch_ahead_l2(const void *p, int bytes) { prefetch_row_l2(bytes_past(p, PREFETCH_AHEAD), bytes); }
 #endif
 
 /* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
@@ -1029,12 +1030,15 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 #define Q8_CHUNK(c) X8_LOAD(c)
 #define X8_FP16_SCALES _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d))
 
-/* The three 1-row VNNI kernels come in two builds: with the software prefetch of the weights
- * (PREFETCH_AHEAD) and without it, leaving the stream to the hardware prefetchers.
- * moe__kernel_levels takes the second on Zen 4, where it was 5% faster for a whole decode token
- * (2 threads, tokens alternating between the builds in one process), as prefetching to L2 was
- * 7-8% slower; on Zen 5 the software prefetch had taken one core from 28-30 to 40 GB/s
- * (bench/RESULTS.md). Same products, bit for bit (quant_blocks runs both). */
+/* The three 1-row VNNI kernels come in three builds: with the software prefetch of the weights
+ * (PREFETCH_AHEAD) into L1, the same into L2 only, and without it, leaving the stream to the
+ * hardware prefetchers. moe__kernel_levels takes the third on Zen 4, where it was 5% faster for
+ * a whole decode token (2 threads, tokens alternating between the builds in one process), as
+ * prefetching to L2 was 7-8% slower; the second on Intel, where 2 threads of a Xeon (Emerald
+ * Rapids) decoded at 0.859 of the roofline against 0.823 with the first (30 alternating runs,
+ * the L2 build ahead in 26) and the kernels streamed ~5% faster, and without software prefetch
+ * at two thirds of the speed; the first elsewhere: on Zen 5 it had taken one core from 28-30 to
+ * 40 GB/s (bench/RESULTS.md). Same products, bit for bit (quant_blocks runs all three). */
 /* one 1-row kernel: block type BT, set-up declarations SETUP, per-block loads LOADS, chunk
  * decoder U, high-chunk scaling HI, bias, scales DW */
 #define VNNI_X1_KERNEL(fname, BT, SETUP, LOADS, U, HI, bias, DW, PF)                                               \
@@ -1058,6 +1062,7 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
                    X8_LOADS, MXFP4_CODES, VNNI_SAME, -12, mxfp4x8_scales_avx2(o[b].e), PF)
 #define NO_PREFETCH(p, bytes) ((void)(p), (void)(bytes))
 VNNI_X1_KERNELS(vnni, prefetch_ahead)
+VNNI_X1_KERNELS(vnni_l2, prefetch_ahead_l2)
 VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
 #undef VNNI_X1_KERNELS
 #undef VNNI_X1_KERNEL
@@ -1682,6 +1687,11 @@ static int cpu_is_amd_family19(void) {
     if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
     const unsigned base = (a >> 8) & 0xf;
     return (base == 0xf ? base + ((a >> 20) & 0xff) : base) == 0x19;
+}
+
+static int cpu_is_intel(void) {
+    unsigned a, b, c, d;
+    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu; /* "GenuineIntel" */
 }
 
 static int cpu_has_avx2(void) {
@@ -3545,14 +3555,15 @@ static void kernels_scalar(moe__kernels *k) {
     k->isa = "scalar";
 }
 
-void moe__x8_prefetch(moe__kernels *k, int on) {
+void moe__x8_prefetch(moe__kernels *k, int mode) {
 #ifdef MOE_X86
-    if (k->dotq8[MOE_T_Q4_0X8] != dotq8_q4_0_vnni && k->dotq8[MOE_T_Q4_0X8] != dotq8_q4_0_vnni_hw) return;
-    k->dotq8[MOE_T_Q4_0X8] = on ? dotq8_q4_0_vnni : dotq8_q4_0_vnni_hw;
-    k->dotq8[MOE_T_Q8_0X8] = on ? dotq8_q8_0_vnni : dotq8_q8_0_vnni_hw;
-    k->dotq8[MOE_T_MXFP4X8] = on ? dotq8_mxfp4_vnni : dotq8_mxfp4_vnni_hw;
+    const moe__dotq8_fn q4 = k->dotq8[MOE_T_Q4_0X8];
+    if (q4 != dotq8_q4_0_vnni && q4 != dotq8_q4_0_vnni_l2 && q4 != dotq8_q4_0_vnni_hw) return;
+    k->dotq8[MOE_T_Q4_0X8] = mode == 1 ? dotq8_q4_0_vnni : mode == 2 ? dotq8_q4_0_vnni_l2 : dotq8_q4_0_vnni_hw;
+    k->dotq8[MOE_T_Q8_0X8] = mode == 1 ? dotq8_q8_0_vnni : mode == 2 ? dotq8_q8_0_vnni_l2 : dotq8_q8_0_vnni_hw;
+    k->dotq8[MOE_T_MXFP4X8] = mode == 1 ? dotq8_mxfp4_vnni : mode == 2 ? dotq8_mxfp4_vnni_l2 : dotq8_mxfp4_vnni_hw;
 #else
-    (void)k, (void)on;
+    (void)k, (void)mode;
 #endif
 }
 
@@ -3626,6 +3637,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
                 if (cpu_is_amd_family19()) moe__x8_prefetch(v, 0);
+                if (cpu_is_intel()) moe__x8_prefetch(v, 2);
                 v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_vnni;
                 v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_vnni;
                 v->dotq8x4x2[MOE_T_Q4_0X8] = dotq8x4x2_q4_0_vnni;
