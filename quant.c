@@ -986,18 +986,23 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
  * independent sums per block and two float accumulators keep the chains short, so the
  * instructions issued (loads among them), not the latencies, set the pace. The 1-row, 4-row and
  * two-group kernels all take these steps, so each of their outputs is the same bits. */
+/* acc += dpbusd(u, the activation dword at p in every 32-bit lane): the instruction broadcasts the
+ * dword from memory itself ({1to8}, {1to16}). GCC 12 loads it with a separate broadcast instead,
+ * one more instruction per dpbusd: with the broadcast folded the 1-row Q4_0 kernel ran 12% faster
+ * from L2 on one Zen 4 core (bench/RESULTS.md, session 23). AT&T and Intel operand orders. */
+#define VNNI_DPB_BCST(acc, u, p, n) \
+    __asm__("vpdpbusd {%2%{1to" n "%}, %1, %0|%0, %1, %2%{1to" n "%}}" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)(p)))
+#define VNNI_DPB_256(acc, u, p) VNNI_DPB_BCST(acc, u, p, "8")
+#define VNNI_DPB_512(acc, u, p) VNNI_DPB_BCST(acc, u, p, "16")
 #define VNNI_BLOCK(W, XB, U, HI, bias, DW, A0, A1)                                                                 \
     do {                                                                                                           \
         const moe__block_q8a *xb_ = (XB);                                                                          \
         const int32_t *xq = (const int32_t *)xb_->qs;                                                              \
-        __m##W##i s0 = _mm##W##_dpbusd_epi32(_mm##W##_set1_epi32((bias) * xb_->sum), U(0), _mm##W##_set1_epi32(xq[0])); \
-        __m##W##i s1 = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), U(4), _mm##W##_set1_epi32(xq[4]));          \
-        __m##W##i s2 = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), U(1), _mm##W##_set1_epi32(xq[1]));          \
-        __m##W##i s3 = _mm##W##_dpbusd_epi32(_mm##W##_setzero_si##W(), U(5), _mm##W##_set1_epi32(xq[5]));          \
-        s0 = _mm##W##_dpbusd_epi32(s0, U(2), _mm##W##_set1_epi32(xq[2]));                                          \
-        s1 = _mm##W##_dpbusd_epi32(s1, U(6), _mm##W##_set1_epi32(xq[6]));                                          \
-        s2 = _mm##W##_dpbusd_epi32(s2, U(3), _mm##W##_set1_epi32(xq[3]));                                          \
-        s3 = _mm##W##_dpbusd_epi32(s3, U(7), _mm##W##_set1_epi32(xq[7]));                                          \
+        __m##W##i s0 = _mm##W##_set1_epi32((bias) * xb_->sum), s1 = _mm##W##_setzero_si##W(), s2 = s1, s3 = s1;    \
+        VNNI_DPB_##W(s0, U(0), xq + 0); VNNI_DPB_##W(s1, U(4), xq + 4);                                           \
+        VNNI_DPB_##W(s2, U(1), xq + 1); VNNI_DPB_##W(s3, U(5), xq + 5);                                           \
+        VNNI_DPB_##W(s0, U(2), xq + 2); VNNI_DPB_##W(s1, U(6), xq + 6);                                           \
+        VNNI_DPB_##W(s2, U(3), xq + 3); VNNI_DPB_##W(s3, U(7), xq + 7);                                           \
         const __m##W##i s = _mm##W##_add_epi32(_mm##W##_add_epi32(s0, s2), HI(W, _mm##W##_add_epi32(s1, s3)));    \
         const __m##W d = _mm##W##_mul_ps(DW, _mm##W##_set1_ps(xb_->d));                                            \
         if (b & 1) A1 = _mm##W##_fmadd_ps(d, _mm##W##_cvtepi32_ps(s), A1);                                         \
@@ -1013,9 +1018,10 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 /* The 1-row kernels load each 32 bytes of a 4-bit block once, into v0 .. v3 (X8_LOAD): the empty
  * asm statement keeps each load in a register, where GCC otherwise folds it into both of its
  * uses. The kernel is limited by how many vector instructions a cycle the core issues, loads
- * about two a cycle among them (Zen 4), and the 8 activation broadcasts per block are loads too:
- * this and masking Q4_0's high nibbles in place (no shift) took the Q4_0 kernel from 45 to 50-52
- * GB/s from L2 on one Zen 4 core (bench/RESULTS.md, session 20). */
+ * about two a cycle among them (Zen 4), and the 8 activation broadcasts per block are loads too
+ * (folded into the dpbusd since session 23, VNNI_DPB_BCST): this and masking Q4_0's high nibbles
+ * in place (no shift) took the Q4_0 kernel from 45 to 50-52 GB/s from L2 on one Zen 4 core
+ * (bench/RESULTS.md, session 20). */
 #define X8_LOAD(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
 #define X8_PIN(v) __asm__("" : "+x"(v))
 #define X8_LOADS                                                                                                   \
@@ -1213,6 +1219,9 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     VNNI_X4X2_STORE();
 }
 #undef VNNI_BLOCK
+#undef VNNI_DPB_256
+#undef VNNI_DPB_512
+#undef VNNI_DPB_BCST
 #undef VNNI_UREG
 #undef VNNI_SAME
 #undef VNNI_ROWS4
@@ -2958,7 +2967,7 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_ctx16_avx512bf16(const moe__mla_block
 /* dpbusd through asm: around the intrinsic gcc 12 copies every accumulator on each pass of the
  * loop (a register-allocation quirk: the int8 scores kernel ran 16% slower) */
 #define MOE_AVX512VNNI MOE_AVX512 ",avx512vnni"
-#define DPBUSD512(acc, a, b) __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#define DPBUSD512(acc, a, b) __asm__("vpdpbusd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b)) /* AT&T | Intel */
 
 /* the scores of 8 keys (f0..f7: lanes = the 16 heads of group g) stored as sc[h][j .. j+7]: a
  * transpose in 128-bit lanes (heads 4L .. 4L+3 of lane L), then two 4-key halves per head */
