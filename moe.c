@@ -1809,10 +1809,13 @@ static moe_status each_repackable(moe_model *m, repack_fn fn, void *ud, const ch
             st = fn(m, &L->k_b, 0, ud);
             if (!st) st = fn(m, &L->v_b, 0, ud);
         }
+        /* gate (w1) and up (w3) side by side: decode's first expert loop reads them one after the
+         * other, so a thread's share streams on from one into the next without a new start (0.98-1.0
+         * of the time a token against w1, w2, w3: bench/RESULTS.md, session 23) */
         for (int e = 0; L->experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) {
             st = fn(m, &L->experts[e].w1, 1, ud);
-            if (!st) st = fn(m, &L->experts[e].w2, 1, ud);
             if (!st) st = fn(m, &L->experts[e].w3, 1, ud);
+            if (!st) st = fn(m, &L->experts[e].w2, 1, ud);
         }
     }
     return st;
