@@ -976,6 +976,14 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 
 /* x8 groups, AVX-512 VNNI: dpbusd does maddubs + madd + add in one instruction and cannot
  * saturate, so every format uses the unsigned form and subtracts off * sum(x) */
+/* acc += dpbusd(u, the activation dword at p in every 32-bit lane): the instruction broadcasts the
+ * dword from memory itself ({1to8}, {1to16}). GCC 12 loads it with a separate broadcast instead,
+ * one more instruction per dpbusd: with the broadcast folded the 1-row Q4_0 kernel ran 12% faster
+ * from L2 on one Zen 4 core (bench/RESULTS.md, session 23). AT&T and Intel operand orders. */
+#define VNNI_DPB_BCST(acc, u, p, n) \
+    __asm__("vpdpbusd {%2%{1to" n "%}, %1, %0|%0, %1, %2%{1to" n "%}}" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)(p)))
+#define VNNI_DPB_256(acc, u, p) VNNI_DPB_BCST(acc, u, p, "8")
+#define VNNI_DPB_512(acc, u, p) VNNI_DPB_BCST(acc, u, p, "16")
 /* Block b of x8 weights in W-bit registers (256: one group; 512: two groups side by side) against
  * one activation block XB: the block's 8 chunks U(0) .. U(7) (unsigned bytes, in the order of the
  * activation's 4-byte groups) in four dpbusd chains with bias * sum(x) folded into the first,
@@ -986,14 +994,6 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
  * independent sums per block and two float accumulators keep the chains short, so the
  * instructions issued (loads among them), not the latencies, set the pace. The 1-row, 4-row and
  * two-group kernels all take these steps, so each of their outputs is the same bits. */
-/* acc += dpbusd(u, the activation dword at p in every 32-bit lane): the instruction broadcasts the
- * dword from memory itself ({1to8}, {1to16}). GCC 12 loads it with a separate broadcast instead,
- * one more instruction per dpbusd: with the broadcast folded the 1-row Q4_0 kernel ran 12% faster
- * from L2 on one Zen 4 core (bench/RESULTS.md, session 23). AT&T and Intel operand orders. */
-#define VNNI_DPB_BCST(acc, u, p, n) \
-    __asm__("vpdpbusd {%2%{1to" n "%}, %1, %0|%0, %1, %2%{1to" n "%}}" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)(p)))
-#define VNNI_DPB_256(acc, u, p) VNNI_DPB_BCST(acc, u, p, "8")
-#define VNNI_DPB_512(acc, u, p) VNNI_DPB_BCST(acc, u, p, "16")
 #define VNNI_BLOCK(W, XB, U, HI, bias, DW, A0, A1)                                                                 \
     do {                                                                                                           \
         const moe__block_q8a *xb_ = (XB);                                                                          \
