@@ -1690,17 +1690,20 @@ static int cpu_has_avx512bf16(void) {
 }
 
 /* AMD family 19h: Zen 3 and Zen 4 (the ones with AVX-512 are Zen 4) */
-static int cpu_is_amd_family19(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541u || d != 0x69746e65u || c != 0x444d4163u) return 0; /* "AuthenticAMD" */
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    const unsigned base = (a >> 8) & 0xf;
-    return (base == 0xf ? base + ((a >> 20) & 0xff) : base) == 0x19;
+/* whether CPUID's vendor string (EBX, EDX, ECX of leaf 0) is name */
+static int cpu_vendor_is(const char *name) {
+    unsigned a, r[3];
+    char v[13];
+    if (!__get_cpuid(0, &a, &r[0], &r[2], &r[1])) return 0;
+    memcpy(v, r, 12), v[12] = 0;
+    return !strcmp(v, name);
 }
 
-static int cpu_is_intel(void) {
+static int cpu_is_amd_family19(void) {
     unsigned a, b, c, d;
-    return __get_cpuid(0, &a, &b, &c, &d) && b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu; /* "GenuineIntel" */
+    if (!cpu_vendor_is("AuthenticAMD") || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned base = (a >> 8) & 0xf;
+    return (base == 0xf ? base + ((a >> 20) & 0xff) : base) == 0x19;
 }
 
 static int cpu_has_avx2(void) {
@@ -3566,11 +3569,14 @@ static void kernels_scalar(moe__kernels *k) {
 
 void moe__x8_prefetch(moe__kernels *k, int mode) {
 #ifdef MOE_X86
+    static const moe__dotq8_fn builds[3][3] = {/* [mode][Q4_0X8, Q8_0X8, MXFP4X8] */
+                                               {dotq8_q4_0_vnni_hw, dotq8_q8_0_vnni_hw, dotq8_mxfp4_vnni_hw},
+                                               {dotq8_q4_0_vnni, dotq8_q8_0_vnni, dotq8_mxfp4_vnni},
+                                               {dotq8_q4_0_vnni_l2, dotq8_q8_0_vnni_l2, dotq8_mxfp4_vnni_l2}};
     const moe__dotq8_fn q4 = k->dotq8[MOE_T_Q4_0X8];
-    if (q4 != dotq8_q4_0_vnni && q4 != dotq8_q4_0_vnni_l2 && q4 != dotq8_q4_0_vnni_hw) return;
-    k->dotq8[MOE_T_Q4_0X8] = mode == 1 ? dotq8_q4_0_vnni : mode == 2 ? dotq8_q4_0_vnni_l2 : dotq8_q4_0_vnni_hw;
-    k->dotq8[MOE_T_Q8_0X8] = mode == 1 ? dotq8_q8_0_vnni : mode == 2 ? dotq8_q8_0_vnni_l2 : dotq8_q8_0_vnni_hw;
-    k->dotq8[MOE_T_MXFP4X8] = mode == 1 ? dotq8_mxfp4_vnni : mode == 2 ? dotq8_mxfp4_vnni_l2 : dotq8_mxfp4_vnni_hw;
+    if (q4 != builds[0][0] && q4 != builds[1][0] && q4 != builds[2][0]) return;
+    const moe__dotq8_fn *f = builds[mode == 1 || mode == 2 ? mode : 0];
+    k->dotq8[MOE_T_Q4_0X8] = f[0], k->dotq8[MOE_T_Q8_0X8] = f[1], k->dotq8[MOE_T_MXFP4X8] = f[2];
 #else
     (void)k, (void)mode;
 #endif
@@ -3646,7 +3652,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
                 if (cpu_is_amd_family19()) moe__x8_prefetch(v, 0);
-                if (cpu_is_intel()) moe__x8_prefetch(v, 2);
+                if (cpu_vendor_is("GenuineIntel")) moe__x8_prefetch(v, 2);
                 v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_vnni;
                 v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_vnni;
                 v->dotq8x4x2[MOE_T_Q4_0X8] = dotq8x4x2_q4_0_vnni;
