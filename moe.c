@@ -2121,10 +2121,13 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
     m->opt = opt ? *opt : moe_default_options();
     if (m->opt.n_threads < 1) m->opt.n_threads = 1;
     if (m->opt.n_batch < 1) m->opt.n_batch = 512;
-    moe__kernels_init(&m->k, m->opt.flags);
-    m->info.kernels = m->k.isa;
+    char levels[160];
     moe_status st = MOE_OK;
-    if (!(m->path = strdup(path))) st = MOE_ERR_NOMEM;
+    if (moe__kernels_pick(&m->k, m->opt.flags, m->opt.kernels, levels, sizeof levels))
+        st = fail(err, errlen, MOE_ERR_ARG, "kernels \"%s\": this CPU runs %s", m->opt.kernels, levels);
+    m->info.kernels = m->k.isa;
+    m->opt.kernels = NULL; /* the caller's string: used only here */
+    if (!st && !(m->path = strdup(path))) st = MOE_ERR_NOMEM;
     if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)
         st = fail(err, errlen, MOE_ERR_ARG, "unknown expert_mode %d", m->opt.expert_mode);
     if (!st && m->opt.kv_type != MOE_KV_F32 && m->opt.kv_type != MOE_KV_BF16 && m->opt.kv_type != MOE_KV_Q8)

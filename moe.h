@@ -135,6 +135,11 @@ typedef struct {
      * load): stage names the work, frac runs from 0 to 1; may be NULL */
     void (*progress)(void *ud, const char *stage, float frac);
     void *progress_ud;
+    /* the kernel set by name instead of the best this CPU runs (NULL or ""): one of the levels in
+     * moe_model_info.kernels' list that this CPU has, e.g. "avx2" to compare with "avxvnni";
+     * opening fails with MOE_ERR_ARG, naming the ones it has, for any other. Overrides
+     * MOE_FLAG_FORCE_SCALAR. */
+    const char *kernels;
 } moe_options;
 
 /* Defaults: 1 thread, n_batch 512, mmap experts, weights as stored, no flags. The router,
@@ -192,8 +197,8 @@ typedef struct {
     int experts_kept_mapped;  /* 1: MMAP mode kept routed experts that the x8 kernels could take
                                  mapped as stored, as they did not fit in repack_budget */
     const char *kernels;      /* the kernel set chosen for this CPU at load: "scalar" (also under
-                                 MOE_FLAG_FORCE_SCALAR or a MOE_NO_SIMD build), "avx2", "avx512",
-                                 "avx512vnni", "neon" or "neon-dotprod" */
+                                 MOE_FLAG_FORCE_SCALAR or a MOE_NO_SIMD build), "avx2", "avxvnni",
+                                 "avx512", "avx512vnni", "neon" or "neon-dotprod" */
 } moe_model_info;
 
 /* Opens a model: a Hugging Face checkpoint directory (config.json + model.safetensors or shards
@@ -510,6 +515,9 @@ typedef struct {
 } moe__kernels;
 
 void moe__kernels_init(moe__kernels *k, unsigned flags);
+/* k = this CPU's level named name (NULL or "": as moe__kernels_init); -1 where it has none of
+ * that name (k is then moe__kernels_init's choice), and the names it has in have[havelen] */
+int moe__kernels_pick(moe__kernels *k, unsigned flags, const char *name, char *have, size_t havelen);
 /* y = f(x) elementwise (y may be x): the logistic sigmoid, x sigmoid(x), softplus log(1 + e^x) */
 enum { MOE__ACT_SIGMOID, MOE__ACT_SILU, MOE__ACT_SOFTPLUS };
 void moe__act_ref(float *y, const float *x, int64_t n, int kind);
@@ -537,7 +545,9 @@ int64_t moe__row_bytes(int type, int64_t n);
 extern const float moe__e2m1[16];
 void moe__gemm_ref(int type, const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy);
 float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x, int64_t n);
-/* Every kernel level this CPU can run (scalar first); returns how many were written. */
+/* Every kernel level this CPU can run (scalar first, the best last); returns how many were written.
+ * x86: scalar, avx2, avxvnni, avx512, avx512vnni; aarch64: scalar, neon, neon-dotprod. */
+#define MOE_KERNEL_LEVELS_MAX 6
 int moe__kernel_levels(moe__kernels *out, int max);
 /* The level's 1-row x8 kernels with software prefetch of the weights into L1 (mode 1) or into L2
  * only (2), or without it (0), where the level has the three builds (AVX-512 VNNI); the levels

@@ -8,6 +8,7 @@
 #include "moe.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
 
 #if !defined(MOE_NO_SIMD) && (defined(__GNUC__) || defined(__clang__)) && \
@@ -983,6 +984,9 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 #define VNNI_DPB_BCST(acc, u, p, n) \
     __asm__("vpdpbusd {%2%{1to" n "%}, %1, %0|%0, %1, %2%{1to" n "%}}" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)(p)))
 #define VNNI_DPB_256(acc, u, p) VNNI_DPB_BCST(acc, u, p, "8")
+#define VNNI_DPB_VEX(acc, u, p) ((acc) = _mm256_dpbusd_avx_epi32(acc, u, _mm256_set1_epi32(*(const int32_t *)(p))))
+#define MOE_VNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+#define MOE_AVXVNNI "avx2,fma,f16c,avxvnni"
 #define VNNI_DPB_512(acc, u, p) VNNI_DPB_BCST(acc, u, p, "16")
 /* Block b of x8 weights in W-bit registers (256: one group; 512: two groups side by side) against
  * one activation block XB: the block's 8 chunks U(0) .. U(7) (unsigned bytes, in the order of the
@@ -994,15 +998,13 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
  * independent sums per block and two float accumulators keep the chains short, so the
  * instructions issued (loads among them), not the latencies, set the pace. The 1-row, 4-row and
  * two-group kernels all take these steps, so each of their outputs is the same bits. */
-#define VNNI_BLOCK(W, XB, U, HI, bias, DW, A0, A1)                                                                 \
+#define VNNI_BLOCK(W, DPB, XB, U, HI, bias, DW, A0, A1)                                                                 \
     do {                                                                                                           \
         const moe__block_q8a *xb_ = (XB);                                                                          \
         const int32_t *xq = (const int32_t *)xb_->qs;                                                              \
         __m##W##i s0 = _mm##W##_set1_epi32((bias) * xb_->sum), s1 = _mm##W##_setzero_si##W(), s2 = s1, s3 = s1;    \
-        VNNI_DPB_##W(s0, U(0), xq + 0); VNNI_DPB_##W(s1, U(4), xq + 4);                                           \
-        VNNI_DPB_##W(s2, U(1), xq + 1); VNNI_DPB_##W(s3, U(5), xq + 5);                                           \
-        VNNI_DPB_##W(s0, U(2), xq + 2); VNNI_DPB_##W(s1, U(6), xq + 6);                                           \
-        VNNI_DPB_##W(s2, U(3), xq + 3); VNNI_DPB_##W(s3, U(7), xq + 7);                                           \
+        DPB(s0, U(0), xq + 0); DPB(s1, U(4), xq + 4); DPB(s2, U(1), xq + 1); DPB(s3, U(5), xq + 5);              \
+        DPB(s0, U(2), xq + 2); DPB(s1, U(6), xq + 6); DPB(s2, U(3), xq + 3); DPB(s3, U(7), xq + 7);              \
         const __m##W##i s = _mm##W##_add_epi32(_mm##W##_add_epi32(s0, s2), HI(W, _mm##W##_add_epi32(s1, s3)));    \
         const __m##W d = _mm##W##_mul_ps(DW, _mm##W##_set1_ps(xb_->d));                                            \
         if (b & 1) A1 = _mm##W##_fmadd_ps(d, _mm##W##_cvtepi32_ps(s), A1);                                         \
@@ -1047,29 +1049,34 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
  * 40 GB/s (bench/RESULTS.md). Same products, bit for bit (quant_blocks runs all three). */
 /* one 1-row kernel: block type BT, set-up declarations SETUP, per-block loads LOADS, chunk
  * decoder U, high-chunk scaling HI, bias, scales DW */
-#define VNNI_X1_KERNEL(fname, BT, SETUP, LOADS, U, HI, bias, DW, PF)                                               \
-    MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void fname(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
+#define VNNI_X1_KERNEL(fname, TGT, DPB, BT, SETUP, LOADS, U, HI, bias, DW, PF)                                     \
+    MOE_TARGET(TGT) static void fname(const void *w, const moe__block_q8a *x, int64_t n, float *out) {            \
         const BT *o = w;                                                                                           \
         SETUP                                                                                                      \
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                             \
         for (int64_t b = 0; b < n / 32; b++) {                                                                     \
             PF(o + b, sizeof *o);                                                                                  \
             LOADS                                                                                                  \
-            VNNI_BLOCK(256, x + b, U, HI, bias, DW, acc0, acc1);                                                   \
+            VNNI_BLOCK(256, DPB, x + b, U, HI, bias, DW, acc0, acc1);                                              \
         }                                                                                                          \
         _mm256_storeu_ps(out, _mm256_add_ps(acc0, acc1));                                                          \
     }
 /* Q4_0 and Q8_0 with their fp16 scales; MXFP4x8 with codes looked up as 2 E2M1 + 12 (bias -12) */
-#define VNNI_X1_KERNELS(name, PF)                                                                                  \
-    VNNI_X1_KERNEL(dotq8_q4_0_##name, moe__block_q4_0x8, const __m256i m4 = _mm256_set1_epi8(15); const __m256i m4h = _mm256_set1_epi8((char)0xf0);, \
+#define VNNI_X1_KERNELS(name, TGT, DPB, PF)                                                                        \
+    VNNI_X1_KERNEL(dotq8_q4_0_##name, TGT, DPB, moe__block_q4_0x8, const __m256i m4 = _mm256_set1_epi8(15); const __m256i m4h = _mm256_set1_epi8((char)0xf0);, \
                    X8_LOADS, Q4_0_NIBBLES, X16_DOWN, -8, X8_FP16_SCALES, PF)                                       \
-    VNNI_X1_KERNEL(dotq8_q8_0_##name, moe__block_q8_0x8, , , Q8_CHUNK, VNNI_SAME, -128, X8_FP16_SCALES, PF)        \
-    VNNI_X1_KERNEL(dotq8_mxfp4_##name, moe__block_mxfp4x8, const __m256i m4 = _mm256_set1_epi8(15); const __m256i lut = mxfp4x8_lut_avx2();, \
+    VNNI_X1_KERNEL(dotq8_q8_0_##name, TGT, DPB, moe__block_q8_0x8, , , Q8_CHUNK, VNNI_SAME, -128, X8_FP16_SCALES, PF) \
+    VNNI_X1_KERNEL(dotq8_mxfp4_##name, TGT, DPB, moe__block_mxfp4x8, const __m256i m4 = _mm256_set1_epi8(15); const __m256i lut = mxfp4x8_lut_avx2();, \
                    X8_LOADS, MXFP4_CODES, VNNI_SAME, -12, mxfp4x8_scales_avx2(o[b].e), PF)
 #define NO_PREFETCH(p, bytes) ((void)(p), (void)(bytes))
-VNNI_X1_KERNELS(vnni, prefetch_ahead)
-VNNI_X1_KERNELS(vnni_l2, prefetch_ahead_l2)
-VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
+VNNI_X1_KERNELS(vnni, MOE_VNNI, VNNI_DPB_256, prefetch_ahead)
+VNNI_X1_KERNELS(vnni_l2, MOE_VNNI, VNNI_DPB_256, prefetch_ahead_l2)
+VNNI_X1_KERNELS(vnni_hw, MOE_VNNI, VNNI_DPB_256, NO_PREFETCH)
+/* AVX-VNNI (the VEX dpbusd of Intel's client cores without AVX-512): the same kernels, each
+ * activation dword broadcast into a register first (VEX has no embedded broadcast), and the
+ * weights prefetched into L2 as on the Intel server cores (no AVX-VNNI core measured: the device
+ * Xeon has both sets, bench/RESULTS.md session 24). */
+VNNI_X1_KERNELS(avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, prefetch_ahead_l2)
 #undef VNNI_X1_KERNELS
 #undef VNNI_X1_KERNEL
 #undef X8_FP16_SCALES
@@ -1090,11 +1097,11 @@ VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
  * vectors in the order of the activation's 4-byte groups; bias: -8 (Q4_0) or -128 (Q8_0) times
  * the activation sum. */
 /* the block's 4 activation rows in W-bit registers, into a00/a01 .. a30/a31 */
-#define VNNI_ROWS4(W, bias)                                                                                        \
-    VNNI_BLOCK(W, x + b, VNNI_UREG, VNNI_SAME, bias, dw, a00, a01);                                                \
-    VNNI_BLOCK(W, x + xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a10, a11);                                           \
-    VNNI_BLOCK(W, x + 2 * xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a20, a21);                                       \
-    VNNI_BLOCK(W, x + 3 * xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a30, a31)
+#define VNNI_ROWS4(W, DPB, bias)                                                                                   \
+    VNNI_BLOCK(W, DPB, x + b, VNNI_UREG, VNNI_SAME, bias, dw, a00, a01);                                           \
+    VNNI_BLOCK(W, DPB, x + xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a10, a11);                                      \
+    VNNI_BLOCK(W, DPB, x + 2 * xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a20, a21);                                  \
+    VNNI_BLOCK(W, DPB, x + 3 * xs + b, VNNI_UREG, VNNI_SAME, bias, dw, a30, a31)
 /* after the last block: the sums of each row's even and odd blocks */
 #define VNNI_X4_STORE()                                                                                            \
     _mm256_storeu_ps(out, _mm256_add_ps(a00, a01)), _mm256_storeu_ps(out + 8, _mm256_add_ps(a10, a11)),             \
@@ -1108,48 +1115,53 @@ VNNI_X1_KERNELS(vnni_hw, NO_PREFETCH)
     const __m256i u0 = DEC(v0), u4 = DEC(_mm256_srli_epi16(v0, 4)), u1 = DEC(v1), u5 = DEC(_mm256_srli_epi16(v1, 4)); \
     const __m256i u2 = DEC(v2), u6 = DEC(_mm256_srli_epi16(v2, 4)), u3 = DEC(v3), u7 = DEC(_mm256_srli_epi16(v3, 4))
 
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
-    const moe__block_q4_0x8 *o = w;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-#define NIBBLES(v) _mm256_and_si256(v, m4)
-        VNNI_X4_NIBBLE_CHUNKS(NIBBLES);
-#undef NIBBLES
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
-        VNNI_ROWS4(256, -8);
+/* the three 4-row kernels for a level: target TGT, dpbusd form DPB */
+#define X4_Q4_0_DEC(v) _mm256_and_si256(v, m4)
+#define X4_MXFP4_DEC(v) _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4))
+#define X4_Q8_CHUNK(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
+#define VNNI_X4_KERNELS(name, TGT, DPB)                                                                            \
+    MOE_TARGET(TGT) static void dotq8x4_q4_0_##name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        const moe__block_q4_0x8 *o = w;                                                                            \
+        const __m256i m4 = _mm256_set1_epi8(15);                                                                   \
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00; \
+        for (int64_t b = 0; b < n / 32; b++) {                                                                     \
+            prefetch_ahead(o + b, sizeof *o);                                                                      \
+            VNNI_X4_NIBBLE_CHUNKS(X4_Q4_0_DEC);                                                                    \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));                           \
+            VNNI_ROWS4(256, DPB, -8);                                                                              \
+        }                                                                                                          \
+        VNNI_X4_STORE();                                                                                           \
+    }                                                                                                              \
+    MOE_TARGET(TGT) static void dotq8x4_q8_0_##name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        const moe__block_q8_0x8 *o = w;                                                                            \
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00; \
+        for (int64_t b = 0; b < n / 32; b++) {                                                                     \
+            prefetch_ahead(o + b, sizeof *o);                                                                      \
+            const __m256i u0 = X4_Q8_CHUNK(0), u1 = X4_Q8_CHUNK(1), u2 = X4_Q8_CHUNK(2), u3 = X4_Q8_CHUNK(3);     \
+            const __m256i u4 = X4_Q8_CHUNK(4), u5 = X4_Q8_CHUNK(5), u6 = X4_Q8_CHUNK(6), u7 = X4_Q8_CHUNK(7);     \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));                           \
+            VNNI_ROWS4(256, DPB, -128);                                                                            \
+        }                                                                                                          \
+        VNNI_X4_STORE();                                                                                           \
+    }                                                                                                              \
+    MOE_TARGET(TGT) static void dotq8x4_mxfp4_##name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        const moe__block_mxfp4x8 *o = w;                                                                           \
+        const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();                                         \
+        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00; \
+        for (int64_t b = 0; b < n / 32; b++) {                                                                     \
+            prefetch_ahead(o + b, sizeof *o);                                                                      \
+            VNNI_X4_NIBBLE_CHUNKS(X4_MXFP4_DEC);                                                                   \
+            const __m256 dw = mxfp4x8_scales_avx2(o[b].e);                                                         \
+            VNNI_ROWS4(256, DPB, -12);                                                                             \
+        }                                                                                                          \
+        VNNI_X4_STORE();                                                                                           \
     }
-    VNNI_X4_STORE();
-}
-
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
-    const moe__block_q8_0x8 *o = w;
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-#define QV(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
-        const __m256i u0 = QV(0), u1 = QV(1), u2 = QV(2), u3 = QV(3), u4 = QV(4), u5 = QV(5), u6 = QV(6), u7 = QV(7);
-#undef QV
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)o[b].d));
-        VNNI_ROWS4(256, -128);
-    }
-    VNNI_X4_STORE();
-}
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512vl,avx512vnni") static void dotq8x4_mxfp4_vnni(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
-    const moe__block_mxfp4x8 *o = w;
-    const __m256i m4 = _mm256_set1_epi8(15), lut = mxfp4x8_lut_avx2();
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-    for (int64_t b = 0; b < n / 32; b++) {
-        prefetch_ahead(o + b, sizeof *o);
-#define CODES(v) _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4))
-        VNNI_X4_NIBBLE_CHUNKS(CODES);
-#undef CODES
-        const __m256 dw = mxfp4x8_scales_avx2(o[b].e);
-        VNNI_ROWS4(256, -12);
-    }
-    VNNI_X4_STORE();
-}
+VNNI_X4_KERNELS(vnni, MOE_VNNI, VNNI_DPB_256)
+VNNI_X4_KERNELS(avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX)
+#undef VNNI_X4_KERNELS
+#undef X4_Q4_0_DEC
+#undef X4_MXFP4_DEC
+#undef X4_Q8_CHUNK
 #undef VNNI_X4_NIBBLE_CHUNKS
 #undef VNNI_X4_STORE
 
@@ -1182,7 +1194,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
         VNNI_X4X2_NIBBLE_CHUNKS(NIBBLES);
 #undef NIBBLES
         const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
-        VNNI_ROWS4(512, -8);
+        VNNI_ROWS4(512, VNNI_DPB_512, -8);
     }
     VNNI_X4X2_STORE();
 }
@@ -1197,7 +1209,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
         const __m512i u0 = QV(0), u1 = QV(1), u2 = QV(2), u3 = QV(3), u4 = QV(4), u5 = QV(5), u6 = QV(6), u7 = QV(7);
 #undef QV
         const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
-        VNNI_ROWS4(512, -128);
+        VNNI_ROWS4(512, VNNI_DPB_512, -128);
     }
     VNNI_X4X2_STORE();
 }
@@ -1214,7 +1226,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #undef CODES
         const __m512 dw = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(mxfp4x8_scales_avx2(oa[b].e))),
                                                               _mm256_castps_pd(mxfp4x8_scales_avx2(ob[b].e)), 1));
-        VNNI_ROWS4(512, -12);
+        VNNI_ROWS4(512, VNNI_DPB_512, -12);
     }
     VNNI_X4X2_STORE();
 }
@@ -1222,6 +1234,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #undef VNNI_DPB_256
 #undef VNNI_DPB_512
 #undef VNNI_DPB_BCST
+#undef VNNI_DPB_VEX
 #undef VNNI_UREG
 #undef VNNI_SAME
 #undef VNNI_ROWS4
@@ -1600,62 +1613,64 @@ MOE_TARGET(MOE_AVX512) static float dot_f16_avx512(const void *w, const uint8_t 
 
 /* Row-at-a-time integer dots with VNNI (dpbusd: unsigned x signed bytes, 4 products per int32
  * lane). Q8_0 weights are made unsigned by w + 128 (xor 0x80); the surplus 128 sum(x) is taken
- * back with the activation block sum. Q4_0 nibbles are unsigned already: q - 8 likewise. */
-#define MOE_VNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-
-MOE_TARGET(MOE_VNNI) static float dotq_q8_0_vnni(const void *w, const moe__block_q8a *x, int64_t n) {
-    const moe__block_q8_0 *b = w;
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float corr = 0;
-    int64_t i = 0, nb = n / 32;
-    for (; i + 2 <= nb; i += 2) {
-        __m256i a0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i].qs), flip);
-        __m256i a1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i + 1].qs), flip);
-        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a0, _mm256_loadu_si256((const __m256i *)x[i].qs));
-        __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a1, _mm256_loadu_si256((const __m256i *)x[i + 1].qs));
-        const float d0 = f16_avx(b[i].d) * x[i].d, d1 = f16_avx(b[i + 1].d) * x[i + 1].d;
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(p1), acc1);
-        corr += d0 * (float)x[i].sum + d1 * (float)x[i + 1].sum;
+ * back with the activation block sum. Q4_0 nibbles are unsigned already: q - 8 likewise. The two
+ * for a level: target TGT, dpbusd intrinsic DPBUSD (EVEX, or VEX for AVX-VNNI). */
+#define DOTQ_VNNI_KERNELS(name, TGT, DPBUSD)                                                                                  \
+    MOE_TARGET(TGT) static float dotq_q8_0_##name(const void *w, const moe__block_q8a *x, int64_t n) {                        \
+        const moe__block_q8_0 *b = w;                                                                                         \
+        const __m256i flip = _mm256_set1_epi8((char)0x80);                                                                    \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                                        \
+        float corr = 0;                                                                                                       \
+        int64_t i = 0, nb = n / 32;                                                                                           \
+        for (; i + 2 <= nb; i += 2) {                                                                                         \
+            __m256i a0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i].qs), flip);                                \
+            __m256i a1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i + 1].qs), flip);                            \
+            __m256i p0 = DPBUSD(_mm256_setzero_si256(), a0, _mm256_loadu_si256((const __m256i *)x[i].qs));                    \
+            __m256i p1 = DPBUSD(_mm256_setzero_si256(), a1, _mm256_loadu_si256((const __m256i *)x[i + 1].qs));                \
+            const float d0 = f16_avx(b[i].d) * x[i].d, d1 = f16_avx(b[i + 1].d) * x[i + 1].d;                                 \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);                                         \
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(p1), acc1);                                         \
+            corr += d0 * (float)x[i].sum + d1 * (float)x[i + 1].sum;                                                          \
+        }                                                                                                                     \
+        for (; i < nb; i++) {                                                                                                 \
+            __m256i a0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i].qs), flip);                                \
+            __m256i p0 = DPBUSD(_mm256_setzero_si256(), a0, _mm256_loadu_si256((const __m256i *)x[i].qs));                    \
+            const float d0 = f16_avx(b[i].d) * x[i].d;                                                                        \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);                                         \
+            corr += d0 * (float)x[i].sum;                                                                                     \
+        }                                                                                                                     \
+        return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 128.0f * corr;                                                          \
+    }                                                                                                                         \
+    MOE_TARGET(TGT) static float dotq_q4_0_##name(const void *w, const moe__block_q8a *x, int64_t n) {                        \
+        const moe__block_q4_0 *b = w;                                                                                         \
+        const __m256i m4 = _mm256_set1_epi8(15);                                                                              \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                                        \
+        float corr = 0;                                                                                                       \
+        int64_t i = 0, nb = n / 32;                                                                                           \
+        for (; i + 2 <= nb; i += 2) {                                                                                         \
+            __m128i r0 = _mm_loadu_si128((const __m128i *)b[i].qs), r1 = _mm_loadu_si128((const __m128i *)b[i + 1].qs);       \
+            __m256i q0 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r0), _mm_srli_epi16(r0, 4), 1), m4); \
+            __m256i q1 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r1), _mm_srli_epi16(r1, 4), 1), m4); \
+            __m256i p0 = DPBUSD(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[i].qs));                    \
+            __m256i p1 = DPBUSD(_mm256_setzero_si256(), q1, _mm256_loadu_si256((const __m256i *)x[i + 1].qs));                \
+            const float d0 = f16_avx(b[i].d) * x[i].d, d1 = f16_avx(b[i + 1].d) * x[i + 1].d;                                 \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);                                         \
+            acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(p1), acc1);                                         \
+            corr += d0 * (float)x[i].sum + d1 * (float)x[i + 1].sum;                                                          \
+        }                                                                                                                     \
+        for (; i < nb; i++) {                                                                                                 \
+            __m128i r0 = _mm_loadu_si128((const __m128i *)b[i].qs);                                                           \
+            __m256i q0 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r0), _mm_srli_epi16(r0, 4), 1), m4); \
+            __m256i p0 = DPBUSD(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[i].qs));                    \
+            const float d0 = f16_avx(b[i].d) * x[i].d;                                                                        \
+            acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);                                         \
+            corr += d0 * (float)x[i].sum;                                                                                     \
+        }                                                                                                                     \
+        return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 8.0f * corr;                                                            \
     }
-    for (; i < nb; i++) {
-        __m256i a0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)b[i].qs), flip);
-        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a0, _mm256_loadu_si256((const __m256i *)x[i].qs));
-        const float d0 = f16_avx(b[i].d) * x[i].d;
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);
-        corr += d0 * (float)x[i].sum;
-    }
-    return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 128.0f * corr;
-}
-
-MOE_TARGET(MOE_VNNI) static float dotq_q4_0_vnni(const void *w, const moe__block_q8a *x, int64_t n) {
-    const moe__block_q4_0 *b = w;
-    const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float corr = 0;
-    int64_t i = 0, nb = n / 32;
-    for (; i + 2 <= nb; i += 2) {
-        __m128i r0 = _mm_loadu_si128((const __m128i *)b[i].qs), r1 = _mm_loadu_si128((const __m128i *)b[i + 1].qs);
-        __m256i q0 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r0), _mm_srli_epi16(r0, 4), 1), m4);
-        __m256i q1 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r1), _mm_srli_epi16(r1, 4), 1), m4);
-        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[i].qs));
-        __m256i p1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q1, _mm256_loadu_si256((const __m256i *)x[i + 1].qs));
-        const float d0 = f16_avx(b[i].d) * x[i].d, d1 = f16_avx(b[i + 1].d) * x[i + 1].d;
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(p1), acc1);
-        corr += d0 * (float)x[i].sum + d1 * (float)x[i + 1].sum;
-    }
-    for (; i < nb; i++) {
-        __m128i r0 = _mm_loadu_si128((const __m128i *)b[i].qs);
-        __m256i q0 = _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r0), _mm_srli_epi16(r0, 4), 1), m4);
-        __m256i p0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q0, _mm256_loadu_si256((const __m256i *)x[i].qs));
-        const float d0 = f16_avx(b[i].d) * x[i].d;
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(p0), acc0);
-        corr += d0 * (float)x[i].sum;
-    }
-    return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 8.0f * corr;
-}
+DOTQ_VNNI_KERNELS(vnni, MOE_VNNI, _mm256_dpbusd_epi32)
+DOTQ_VNNI_KERNELS(avxvnni, MOE_AVXVNNI, _mm256_dpbusd_avx_epi32)
+#undef DOTQ_VNNI_KERNELS
 
 /* activation blocks at 16 lanes: as moe__quant_q8a_ref (cvtps rounds to nearest even like
  * lrintf; |q| <= 127, so the narrowing never saturates) */
@@ -1689,7 +1704,6 @@ static int cpu_has_avx512bf16(void) {
     return cpu_has_avx512() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
 }
 
-/* AMD family 19h: Zen 3 and Zen 4 (the ones with AVX-512 are Zen 4) */
 /* whether CPUID's vendor string (EBX, EDX, ECX of leaf 0) is name */
 static int cpu_vendor_is(const char *name) {
     unsigned a, r[3];
@@ -1699,6 +1713,7 @@ static int cpu_vendor_is(const char *name) {
     return !strcmp(v, name);
 }
 
+/* AMD family 19h: Zen 3 and Zen 4 (the ones with AVX-512 are Zen 4) */
 static int cpu_is_amd_family19(void) {
     unsigned a, b, c, d;
     if (!cpu_vendor_is("AuthenticAMD") || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
@@ -1712,6 +1727,13 @@ static int cpu_has_avx2(void) {
     /* F16C (CPUID.1:ECX bit 29): clang 14 does not know it as a __builtin_cpu_supports name */
     if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 29))) return 0;
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* AVX-VNNI, the VEX dpbusd: CPUID.(EAX=7,ECX=1):EAX bit 4 (Intel's cores from Alder Lake and
+ * Sapphire Rapids on, AMD's from Zen 5); it needs the same register state as AVX2 */
+static int cpu_has_avxvnni(void) {
+    unsigned a, b, c, d;
+    return cpu_has_avx2() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
 }
 
 
@@ -3622,6 +3644,20 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->exp_sum = exp_sum_avx2;
         k->widen_bf16 = widen_bf16_avx2;
         k->isa = "avx2";
+        if (n < max && cpu_has_avxvnni()) {
+            moe__kernels *v = &out[n++];
+            *v = *k;
+            v->dotq[MOE_T_Q8_0] = dotq_q8_0_avxvnni;
+            v->dotq[MOE_T_Q4_0] = dotq_q4_0_avxvnni;
+            v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avxvnni;
+            v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avxvnni;
+            v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avxvnni;
+            v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_avxvnni;
+            v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_avxvnni;
+            v->dotq8x4[MOE_T_MXFP4X8] = dotq8x4_mxfp4_avxvnni;
+            v->isa = "avxvnni";
+            k = v; /* the AVX-512 levels build on it */
+        }
         if (n < max && cpu_has_avx512()) {
             moe__kernels *v = &out[n++];
             *v = *k;
@@ -3723,9 +3759,26 @@ int moe__kernel_levels(moe__kernels *out, int max) {
 }
 
 void moe__kernels_init(moe__kernels *k, unsigned flags) {
-    moe__kernels levels[4];
-    int n = moe__kernel_levels(levels, 4);
+    moe__kernels levels[MOE_KERNEL_LEVELS_MAX];
+    int n = moe__kernel_levels(levels, MOE_KERNEL_LEVELS_MAX);
     *k = levels[(flags & MOE_FLAG_FORCE_SCALAR) ? 0 : n - 1];
+}
+
+int moe__kernels_pick(moe__kernels *k, unsigned flags, const char *name, char *have, size_t havelen) {
+    moe__kernels levels[MOE_KERNEL_LEVELS_MAX];
+    const int n = moe__kernel_levels(levels, MOE_KERNEL_LEVELS_MAX);
+    moe__kernels_init(k, flags);
+    if (!name || !*name) return 0;
+    size_t used = 0;
+    if (have && havelen) have[0] = 0;
+    for (int i = 0; i < n; i++) {
+        if (!strcmp(levels[i].isa, name)) {
+            *k = levels[i];
+            return 0;
+        }
+        if (have && used < havelen) used += (size_t)snprintf(have + used, havelen - used, "%s%s", i ? ", " : "", levels[i].isa);
+    }
+    return -1;
 }
 
 /* ---- KDA core (spec/MODEL.md section 6) ------------------------------------------------ */

@@ -51,9 +51,12 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-bench: %s\n", msg);
     fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
                     "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--mxfp4 f32|int8] [--batch ROWS]\n"
+                    "                 [--kernels NAME]\n"
                     "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
                     "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--prefetch on|off]\n"
-                    "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n");
+                    "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n"
+                    "  --kernels NAME: a kernel set this CPU runs (avx2, avxvnni, ...; default its best), for the\n"
+                    "  model and the int8 peak\n");
     return 2;
 }
 
@@ -149,27 +152,27 @@ static double membw(const bw_buffer *b, int threads, int passes) {
     return best;
 }
 
-/* int8 peak: the best kernel level's interleaved Q8_0 kernel on cache-resident data (8 rows x
- * 2048 columns, 17 KB, against 4 activation rows at once where the level has that kernel, as
- * prefill runs it), in operations (multiply + add) per second: what the integer matmul does
- * when memory is not the limit */
-static double int8_peak(int threads) {
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
-    const moe__kernels *k = &lv[nl - 1];
-    const int n = 2048;
-    moe__block_q8_0 *w = malloc(sizeof *w * (size_t)(n / 32 * 8));
-    moe__block_q8_0x8 *wx = malloc(sizeof *wx * (size_t)(n / 32) * 2); /* two groups: the 16-row kernel reads both */
+/* int8 peak: the kernel level's interleaved Q8_0 and Q4_0 kernels on cache-resident data (8 rows
+ * x 2048 columns, 17 KB, against 4 activation rows at once where the level has that kernel, as
+ * prefill runs it), the faster of the two, in operations (multiply + add) per second: what the
+ * integer matmul does when memory is not the limit. Both, because a level can run one format
+ * faster than the other (AVX2's Q8_0 needs sign tricks before maddubs: on the device's Xeon its
+ * Q4_0 prefill outran the Q8_0 kernel's rate). */
+static double int8_peak_of(const moe__kernels *k, int type, int threads) {
+    const int n = 2048, x8 = type == MOE_T_Q8_0 ? MOE_T_Q8_0X8 : MOE_T_Q4_0X8;
+    const size_t row = (size_t)moe__row_bytes(type, n);
+    unsigned char *w = malloc(row * 8);
+    unsigned char *wx = malloc(row * 8 * 2); /* two groups: the 16-row kernel reads both */
     moe__block_q8a *x = malloc(sizeof *x * (size_t)(n / 32) * 4);
     float *xf = malloc(sizeof(float) * n);
     for (int i = 0; i < n; i++) xf[i] = (float)((i * 37) % 101 - 50) / 50.0f;
-    for (int r = 0; r < 8; r++) moe__quantize_row(MOE_T_Q8_0, xf, w + (size_t)r * (n / 32), n);
-    moe__repack_x8(MOE_T_Q8_0, w, (int64_t)(n / 32 * sizeof *w), NULL, wx, n);
-    memcpy(wx + n / 32, wx, sizeof *wx * (size_t)(n / 32));
+    for (int r = 0; r < 8; r++) moe__quantize_row(type, xf, w + (size_t)r * row, n);
+    moe__repack_x8(type, w, (int64_t)row, NULL, wx, n);
+    memcpy(wx + row * 8, wx, row * 8);
     for (int t = 0; t < 4; t++) k->quant_q8a(xf, x + (size_t)t * (n / 32), n);
     /* prefill's kernel: 4 activation rows per pass over the weights (and two row groups at once)
      * where the level has it */
-    const int rows = k->dotq8x4[MOE_T_Q8_0X8] ? 4 : 1, groups = k->dotq8x4x2[MOE_T_Q8_0X8] ? 2 : 1;
+    const int rows = k->dotq8x4[x8] ? 4 : 1, groups = k->dotq8x4x2[x8] ? 2 : 1;
     double best = 0;
     float sink = 0;
     for (int rep = 0; rep < 5; rep++) { /* best of 5: the machine is shared */
@@ -183,9 +186,9 @@ static double int8_peak(int threads) {
 #endif
             for (long it = 0; it < 2000; it++) {
                 float o[64];
-                if (groups == 2) k->dotq8x4x2[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
-                else if (rows == 4) k->dotq8x4[MOE_T_Q8_0X8](wx, x, n / 32, n, o);
-                else k->dotq8[MOE_T_Q8_0X8](wx, x, n, o);
+                if (groups == 2) k->dotq8x4x2[x8](wx, x, n / 32, n, o);
+                else if (rows == 4) k->dotq8x4[x8](wx, x, n / 32, n, o);
+                else k->dotq8[x8](wx, x, n, o);
                 sink += o[it & 7];
             }
             done += 2000;
@@ -196,6 +199,13 @@ static double int8_peak(int threads) {
     (void)threads;
     free(w), free(wx), free(x), free(xf);
     return sink == 12345.0f ? 0 : best;
+}
+
+static double int8_peak(int threads, const char *kernels) {
+    moe__kernels k;
+    if (moe__kernels_pick(&k, 0, kernels, NULL, 0)) return 0;
+    const double q8 = int8_peak_of(&k, MOE_T_Q8_0, threads), q4 = int8_peak_of(&k, MOE_T_Q4_0, threads);
+    return q8 > q4 ? q8 : q4;
 }
 
 static int parse_list(const char *s, int *out, int max) {
@@ -455,6 +465,7 @@ int main(int argc, char **argv) {
     int n_models = 0, threads[8] = {1, 2}, n_threads = 2, depths[8] = {0, 4096}, n_depths = 2;
     int n_decode = 16, n_prefill = 512, reps = 3, kv_type = MOE_KV_F32, n_batch = 0;
     unsigned flags = 0;
+    const char *kernels = NULL;
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--stream")) {
             for (int j = 1; j + 1 < argc; j++)
@@ -470,6 +481,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
         else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
         else if (!strcmp(a, "--reps") && more) reps = atoi(argv[++i]);
+        else if (!strcmp(a, "--kernels") && more) kernels = argv[++i];
         else if (!strcmp(a, "--batch") && more) { if ((n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
         else if (!strcmp(a, "--kv-type") && more) {
             if ((kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
@@ -481,18 +493,25 @@ int main(int argc, char **argv) {
         else return usage("unknown or incomplete argument");
     }
     if (!n_models || n_decode < 1 || n_prefill < 1 || reps < 1) return usage("need -m MODEL");
+    moe__kernels picked;
+    char have[160];
+    if (moe__kernels_pick(&picked, 0, kernels, have, sizeof have)) {
+        fprintf(stderr, "moe-bench: --kernels %s: this CPU runs %s\n", kernels, have);
+        return 2;
+    }
     bw_buffer probe;
     if (bw_buffer_new(&probe, PROBE_BYTES)) { fprintf(stderr, "moe-bench: no memory for the bandwidth probe\n"); return 1; }
     for (int mi = 0; mi < n_models; mi++)
         for (int ti = 0; ti < n_threads; ti++) {
             const int t = threads[ti] < 1 ? 1 : threads[ti];
-            double peak = int8_peak(t);
+            double peak = int8_peak(t, kernels);
             fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak %.1f Gop/s\n", t, peak / 1e9);
             char err[512];
             moe_options o = moe_default_options();
             o.n_threads = t;
             o.kv_type = kv_type;
             o.flags |= flags;
+            o.kernels = kernels;
             if (n_batch) o.n_batch = n_batch;
             moe_model *m;
             moe_status st = moe_model_open(&m, models[mi], &o, err, sizeof err);
@@ -526,7 +545,7 @@ int main(int argc, char **argv) {
             }
             /* the peak drifts too (440 to 670 Gop/s within minutes on this project's VM): the
              * better of the figures before and after the prefill */
-            const double peak_after = int8_peak(t);
+            const double peak_after = int8_peak(t, kernels);
             fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak after the prefill %.1f Gop/s\n", t, peak_after / 1e9);
             if (peak_after > peak) peak = peak_after;
             /* active parameters (2 ops each): everything a token touches but the embedding */

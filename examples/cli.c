@@ -75,6 +75,8 @@ static int usage(const char *msg) {
             "  --mxfp4 f32|int8      MXFP4 experts times f32 input (exact, default) or int8-quantized input (faster)\n"
             "  --scalar        the scalar reference kernels instead of the CPU's SIMD ones (the kernel set\n"
             "                  in use is printed after loading)\n"
+            "  --kernels NAME  a kernel set this CPU runs by name (scalar, avx2, avxvnni, avx512, avx512vnni,\n"
+            "                  neon, neon-dotprod) instead of its best\n"
             "  -h, --help      this text\n");
     return msg ? 2 : 0;
 }
@@ -214,6 +216,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-n") && more && num_arg(argv[++i], -1, 1e8, &v)) n_gen = (int)v;
         else if (!strcmp(a, "-t") && more && num_arg(argv[++i], 1, 1024, &v)) opt.n_threads = (int)v;
         else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
+        else if (!strcmp(a, "--kernels") && more) opt.kernels = argv[++i];
         else if (!strcmp(a, "-c") && more && num_arg(argv[++i], 1, 1e9, &v)) n_ctx = (int)v;
         else if (!strcmp(a, "--temp") && more && num_arg(argv[++i], 0, 100, &v)) sp.temperature = (float)v;
         else if (!strcmp(a, "--top-k") && more && num_arg(argv[++i], 0, 1e9, &v)) sp.top_k = (int)v;

@@ -1,7 +1,7 @@
 /* moe-logits: token ids in, float32 logits out. The interface tests and comparisons use:
  *
  *   moe-logits -m MODEL_DIR_OR_FILE --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]
- *              [-t THREADS] [--scalar]
+ *              [-t THREADS] [--scalar] [--kernels NAME]
  *
  * Reads whitespace-separated token ids, runs one prefill over them and writes little-endian
  * float32 logits (rows x vocab): every position with --all, else the last one. With --greedy N
@@ -19,7 +19,7 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-logits: %s\n", msg);
     fprintf(stderr,
             "usage: moe-logits -m MODEL --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]\n"
-            "                  [-t THREADS] [--scalar] [--load-mode mmap|cache] [--expert-budget SIZE] [--dense-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
+            "                  [-t THREADS] [--scalar] [--kernels NAME] [--load-mode mmap|cache] [--expert-budget SIZE] [--dense-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
             "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
             "  --tokens FILE   whitespace-separated token ids\n"
             "  --out FILE      write float32 little-endian logits, rows x vocab\n"
@@ -27,6 +27,7 @@ static int usage(const char *msg) {
             "  --greedy N      then decode N tokens greedily; ids printed on the last stdout line\n"
             "  -t THREADS      worker threads (default 1)\n"
             "  --scalar        use the scalar reference kernels\n"
+            "  --kernels NAME  a kernel set this CPU runs by name (avx2, avxvnni, ...) instead of its best\n"
             "  --load-mode M   mmap (default) or cache: routed experts read into a cache of\n"
             "  --expert-budget SIZE bytes (e.g. 512M); --io-threads N reading threads (default 4);\n"
             "  --prefetch on|off (cache mode, default on)\n"
@@ -119,6 +120,7 @@ int main(int argc, char **argv) {
             if (*end || v < 1 || v > 1024) return usage("-t needs a thread count >= 1");
             opt.n_threads = (int)v;
         } else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
+        else if (!strcmp(a, "--kernels") && i + 1 < argc) opt.kernels = argv[++i];
         else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }

@@ -172,8 +172,8 @@ static void test_mxfp4_golden_dequant(void) {
  * these scales, gives the same float bit for bit); every level against the reference in both
  * layouts; the compressed-tensors and ggml layouts of the same codes agree */
 static void test_mxfp4_int8_kernels(void) {
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     const int lens[] = {32, 64, 96, 256, 2048, 7168};
     static const int8_t twice[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
     for (size_t a = 0; a < sizeof lens / sizeof *lens; a++)
@@ -256,8 +256,8 @@ static void mxfp4_x8_exact(const unsigned char *rows, const unsigned char *packe
 
 /* every SIMD level against the scalar reference, ragged lengths and extreme values */
 static void test_dot_levels(void) {
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     CHECK(nl >= 1 && !strcmp(lv[0].isa, "scalar"));
     const int lens[] = {1, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 255, 256, 257, 1000, 4096, 7168};
     float *x = malloc(sizeof(float) * 8192), *wf = malloc(sizeof(float) * 8192);
@@ -336,8 +336,8 @@ static int close_or_same(float a, float b, double rel) {
 }
 
 static void test_act_levels(void) {
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     enum { N = 4099 };
     float *x = malloc(sizeof(float) * N), *r = malloc(sizeof(float) * N), *v = malloc(sizeof(float) * N);
     const float special[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 20.0f, 20.0001f, 19.9999f, -20.0f, 88.0f, 88.7f, 88.73f, 89.5f, 1000.0f,
@@ -398,8 +398,8 @@ static void test_act_levels(void) {
  * 6 taps and the largest, ragged channel counts (tails), weights with a row stride, magnitudes
  * from 1e-20 to 1e20, infinities and NaN in some channels */
 static void test_dwconv_levels(void) {
-    moe__kernels lv[4];
-    const int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     enum { NMAX = 131, TMAX = 64, LDW = 140 };
     float *w = malloc(sizeof(float) * LDW * TMAX), *x = malloc(sizeof(float) * NMAX * TMAX), r[NMAX], v[NMAX];
     const float *rows[TMAX];
@@ -469,8 +469,8 @@ static void test_quant_blocks(void) {
             CHECKF(fabsf(back[i] - v[i]) <= 1.001f * d + 1e-30f, "q4_0 %d: %g vs %g", i, back[i], v[i]);
         }
     }
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     const int lens[] = {32, 64, 96, 256, 1024, 2048, 7168};
     float *xa = malloc(sizeof(float) * 7168), *w = malloc(sizeof(float) * 7168);
     moe__block_q8a *qa = malloc(sizeof *qa * 224), *qb = malloc(sizeof *qb * 224);
@@ -813,11 +813,13 @@ static void test_golden_threads_scalar(void) {
     run_golden("seed", MOE_FLAG_FORCE_SCALAR, 2);
     run_golden("k3mx", 0, 2);
 }
-/* moe_model_info.kernels names the set the model computes with: the CPU's best level, or the
- * scalar one when forced */
+/* moe_model_info.kernels names the set the model computes with: the CPU's best level, the
+ * scalar one when forced, or the one named by moe_options.kernels; an unknown name fails the
+ * open and the message lists the levels. The golden check passes through every level between
+ * (avx2 on an AVX-512 machine, avxvnni on one with AVX-VNNI). */
 static void test_info_kernels(void) {
-    moe__kernels lv[4];
-    const int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     moe_model *m = open_model("kimi", 0, 1), *s = open_model("kimi", MOE_FLAG_FORCE_SCALAR, 1);
     if (m && s) {
         const char *a = moe_model_get_info(m).kernels, *b = moe_model_get_info(s).kernels;
@@ -825,6 +827,23 @@ static void test_info_kernels(void) {
         CHECKF(b && !strcmp(b, "scalar"), "forced scalar: kernels %s", b ? b : "(null)");
     }
     moe_model_close(m), moe_model_close(s);
+    moe_options o = moe_default_options();
+    golden_opts = &o;
+    for (int i = 0; i < nl; i++) {
+        o.kernels = lv[i].isa;
+        moe_model *k = open_model("kimi", MOE_FLAG_FORCE_SCALAR, 1); /* the name overrides the flag */
+        const char *got = k ? moe_model_get_info(k).kernels : NULL;
+        CHECKF(got && !strcmp(got, lv[i].isa), "kernels \"%s\" asked, %s given", lv[i].isa, got ? got : "(null)");
+        moe_model_close(k);
+        if (i > 0 && i < nl - 1) run_golden("kimi", 0, 2);
+    }
+    golden_opts = NULL;
+    char path[600], err[256] = "";
+    snprintf(path, sizeof path, "%s/kimi", golden_dir());
+    o.kernels = "avx9000";
+    m = NULL;
+    CHECK(moe_model_open(&m, path, &o, err, sizeof err) == MOE_ERR_ARG && !m);
+    CHECKF(strstr(err, "avx9000") && strstr(err, "scalar"), "unknown kernels: \"%s\"", err);
 }
 static void test_golden_forced_paths(void) {
     run_golden("kimi", MOE_FLAG_KDA_RECURRENT | MOE_FLAG_MLA_ABSORBED, 1);
@@ -886,8 +905,8 @@ static void kda_compare(int T, int D, int bounded, const moe__kernels *kl) {
  * scalar recurrence, from a non-zero state, every kernel level */
 static void test_kda_chunked_vs_recurrent(void) {
     const int Ts[] = {1, 5, 15, 16, 18, 31, 32, 33, 100, 2053, 2054};
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     for (int l = 0; l < nl; l++) {
         for (size_t i = 0; i < sizeof Ts / sizeof *Ts; i++) {
             kda_compare(Ts[i], 32, 1, &lv[l]);
@@ -922,8 +941,8 @@ static void test_kda_chunked_flush(void) {
     float *g = malloc(sizeof(float) * T * D), *beta = malloc(sizeof(float) * T), *o1 = malloc(sizeof(float) * T * D);
     float *o2 = malloc(sizeof(float) * T * D), *S1 = malloc(sizeof(float) * D * D), *S2 = malloc(sizeof(float) * D * D);
     float *work = malloc(sizeof(float) * moe__kda_chunk_work(D));
-    moe__kernels lv[4];
-    const int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     const unsigned saved = _mm_getcsr(), flush = 0x8040u;
     for (int l = 0; l < nl; l++)
         for (int mode = 0; mode < 2; mode++) {
@@ -957,8 +976,8 @@ static void test_kda_chunked_flush(void) {
 
 /* the absorbed-MLA block kernels of every level against their scalar references */
 static void test_mla_kernels(void) {
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     const int shapes[][4] = {{16, 512, 64, 256}, {10, 64, 16, 9}, {5, 64, 16, 37}, {3, 96, 32, 20}, {4, 40, 8, 3}, {1, 32, 0, 1}, {8, 128, 16, 300}}; /* H, r, d_r, keys */
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
         const int H = shapes[si][0], r = shapes[si][1], dr = shapes[si][2], jn = shapes[si][3], cw = r + dr, dq = 8 + dr;
@@ -995,8 +1014,8 @@ static void test_mla_kernels(void) {
  * row and token counts that leave partial tiles and lengths that leave partial steps; and each
  * output the same bits however the rows and tokens are grouped into calls */
 static void test_gemm_kernels(void) {
-    moe__kernels lv[4];
-    const int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     /* rows, tokens, K; {5, 37, 4100}: more tokens than one block of activation rows (16 at this K) */
     const int shapes[][3] = {{16, 37, 512}, {16, 4, 2048}, {5, 3, 40}, {4, 4, 16}, {1, 1, 7}, {7, 9, 100}, {3, 6, 33}, {5, 37, 4100}};
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++)
@@ -1092,8 +1111,8 @@ static void test_matmul_threads(void) {
  * weights in bf16 (rows of every width: the AVX512_BF16 kernel's masked tail), a block's keys
  * scored in two halves and its heads summed in two groups, as two threads would */
 static void test_mla16_kernels(void) {
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     const int shapes[][4] = {{16, 512, 64, 256}, {16, 512, 64, 37}, {8, 128, 16, 9}, {5, 64, 16, 37}, {3, 96, 32, 20}, {4, 40, 8, 3}, {1, 32, 0, 1}, {6, 64, 7, 4}}; /* H, r, d_r, keys */
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
         const int H = shapes[si][0], r = shapes[si][1], dr = shapes[si][2], jn = shapes[si][3], cw = r + dr, ld = jn + 3;
@@ -1144,8 +1163,8 @@ static void test_mla16_kernels(void) {
  * the dequantized values in double; rows of every width (the levels' fallbacks for widths they do
  * not tile), key and head tails, zero rows and rows at the int8 extremes */
 static void test_mla8_kernels(void) {
-    moe__kernels lv[4];
-    int nl = moe__kernel_levels(lv, 4);
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
     /* the row quantizer: every level bit for bit the reference (ties of x / d at k + 0.5, zeros,
      * tiny and huge values, tails) */
     {
@@ -3171,6 +3190,26 @@ static void test_gguf_quant_resume(void) {
             m1 /= nv, m2 /= nv, m3 /= nv;
             CHECKF(d1 < 1.0 && d2 < 1.0 && m1 < 0.05 && m2 < 0.05, "repacked vs mapped: max %.3g mean %.3g; vs scalar: max %.3g mean %.3g", d1, m1, d2, m2);
             CHECKF(d3 < 1.0 && m3 < 0.05, "experts left mapped by the repack budget: max %.3g mean %.3g", d3, m3);
+            /* the levels between scalar and the best (avx2 on an AVX-512 machine, avxvnni) */
+            moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+            const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
+            for (int l = 1; l < nl - 1; l++) {
+                moe_options ol = moe_default_options();
+                ol.kernels = lv[l].isa;
+                moe_model *ml = NULL;
+                CHECK(moe_model_open(&ml, a, &ol, NULL, 0) == MOE_OK);
+                moe_session *s = NULL;
+                if (ml && moe_session_new(&s, ml, n, NULL, 0) == MOE_OK) {
+                    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = x[1], .logits_all = 1, .force_routes = routes};
+                    CHECK(moe_step(ml, &q, 1, NULL, NULL, 0) == MOE_OK);
+                    double dl = max_abs_diff(x[0], x[1], nv), ml1 = 0;
+                    for (size_t i = 0; i < nv; i++) ml1 += fabs(x[0][i] - x[1][i]);
+                    ml1 /= nv;
+                    CHECKF(dl < 1.0 && ml1 < 0.05, "%s kernels vs %s: max %.3g mean %.3g", lv[l].isa, lv[nl - 1].isa, dl, ml1);
+                }
+                moe_session_free(s);
+                moe_model_close(ml);
+            }
             free(x[0]), free(x[1]), free(x[2]), free(x[3]), free(routes);
         }
         free(ids);
