@@ -13,7 +13,7 @@ LIB = $(BUILD)/moe.o $(BUILD)/quant.o
 EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert $(BUILD)/moe-bench $(BUILD)/moe-plan $(BUILD)/moe-tokenize $(BUILD)/moe-batch $(BUILD)/moe-cachesim
 TESTS = $(BUILD)/moe-test
 
-.PHONY: all examples test test-scalar asan tsan bench fuzz clean help
+.PHONY: all examples test test-scalar test-avxvnni-evex asan tsan bench fuzz clean help
 
 # where make bench keeps its random benchmark-shape models (about 9 GB; made once)
 BENCH_MODELS ?= bench/models
@@ -69,6 +69,12 @@ test: all
 # test-scalar: the suite built without any SIMD code (-DMOE_NO_SIMD), in build-scalar/
 test-scalar:
 	$(MAKE) --no-print-directory BUILD=build-scalar EXTRA_CFLAGS=-DMOE_NO_SIMD test
+
+# test-avxvnni-evex: the suite with the AVX-VNNI level's kernels built in the EVEX encoding and
+# offered on AVX-512 VNNI CPUs (-DMOE_AVXVNNI_AS_EVEX), in build-avxvnni-evex/: their logic checked
+# on a machine without AVX-VNNI (such as this project's Zen 4 VM; qemu lacks it too)
+test-avxvnni-evex:
+	$(MAKE) --no-print-directory BUILD=build-avxvnni-evex EXTRA_CFLAGS=-DMOE_AVXVNNI_AS_EVEX test
 
 # the tests test-neon also runs built with OpenMP (OpenMP threads under emulation would slow the
 # whole suite for little)

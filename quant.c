@@ -984,10 +984,20 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 #define VNNI_DPB_BCST(acc, u, p, n) \
     __asm__("vpdpbusd {%2%{1to" n "%}, %1, %0|%0, %1, %2%{1to" n "%}}" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)(p)))
 #define VNNI_DPB_256(acc, u, p) VNNI_DPB_BCST(acc, u, p, "8")
-#define VNNI_DPB_VEX(acc, u, p) ((acc) = _mm256_dpbusd_avx_epi32(acc, u, _mm256_set1_epi32(*(const int32_t *)(p))))
-#define MOE_VNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-#define MOE_AVXVNNI "avx2,fma,f16c,avxvnni"
 #define VNNI_DPB_512(acc, u, p) VNNI_DPB_BCST(acc, u, p, "16")
+#define MOE_VNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+/* the AVX-VNNI level's target and its 256-bit dpbusd; a test build (make test-avxvnni-evex) takes
+ * the EVEX encoding instead and offers the level on AVX-512 VNNI CPUs, so that a machine without
+ * AVX-VNNI (and qemu, which lacks it) still checks these kernels' logic */
+#ifdef MOE_AVXVNNI_AS_EVEX
+#define MOE_AVXVNNI MOE_VNNI
+#define AVXVNNI_DPBUSD _mm256_dpbusd_epi32
+#else
+#define MOE_AVXVNNI "avx2,fma,f16c,avxvnni"
+#define AVXVNNI_DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+/* VEX has no embedded broadcast: the activation dword is broadcast into a register first */
+#define VNNI_DPB_VEX(acc, u, p) ((acc) = AVXVNNI_DPBUSD(acc, u, _mm256_set1_epi32(*(const int32_t *)(p))))
 /* Block b of x8 weights in W-bit registers (256: one group; 512: two groups side by side) against
  * one activation block XB: the block's 8 chunks U(0) .. U(7) (unsigned bytes, in the order of the
  * activation's 4-byte groups) in four dpbusd chains with bias * sum(x) folded into the first,
@@ -1669,7 +1679,7 @@ MOE_TARGET(MOE_AVX512) static float dot_f16_avx512(const void *w, const uint8_t 
         return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 8.0f * corr;                                                            \
     }
 DOTQ_VNNI_KERNELS(vnni, MOE_VNNI, _mm256_dpbusd_epi32)
-DOTQ_VNNI_KERNELS(avxvnni, MOE_AVXVNNI, _mm256_dpbusd_avx_epi32)
+DOTQ_VNNI_KERNELS(avxvnni, MOE_AVXVNNI, AVXVNNI_DPBUSD)
 #undef DOTQ_VNNI_KERNELS
 
 /* activation blocks at 16 lanes: as moe__quant_q8a_ref (cvtps rounds to nearest even like
@@ -1732,8 +1742,12 @@ static int cpu_has_avx2(void) {
 /* AVX-VNNI, the VEX dpbusd: CPUID.(EAX=7,ECX=1):EAX bit 4 (Intel's cores from Alder Lake and
  * Sapphire Rapids on, AMD's from Zen 5); it needs the same register state as AVX2 */
 static int cpu_has_avxvnni(void) {
+#ifdef MOE_AVXVNNI_AS_EVEX
+    return cpu_has_vnni();
+#else
     unsigned a, b, c, d;
     return cpu_has_avx2() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
+#endif
 }
 
 
@@ -3217,8 +3231,9 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_ctx8_vnni(const moe__mla_block8 *b, i
  * pairs summed into int32 by madd. 8 keys x 8 heads in named accumulators (in an array indexed
  * by a run-time key count gcc kept them in memory: 1.6x slower), stored through a small table. */
 MOE_TARGET("avx2,fma") static void scores8_part_avx2(const moe__mla_block8 *b, const int8_t *c, const int8_t *qt, int i0, int i1,
-                                                     int32_t d[8][8]) {
+                                                     const int32_t *offs, int32_t d[8][8]) {
     const int cw = b->cw;
+    (void)offs;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int i = i0; i < i1; i += 4) {
@@ -3235,30 +3250,58 @@ MOE_TARGET("avx2,fma") static void scores8_part_avx2(const moe__mla_block8 *b, c
     _mm256_storeu_si256((__m256i *)(void *)d[6], a6), _mm256_storeu_si256((__m256i *)(void *)d[7], a7);
 }
 
-MOE_TARGET("avx2,fma") static void mla_scores8_avx2(const moe__mla_block8 *b) {
-    const int r = b->r, cw = b->cw, ng = (b->H + 15) / 16, nq = cw / 4;
-    if (cw % 4 || r % 4) { moe__mla_scores8_ref(b); return; }
-    int j = b->j0;
-    for (; j + 8 <= b->j1; j += 8) {
-        const int8_t *c = b->cache + (size_t)j * cw;
-        for (int g = 0; g < ng; g++)
-            for (int half = 0; half < 2 && g * 16 + half * 8 < b->H; half++) {
-                const int8_t *qt = b->qt + (size_t)g * nq * 64 + half * 32;
-                int32_t dc[8][8], dr[8][8]; /* [key][head] */
-                scores8_part_avx2(b, c, qt, 0, r, dc);
-                scores8_part_avx2(b, c, qt, r, cw, dr);
-                for (int l = 0; l < 8 && g * 16 + half * 8 + l < b->H; l++) {
-                    const int h = g * 16 + half * 8 + l;
-                    for (int n = 0; n < 8; n++) b->sc[(size_t)h * b->ld + j + n] = score8(b, h, dc[n][l], dr[n][l], b->meta + j + n);
-                }
-            }
+/* AVX-VNNI: the same order with dpbusd, which multiplies unsigned by signed bytes: the queries
+ * made unsigned (+ 128, one xor), each key's 4 bytes broadcast, and 128 x (the key's byte sum
+ * over the part: offs[n]) taken off after: the same integers as the AVX2 part's */
+MOE_TARGET(MOE_AVXVNNI) static void scores8_part_avxvnni(const moe__mla_block8 *b, const int8_t *c, const int8_t *qt, int i0, int i1,
+                                                         const int32_t *offs, int32_t d[8][8]) {
+    const int cw = b->cw;
+    const __m256i x80 = _mm256_set1_epi8((char)0x80);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int i = i0; i < i1; i += 4) {
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(const void *)(qt + (size_t)i * 16)), x80);
+#define KEY(n) a##n = AVXVNNI_DPBUSD(a##n, q, _mm256_set1_epi32(*(const int32_t *)(const void *)(c + (size_t)(n) * cw + i)))
+        KEY(0), KEY(1), KEY(2), KEY(3), KEY(4), KEY(5), KEY(6), KEY(7);
+#undef KEY
     }
-    if (j < b->j1) { /* the last keys: the reference */
-        moe__mla_block8 t = *b;
-        t.j0 = j;
-        moe__mla_scores8_ref(&t);
-    }
+#define OUT(n) _mm256_storeu_si256((__m256i *)(void *)d[n], _mm256_sub_epi32(a##n, _mm256_set1_epi32(128 * offs[n])))
+    OUT(0), OUT(1), OUT(2), OUT(3), OUT(4), OUT(5), OUT(6), OUT(7);
+#undef OUT
 }
+
+/* 8 keys at a time, each head group's two halves of 8 heads through the level's PART (the latent
+ * part, then kr's), the scores formed as the reference forms them; the last keys by the reference */
+#define MLA_SCORES8_256(name, TGT, PART)                                                                            \
+    MOE_TARGET(TGT) static void name(const moe__mla_block8 *b) {                                                    \
+        const int r = b->r, cw = b->cw, ng = (b->H + 15) / 16, nq = cw / 4;                                         \
+        if (cw % 4 || r % 4) { moe__mla_scores8_ref(b); return; }                                                   \
+        int j = b->j0;                                                                                              \
+        for (; j + 8 <= b->j1; j += 8) {                                                                            \
+            const int8_t *c = b->cache + (size_t)j * cw;                                                            \
+            const moe__kv8_meta *mt = b->meta + j;                                                                  \
+            const int32_t oc[8] = {mt[0].sc, mt[1].sc, mt[2].sc, mt[3].sc, mt[4].sc, mt[5].sc, mt[6].sc, mt[7].sc}; \
+            const int32_t orp[8] = {mt[0].sr, mt[1].sr, mt[2].sr, mt[3].sr, mt[4].sr, mt[5].sr, mt[6].sr, mt[7].sr}; \
+            for (int g = 0; g < ng; g++)                                                                            \
+                for (int half = 0; half < 2 && g * 16 + half * 8 < b->H; half++) {                                  \
+                    const int8_t *qt = b->qt + (size_t)g * nq * 64 + half * 32;                                     \
+                    int32_t dc[8][8], dr[8][8]; /* [key][head] */                                                   \
+                    PART(b, c, qt, 0, r, oc, dc);                                                                   \
+                    PART(b, c, qt, r, cw, orp, dr);                                                                 \
+                    for (int l = 0; l < 8 && g * 16 + half * 8 + l < b->H; l++) {                                   \
+                        const int h = g * 16 + half * 8 + l;                                                        \
+                        for (int n = 0; n < 8; n++) b->sc[(size_t)h * b->ld + j + n] = score8(b, h, dc[n][l], dr[n][l], mt + n); \
+                    }                                                                                               \
+                }                                                                                                   \
+        }                                                                                                           \
+        if (j < b->j1) { /* the last keys: the reference */                                                         \
+            moe__mla_block8 t = *b;                                                                                 \
+            t.j0 = j;                                                                                               \
+            moe__mla_scores8_ref(&t);                                                                               \
+        }                                                                                                           \
+    }
+MLA_SCORES8_256(mla_scores8_avx2, "avx2,fma", scores8_part_avx2)
+MLA_SCORES8_256(mla_scores8_avxvnni, MOE_AVXVNNI, scores8_part_avxvnni)
+#undef MLA_SCORES8_256
 
 /* ctx at 16 latent values a slice: two keys' int8 values widened to int16 and interleaved, times
  * the two keys' weights of a head (madd: w_j c_j + w_j+1 c_j+1 in int32); 4 heads at a time in
@@ -3363,6 +3406,55 @@ MOE_TARGET("avx2,fma") static void mla_ctx8_avx2(const moe__mla_block8 *b, int h
 }
 #undef CTX8_PAIR_AVX2
 #undef CTX8_OUT_AVX2
+
+/* AVX-VNNI: mla_ctx8_vnni's scheme at 256 bits: 4 keys' bytes of one latent value in a 32-bit
+ * lane (byte then word unpacks of 4 rows within each 128-bit lane) meet the 4 keys' weights of a
+ * head, broadcast; 32 values a slice, 2 heads at a time (8 accumulators: VEX has 16 registers),
+ * the integer sums exact, then the reference's float steps */
+MOE_TARGET(MOE_AVXVNNI) static void mla_ctx8_avxvnni(const moe__mla_block8 *b, int h0, int h1) {
+    const int r = b->r, cw = b->cw, jn = b->jn;
+    if (r % 32) { moe__mla_ctx8_ref(b, h0, h1); return; }
+    const __m256i zero = _mm256_setzero_si256();
+    for (int i = 0; i < r; i += 32)
+        for (int h = h0; h < h1; h += 2) {
+            const int two = h + 1 < h1; /* a last single head reuses its weights, unstored */
+            const uint8_t *p0 = b->w + (size_t)h * b->lw, *p1 = two ? p0 + b->lw : p0;
+            __m256i a0 = zero, a1 = zero, a2 = zero, a3 = zero, e0 = zero, e1 = zero, e2 = zero, e3 = zero;
+            for (int j = 0; j < jn; j += 4) {
+                const int8_t *c = b->cache + (size_t)j * cw + i;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)c);
+                const __m256i x1 = j + 1 < jn ? _mm256_loadu_si256((const __m256i *)(const void *)(c + cw)) : zero;
+                const __m256i x2 = j + 2 < jn ? _mm256_loadu_si256((const __m256i *)(const void *)(c + 2 * (size_t)cw)) : zero;
+                const __m256i x3 = j + 3 < jn ? _mm256_loadu_si256((const __m256i *)(const void *)(c + 3 * (size_t)cw)) : zero;
+                const __m256i l01 = _mm256_unpacklo_epi8(x0, x1), h01 = _mm256_unpackhi_epi8(x0, x1);
+                const __m256i l23 = _mm256_unpacklo_epi8(x2, x3), h23 = _mm256_unpackhi_epi8(x2, x3);
+                const __m256i v0 = _mm256_unpacklo_epi16(l01, l23), v1 = _mm256_unpackhi_epi16(l01, l23);
+                const __m256i v2 = _mm256_unpacklo_epi16(h01, h23), v3 = _mm256_unpackhi_epi16(h01, h23);
+#define DP4(x, p)                                                                                         \
+    do {                                                                                                  \
+        const __m256i w_ = _mm256_set1_epi32(*(const int32_t *)(const void *)((p) + j));                  \
+        x##0 = AVXVNNI_DPBUSD(x##0, w_, v0), x##1 = AVXVNNI_DPBUSD(x##1, w_, v1);                         \
+        x##2 = AVXVNNI_DPBUSD(x##2, w_, v2), x##3 = AVXVNNI_DPBUSD(x##3, w_, v3);                         \
+    } while (0)
+                DP4(a, p0);
+                DP4(e, p1);
+#undef DP4
+            }
+            /* accumulator k's 128-bit lane L holds latent values 16L + 4k .. 16L + 4k + 3 */
+#define ADD2(x, hh)                                                                                       \
+    do {                                                                                                  \
+        float *o_ = b->ctx + (size_t)(hh) * r + i;                                                        \
+        const __m256 s_ = _mm256_set1_ps(b->ws[hh]);                                                      \
+        const __m256i y_[4] = {_mm256_permute2x128_si256(x##0, x##1, 0x20), _mm256_permute2x128_si256(x##2, x##3, 0x20), \
+                               _mm256_permute2x128_si256(x##0, x##1, 0x31), _mm256_permute2x128_si256(x##2, x##3, 0x31)}; \
+        for (int q_ = 0; q_ < 4; q_++)                                                                    \
+            _mm256_storeu_ps(o_ + 8 * q_, _mm256_add_ps(_mm256_loadu_ps(o_ + 8 * q_), _mm256_mul_ps(s_, _mm256_cvtepi32_ps(y_[q_])))); \
+    } while (0)
+            ADD2(a, h);
+            if (two) ADD2(e, h + 1);
+#undef ADD2
+        }
+}
 #endif
 
 #ifdef MOE_NEON
@@ -3655,6 +3747,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_avxvnni;
             v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_avxvnni;
             v->dotq8x4[MOE_T_MXFP4X8] = dotq8x4_mxfp4_avxvnni;
+            v->mla_scores8 = mla_scores8_avxvnni;
+            v->mla_ctx8 = mla_ctx8_avxvnni;
             v->isa = "avxvnni";
             k = v; /* the AVX-512 levels build on it */
         }
