@@ -153,7 +153,7 @@ static double membw(const bw_buffer *b, int threads, int passes) {
 }
 
 /* int8 peak: the kernel level's interleaved Q8_0 and Q4_0 kernels on cache-resident data (8 rows
- * x 2048 columns, 17 KB, against 4 activation rows at once where the level has that kernel, as
+ * x 2048 columns, 17 or 9 KB, against 4 activation rows at once where the level has that kernel, as
  * prefill runs it), the faster of the two, in operations (multiply + add) per second: what the
  * integer matmul does when memory is not the limit. Both, because a level can run one format
  * faster than the other (AVX2's Q8_0 needs sign tricks before maddubs: on the device's Xeon its
