@@ -1,7 +1,7 @@
 /* cache_flags.h - the expert-store and latent-cache flags every program takes, parsed one way
  * (included by the examples; not part of the runtime):
  *   --load-mode mmap|cache   --expert-budget SIZE   --dense-budget SIZE   --io-threads N
- *   --prefetch on|off   --kv-type f32|bf16|q8   --mxfp4 f32|int8 */
+ *   --prefetch on|off   --kv-type f32|bf16|q8   --mxfp4 f32|int8   --kernels NAME */
 #ifndef MOE_EXAMPLES_CACHE_FLAGS_H
 #define MOE_EXAMPLES_CACHE_FLAGS_H
 #include <stdlib.h>
@@ -33,7 +33,7 @@ static inline int parse_mxfp4(const char *s) { return !strcmp(s, "int8") ? 1 : !
 static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--dense-budget") && strcmp(a, "--io-threads") &&
-        strcmp(a, "--prefetch") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4"))
+        strcmp(a, "--prefetch") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4") && strcmp(a, "--kernels"))
         return 0;
     if (!v) return *why = "a flag needs a value", -1;
     ++*i;
@@ -50,6 +50,8 @@ static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, cons
         long n = strtol(v, &e, 10);
         if (*e || e == v || n < 0 || n > 256) return *why = "--io-threads is 0..256", -1;
         o->io_threads = (int)n;
+    } else if (!strcmp(a, "--kernels")) {
+        o->kernels = v; /* a name moe_model_open checks against the CPU's levels */
     } else if (!strcmp(a, "--kv-type")) {
         if ((o->kv_type = parse_kv_type(v)) < 0) return *why = "--kv-type is f32, bf16 or q8", -1;
     } else if (!strcmp(a, "--mxfp4")) {

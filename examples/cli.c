@@ -216,7 +216,6 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-n") && more && num_arg(argv[++i], -1, 1e8, &v)) n_gen = (int)v;
         else if (!strcmp(a, "-t") && more && num_arg(argv[++i], 1, 1024, &v)) opt.n_threads = (int)v;
         else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
-        else if (!strcmp(a, "--kernels") && more) opt.kernels = argv[++i];
         else if (!strcmp(a, "-c") && more && num_arg(argv[++i], 1, 1e9, &v)) n_ctx = (int)v;
         else if (!strcmp(a, "--temp") && more && num_arg(argv[++i], 0, 100, &v)) sp.temperature = (float)v;
         else if (!strcmp(a, "--top-k") && more && num_arg(argv[++i], 0, 1e9, &v)) sp.top_k = (int)v;

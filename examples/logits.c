@@ -120,7 +120,6 @@ int main(int argc, char **argv) {
             if (*end || v < 1 || v > 1024) return usage("-t needs a thread count >= 1");
             opt.n_threads = (int)v;
         } else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
-        else if (!strcmp(a, "--kernels") && i + 1 < argc) opt.kernels = argv[++i];
         else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
