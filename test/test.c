@@ -2102,6 +2102,12 @@ static void test_moe_logits_cli(void) {
     CHECK(run_cmd(cmd, out, sizeof out) == 2);
     snprintf(cmd, sizeof cmd, "%s/moe-logits -m /nonexistent --tokens %s 2>/dev/null", exe_dir, idsf);
     CHECK(run_cmd(cmd, out, sizeof out) == 1);
+    /* --kernels (the ids file holds k3mx's prompt): a level this CPU has runs; another name is an
+     * error naming the ones it has */
+    snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/k3mx --tokens %s --kernels scalar 2>&1", exe_dir, golden_dir(), idsf);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/k3mx --tokens %s --kernels avx9000 2>&1", exe_dir, golden_dir(), idsf);
+    CHECK(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "avx9000") && strstr(out, "this CPU runs scalar"));
     const char *bad_ids[] = {"1 2 x", "1 -2", "99999999", "", "1 2 3.5"};
     for (int i = 0; i < 5; i++) {
         FILE *f = fopen(idsf, "w");
