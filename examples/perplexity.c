@@ -26,7 +26,10 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-perplexity: %s\n", msg);
     fprintf(stderr, "usage: moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE]\n"
                     "                      [--ref MODEL2] [--kv-type f32|bf16|q8] [--mxfp4 int8] [-t THREADS] [--json] [--ref-routing]\n"
-                    "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n");
+                    "                      [--kernels NAME]\n"
+                    "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n"
+                    "  --kernels NAME: the model under test on that kernel set (avx2, scalar, ...); the reference\n"
+                    "  keeps the CPU's best\n");
     return 2;
 }
 
@@ -107,7 +110,8 @@ int main(int argc, char **argv) {
             const int int8 = parse_mxfp4(argv[++i]);
             if (int8 < 0) return usage("--mxfp4 is f32 or int8");
             if (int8) opt.flags |= MOE_FLAG_MXFP4_INT8;
-        } else if (!strcmp(a, "--json")) json = 1;
+        } else if (!strcmp(a, "--kernels") && more) opt.kernels = argv[++i];
+        else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--ref-routing")) fixed = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
@@ -123,6 +127,7 @@ int main(int argc, char **argv) {
     ro.dense_type = ro.expert_type = MOE_WTYPE_ASIS;
     ro.kv_type = MOE_KV_F32;
     ro.flags &= ~(unsigned)MOE_FLAG_MXFP4_INT8;
+    ro.kernels = NULL;
     int V = 0, V2 = 0, V3 = 0;
     int32_t *routes = NULL;
     float *a = run(ref ? ref : model, &ro, ids, n, 0, &V, fixed ? &routes : NULL, NULL);
