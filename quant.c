@@ -3852,16 +3852,12 @@ int moe__kernel_levels(moe__kernels *out, int max) {
     return n;
 }
 
-void moe__kernels_init(moe__kernels *k, unsigned flags) {
-    moe__kernels levels[MOE_KERNEL_LEVELS_MAX];
-    int n = moe__kernel_levels(levels, MOE_KERNEL_LEVELS_MAX);
-    *k = levels[(flags & MOE_FLAG_FORCE_SCALAR) ? 0 : n - 1];
-}
+void moe__kernels_init(moe__kernels *k, unsigned flags) { moe__kernels_pick(k, flags, NULL, NULL, 0); }
 
 int moe__kernels_pick(moe__kernels *k, unsigned flags, const char *name, char *have, size_t havelen) {
     moe__kernels levels[MOE_KERNEL_LEVELS_MAX];
     const int n = moe__kernel_levels(levels, MOE_KERNEL_LEVELS_MAX);
-    moe__kernels_init(k, flags);
+    *k = levels[(flags & MOE_FLAG_FORCE_SCALAR) ? 0 : n - 1];
     if (!name || !*name) return 0;
     size_t used = 0;
     if (have && havelen) have[0] = 0;

@@ -201,10 +201,8 @@ static double int8_peak_of(const moe__kernels *k, int type, int threads) {
     return sink == 12345.0f ? 0 : best;
 }
 
-static double int8_peak(int threads, const char *kernels) {
-    moe__kernels k;
-    if (moe__kernels_pick(&k, 0, kernels, NULL, 0)) return 0;
-    const double q8 = int8_peak_of(&k, MOE_T_Q8_0, threads), q4 = int8_peak_of(&k, MOE_T_Q4_0, threads);
+static double int8_peak(const moe__kernels *k, int threads) {
+    const double q8 = int8_peak_of(k, MOE_T_Q8_0, threads), q4 = int8_peak_of(k, MOE_T_Q4_0, threads);
     return q8 > q4 ? q8 : q4;
 }
 
@@ -493,7 +491,7 @@ int main(int argc, char **argv) {
         else return usage("unknown or incomplete argument");
     }
     if (!n_models || n_decode < 1 || n_prefill < 1 || reps < 1) return usage("need -m MODEL");
-    moe__kernels picked;
+    moe__kernels picked; /* the set the models run: --kernels, or the CPU's best */
     char have[160];
     if (moe__kernels_pick(&picked, 0, kernels, have, sizeof have)) {
         fprintf(stderr, "moe-bench: --kernels %s: this CPU runs %s\n", kernels, have);
@@ -504,7 +502,7 @@ int main(int argc, char **argv) {
     for (int mi = 0; mi < n_models; mi++)
         for (int ti = 0; ti < n_threads; ti++) {
             const int t = threads[ti] < 1 ? 1 : threads[ti];
-            double peak = int8_peak(t, kernels);
+            double peak = int8_peak(&picked, t);
             fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak %.1f Gop/s\n", t, peak / 1e9);
             char err[512];
             moe_options o = moe_default_options();
@@ -545,7 +543,7 @@ int main(int argc, char **argv) {
             }
             /* the peak drifts too (440 to 670 Gop/s within minutes on this project's VM): the
              * better of the figures before and after the prefill */
-            const double peak_after = int8_peak(t, kernels);
+            const double peak_after = int8_peak(&picked, t);
             fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak after the prefill %.1f Gop/s\n", t, peak_after / 1e9);
             if (peak_after > peak) peak = peak_after;
             /* active parameters (2 ops each): everything a token touches but the embedding */

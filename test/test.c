@@ -3140,6 +3140,24 @@ static void test_gguf_golden(void) {
 
 /* quantized GGUF files load and run; MXFP4 experts are the same values; an interrupted
  * conversion resumes and produces the same bytes */
+/* mean |a - b| over n values */
+static double mean_abs_diff(const float *a, const float *b, size_t n) {
+    double s = 0;
+    for (size_t i = 0; i < n; i++) s += fabs(a[i] - b[i]);
+    return s / n;
+}
+
+/* one prefill of ids[n] through m with every position's logits into out; the routing taken
+ * into routes, or forced from force (either may be NULL) */
+static void step_all_logits(moe_model *m, const int32_t *ids, int n, int32_t *routes, const int32_t *force, float *out) {
+    moe_session *s = NULL;
+    CHECK(moe_session_new(&s, m, n, NULL, 0) == MOE_OK);
+    if (!s) return;
+    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = out, .logits_all = 1, .routes = routes, .force_routes = force};
+    CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
+    moe_session_free(s);
+}
+
 static void test_gguf_quant_resume(void) {
     char dir[600], a[600], b[600];
     snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
@@ -3182,18 +3200,11 @@ static void test_gguf_quant_resume(void) {
             float *x[4];
             int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
             for (int k = 0; k < 4; k++) {
-                moe_session *s;
                 x[k] = malloc(sizeof(float) * nv);
-                CHECK(moe_session_new(&s, r[k], n, NULL, 0) == MOE_OK);
-                moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = x[k], .logits_all = 1};
-                if (k == 0) q.routes = routes;
-                else q.force_routes = routes;
-                CHECK(moe_step(r[k], &q, 1, NULL, NULL, 0) == MOE_OK);
-                moe_session_free(s);
+                step_all_logits(r[k], ids, n, k == 0 ? routes : NULL, k == 0 ? NULL : routes, x[k]);
             }
-            double d1 = max_abs_diff(x[0], x[1], nv), d2 = max_abs_diff(x[0], x[2], nv), d3 = max_abs_diff(x[0], x[3], nv), m1 = 0, m2 = 0, m3 = 0;
-            for (size_t i = 0; i < nv; i++) m1 += fabs(x[0][i] - x[1][i]), m2 += fabs(x[0][i] - x[2][i]), m3 += fabs(x[0][i] - x[3][i]);
-            m1 /= nv, m2 /= nv, m3 /= nv;
+            const double d1 = max_abs_diff(x[0], x[1], nv), d2 = max_abs_diff(x[0], x[2], nv), d3 = max_abs_diff(x[0], x[3], nv);
+            const double m1 = mean_abs_diff(x[0], x[1], nv), m2 = mean_abs_diff(x[0], x[2], nv), m3 = mean_abs_diff(x[0], x[3], nv);
             CHECKF(d1 < 1.0 && d2 < 1.0 && m1 < 0.05 && m2 < 0.05, "repacked vs mapped: max %.3g mean %.3g; vs scalar: max %.3g mean %.3g", d1, m1, d2, m2);
             CHECKF(d3 < 1.0 && m3 < 0.05, "experts left mapped by the repack budget: max %.3g mean %.3g", d3, m3);
             /* the levels between scalar and the best (avx2 on an AVX-512 machine, avxvnni) */
@@ -3204,16 +3215,11 @@ static void test_gguf_quant_resume(void) {
                 ol.kernels = lv[l].isa;
                 moe_model *ml = NULL;
                 CHECK(moe_model_open(&ml, a, &ol, NULL, 0) == MOE_OK);
-                moe_session *s = NULL;
-                if (ml && moe_session_new(&s, ml, n, NULL, 0) == MOE_OK) {
-                    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = x[1], .logits_all = 1, .force_routes = routes};
-                    CHECK(moe_step(ml, &q, 1, NULL, NULL, 0) == MOE_OK);
-                    double dl = max_abs_diff(x[0], x[1], nv), ml1 = 0;
-                    for (size_t i = 0; i < nv; i++) ml1 += fabs(x[0][i] - x[1][i]);
-                    ml1 /= nv;
+                if (ml) {
+                    step_all_logits(ml, ids, n, NULL, routes, x[1]);
+                    const double dl = max_abs_diff(x[0], x[1], nv), ml1 = mean_abs_diff(x[0], x[1], nv);
                     CHECKF(dl < 1.0 && ml1 < 0.05, "%s kernels vs %s: max %.3g mean %.3g", lv[l].isa, lv[nl - 1].isa, dl, ml1);
                 }
-                moe_session_free(s);
                 moe_model_close(ml);
             }
             free(x[0]), free(x[1]), free(x[2]), free(x[3]), free(routes);
