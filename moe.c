@@ -683,8 +683,9 @@ static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
         order[i] = t;
     }
     const uint64_t data_start = ((uint64_t)c.pos + f->alignment - 1) / f->alignment * f->alignment;
-    if (data_start > f->size) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated before the tensor data", path); goto out; }
-    const uint64_t data_size = f->size - data_start;
+    /* (a file without tensors, such as a split GGUF's metadata-only first part, needs no data section) */
+    if (data_start > f->size && n_tensors) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated before the tensor data", path); goto out; }
+    const uint64_t data_size = data_start > f->size ? 0 : f->size - data_start;
     for (uint64_t i = 0; i < n_tensors; i++) {
         moe__st_tensor *t = &f->tensors[i];
         uint64_t off = (uint64_t)(uintptr_t)t->data;
@@ -1020,9 +1021,8 @@ int moe__hf_to_gguf(const char *hf, char *out, size_t n) {
 
 /* GGUF metadata -> the HF config.json it stands for, then parsed and validated by parse_config:
  * one set of rules for both formats. */
-static int64_t gk_int(const moe__st_file *f, const char *arch, const char *suffix, int64_t def) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+/* an integer key's value (def where absent; -1 for another type, out of every range) */
+static int64_t gguf_int(const moe__st_file *f, const char *key, int64_t def) {
     const moe__gguf_kv *kv = moe__gguf_get(f, key);
     if (!kv) return def;
     switch (kv->type) {
@@ -1038,6 +1038,12 @@ static int64_t gk_int(const moe__st_file *f, const char *arch, const char *suffi
     }
 }
 
+static int64_t gk_int(const moe__st_file *f, const char *arch, const char *suffix, int64_t def) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    return gguf_int(f, key, def);
+}
+
 static double gk_float(const moe__st_file *f, const char *arch, const char *suffix, double def) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
@@ -1048,11 +1054,13 @@ static double gk_float(const moe__st_file *f, const char *arch, const char *suff
     return (double)gk_int(f, arch, suffix, (int64_t)def);
 }
 
-static const moe__st_tensor *gguf_tensor(const moe__st_file *f, const char *fmt, int i) {
+/* the tensor of that name in any of the n files (the parts of a split GGUF) */
+static const moe__st_tensor *gguf_tensor(const moe__st_file *files, int n, const char *fmt, int i) {
     char name[96];
     snprintf(name, sizeof name, fmt, i);
-    for (int k = 0; k < f->n_tensors; k++)
-        if (!strcmp(f->tensors[k].name, name)) return &f->tensors[k];
+    for (int p = 0; p < n; p++)
+        for (int k = 0; k < files[p].n_tensors; k++)
+            if (!strcmp(files[p].tensors[k].name, name)) return &files[p].tensors[k];
     return NULL;
 }
 
@@ -1078,7 +1086,9 @@ static void sb_printf(sbuf *b, const char *fmt, ...) {
     }
 }
 
-static moe_status gguf_config_json(const moe__st_file *f, moe__json **out, char *err, size_t errlen) {
+/* the metadata of files[0]; the tensors of all n files */
+static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json **out, char *err, size_t errlen) {
+    const moe__st_file *f = &files[0];
     const moe__gguf_kv *a = moe__gguf_get(f, "general.architecture");
     char arch[32];
     if (!a || a->type != MOE_GGUF_STRING || a->n >= sizeof arch)
@@ -1092,7 +1102,7 @@ static moe_status gguf_config_json(const moe__st_file *f, moe__json **out, char 
     char key[96];
     snprintf(key, sizeof key, "%s.attention.head_count_kv", arch);
     const moe__gguf_kv *hkv = moe__gguf_get(f, key);
-    const moe__st_tensor *emb = gguf_tensor(f, "token_embd.weight", 0);
+    const moe__st_tensor *emb = gguf_tensor(files, nf, "token_embd.weight", 0);
     int64_t vocab = gk_int(f, arch, "vocab_size", emb && emb->ndim == 2 ? emb->shape[0] : -1);
     int first_kda = -1, first_mla = -1;
     sbuf b = {0};
@@ -1127,14 +1137,14 @@ static moe_status gguf_config_json(const moe__st_file *f, moe__json **out, char 
               (long long)gk_int(f, arch, "ssm.conv_kernel", 4));
     double lb = gk_float(f, arch, "kda.gate_lower_bound", 0);
     if (lb != 0) sb_printf(&b, ", \"gate_lower_bound\": %.9g", lb);
-    sb_printf(&b, ", \"use_full_rank_gate\": %s},", first_kda >= 0 && gguf_tensor(f, "blk.%d.attn_gate.weight", first_kda) ? "true" : "false");
+    sb_printf(&b, ", \"use_full_rank_gate\": %s},", first_kda >= 0 && gguf_tensor(files, nf, "blk.%d.attn_gate.weight", first_kda) ? "true" : "false");
     const int64_t dr = gk_int(f, arch, "rope.dimension_count", 0);
     sb_printf(&b, "\"num_attention_heads\": %lld, \"q_lora_rank\": %lld, \"kv_lora_rank\": %lld, \"qk_nope_head_dim\": %lld, "
                   "\"qk_rope_head_dim\": %lld, \"v_head_dim\": %lld, \"mla_use_output_gate\": %s,",
               (long long)H, (long long)gk_int(f, arch, "attention.q_lora_rank", 0), (long long)gk_int(f, arch, "attention.kv_lora_rank", 1),
               (long long)(gk_int(f, arch, "attention.key_length_mla", dr + 1) - dr), (long long)dr,
               (long long)gk_int(f, arch, "attention.value_length_mla", 1),
-              first_mla >= 0 && gguf_tensor(f, "blk.%d.attn_gate.weight", first_mla) ? "true" : "false");
+              first_mla >= 0 && gguf_tensor(files, nf, "blk.%d.attn_gate.weight", first_mla) ? "true" : "false");
     const int64_t E = gk_int(f, arch, "expert_count", 0), gating = gk_int(f, arch, "expert_gating_func", 2);
     sb_printf(&b, "\"intermediate_size\": %lld, \"num_experts\": %lld, \"num_experts_per_token\": %lld, \"num_shared_experts\": %lld, "
                   "\"moe_intermediate_size\": %lld, \"moe_router_activation_func\": \"%s\", \"moe_renormalize\": %s, "
@@ -1147,7 +1157,7 @@ static moe_status gguf_config_json(const moe__st_file *f, moe__json **out, char 
               (long long)gk_int(f, arch, "expert_group_used_count", 1), (long long)gk_int(f, arch, "leading_dense_block_count", 0));
     const int64_t lat = gk_int(f, arch, "moe_latent_size", 0);
     if (lat) sb_printf(&b, "\"routed_expert_hidden_size\": %lld, \"latent_moe_use_norm\": %s,", (long long)lat,
-                       gguf_tensor(f, "blk.%d.ffn_latent_norm.weight", (int)gk_int(f, arch, "leading_dense_block_count", 0)) ? "true" : "false");
+                       gguf_tensor(files, nf, "blk.%d.ffn_latent_norm.weight", (int)gk_int(f, arch, "leading_dense_block_count", 0)) ? "true" : "false");
     const int64_t B = gk_int(f, arch, "attn_res_block_size", 0);
     if (B) sb_printf(&b, "\"attn_res_block_size\": %lld,", (long long)B);
     const moe__gguf_kv *bos = moe__gguf_get(f, "tokenizer.ggml.bos_token_id"), *eos = moe__gguf_get(f, "tokenizer.ggml.eos_token_id");
@@ -1155,7 +1165,7 @@ static moe_status gguf_config_json(const moe__st_file *f, moe__json **out, char 
     if (bos && bos->type == MOE_GGUF_U32) memcpy(&bv, bos->data, 4);
     if (eos && eos->type == MOE_GGUF_U32) memcpy(&ev, eos->data, 4);
     sb_printf(&b, "\"bos_token_id\": %d, \"eos_token_id\": %d, \"tie_word_embeddings\": %s}", bos ? (int)bv : -1, eos ? (int)ev : -1,
-              gguf_tensor(f, "output.weight", 0) ? "false" : "true");
+              gguf_tensor(files, nf, "output.weight", 0) ? "false" : "true");
     if (!b.s) return MOE_ERR_NOMEM;
     char e2[200];
     moe_status st = moe__json_parse(b.s, b.n, out, e2, sizeof e2);
@@ -2039,19 +2049,76 @@ static int is_gguf_file(const char *path) {
     return r == 4 && !memcmp(magic, "GGUF", 4);
 }
 
-/* One GGUF file holds the config (as metadata) and every tensor. */
+/* PREFIX-NNNNN-of-MMMMM.gguf, the names of a split GGUF's parts (llama.cpp's gguf-split and
+ * converter): 1 with the prefix's length, the part's number and the count */
+static int split_name(const char *path, size_t *prefix_len, int *no, int *count) {
+    static const char tail[] = "-00000-of-00000.gguf";
+    const size_t l = strlen(path), k = sizeof tail - 1;
+    if (l < k) return 0;
+    const char *t = path + l - k;
+    for (size_t i = 0; i < k; i++)
+        if (tail[i] == '0' ? (t[i] < '0' || t[i] > '9') : t[i] != tail[i]) return 0;
+    *prefix_len = l - k, *no = atoi(t + 1), *count = atoi(t + 10);
+    return 1;
+}
+
+/* the split keys of a GGUF part (no: 0-based; a file that is not split: part 0 of 1) */
+static moe_status split_keys(const moe__st_file *f, int64_t *no, int64_t *count, char *err, size_t errlen) {
+    *count = gguf_int(f, "split.count", 1), *no = gguf_int(f, "split.no", 0);
+    if (*count < 1 || *count > 99999 || *no < 0 || *no >= *count)
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.no %lld and split.count %lld do not name a part", f->path, (long long)*no,
+                    (long long)*count);
+    return MOE_OK;
+}
+
+/* A GGUF holds the config (as metadata) and every tensor: in one file, or split into parts
+ * PREFIX-00001-of-0000N.gguf .. -0000N-of-0000N.gguf as llama.cpp writes them, each a GGUF with
+ * its own tensors and the keys split.no (0-based), split.count and split.tensors.count (the
+ * whole model's), the metadata in the first. The path of any part opens them all. */
 static moe_status open_gguf(moe_model *m, const char *path, char *err, size_t errlen) {
     m->gguf = 1;
     if (!(m->files = xcalloc(1, sizeof *m->files))) return MOE_ERR_NOMEM;
     moe_status st = moe__gguf_open(&m->files[0], path, err, errlen);
     if (st) return st;
     m->n_files = 1;
+    int64_t no, count;
+    if ((st = split_keys(&m->files[0], &no, &count, err, errlen))) return st;
+    if (count > 1) {
+        char part[4200];
+        size_t plen;
+        int nno, ncount;
+        if (!split_name(path, &plen, &nno, &ncount) || nno != no + 1 || ncount != count)
+            return fail(err, errlen, MOE_ERR_FORMAT, "%s: part %lld of a %lld-part GGUF, but not named PREFIX-%05lld-of-%05lld.gguf",
+                        path, (long long)no + 1, (long long)count, (long long)no + 1, (long long)count);
+        moe__st_file *fs = xcalloc((size_t)count, sizeof *fs);
+        if (!fs) return MOE_ERR_NOMEM;
+        fs[no] = m->files[0];
+        free(m->files);
+        m->files = fs, m->n_files = (int)count;
+        uint64_t tensors = 0;
+        for (int i = 0; i < count; i++) {
+            if (i != no) {
+                snprintf(part, sizeof part, "%.*s-%05d-of-%05lld.gguf", (int)plen, path, i + 1, (long long)count);
+                if ((st = moe__gguf_open(&m->files[i], part, err, errlen))) return st;
+            }
+            int64_t pno, pcount;
+            if ((st = split_keys(&m->files[i], &pno, &pcount, err, errlen))) return st;
+            if (pno != i || pcount != count)
+                return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.no %lld of %lld, but named part %d of %lld", m->files[i].path,
+                            (long long)pno, (long long)pcount, i + 1, (long long)count);
+            tensors += (uint64_t)m->files[i].n_tensors;
+        }
+        const int64_t want = gguf_int(&m->files[0], "split.tensors.count", (int64_t)tensors);
+        if (want != (int64_t)tensors)
+            return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.tensors.count says %lld tensors, the %lld parts hold %llu", m->files[0].path,
+                        (long long)want, (long long)count, (unsigned long long)tensors);
+    }
     moe__json *cfg = NULL;
-    if ((st = gguf_config_json(&m->files[0], &cfg, err, errlen))) return st;
+    if ((st = gguf_config_json(m->files, m->n_files, &cfg, err, errlen))) return st;
     char e2[400];
     st = parse_config(m, cfg, e2, sizeof e2);
     moe__json_free(cfg);
-    if (st) return fail(err, errlen, st, "%s: %s", path, e2);
+    if (st) return fail(err, errlen, st, "%s: %s", m->files[0].path, e2);
     return build_table(m, err, errlen);
 }
 

@@ -1,7 +1,8 @@
-/* moe-convert: a Hugging Face checkpoint directory (or a benchmark shape) to one GGUF file.
+/* moe-convert: a Hugging Face checkpoint directory (or a benchmark shape) to one GGUF file, or to
+ * a GGUF split into parts as llama.cpp splits them.
  *
- *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE]
- *   moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]
+ *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [--split-max-size SIZE]
+ *   moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N] [--split-max-size SIZE]
  *
  * TYPE: f32, bf16, q8_0, q4_0 (dense default: bf16); experts also "mxfp4" and "asis" (default:
  * keep the stored format; MXFP4 experts are repacked into ggml's block_mxfp4 bit for bit).
@@ -12,10 +13,17 @@
  * converted row by row through a bounded buffer and written at its offset, followed by an fsync
  * and a progress record (OUT.gguf.partial.done). An interrupted run restarts after the last
  * tensor recorded; the result is renamed to OUT.gguf only when complete. Progress (bytes, rate,
- * ETA) goes to stderr. Exit 0 on success, 1 on errors, 2 on usage errors. */
+ * ETA) goes to stderr. Exit 0 on success, 1 on errors, 2 on usage errors.
+ *
+ * With --split-max-size the tensors are cut, in order, into parts of at most SIZE of data each
+ * (OUT-00001-of-0000N.gguf ...; the metadata in the first part, split.no / split.count /
+ * split.tensors.count in every part, as llama.cpp's gguf-split writes them; with
+ * --no-tensor-first-split the first part holds only the metadata), each written and resumed as
+ * above. */
 #define _DEFAULT_SOURCE
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "cache_flags.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -46,6 +54,7 @@ typedef struct {
     int64_t rows, cols, n_mats;
     float rmean, rstd; /* --random: mean + std * normal */
     int64_t dn, dv;    /* SRC_K_B/SRC_V_B: head sizes inside kv_b */
+    int part;          /* the file it goes into (a split GGUF's part; 0 otherwise) */
 } out_tensor;
 
 typedef struct {
@@ -75,7 +84,10 @@ static int usage(const char *msg) {
                     "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
                     "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N]   (random, released K3 layout)\n"
                     "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0 (bf16)\n"
-                    "  --experts TYPE  routed experts: asis f32 bf16 q8_0 q4_0 mxfp4 (asis)\n");
+                    "  --experts TYPE  routed experts: asis f32 bf16 q8_0 q4_0 mxfp4 (asis)\n"
+                    "  --split-max-size SIZE  parts of at most SIZE of tensor data (e.g. 48G, binary units), written as\n"
+                    "                  OUT-00001-of-0000N.gguf ... as llama.cpp splits GGUF files (a larger tensor gets a part alone)\n"
+                    "  --no-tensor-first-split  the first part holds only the metadata (as llama.cpp's gguf-split option)\n");
     return 2;
 }
 
@@ -268,6 +280,8 @@ static void put(buf *b, const void *p, size_t n) {
 static void put_u32(buf *b, uint32_t v) { put(b, &v, 4); }
 static void put_u64(buf *b, uint64_t v) { put(b, &v, 8); }
 static void put_str(buf *b, const char *s) { put_u64(b, strlen(s)); put(b, s, strlen(s)); }
+static void kv_u16(buf *b, const char *k, uint16_t v) { put_str(b, k); put_u32(b, MOE_GGUF_U16); put(b, &v, 2); }
+static void kv_i32(buf *b, const char *k, int32_t v) { put_str(b, k); put_u32(b, MOE_GGUF_I32); put(b, &v, 4); }
 static void kv_u32(buf *b, const char *k, uint32_t v) { put_str(b, k); put_u32(b, MOE_GGUF_U32); put_u32(b, v); }
 static void kv_f32(buf *b, const char *k, float v) { put_str(b, k); put_u32(b, MOE_GGUF_F32); put(b, &v, 4); }
 static void kv_bool(buf *b, const char *k, int v) { uint8_t x = (uint8_t)!!v; put_str(b, k); put_u32(b, MOE_GGUF_BOOL); put(b, &x, 1); }
@@ -409,25 +423,60 @@ static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx,
 }
 #undef K
 
-/* whole header: magic, version, counts, metadata, tensor infos, padding to ALIGN */
-static int build_header(buf *h, const meta *mt, plan *p, uint64_t *data_bytes) {
-    uint64_t off = 0;
+/* one output file: the whole GGUF, or a part of a split one */
+typedef struct {
+    char path[4200], partial[4300];
+    buf hdr;
+    uint64_t data_bytes;
+    int fd;
+} part;
+
+/* tensors into parts of at most max_bytes of data each (0: one file), in plan order as llama.cpp's
+ * gguf-split cuts them (a tensor larger than max_bytes gets a part of its own), from part 1 on
+ * with no_tensor_first (part 0 then holds only the metadata); the part count */
+static int assign_parts(plan *p, uint64_t max_bytes, int no_tensor_first) {
+    int part = no_tensor_first ? 1 : 0;
+    uint64_t used = 0;
     for (int i = 0; i < p->n; i++) {
         out_tensor *t = &p->t[i];
         int64_t rows = 1;
         for (int k = 1; k < t->nd; k++) rows *= t->ne[k];
         t->nbytes = (uint64_t)rows * (uint64_t)moe__row_bytes(t->type, t->ne[0]);
+        const uint64_t padded = (t->nbytes + ALIGN - 1) / ALIGN * ALIGN;
+        if (max_bytes && used && used + padded > max_bytes) part++, used = 0;
+        t->part = part;
+        used += padded;
+    }
+    return part + 1;
+}
+
+/* the header of part `part` of nparts: magic, version, counts, metadata (all of it in part 0; the
+ * alignment in the others) and split.no / split.count / split.tensors.count when nparts > 1, the
+ * part's tensor infos (offsets within its data section), padding to ALIGN */
+static int build_header(buf *h, const meta *mt, plan *p, int part, int nparts, uint64_t *data_bytes) {
+    uint64_t off = 0, n = 0;
+    for (int i = 0; i < p->n; i++) {
+        out_tensor *t = &p->t[i];
+        if (t->part != part) continue;
         t->offset = off;
         off = (off + t->nbytes + ALIGN - 1) / ALIGN * ALIGN;
+        n++;
     }
     *data_bytes = off;
     put(h, "GGUF", 4);
     put_u32(h, 3);
-    put_u64(h, (uint64_t)p->n);
-    put_u64(h, (uint64_t)mt->n_kv);
-    put(h, mt->b.b, mt->b.n);
+    put_u64(h, n);
+    put_u64(h, (uint64_t)(part == 0 ? mt->n_kv : 1) + (nparts > 1 ? 3 : 0));
+    if (part == 0) put(h, mt->b.b, mt->b.n);
+    else kv_u32(h, "general.alignment", ALIGN);
+    if (nparts > 1) {
+        kv_u16(h, "split.no", (uint16_t)part);
+        kv_u16(h, "split.count", (uint16_t)nparts);
+        kv_i32(h, "split.tensors.count", p->n);
+    }
     for (int i = 0; i < p->n; i++) {
         const out_tensor *t = &p->t[i];
+        if (t->part != part) continue;
         put_str(h, t->name);
         put_u32(h, (uint32_t)t->nd);
         for (int k = 0; k < t->nd; k++) put_u64(h, (uint64_t)t->ne[k]);
@@ -1001,6 +1050,8 @@ int main(int argc, char **argv) {
     const char *in = NULL, *out = NULL, *shape = NULL, *k3shape = NULL;
     int dense = MOE_T_BF16, experts = -1, ctx = 131072;
     uint64_t seed = 42;
+    size_t split_max = 0;
+    int no_tensor_first = 0;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
@@ -1012,6 +1063,10 @@ int main(int argc, char **argv) {
             if ((experts = parse_type(argv[++i], 1)) < -1) return usage("unknown --experts type");
         } else if (!strcmp(a, "--seed") && more) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
+        else if (!strcmp(a, "--no-tensor-first-split")) no_tensor_first = 1;
+        else if (!strcmp(a, "--split-max-size") && more) {
+            if (!parse_size(argv[++i], &split_max) || split_max < ALIGN) return usage("--split-max-size needs a size such as 48G");
+        }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else if (a[0] == '-') return usage("unknown or incomplete option");
         else if (!in && !shape && !k3shape) in = a;
@@ -1061,35 +1116,51 @@ int main(int argc, char **argv) {
         fprintf(stderr, "moe-convert: writing the vocabulary (%d ids) into the GGUF\n", (int)moe_tokenizer_n_ids(tok));
     write_meta(&mt, &cfg, name, ctx, shape != NULL, tok);
     moe_tokenizer_free(tok);
-    buf hdr = {0};
-    uint64_t data_bytes;
-    if (!build_header(&hdr, &mt, &p, &data_bytes)) return die("out of memory");
-    const uint64_t total = hdr.n + data_bytes;
+    const int nparts = assign_parts(&p, split_max, no_tensor_first);
+    if (nparts > 65535) return die("--split-max-size %zu makes %d parts (GGUF's split.count is 16 bits)", split_max, nparts);
+    part *parts = calloc((size_t)nparts, sizeof *parts);
+    if (!parts) return die("out of memory");
+    uint64_t total = 0, data_bytes = 0, hdr_bytes = 0;
+    const size_t olen = strlen(out), plen = olen > 5 && !strcmp(out + olen - 5, ".gguf") ? olen - 5 : olen;
+    for (int k = 0; k < nparts; k++) {
+        part *pt = &parts[k];
+        if (!build_header(&pt->hdr, &mt, &p, k, nparts, &pt->data_bytes)) return die("out of memory");
+        if (nparts == 1) snprintf(pt->path, sizeof pt->path, "%s", out);
+        else snprintf(pt->path, sizeof pt->path, "%.*s-%05d-of-%05d.gguf", (int)plen, out, k + 1, nparts);
+        snprintf(pt->partial, sizeof pt->partial, "%s.partial", pt->path);
+        total += pt->hdr.n + pt->data_bytes, data_bytes += pt->data_bytes, hdr_bytes += pt->hdr.n;
+    }
 
-    /* resume: the partial file must start with exactly this header */
-    char partial[4200], donef[4300];
-    snprintf(partial, sizeof partial, "%s.partial", out);
+    /* resume: every part's partial file must start with exactly its header */
+    char donef[4300];
     snprintf(donef, sizeof donef, "%s.partial.done", out);
     int start = 0;
     FILE *df = fopen(donef, "r");
     if (df) {
-        int k;
+        int k, np;
         unsigned long long hn;
-        if (fscanf(df, "%d %llu", &k, &hn) == 2 && hn == hdr.n && k >= 0 && k <= p.n) {
-            int pfd = open(partial, O_RDONLY);
-            unsigned char *old = malloc(hdr.n);
-            if (pfd >= 0 && old && pread(pfd, old, hdr.n, 0) == (ssize_t)hdr.n && !memcmp(old, hdr.b, hdr.n)) start = k;
-            if (pfd >= 0) close(pfd);
-            free(old);
+        if (fscanf(df, "%d %llu %d", &k, &hn, &np) >= 2 && hn == hdr_bytes && k >= 0 && k <= p.n) {
+            start = k;
+            for (int i = 0; i < nparts && start; i++) {
+                int pfd = open(parts[i].partial, O_RDONLY);
+                unsigned char *old = malloc(parts[i].hdr.n);
+                if (!(pfd >= 0 && old && pread(pfd, old, parts[i].hdr.n, 0) == (ssize_t)parts[i].hdr.n && !memcmp(old, parts[i].hdr.b, parts[i].hdr.n)))
+                    start = 0;
+                if (pfd >= 0) close(pfd);
+                free(old);
+            }
         }
         fclose(df);
-        if (start) fprintf(stderr, "moe-convert: resuming %s after %d of %d tensors\n", partial, start, p.n);
+        if (start) fprintf(stderr, "moe-convert: resuming %s after %d of %d tensors\n", nparts > 1 ? out : parts[0].partial, start, p.n);
     }
-    int fd = open(partial, O_WRONLY | O_CREAT | (start ? 0 : O_TRUNC), 0644);
-    if (fd < 0) return die("%s: %s", partial, strerror(errno));
-    if (!start) {
-        if (ftruncate(fd, (off_t)total)) return die("%s: cannot size to %llu bytes: %s", partial, (unsigned long long)total, strerror(errno));
-        if (pwrite(fd, hdr.b, hdr.n, 0) != (ssize_t)hdr.n) return die("%s: header write failed: %s", partial, strerror(errno));
+    for (int k = 0; k < nparts; k++) {
+        part *pt = &parts[k];
+        pt->fd = open(pt->partial, O_WRONLY | O_CREAT | (start ? 0 : O_TRUNC), 0644);
+        if (pt->fd < 0) return die("%s: %s", pt->partial, strerror(errno));
+        if (start) continue;
+        const uint64_t size = pt->hdr.n + pt->data_bytes;
+        if (ftruncate(pt->fd, (off_t)size)) return die("%s: cannot size to %llu bytes: %s", pt->partial, (unsigned long long)size, strerror(errno));
+        if (pwrite(pt->fd, pt->hdr.b, pt->hdr.n, 0) != (ssize_t)pt->hdr.n) return die("%s: header write failed: %s", pt->partial, strerror(errno));
     }
     int64_t maxcols = 1;
     uint64_t maxrow = 1;
@@ -1106,13 +1177,14 @@ int main(int argc, char **argv) {
     uint64_t done_bytes = 0, resumed_bytes = 0;
     for (int i = 0; i < start; i++) resumed_bytes += p.t[i].nbytes;
     for (int i = start; i < p.n; i++) {
-        if (write_tensor(fd, hdr.n, &p.t[i], &src, obuf, tmp)) return 1;
-        if (fdatasync(fd)) return die("%s: sync failed: %s", partial, strerror(errno));
+        const part *pt = &parts[p.t[i].part];
+        if (write_tensor(pt->fd, pt->hdr.n, &p.t[i], &src, obuf, tmp)) return 1;
+        if (fdatasync(pt->fd)) return die("%s: sync failed: %s", pt->partial, strerror(errno));
         /* record progress atomically: write a new record, then rename over the old one */
         char tmpd[4400];
         snprintf(tmpd, sizeof tmpd, "%s.tmp", donef);
         FILE *w = fopen(tmpd, "w");
-        if (!w || fprintf(w, "%d %llu\n", i + 1, (unsigned long long)hdr.n) < 0 || fclose(w) || rename(tmpd, donef))
+        if (!w || fprintf(w, "%d %llu %d\n", i + 1, (unsigned long long)hdr_bytes, nparts) < 0 || fclose(w) || rename(tmpd, donef))
             return die("%s: cannot record progress", donef);
         done_bytes += p.t[i].nbytes;
         /* test hook: simulate a crash after N tensors (the resume test uses it) */
@@ -1128,11 +1200,18 @@ int main(int argc, char **argv) {
         }
     }
     fprintf(stderr, "\n");
-    if (fsync(fd) || close(fd)) return die("%s: %s", partial, strerror(errno));
-    if (rename(partial, out)) return die("rename %s -> %s: %s", partial, out, strerror(errno));
+    for (int k = 0; k < nparts; k++)
+        if (fsync(parts[k].fd) || close(parts[k].fd)) return die("%s: %s", parts[k].partial, strerror(errno));
+    for (int k = 0; k < nparts; k++)
+        if (rename(parts[k].partial, parts[k].path)) return die("rename %s -> %s: %s", parts[k].partial, parts[k].path, strerror(errno));
     remove(donef);
-    fprintf(stderr, "moe-convert: wrote %s (%.3f GB, %d tensors, %s) in %.1f s\n", out, total / 1e9, p.n, mt.arch, now() - t0);
-    free(obuf), free(tmp), free(hdr.b), free(mt.b.b), free(p.t), free(kinds), free(moes);
+    if (nparts > 1)
+        fprintf(stderr, "moe-convert: wrote %s .. %s (%d parts, %.3f GB, %d tensors, %s) in %.1f s\n", parts[0].path,
+                parts[nparts - 1].path, nparts, total / 1e9, p.n, mt.arch, now() - t0);
+    else
+        fprintf(stderr, "moe-convert: wrote %s (%.3f GB, %d tensors, %s) in %.1f s\n", out, total / 1e9, p.n, mt.arch, now() - t0);
+    for (int k = 0; k < nparts; k++) free(parts[k].hdr.b);
+    free(parts), free(obuf), free(tmp), free(mt.b.b), free(p.t), free(kinds), free(moes);
     moe_model_close(src.m);
     return 0;
 }

@@ -3254,6 +3254,126 @@ static void test_gguf_quant_resume(void) {
     remove(a), remove(b);
 }
 
+/* a GGUF split into parts (moe-convert --split-max-size: llama.cpp's names and split keys) opens
+ * from any part's path, in both expert modes, and passes the golden checks; an interrupted split
+ * conversion resumes to the same bytes; a missing, misnamed or inconsistent part is a clean error */
+static void split_part(char *out, size_t n, const char *prefix, int k, int parts) {
+    snprintf(out, n, "%s-%05d-of-%05d.gguf", prefix, k, parts);
+}
+static int split_parts(const char *prefix) { /* how many parts were written (0: none) */
+    char path[700];
+    struct stat sb;
+    for (int n = 2; n < 1000; n++) {
+        split_part(path, sizeof path, prefix, 1, n);
+        if (stat(path, &sb) == 0) return n;
+    }
+    return 0;
+}
+static void remove_split(const char *prefix, int parts) {
+    char path[700];
+    for (int k = 1; k <= parts; k++) split_part(path, sizeof path, prefix, k, parts), remove(path);
+}
+static moe_status open_err(const char *path, char *err, size_t n) {
+    moe_model *m = NULL;
+    const moe_status st = moe_model_open(&m, path, NULL, err, n);
+    moe_model_close(m);
+    return st;
+}
+static void test_gguf_split(void) {
+    char dir[600], out[600], prefix[600], first[700], mid[700], other[700], err[400];
+    snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
+    snprintf(out, sizeof out, "%s/sp.gguf", tmp_root);
+    snprintf(prefix, sizeof prefix, "%s/sp", tmp_root);
+    CHECK(convert(dir, out, "--dense f32 --split-max-size 256K") == 0);
+    const int parts = split_parts(prefix);
+    CHECKF(parts >= 4, "%d parts", parts);
+    if (parts < 4) return;
+    split_part(first, sizeof first, prefix, 1, parts);
+    split_part(mid, sizeof mid, prefix, parts / 2, parts);
+    run_golden_path("k3mx", first, 0, 1);
+    /* from a middle part's path, and streamed through the expert cache: the same logits */
+    moe_options oc = moe_default_options();
+    oc.expert_mode = MOE_EXPERTS_CACHE, oc.expert_budget = 1 << 20;
+    /* and with the metadata alone in the first part (gguf-split --no-tensor-first-split) */
+    char outm[600], prefixm[600], firstm[700];
+    snprintf(outm, sizeof outm, "%s/sm.gguf", tmp_root);
+    snprintf(prefixm, sizeof prefixm, "%s/sm", tmp_root);
+    CHECK(convert(dir, outm, "--dense f32 --no-tensor-first-split") == 0);
+    CHECK(split_parts(prefixm) == 2);
+    split_part(firstm, sizeof firstm, prefixm, 1, 2);
+    moe_model *m[4] = {open_path(first, 0, 1), open_path(mid, 0, 1), NULL, open_path(firstm, 0, 1)};
+    CHECK(moe_model_open(&m[2], mid, &oc, NULL, 0) == MOE_OK);
+    int n;
+    int32_t *ids = golden_ids("k3mx", 2, &n);
+    if (m[0] && m[1] && m[2] && m[3] && ids) {
+        CHECK(moe_model_get_info(m[1]).n_files == parts);
+        const size_t nv = (size_t)n * moe_model_config(m[0])->vocab_size;
+        float *x[4];
+        for (int i = 0; i < 4; i++) x[i] = malloc(sizeof(float) * nv), step_all_logits(m[i], ids, n, NULL, NULL, x[i]);
+        CHECK(max_abs_diff(x[0], x[1], nv) == 0);
+        CHECKF(max_abs_diff(x[0], x[2], nv) == 0, "cache mode: %.3g", max_abs_diff(x[0], x[2], nv));
+        CHECK(max_abs_diff(x[0], x[3], nv) == 0);
+        for (int i = 0; i < 4; i++) free(x[i]);
+    }
+    free(ids);
+    for (int i = 0; i < 4; i++) moe_model_close(m[i]);
+    remove_split(prefixm, 2);
+    /* interrupted after 40 tensors, then resumed: every part the same bytes */
+    char out2[600], prefix2[600];
+    snprintf(out2, sizeof out2, "%s/sq.gguf", tmp_root);
+    snprintf(prefix2, sizeof prefix2, "%s/sq", tmp_root);
+    setenv("MOE_CONVERT_STOP_AFTER", "40", 1);
+    CHECK(convert_expect(dir, out2, "--dense f32 --split-max-size 256K", 3) == 3);
+    unsetenv("MOE_CONVERT_STOP_AFTER");
+    CHECK(split_parts(prefix2) == 0); /* nothing renamed before the end */
+    CHECK(convert(dir, out2, "--dense f32 --split-max-size 256K") == 0);
+    CHECK(split_parts(prefix2) == parts);
+    for (int k = 1; k <= parts; k++) {
+        size_t la, lb;
+        split_part(other, sizeof other, prefix, k, parts);
+        char *fa = read_all(other, &la);
+        split_part(other, sizeof other, prefix2, k, parts);
+        char *fb = read_all(other, &lb);
+        CHECKF(fa && fb && la == lb && !memcmp(fa, fb, la), "part %d differs after the resume", k);
+        free(fa), free(fb);
+    }
+    remove_split(prefix2, parts);
+    /* a missing part: an error naming it */
+    char moved[720];
+    split_part(other, sizeof other, prefix, 3, parts);
+    snprintf(moved, sizeof moved, "%s.away", other);
+    CHECK(rename(other, moved) == 0);
+    CHECK(open_err(first, err, sizeof err) != MOE_OK && strstr(err, other));
+    CHECK(rename(moved, other) == 0);
+    /* a part under another part's name: its split.no says so */
+    char second[700];
+    split_part(second, sizeof second, prefix, 2, parts);
+    CHECK(rename(second, moved) == 0 && rename(other, second) == 0 && rename(moved, other) == 0);
+    CHECKF(open_err(first, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "split.no"), "%s", err);
+    CHECK(rename(second, moved) == 0 && rename(other, second) == 0 && rename(moved, other) == 0);
+    /* the first part copied under a name of another part count */
+    char *f1;
+    size_t l1;
+    CHECK((f1 = read_all(first, &l1)) != NULL);
+    snprintf(other, sizeof other, "%s/sx-00001-of-00099.gguf", tmp_root);
+    CHECK(f1 && write_all(other, f1, l1));
+    CHECKF(open_err(other, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "not named"), "%s", err);
+    remove(other);
+    /* split.tensors.count one off */
+    char *k = NULL;
+    for (size_t i = 0; f1 && !k && i + 19 + 8 <= l1; i++)
+        if (!memcmp(f1 + i, "split.tensors.count", 19)) k = f1 + i;
+    CHECK(k != NULL);
+    if (k) {
+        int32_t v;
+        memcpy(&v, k + 19 + 4, 4), v++, memcpy(k + 19 + 4, &v, 4);
+        CHECK(write_all(first, f1, l1));
+        CHECKF(open_err(mid, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "split.tensors.count"), "%s", err);
+    }
+    free(f1);
+    remove_split(prefix, parts);
+}
+
 /* a hand-built GGUF: every truncation and each corrupted field gives a clean error */
 typedef struct {
     unsigned char b[8192];
@@ -4006,6 +4126,7 @@ static const struct {
     {"moe_logits_cli", test_moe_logits_cli},
     {"gguf_golden", test_gguf_golden},
     {"gguf_quant_resume", test_gguf_quant_resume},
+    {"gguf_split", test_gguf_split},
     {"gguf_bad", test_gguf_bad},
     {"fuzz_seeds", test_fuzz_seeds},
     {"cache_equivalence", test_cache_equivalence},
