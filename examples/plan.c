@@ -2,7 +2,7 @@
  *
  *   moe-plan (-m MODEL | --config CONFIG.json) [--ram SIZE] [--disk-gbps X] [--membw-gbps Y]
  *            [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]
- *            [--dense-bytes-per-value B] [--dense-budget SIZE]
+ *            [--dense-bytes-per-value B] [--dense-budget SIZE] [--kv-type T] [--batch N]
  *
  * With -m the byte counts come from the files (exact); with --config only from the configuration
  * (BF16 dense weights, and MXFP4 experts when the config carries an MXFP4 quantization_config,
@@ -38,7 +38,9 @@ static int usage(const char *msg) {
                     "                [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]\n"
                     "                [--dense-bytes-per-value B]   (2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n"
                 "                [--dense-budget SIZE]         (RAM for the layers' dense matrices; default: what fits)\n"
-                "                [--kv-type f32|bf16|q8]          (MLA latent cache element, as the runtime's option)\n");
+                "                [--kv-type f32|bf16|q8]          (MLA latent cache element, as the runtime's option)\n"
+                "                [--batch N]                   (prompt rows per forward chunk, as moe_options.n_batch; default %d)\n",
+            moe_default_options().n_batch);
     return 2;
 }
 
@@ -57,7 +59,7 @@ int main(int argc, char **argv) {
     double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE), disk = 2.0, membw = 20.0, gflops = 0, ebv = 0, dbv = 2.0;
     double dense_budget = -1; /* -1: what fits */
     int dbv_given = 0;
-    int threads = 1, ctx = 4096, seqs = 16;
+    int threads = 1, ctx = 4096, seqs = 16, batch = moe_default_options().n_batch;
     double kv_bytes = 4; /* per cached latent value: f32, 2 with --kv-type bf16, 1 with q8 (and a 16-byte row meta) */
     int kv_q8 = 0;
     for (int i = 1; i < argc; i++) {
@@ -75,6 +77,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
         else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
         else if (!strcmp(a, "--seqs") && more) seqs = atoi(argv[++i]);
+        else if (!strcmp(a, "--batch") && more) batch = atoi(argv[++i]);
         else if (!strcmp(a, "--kv-type") && more) {
             const char *v = argv[++i];
             if (strcmp(v, "f32") && strcmp(v, "bf16") && strcmp(v, "q8")) return usage("--kv-type is f32, bf16 or q8");
@@ -85,7 +88,7 @@ int main(int argc, char **argv) {
         else return usage("unknown or incomplete argument");
     }
     if (!!model == !!config) return usage("give exactly one of -m and --config");
-    if (!(disk > 0) || !(membw > 0) || threads < 1 || ctx < 1 || seqs < 1) return usage("bad machine description");
+    if (!(disk > 0) || !(membw > 0) || threads < 1 || ctx < 1 || seqs < 1 || batch < 1) return usage("bad machine description");
     if (!(gflops > 0)) gflops = 50.0 * threads;
 
     moe_config c;
@@ -147,7 +150,10 @@ int main(int argc, char **argv) {
     const double state_per_seq = (double)n_kda * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4 +
                                  (double)n_kda * (c.conv_kernel - 1) * 3.0 * c.kda_heads * c.kda_head_dim * 4 +
                                  (double)n_mla * ((c.kv_lora_rank + c.qk_rope_dim) * kv_bytes + (kv_q8 ? 16 : 0)) * ctx;
-    const double working = 512.0 * c.hidden_size * 4 * 16 + 512.0 * c.vocab_size * 4; /* one 512-row chunk */
+    /* one prompt chunk: about 16 f32 hidden-size vectors a row, and the block attention
+     * residuals' partial sums (n_layers / block + 2 more); logits come one row at a time */
+    const double blocks = c.attn_res_block ? c.n_layers / c.attn_res_block + 2 : 0;
+    const double working = (double)batch * c.hidden_size * 4 * (16 + blocks);
     const double reserve = 1073741824.0 + 0.05 * ram;
     /* the embedding stays in the file mapping whatever the dense type: only the rows of the tokens
      * seen are read, so it is not counted resident (its bytes are in dense_bytes at the dense
@@ -194,11 +200,11 @@ int main(int argc, char **argv) {
                ns[i], N > 1 ? "s in lockstep" : "", read / 1e9, distinct, io, comp, (io + comp) / N, (io > comp ? io : comp) / N,
                N / (io + comp), N / (io > comp ? io : comp));
     }
-    const double T = 512, dT = E ? E * (1 - pow(1 - k / E, T)) : 0;
+    const double T = batch, dT = E ? E * (1 - pow(1 - k / E, T)) : 0;
     const double pread = n_moe * dT * one_expert * (1 - f) + streamed;
     const double pio = pread / (disk * 1e9), pcomp = 2 * n_active * T / (gflops * 1e9);
-    printf("prefill, 512-token chunk: %.2f GB read (%.0f experts per MoE layer), io %.2f s + compute %.2f s: %.1f tok/s serial, %.1f overlapped\n",
-           pread / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
+    printf("prefill, %d-token chunk: %.2f GB read (%.0f experts per MoE layer), io %.2f s + compute %.2f s: %.1f tok/s serial, %.1f overlapped\n",
+           batch, pread / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
     moe_model_close(m);
     return 0;
 }
