@@ -1139,7 +1139,7 @@ int main(int argc, char **argv) {
     if (df) {
         int k, np;
         unsigned long long hn;
-        if (fscanf(df, "%d %llu %d", &k, &hn, &np) >= 2 && hn == hdr_bytes && k >= 0 && k <= p.n) {
+        if (fscanf(df, "%d %llu %d", &k, &hn, &np) == 3 && np == nparts && hn == hdr_bytes && k >= 0 && k <= p.n) {
             start = k;
             for (int i = 0; i < nparts && start; i++) {
                 int pfd = open(parts[i].partial, O_RDONLY);
