@@ -104,7 +104,9 @@ typedef struct {
     int n_threads;          /* worker threads per call; <= 0 means 1 */
     int n_batch;            /* rows per internal forward chunk (bounds activation memory; larger
                                chunks read each weight, and each routed expert from disk, once for
-                               more rows, and rebuild MLA's expanded keys less often) */
+                               more rows, and rebuild MLA's expanded keys less often); <= 0 (the
+                               default): 2048 with mapped experts, 512 in the cache mode, where
+                               working memory sits beside the expert budget */
     size_t expert_budget;   /* CACHE mode: RAM for routed experts in bytes; it must hold n_threads
                                experts, plus one layer's dense matrices when dense_budget streams
                                some (checked at open) */
@@ -144,7 +146,7 @@ typedef struct {
     const char *kernels;
 } moe_options;
 
-/* Defaults: 1 thread, n_batch 2048, mmap experts, weights as stored, no flags. The router,
+/* Defaults: 1 thread, n_batch by the expert mode, mmap experts, weights as stored, no flags. The router,
  * the embedding and MLA's kv_b stay as stored whatever dense_type says; so does a matrix whose
  * row length is not a multiple of 32 when a block format is asked for; with dense_type Q4_0 the
  * LM head becomes Q8_0. */

@@ -53,7 +53,8 @@ static int usage(const char *msg) {
                     "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--mxfp4 f32|int8] [--batch ROWS]\n"
                     "                 [--kernels NAME]\n"
                     "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
-                    "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--prefetch on|off]\n"
+                    "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--batch ROWS]\n"
+                    "                 [--prefetch on|off]\n"
                     "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n"
                     "  --kernels NAME: a kernel set this CPU runs (avx2, avxvnni, ...; default its best), for the\n"
                     "  model and the int8 peak\n");
@@ -343,6 +344,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
         if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
         else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
         else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
+        else if (!strcmp(a, "--batch") && more) { if ((o.n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
         else if (!strcmp(a, "--seqs") && more) { if ((n_seqs = parse_list(argv[++i], seqs, 8)) < 1) return usage("bad --seqs"); }
         else if ((k = cache_flag(argc, argv, &i, &o, &why)) != 0) { if (k < 0) return usage(why); }
         else if (!strcmp(a, "--dense") && more) {
@@ -420,7 +422,8 @@ static int stream_bench(const char *model, int argc, char **argv) {
     for (int i = 0; i < maxs; i++)
         if ((st = moe_session_new(&ss[i], m, ctx, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
     moe_step_stats s1;
-    /* prefill: one chunk of n_prefill tokens; every expert it routes to is read at most once */
+    /* prefill: n_prefill tokens in chunks of n_batch rows; every expert a chunk routes to is read
+     * at most once for it */
     {
         run_stats r = {0};
         q[0] = (moe_seq){.s = ss[0], .tokens = ids, .n = n_prefill, .logits = logits};

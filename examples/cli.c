@@ -62,7 +62,7 @@ static int usage(const char *msg) {
             "\n"
             "performance:\n"
             "  -t THREADS      worker threads (default 1)\n"
-            "  --batch N       rows per internal forward chunk (default 2048)\n"
+            "  --batch N       rows per internal forward chunk (default 2048; 512 with --load-mode cache)\n"
             "  --load-mode M   routed experts through the file mapping (mmap, default) or read into a\n"
             "                  cache of --expert-budget bytes (cache)\n"
             "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode)\n"

@@ -39,8 +39,8 @@ static int usage(const char *msg) {
                     "                [--dense-bytes-per-value B]   (2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n"
                 "                [--dense-budget SIZE]         (RAM for the layers' dense matrices; default: what fits)\n"
                 "                [--kv-type f32|bf16|q8]          (MLA latent cache element, as the runtime's option)\n"
-                "                [--batch N]                   (prompt rows per forward chunk, as moe_options.n_batch; default %d)\n",
-            moe_default_options().n_batch);
+                "                [--batch N]                   (prompt rows per forward chunk, as moe_options.n_batch; default 512,\n"
+                "                                               the cache mode's)\n");
     return 2;
 }
 
@@ -59,7 +59,7 @@ int main(int argc, char **argv) {
     double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE), disk = 2.0, membw = 20.0, gflops = 0, ebv = 0, dbv = 2.0;
     double dense_budget = -1; /* -1: what fits */
     int dbv_given = 0;
-    int threads = 1, ctx = 4096, seqs = 16, batch = moe_default_options().n_batch;
+    int threads = 1, ctx = 4096, seqs = 16, batch = 512; /* the runtime's chunk in the cache mode planned here */
     double kv_bytes = 4; /* per cached latent value: f32, 2 with --kv-type bf16, 1 with q8 (and a 16-byte row meta) */
     int kv_q8 = 0;
     for (int i = 1; i < argc; i++) {
