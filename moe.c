@@ -2196,6 +2196,7 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
     if (moe__kernels_pick(&m->k, m->opt.flags, m->opt.kernels, levels, sizeof levels))
         st = fail(err, errlen, MOE_ERR_ARG, "kernels \"%s\": this CPU runs %s", m->opt.kernels, levels);
     m->info.kernels = m->k.isa;
+    m->info.n_batch = m->opt.n_batch;
     m->opt.kernels = NULL; /* the caller's string: used only here */
     if (!st && !(m->path = strdup(path))) st = MOE_ERR_NOMEM;
     if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)

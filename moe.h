@@ -195,7 +195,7 @@ typedef struct {
                                        formats used after load (one embedding row) */
     int streamed_layers;      /* CACHE mode: layers whose dense matrices are read every step */
     uint64_t streamed_bytes;  /* bytes of those matrices as stored (read once per step) */
-    int n_files;              /* safetensors files mapped */
+    int n_files;              /* weight files mapped (safetensors shards, GGUF parts) */
     const char *format;       /* "safetensors" or "gguf" */
     const char *weight_type;  /* the format holding most weight bytes after load: "bf16", "q4_0", ... */
     int experts_kept_mapped;  /* 1: MMAP mode kept routed experts that the x8 kernels could take
@@ -203,6 +203,7 @@ typedef struct {
     const char *kernels;      /* the kernel set chosen for this CPU at load: "scalar" (also under
                                  MOE_FLAG_FORCE_SCALAR or a MOE_NO_SIMD build), "avx2", "avxvnni",
                                  "avx512", "avx512vnni", "neon" or "neon-dotprod" */
+    int n_batch;              /* rows per forward chunk in use (moe_options.n_batch, or its default) */
 } moe_model_info;
 
 /* Opens a model: a Hugging Face checkpoint directory (config.json + model.safetensors or shards

@@ -287,8 +287,8 @@ int main(int argc, char **argv) {
     if (st) { fprintf(stderr, "moe-cli: %s: %s\n", moe_status_str(st), err); goto out; }
     const moe_config *c = moe_model_config(m);
     moe_model_info info = moe_model_get_info(m);
-    fprintf(stderr, "moe-cli: %d layers, %.3g B params (%.3g B active), %d files, loaded in %.2f s; %s kernels\n", c->n_layers,
-            info.n_params / 1e9, info.n_params_active / 1e9, info.n_files, now() - t0, info.kernels);
+    fprintf(stderr, "moe-cli: %d layers, %.3g B params (%.3g B active), %d files, loaded in %.2f s; %s kernels, prompt chunks of %d\n",
+            c->n_layers, info.n_params / 1e9, info.n_params_active / 1e9, info.n_files, now() - t0, info.kernels, info.n_batch);
     if (info.experts_kept_mapped)
         fprintf(stderr, "moe-cli: the routed experts do not fit in RAM: they stay mapped and are read from disk as needed "
                         "(row kernels; --load-mode cache streams them through a fixed budget instead)\n");

@@ -1675,6 +1675,13 @@ static void test_small_batch_chunks(void) {
     float *a = logits_in_pieces(ref, ids, n, NULL), *b = logits_in_pieces(m, ids, n, NULL);
     double d = max_abs_diff(a, b, (size_t)n * V);
     CHECKF(d < 1e-3, "n_batch 7 vs the default: %.3g", d);
+    /* the default: 2048 rows with mapped experts, 512 in the cache mode */
+    CHECK(moe_model_get_info(m).n_batch == 7 && moe_model_get_info(ref).n_batch == 2048);
+    moe_options oc = moe_default_options();
+    oc.expert_mode = MOE_EXPERTS_CACHE, oc.expert_budget = 64 << 20;
+    moe_model *mc = NULL;
+    CHECK(moe_model_open(&mc, path, &oc, NULL, 0) == MOE_OK && moe_model_get_info(mc).n_batch == 512);
+    moe_model_close(mc);
     free(a), free(b), free(ids);
     moe_model_close(m);
     moe_model_close(ref);
