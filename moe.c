@@ -3318,10 +3318,12 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
     const double savg = pos + (n + 1) / 2.0;
     double absorbed = (double)n * H * (savg * (2.0 * r + dr) + (double)(dn + dv) * r);
     const double expanded = (double)S * H * (dn + dv) * r + (double)n * H * savg * (dq + dv);
-    /* with an int8 cache the absorbed products are integer ones (dpbusd, SDOT: twice or more the
-     * multiply-adds per instruction of the expanded form's f32 FMAs); filling 8192 tokens of the
-     * benchmark shape took 62.0 s absorbed against 72.2 s expanded (Zen 4, 2 threads) */
-    if (m->opt.kv_type == MOE_KV_Q8) absorbed /= 2;
+    /* with an int8 cache the absorbed products are integer ones: one dpbusd or SDOT does 4x the
+     * multiply-adds of an f32 FMA of the same width, the AVX2 and plain NEON forms (2-3
+     * instructions) about 2x. Filling 8192 tokens of the benchmark shape (Zen 4, AVX-512 VNNI, 2
+     * threads): in 512-row chunks 62.0 s absorbed against 72.2 expanded; in 2048-row chunks, where
+     * a factor of 2 picked the expanded form for the later chunks, 66.9 s absorbed against 76.4 */
+    if (m->opt.kv_type == MOE_KV_Q8) absorbed /= strstr(m->k.isa, "vnni") || strstr(m->k.isa, "dotprod") ? 4 : 2;
     int use_expanded = expanded < absorbed;
     if (m->opt.flags & MOE_FLAG_MLA_ABSORBED) use_expanded = 0;
     if (m->opt.flags & MOE_FLAG_MLA_EXPANDED) use_expanded = 1;
