@@ -344,6 +344,92 @@ static void write_vocab(meta *mt, const moe_config *c, const moe_tokenizer *tok)
     }
 }
 
+/* A tiktoken vocabulary has ranks (rank = id), not merges; llama.cpp's "gpt2" tokenizer wants
+ * the merge list. Token k's merge joins the two parts that byte-pair encoding of k's bytes,
+ * allowed only ranks below k, ends with: the derivation llama.cpp's own converter applies to
+ * such vocabularies. Tokens of one byte, and any that do not end in two parts, have none. */
+typedef struct {
+    const moe_tokenizer *tok;
+    int32_t *slot; /* ids by hash of their bytes, -1: empty */
+    size_t mask;
+} vocab_index;
+
+static uint64_t bytes_hash(const char *p, size_t n) {
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)p[i]) * 1099511628211ull;
+    return h;
+}
+
+/* the id of the mergeable token with these bytes, or -1 */
+static int32_t vocab_find(const vocab_index *v, const char *p, size_t n) {
+    for (size_t k = bytes_hash(p, n) & v->mask;; k = (k + 1) & v->mask) {
+        const int32_t id = v->slot[k];
+        if (id < 0) return -1;
+        size_t len;
+        const char *t = moe_token_bytes(v->tok, id, &len);
+        if (len == n && !memcmp(t, p, n)) return id;
+    }
+}
+
+static void put_symbols(buf *b, const char *p, size_t n) {
+    char tmp[8];
+    for (size_t j = 0; j < n; j++) put(b, tmp, gpt2_symbol((unsigned char)p[j], tmp));
+}
+
+/* appends tokenizer.ggml.merges; 0 when out of memory */
+static int write_merges(meta *mt, const moe_config *c, const moe_tokenizer *tok) {
+    vocab_index v = {tok, NULL, 0};
+    size_t cap = 16;
+    while (cap < 2 * (size_t)c->vocab_size) cap *= 2;
+    v.mask = cap - 1;
+    size_t *at = malloc(sizeof(size_t) * 1024); /* part starts while a token is merged */
+    buf list = {0}, one = {0};
+    if (!(v.slot = malloc(sizeof(int32_t) * cap)) || !at) { free(v.slot), free(at); return 0; }
+    for (size_t k = 0; k < cap; k++) v.slot[k] = -1;
+    for (int32_t i = 0; i < c->vocab_size; i++) {
+        size_t n;
+        const char *t = moe_token_bytes(tok, i, &n);
+        if (!t || moe_token_is_special(tok, i)) continue;
+        size_t k = bytes_hash(t, n) & v.mask;
+        while (v.slot[k] >= 0) k = (k + 1) & v.mask;
+        v.slot[k] = i;
+    }
+    uint64_t count = 0;
+    for (int32_t i = 0; i < c->vocab_size; i++) {
+        size_t n;
+        const char *t = moe_token_bytes(tok, i, &n);
+        if (!t || moe_token_is_special(tok, i) || n < 2 || n > 1023) continue;
+        size_t np = n;
+        for (size_t j = 0; j <= n; j++) at[j] = j; /* part j is t[at[j] .. at[j+1]) */
+        for (;;) {
+            int32_t best = -1;
+            size_t bj = 0;
+            for (size_t j = 0; j + 1 < np; j++) {
+                const int32_t r = vocab_find(&v, t + at[j], at[j + 2] - at[j]);
+                if (r >= 0 && r < i && (best < 0 || r < best)) best = r, bj = j;
+            }
+            if (best < 0) break;
+            memmove(at + bj + 1, at + bj + 2, sizeof *at * (np - bj - 1));
+            np--;
+        }
+        if (np != 2) continue;
+        one.n = 0; /* "A B" in GPT-2's byte symbols, a GGUF string: its length, then its bytes */
+        put_symbols(&one, t, at[1]);
+        put(&one, " ", 1);
+        put_symbols(&one, t + at[1], n - at[1]);
+        put_u64(&list, one.n), put(&list, one.b, one.n);
+        count++;
+    }
+    const int ok = !list.oom && !one.oom;
+    if (ok) {
+        put_str(&mt->b, "tokenizer.ggml.merges"), mt->n_kv++;
+        put_u32(&mt->b, MOE_GGUF_ARRAY), put_u32(&mt->b, MOE_GGUF_STRING), put_u64(&mt->b, count);
+        put(&mt->b, list.b, list.n);
+    }
+    free(v.slot), free(at), free(list.b), free(one.b);
+    return ok;
+}
+
 static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx, int random_vocab, const moe_tokenizer *tok) {
     char key[128];
     buf *b = &mt->b;
@@ -398,6 +484,7 @@ static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx,
     if (c->bos_token_id >= 0) kv_u32(b, "tokenizer.ggml.bos_token_id", (uint32_t)c->bos_token_id), mt->n_kv++;
     if (c->eos_token_id >= 0) kv_u32(b, "tokenizer.ggml.eos_token_id", (uint32_t)c->eos_token_id), mt->n_kv++;
     if (tok) write_vocab(mt, c, tok);
+    if (tok && !write_merges(mt, c, tok)) mt->b.oom = 1;
     else if (random_vocab) {
         /* a placeholder SPM ("llama") vocabulary, so other engines can load the benchmark file:
          * <unk>, <s>, </s>, 256 byte tokens, then filler pieces */

@@ -3080,6 +3080,98 @@ static void test_shipped_batch(void) {
     free(all);
 }
 
+/* llama.cpp's gpt2-style BPE over the GGUF's tokens and merges (an independent reading of what
+ * moe-convert writes): GPT-2's byte symbols, the adjacent pair listed first in the merges joined
+ * until none is listed, each symbol then looked up among the tokens */
+typedef struct { const char *p; size_t n; } gstr;
+static size_t gstr_hash(const char *p, size_t n) {
+    size_t h = 2166136261u;
+    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)p[i]) * 16777619u;
+    return h;
+}
+typedef struct { gstr *s; int *slot; size_t mask; } gtable; /* strings -> their index */
+static int gtable_init(gtable *t, const moe__gguf_kv *kv) {
+    if (!kv || kv->type != MOE_GGUF_ARRAY || kv->etype != MOE_GGUF_STRING) return 0;
+    size_t cap = 16;
+    while (cap < 2 * kv->n) cap *= 2;
+    t->s = malloc(sizeof *t->s * kv->n), t->slot = malloc(sizeof(int) * cap), t->mask = cap - 1;
+    if (!t->s || !t->slot) return 0;
+    for (size_t k = 0; k < cap; k++) t->slot[k] = -1;
+    const uint8_t *p = kv->data;
+    for (uint64_t i = 0; i < kv->n; i++) {
+        uint64_t n;
+        memcpy(&n, p, 8);
+        t->s[i] = (gstr){(const char *)p + 8, (size_t)n};
+        p += 8 + n;
+        size_t k = gstr_hash(t->s[i].p, t->s[i].n) & t->mask;
+        while (t->slot[k] >= 0) k = (k + 1) & t->mask;
+        t->slot[k] = (int)i;
+    }
+    return 1;
+}
+static int gtable_find(const gtable *t, const char *p, size_t n) {
+    for (size_t k = gstr_hash(p, n) & t->mask; t->slot[k] >= 0; k = (k + 1) & t->mask)
+        if (t->s[t->slot[k]].n == n && !memcmp(t->s[t->slot[k]].p, p, n)) return t->slot[k];
+    return -1;
+}
+static size_t gpt2_char(unsigned char b, char *out) { /* GPT-2's symbol for byte b, UTF-8 */
+    unsigned cp = b;
+    if (!((b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE)) {
+        unsigned k = 0;
+        for (unsigned x = 0; x < b; x++) k += !((x >= '!' && x <= '~') || (x >= 0xA1 && x <= 0xAC) || x >= 0xAE);
+        cp = 256 + k;
+    }
+    if (cp < 0x80) { out[0] = (char)cp; return 1; }
+    out[0] = (char)(0xC0 | cp >> 6), out[1] = (char)(0x80 | (cp & 0x3F));
+    return 2;
+}
+/* ids of one piece into ids[]; the count, or -1 where a symbol is no token */
+static long merges_bpe(const gtable *tokens, const gtable *merges, const char *piece, size_t n, int32_t *ids) {
+    char *sym = malloc(2 * n + 1), *pair = malloc(4 * n + 2);
+    size_t *at = malloc(sizeof(size_t) * (n + 1)), m = 0, ns = n;
+    for (size_t i = 0; i < n; i++) at[i] = m, m += gpt2_char((unsigned char)piece[i], sym + m);
+    at[n] = m;
+    for (;;) {
+        int best = -1;
+        size_t bj = 0;
+        for (size_t j = 0; j + 1 < ns; j++) {
+            size_t a = at[j + 1] - at[j], b = at[j + 2] - at[j + 1];
+            memcpy(pair, sym + at[j], a), pair[a] = ' ', memcpy(pair + a + 1, sym + at[j + 1], b);
+            const int r = gtable_find(merges, pair, a + 1 + b);
+            if (r >= 0 && (best < 0 || r < best)) best = r, bj = j;
+        }
+        if (best < 0) break;
+        memmove(at + bj + 1, at + bj + 2, sizeof *at * (ns - bj - 1));
+        ns--;
+    }
+    long out = (long)ns;
+    for (size_t j = 0; j < ns && out >= 0; j++)
+        if ((ids[j] = gtable_find(tokens, sym + at[j], at[j + 1] - at[j])) < 0) out = -1;
+    free(sym), free(pair), free(at);
+    return out;
+}
+static void check_gguf_merges(const char *path, const moe_tokenizer *t, const char *text, size_t len) {
+    moe__st_file f;
+    char err[300];
+    CHECKF(moe__gguf_open(&f, path, err, sizeof err) == MOE_OK, "%s", err);
+    gtable tokens = {0}, merges = {0};
+    CHECK(gtable_init(&tokens, moe__gguf_get(&f, "tokenizer.ggml.tokens")) && gtable_init(&merges, moe__gguf_get(&f, "tokenizer.ggml.merges")));
+    size_t *ends = malloc(sizeof(size_t) * (len + 1)), n = 0;
+    int32_t *want = malloc(sizeof(int32_t) * (len + 1)), *got = malloc(sizeof(int32_t) * (len + 1));
+    const long np = tokens.s && merges.s ? moe__pretokenize(MOE_PRETOK_KIMI, text, len, ends, len + 1) : -1;
+    CHECK(np > 0 && moe_tokenize(t, text, len, 0, want, len + 1, &n, err, sizeof err) == MOE_OK);
+    size_t k = 0, start = 0, bad = 0;
+    for (long i = 0; i < np && !bad; i++) {
+        const long m = merges_bpe(&tokens, &merges, text + start, ends[i] - start, got + k);
+        if (m < 0) bad = 1;
+        else k += (size_t)m;
+        start = ends[i];
+    }
+    CHECKF(!bad && k == n && !memcmp(got, want, n * sizeof *got), "merges BPE: %zu ids against %zu", k, n);
+    free(ends), free(want), free(got), free(tokens.s), free(tokens.slot), free(merges.s), free(merges.slot);
+    moe__st_close(&f);
+}
+
 /* the shipped model converted to GGUF carries its vocabulary: same ids, same greedy text */
 static void test_shipped_gguf_vocab(void) {
     char out[600], cmd[2400], a[4096], b[4096], err[300];
@@ -3105,6 +3197,7 @@ static void test_shipped_gguf_vocab(void) {
         CHECK(moe_tokenize(t2, text, len, MOE_TOK_SPECIAL, i2, len, &n2, err, sizeof err) == MOE_OK);
         CHECK(n1 == n2 && !memcmp(i1, i2, n1 * sizeof *i1));
         free(i1), free(i2);
+        check_gguf_merges(out, t1, text, len);
     }
     free(text);
     moe_tokenizer_free(t1), moe_tokenizer_free(t2);
