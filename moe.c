@@ -3323,7 +3323,7 @@ static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s
      * instructions) about 2x. Filling 8192 tokens of the benchmark shape (Zen 4, AVX-512 VNNI, 2
      * threads): in 512-row chunks 62.0 s absorbed against 72.2 expanded; in 2048-row chunks, where
      * a factor of 2 picked the expanded form for the later chunks, 66.9 s absorbed against 76.4 */
-    if (m->opt.kv_type == MOE_KV_Q8) absorbed /= strstr(m->k.isa, "vnni") || strstr(m->k.isa, "dotprod") ? 4 : 2;
+    if (m->opt.kv_type == MOE_KV_Q8) absorbed /= m->k.dot8 ? 4 : 2;
     int use_expanded = expanded < absorbed;
     if (m->opt.flags & MOE_FLAG_MLA_ABSORBED) use_expanded = 0;
     if (m->opt.flags & MOE_FLAG_MLA_EXPANDED) use_expanded = 1;

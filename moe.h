@@ -517,6 +517,8 @@ typedef struct {
     float (*exp_sum)(float *y, const float *x, float shift, int64_t n); /* see moe__exp_sum_ref */
     void (*widen_bf16)(float *y, const uint16_t *x, int64_t n); /* bf16 -> f32, exact */
     const char *isa;              /* "scalar", "avx2", ... */
+    int dot8;                     /* 1: the int8 attention kernels multiply 4 byte pairs a lane in one
+                                     instruction (dpbusd, SDOT): 4x an f32 FMA's multiply-adds */
 } moe__kernels;
 
 void moe__kernels_init(moe__kernels *k, unsigned flags);

@@ -3750,6 +3750,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->mla_scores8 = mla_scores8_avxvnni;
             v->mla_ctx8 = mla_ctx8_avxvnni;
             v->isa = "avxvnni";
+            v->dot8 = 1;
             k = v; /* the AVX-512 levels build on it */
         }
         if (n < max && cpu_has_avx512()) {
@@ -3792,6 +3793,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->mla_scores8 = mla_scores8_vnni;
                 v->mla_ctx8 = mla_ctx8_vnni;
                 v->isa = "avx512vnni";
+                v->dot8 = 1;
             }
             if (cpu_has_avx512bf16()) {
                 v->mla_scores16 = mla_scores16_avx512bf16;
@@ -3846,6 +3848,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8x4[MOE_T_MXFP4X8] = dotq8x4_mxfp4_dotprod;
             v->mla_scores8 = mla_scores8_dotprod;
             v->isa = "neon-dotprod";
+            v->dot8 = 1;
         }
     }
 #endif

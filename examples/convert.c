@@ -314,6 +314,12 @@ static size_t gpt2_symbol(unsigned char b, char *out) {
  * strings for the ranks, names for the specials; id = rank), token_type (1 normal, 3 control,
  * 5 unused), pre "kimi-k2". No merges list: moe rebuilds bytes -> rank from the tokens (merges
  * reconstructed from ranks are lossy), so llama.cpp itself cannot use this vocabulary. */
+/* bytes as GPT-2 byte symbols (UTF-8) */
+static void put_symbols(buf *b, const char *p, size_t n) {
+    char tmp[8];
+    for (size_t j = 0; j < n; j++) put(b, tmp, gpt2_symbol((unsigned char)p[j], tmp));
+}
+
 static void write_vocab(meta *mt, const moe_config *c, const moe_tokenizer *tok) {
     buf *b = &mt->b;
     kv_str(b, "tokenizer.ggml.model", "gpt2"), mt->n_kv++;
@@ -333,7 +339,7 @@ static void write_vocab(meta *mt, const moe_config *c, const moe_tokenizer *tok)
             size_t len = 0;
             for (size_t j = 0; j < n; j++) len += gpt2_symbol((unsigned char)t[j], tmp);
             put_u64(b, len);
-            for (size_t j = 0; j < n; j++) put(b, tmp, gpt2_symbol((unsigned char)t[j], tmp));
+            put_symbols(b, t, n);
         }
     }
     put_str(b, "tokenizer.ggml.token_type"), mt->n_kv++;
@@ -371,21 +377,16 @@ static int32_t vocab_find(const vocab_index *v, const char *p, size_t n) {
     }
 }
 
-static void put_symbols(buf *b, const char *p, size_t n) {
-    char tmp[8];
-    for (size_t j = 0; j < n; j++) put(b, tmp, gpt2_symbol((unsigned char)p[j], tmp));
-}
-
 /* appends tokenizer.ggml.merges; 0 when out of memory */
 static int write_merges(meta *mt, const moe_config *c, const moe_tokenizer *tok) {
     vocab_index v = {tok, NULL, 0};
     size_t cap = 16;
     while (cap < 2 * (size_t)c->vocab_size) cap *= 2;
     v.mask = cap - 1;
-    size_t *at = malloc(sizeof(size_t) * 1024); /* part starts while a token is merged */
     buf list = {0}, one = {0};
-    if (!(v.slot = malloc(sizeof(int32_t) * cap)) || !at) { free(v.slot), free(at); return 0; }
+    if (!(v.slot = malloc(sizeof(int32_t) * cap))) return 0;
     for (size_t k = 0; k < cap; k++) v.slot[k] = -1;
+    size_t longest = 1;
     for (int32_t i = 0; i < c->vocab_size; i++) {
         size_t n;
         const char *t = moe_token_bytes(tok, i, &n);
@@ -393,12 +394,15 @@ static int write_merges(meta *mt, const moe_config *c, const moe_tokenizer *tok)
         size_t k = bytes_hash(t, n) & v.mask;
         while (v.slot[k] >= 0) k = (k + 1) & v.mask;
         v.slot[k] = i;
+        longest = n > longest ? n : longest;
     }
+    size_t *at = malloc(sizeof(size_t) * (longest + 1)); /* part starts while a token is merged */
+    if (!at) { free(v.slot); return 0; }
     uint64_t count = 0;
     for (int32_t i = 0; i < c->vocab_size; i++) {
         size_t n;
         const char *t = moe_token_bytes(tok, i, &n);
-        if (!t || moe_token_is_special(tok, i) || n < 2 || n > 1023) continue;
+        if (!t || moe_token_is_special(tok, i) || n < 2) continue;
         size_t np = n;
         for (size_t j = 0; j <= n; j++) at[j] = j; /* part j is t[at[j] .. at[j+1]) */
         for (;;) {

@@ -1863,6 +1863,7 @@ static char *replace_once(const char *s, const char *from, const char *to) {
     return r;
 }
 
+/* opens and closes a model (a directory or a file): the status, and the message in err */
 static moe_status open_dir(const char *dir, char *err, size_t errlen) {
     moe_model *m = NULL;
     moe_status st = moe_model_open(&m, dir, NULL, err, errlen);
@@ -3238,8 +3239,6 @@ static void test_gguf_golden(void) {
     }
 }
 
-/* quantized GGUF files load and run; MXFP4 experts are the same values; an interrupted
- * conversion resumes and produces the same bytes */
 /* mean |a - b| over n values */
 static double mean_abs_diff(const float *a, const float *b, size_t n) {
     double s = 0;
@@ -3247,17 +3246,8 @@ static double mean_abs_diff(const float *a, const float *b, size_t n) {
     return s / n;
 }
 
-/* one prefill of ids[n] through m with every position's logits into out; the routing taken
- * into routes, or forced from force (either may be NULL) */
-static void step_all_logits(moe_model *m, const int32_t *ids, int n, int32_t *routes, const int32_t *force, float *out) {
-    moe_session *s = NULL;
-    CHECK(moe_session_new(&s, m, n, NULL, 0) == MOE_OK);
-    if (!s) return;
-    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = out, .logits_all = 1, .routes = routes, .force_routes = force};
-    CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
-    moe_session_free(s);
-}
-
+/* quantized GGUF files load and run; MXFP4 experts are the same values; an interrupted
+ * conversion resumes and produces the same bytes */
 static void test_gguf_quant_resume(void) {
     char dir[600], a[600], b[600];
     snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
@@ -3299,10 +3289,7 @@ static void test_gguf_quant_resume(void) {
             const size_t nv = (size_t)n * c->vocab_size;
             float *x[4];
             int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
-            for (int k = 0; k < 4; k++) {
-                x[k] = malloc(sizeof(float) * nv);
-                step_all_logits(r[k], ids, n, k == 0 ? routes : NULL, k == 0 ? NULL : routes, x[k]);
-            }
+            for (int k = 0; k < 4; k++) x[k] = logits_routed(r[k], ids, n, NULL, k == 0 ? routes : NULL, k == 0 ? NULL : routes);
             const double d1 = max_abs_diff(x[0], x[1], nv), d2 = max_abs_diff(x[0], x[2], nv), d3 = max_abs_diff(x[0], x[3], nv);
             const double m1 = mean_abs_diff(x[0], x[1], nv), m2 = mean_abs_diff(x[0], x[2], nv), m3 = mean_abs_diff(x[0], x[3], nv);
             CHECKF(d1 < 1.0 && d2 < 1.0 && m1 < 0.05 && m2 < 0.05, "repacked vs mapped: max %.3g mean %.3g; vs scalar: max %.3g mean %.3g", d1, m1, d2, m2);
@@ -3316,7 +3303,8 @@ static void test_gguf_quant_resume(void) {
                 moe_model *ml = NULL;
                 CHECK(moe_model_open(&ml, a, &ol, NULL, 0) == MOE_OK);
                 if (ml) {
-                    step_all_logits(ml, ids, n, NULL, routes, x[1]);
+                    free(x[1]);
+                    x[1] = logits_routed(ml, ids, n, NULL, NULL, routes);
                     const double dl = max_abs_diff(x[0], x[1], nv), ml1 = mean_abs_diff(x[0], x[1], nv);
                     CHECKF(dl < 1.0 && ml1 < 0.05, "%s kernels vs %s: max %.3g mean %.3g", lv[l].isa, lv[nl - 1].isa, dl, ml1);
                 }
@@ -3373,12 +3361,6 @@ static void remove_split(const char *prefix, int parts) {
     char path[700];
     for (int k = 1; k <= parts; k++) split_part(path, sizeof path, prefix, k, parts), remove(path);
 }
-static moe_status open_err(const char *path, char *err, size_t n) {
-    moe_model *m = NULL;
-    const moe_status st = moe_model_open(&m, path, NULL, err, n);
-    moe_model_close(m);
-    return st;
-}
 static void test_gguf_split(void) {
     char dir[600], out[600], prefix[600], first[700], mid[700], other[700], err[400];
     snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
@@ -3409,7 +3391,7 @@ static void test_gguf_split(void) {
         CHECK(moe_model_get_info(m[1]).n_files == parts);
         const size_t nv = (size_t)n * moe_model_config(m[0])->vocab_size;
         float *x[4];
-        for (int i = 0; i < 4; i++) x[i] = malloc(sizeof(float) * nv), step_all_logits(m[i], ids, n, NULL, NULL, x[i]);
+        for (int i = 0; i < 4; i++) x[i] = logits_in_pieces(m[i], ids, n, NULL);
         CHECK(max_abs_diff(x[0], x[1], nv) == 0);
         CHECKF(max_abs_diff(x[0], x[2], nv) == 0, "cache mode: %.3g", max_abs_diff(x[0], x[2], nv));
         CHECK(max_abs_diff(x[0], x[3], nv) == 0);
@@ -3443,13 +3425,13 @@ static void test_gguf_split(void) {
     split_part(other, sizeof other, prefix, 3, parts);
     snprintf(moved, sizeof moved, "%s.away", other);
     CHECK(rename(other, moved) == 0);
-    CHECK(open_err(first, err, sizeof err) != MOE_OK && strstr(err, other));
+    CHECK(open_dir(first, err, sizeof err) != MOE_OK && strstr(err, other));
     CHECK(rename(moved, other) == 0);
     /* a part under another part's name: its split.no says so */
     char second[700];
     split_part(second, sizeof second, prefix, 2, parts);
     CHECK(rename(second, moved) == 0 && rename(other, second) == 0 && rename(moved, other) == 0);
-    CHECKF(open_err(first, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "split.no"), "%s", err);
+    CHECKF(open_dir(first, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "split.no"), "%s", err);
     CHECK(rename(second, moved) == 0 && rename(other, second) == 0 && rename(moved, other) == 0);
     /* the first part copied under a name of another part count */
     char *f1;
@@ -3457,7 +3439,7 @@ static void test_gguf_split(void) {
     CHECK((f1 = read_all(first, &l1)) != NULL);
     snprintf(other, sizeof other, "%s/sx-00001-of-00099.gguf", tmp_root);
     CHECK(f1 && write_all(other, f1, l1));
-    CHECKF(open_err(other, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "not named"), "%s", err);
+    CHECKF(open_dir(other, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "not named"), "%s", err);
     remove(other);
     /* split.tensors.count one off */
     char *k = NULL;
@@ -3468,7 +3450,7 @@ static void test_gguf_split(void) {
         int32_t v;
         memcpy(&v, k + 19 + 4, 4), v++, memcpy(k + 19 + 4, &v, 4);
         CHECK(write_all(first, f1, l1));
-        CHECKF(open_err(mid, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "split.tensors.count"), "%s", err);
+        CHECKF(open_dir(mid, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "split.tensors.count"), "%s", err);
     }
     free(f1);
     remove_split(prefix, parts);
