@@ -569,10 +569,10 @@ static size_t gguf_scalar_size(uint32_t t) {
 
 /* ggml tensor types: block length, block bytes, our type (-1: sized for validation only) */
 static const struct { uint32_t id; int blk, bytes, type; } ggml_types[] = {
-    {0, 1, 4, MOE_T_F32},  {1, 1, 2, MOE_T_F16},    {2, 32, 18, MOE_T_Q4_0},  {3, 32, 20, -1},
-    {6, 32, 22, -1},       {7, 32, 24, -1},         {8, 32, 34, MOE_T_Q8_0},  {9, 32, 36, -1},
-    {10, 256, 84, -1},     {11, 256, 110, -1},      {12, 256, 144, -1},       {13, 256, 176, -1},
-    {14, 256, 210, -1},    {15, 256, 292, -1},      {24, 1, 1, -1},           {25, 1, 2, -1},
+    {0, 1, 4, MOE_T_F32},    {1, 1, 2, MOE_T_F16},    {2, 32, 18, MOE_T_Q4_0},  {3, 32, 20, MOE_T_Q4_1},
+    {6, 32, 22, MOE_T_Q5_0}, {7, 32, 24, MOE_T_Q5_1}, {8, 32, 34, MOE_T_Q8_0},  {9, 32, 36, -1},
+    {10, 256, 84, -1},       {11, 256, 110, -1},      {12, 256, 144, MOE_T_Q4_K}, {13, 256, 176, MOE_T_Q5_K},
+    {14, 256, 210, MOE_T_Q6_K},    {15, 256, 292, -1},      {24, 1, 1, -1},           {25, 1, 2, -1},
     {26, 1, 4, MOE_T_I32}, {27, 1, 8, -1},          {28, 1, 8, -1},           {30, 1, 2, MOE_T_BF16},
     {39, 32, 17, MOE_T_MXFP4_GGML},
 };
@@ -1294,7 +1294,7 @@ static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, cons
         if (t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16 && !moe__is_quant(t->type) &&
             t->type != MOE_T_MXFP4_GGML) {
             b->st = fail(b->err, b->errlen, MOE_ERR_UNSUPPORTED,
-                         "%s: tensor %s: weight type not supported (F32, F16, BF16, Q8_0, Q4_0, MXFP4)", bfile(b, r), t->name);
+                         "%s: tensor %s: weight type not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4)", bfile(b, r), t->name);
             return;
         }
         if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
@@ -1894,7 +1894,9 @@ static moe_status convert_weights(moe_model *m) {
 }
 
 static void count_dense_bytes(moe_model *m) {
-    static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4"};
+    static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
+                                             "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+    _Static_assert(MOE_T_COUNT == 18, "a name for each weight type");
     uint64_t per_type[MOE_T_COUNT] = {0};
     uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);

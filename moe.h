@@ -433,6 +433,9 @@ enum {
     MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_U8, MOE_T_I32,
     MOE_T_Q8_0X8, MOE_T_Q4_0X8, /* 8 rows interleaved at load (never in files): see moe__repack_x8 */
     MOE_T_MXFP4X8,              /* MXFP4 (either layout) interleaved so, under MOE_FLAG_MXFP4_INT8 */
+    /* more ggml block formats, read from files (llama-quantize's mixes: Q4_K_M is Q4_K + Q6_K,
+     * with Q5_0 where a row is not whole 256-value blocks) and multiplied as they are stored */
+    MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K,
     MOE_T_COUNT
 };
 
@@ -440,6 +443,19 @@ enum {
  * Q8_0: x = d * qs[i]. Q4_0: x = d * (q - 8), q = qs[i] & 15 for i < 16, qs[i-16] >> 4 after. */
 typedef struct { uint16_t d; int8_t qs[32]; } moe__block_q8_0;
 typedef struct { uint16_t d; uint8_t qs[16]; } moe__block_q4_0;
+/* Q4_1: x = d q + m, q as Q4_0's. Q5_0: x = d (q - 16) and Q5_1: x = d q + m, q's low 4 bits as
+ * Q4_0's, bit 4 of value j in bit j of qh (little-endian 32 bits). */
+typedef struct { uint16_t d, m; uint8_t qs[16]; } moe__block_q4_1;
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; } moe__block_q5_0;
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } moe__block_q5_1;
+/* k-quants: 256 values a block. Q4_K/Q5_K: 8 sub-blocks of 32, x = d sc_j q - dmin m_j with 6-bit
+ * sc_j, m_j packed in scales[12]; the values of sub-blocks 2c and 2c+1 in the low and high
+ * nibbles of qs[32c .. 32c+31], Q5_K's bit 4 of value l of sub-block j in bit j of qh[l]. Q6_K:
+ * x = d sc_i (q - 32), a signed 8-bit sc_i per 16 values, q's low 4 bits in ql, high 2 in qh
+ * (per 128 values: 64 ql bytes, 32 qh bytes; see moe__row_to_f32). */
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } moe__block_q4_k;
+typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } moe__block_q5_k;
+typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } moe__block_q6_k;
 /* activations quantized for the integer kernels: f32 scale, the sum of the 32 int8 values (lets
  * Q4_0 kernels multiply unsigned nibbles and subtract 8 * sum once per block), the values */
 typedef struct { float d; int32_t sum; int8_t qs[32]; } moe__block_q8a;
@@ -460,7 +476,8 @@ typedef struct { uint8_t e[8]; uint8_t qs[128]; } moe__block_mxfp4x8;
  * of the 8 rows (cols/32 bytes a row), NULL for the other types. */
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols);
 int moe__x8_of(int type); /* the interleaved type of Q4_0, Q8_0 or an MXFP4 layout, else -1 */
-int moe__is_quant(int type); /* Q8_0 or Q4_0: activations go through moe__block_q8a */
+int moe__is_quant(int type); /* a ggml integer block format: activations go through moe__block_q8a */
+int moe__block_values(int type); /* values per block of a type: 1, 32 or 256 */
 
 /* A weight matrix [rows, cols] (PyTorch [out, in]) in its stored format. MXFP4 rows are cols/2
  * packed bytes plus cols/32 E8M0 scale bytes in a separate array. */
@@ -541,7 +558,9 @@ float moe__f16_to_f32(uint16_t h);
 uint16_t moe__f32_to_f16(float f);
 /* Decodes n values of one row (MXFP4: scale = that row's scale bytes). */
 void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out, int64_t n);
-/* Quantizes n values (a multiple of 32) to Q8_0 or Q4_0 blocks (ggml's reference rounding). */
+/* Quantizes n values (whole blocks) to a ggml integer format: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 by
+ * ggml's reference rounding; Q4_K, Q5_K, Q6_K by a search of our own for each sub-block's scale
+ * (and minimum), in the spirit of ggml's, not bit for bit its output. */
 void moe__quantize_row(int type, const float *x, void *out, int64_t n);
 float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n);
 float moe__dotq_mxfp4_ref(const void *w, const uint8_t *scale, const moe__block_q8a *x, int64_t n);

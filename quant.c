@@ -138,8 +138,23 @@ _Static_assert(sizeof(moe__block_mxfp4) == 17, "ggml block_mxfp4 is 17 bytes");
 _Static_assert(sizeof(moe__block_q4_0x8) == 144, "q4_0x8 block is 144 bytes");
 _Static_assert(sizeof(moe__block_q8_0x8) == 272, "q8_0x8 block is 272 bytes");
 _Static_assert(sizeof(moe__block_mxfp4x8) == 8 * sizeof(moe__block_mxfp4), "an mxfp4x8 block is 8 ggml blocks");
+_Static_assert(sizeof(moe__block_q4_1) == 20 && sizeof(moe__block_q5_0) == 22 && sizeof(moe__block_q5_1) == 24, "ggml Q4_1/Q5_0/Q5_1 blocks");
+_Static_assert(sizeof(moe__block_q4_k) == 144 && sizeof(moe__block_q5_k) == 176 && sizeof(moe__block_q6_k) == 210, "ggml k-quant blocks");
 
-int moe__is_quant(int type) { return type == MOE_T_Q8_0 || type == MOE_T_Q4_0; }
+int moe__is_quant(int type) {
+    switch (type) {
+    case MOE_T_Q8_0: case MOE_T_Q4_0: case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_Q6_K: return 1;
+    default: return 0;
+    }
+}
+
+int moe__block_values(int type) {
+    switch (type) {
+    case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_Q6_K: return 256;
+    case MOE_T_F32: case MOE_T_F16: case MOE_T_BF16: case MOE_T_U8: case MOE_T_I32: return 1;
+    default: return 32;
+    }
+}
 
 int64_t moe__row_bytes(int type, int64_t n) {
     switch (type) {
@@ -149,10 +164,98 @@ int64_t moe__row_bytes(int type, int64_t n) {
     case MOE_T_Q8_0X8: return n / 32 * (int64_t)sizeof(moe__block_q8_0x8) / 8;
     case MOE_T_MXFP4X8: return n / 32 * (int64_t)sizeof(moe__block_mxfp4x8) / 8;
     case MOE_T_Q4_0: return n / 32 * (int64_t)sizeof(moe__block_q4_0);
+    case MOE_T_Q4_1: return n / 32 * (int64_t)sizeof(moe__block_q4_1);
+    case MOE_T_Q5_0: return n / 32 * (int64_t)sizeof(moe__block_q5_0);
+    case MOE_T_Q5_1: return n / 32 * (int64_t)sizeof(moe__block_q5_1);
+    case MOE_T_Q4_K: return n / 256 * (int64_t)sizeof(moe__block_q4_k);
+    case MOE_T_Q5_K: return n / 256 * (int64_t)sizeof(moe__block_q5_k);
+    case MOE_T_Q6_K: return n / 256 * (int64_t)sizeof(moe__block_q6_k);
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
     case MOE_T_MXFP4: return n / 2;
     default: return n;
+    }
+}
+
+/* Q4_K/Q5_K: the 6-bit scale and minimum of sub-block j (j < 4: low 6 bits of bytes j and j + 4;
+ * after: a nibble of byte j + 4 and the top 2 bits of byte j - 4 or j) */
+static void k4_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) *sc = s[j] & 63, *m = s[j + 4] & 63;
+    else *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4, *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+}
+
+/* Q4_K/Q5_K's 12 scale bytes -> the 8 scales (bytes 0..7) and 8 minimums (8..15) */
+static inline void k4_unpack_scales(const uint8_t *s, uint8_t out[16]) {
+    uint32_t a, b, c, v[4];
+    memcpy(&a, s, 4), memcpy(&b, s + 4, 4), memcpy(&c, s + 8, 4);
+    v[0] = a & 0x3f3f3f3fu;                                          /* scales 0..3 */
+    v[1] = (c & 0x0f0f0f0fu) | ((a >> 6) & 0x03030303u) << 4;        /* scales 4..7 */
+    v[2] = b & 0x3f3f3f3fu;                                          /* minimums 0..3 */
+    v[3] = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 6) & 0x03030303u) << 4; /* minimums 4..7 */
+    memcpy(out, v, 16);
+}
+
+/* 32 values of Q4_1 .. Q6_K as integers: value l = D[l / 16] q[l] + M (M = 0: a symmetric format) */
+typedef struct { int q[32]; float D[2], M; } kq_sub;
+
+/* sub-block s (values 32 s .. 32 s + 31) of a row of one of those formats, as ggml decodes it */
+static void kq_decode(int type, const void *row, int64_t s, kq_sub *o) {
+    o->M = 0;
+    switch (type) {
+    case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: {
+        const uint8_t *qs;
+        uint32_t qh = 0;
+        float d, m = 0;
+        if (type == MOE_T_Q4_1) {
+            const moe__block_q4_1 *b = (const moe__block_q4_1 *)row + s;
+            d = moe__f16_to_f32(b->d), m = moe__f16_to_f32(b->m), qs = b->qs;
+        } else if (type == MOE_T_Q5_0) {
+            const moe__block_q5_0 *b = (const moe__block_q5_0 *)row + s;
+            d = moe__f16_to_f32(b->d), qs = b->qs, memcpy(&qh, b->qh, 4);
+        } else {
+            const moe__block_q5_1 *b = (const moe__block_q5_1 *)row + s;
+            d = moe__f16_to_f32(b->d), m = moe__f16_to_f32(b->m), qs = b->qs, memcpy(&qh, b->qh, 4);
+        }
+        for (int j = 0; j < 16; j++) {
+            o->q[j] = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
+            o->q[j + 16] = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+        }
+        if (type == MOE_T_Q5_0)
+            for (int j = 0; j < 32; j++) o->q[j] -= 16;
+        o->D[0] = o->D[1] = d, o->M = m;
+        break;
+    }
+    case MOE_T_Q4_K: case MOE_T_Q5_K: {
+        const int j = (int)(s % 8), c = j / 2;
+        const uint16_t *dd;
+        const uint8_t *sc, *qs, *qh = NULL;
+        if (type == MOE_T_Q4_K) {
+            const moe__block_q4_k *b = (const moe__block_q4_k *)row + s / 8;
+            dd = &b->d, sc = b->scales, qs = b->qs;
+        } else {
+            const moe__block_q5_k *b = (const moe__block_q5_k *)row + s / 8;
+            dd = &b->d, sc = b->scales, qs = b->qs, qh = b->qh;
+        }
+        int ls, lm;
+        k4_scale_min(sc, j, &ls, &lm);
+        for (int l = 0; l < 32; l++) {
+            const uint8_t v = qs[32 * c + l];
+            o->q[l] = ((j & 1) ? v >> 4 : v & 15) | (qh ? ((qh[l] >> j) & 1) << 4 : 0);
+        }
+        o->D[0] = o->D[1] = moe__f16_to_f32(dd[0]) * (float)ls;
+        o->M = -(moe__f16_to_f32(dd[1]) * (float)lm);
+        break;
+    }
+    case MOE_T_Q6_K: {
+        const moe__block_q6_k *b = (const moe__block_q6_k *)row + s / 8;
+        const int h = (int)(s % 8) / 4, k = (int)(s % 4);
+        const uint8_t *ql = b->ql + 64 * h + (k & 1) * 32, *qh = b->qh + 32 * h;
+        for (int l = 0; l < 32; l++) o->q[l] = ((k < 2 ? ql[l] & 15 : ql[l] >> 4) | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
+        const float d = moe__f16_to_f32(b->d);
+        o->D[0] = d * (float)b->scales[8 * h + 2 * k], o->D[1] = d * (float)b->scales[8 * h + 2 * k + 1];
+        break;
+    }
+    default: MOE_ASSERT(0 && "not a 32-value sub-block format");
     }
 }
 
@@ -207,13 +310,210 @@ void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out
         }
         break;
     }
+    case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_Q6_K:
+        for (int64_t i = 0; i < n / 32; i++) {
+            kq_sub u;
+            kq_decode(type, row, i, &u);
+            for (int j = 0; j < 32; j++) out[i * 32 + j] = u.D[j / 16] * (float)u.q[j] + u.M;
+        }
+        break;
     default: MOE_ASSERT(0 && "not a weight type");
     }
 }
 
-/* ggml's reference quantizers (quantize_row_q8_0_ref / quantize_row_q4_0_ref), so files and
- * results match llama.cpp's bit for bit. */
+/* ggml's reference rounding for Q4_1 (step (max - min) / 15 from the minimum), Q5_1 (/ 31) and
+ * Q5_0 (as Q4_0 with 16 steps each side) */
+static void quantize_q4_1_q5(int type, const float *v, void *out) {
+    float lo = v[0], hi = v[0], amax = 0, max = 0;
+    for (int j = 0; j < 32; j++) {
+        lo = fminf(lo, v[j]), hi = fmaxf(hi, v[j]);
+        if (fabsf(v[j]) > amax) amax = fabsf(v[j]), max = v[j];
+    }
+    const int top = type == MOE_T_Q4_1 ? 15 : 31;
+    float d, off;
+    if (type == MOE_T_Q5_0) d = max / -16, off = 16.5f;
+    else d = (hi - lo) / (float)top, off = 0.5f;
+    const float id = d ? 1.0f / d : 0.0f;
+    int q[32];
+    for (int j = 0; j < 32; j++) {
+        q[j] = type == MOE_T_Q5_0 ? (int)(v[j] * id + off) : (int)((v[j] - lo) * id + off);
+        q[j] = q[j] > top ? top : q[j] < 0 ? 0 : q[j];
+    }
+    uint8_t *qs;
+    uint32_t qh = 0;
+    if (type == MOE_T_Q4_1) {
+        moe__block_q4_1 *b = out;
+        b->d = moe__f32_to_f16(d), b->m = moe__f32_to_f16(lo), qs = b->qs;
+    } else if (type == MOE_T_Q5_0) {
+        moe__block_q5_0 *b = out;
+        b->d = moe__f32_to_f16(d), qs = b->qs;
+    } else {
+        moe__block_q5_1 *b = out;
+        b->d = moe__f32_to_f16(d), b->m = moe__f32_to_f16(lo), qs = b->qs;
+    }
+    for (int j = 0; j < 16; j++) {
+        qs[j] = (uint8_t)((q[j] & 15) | (q[j + 16] & 15) << 4);
+        qh |= (uint32_t)(q[j] >> 4) << j | (uint32_t)(q[j + 16] >> 4) << (j + 16);
+    }
+    if (type == MOE_T_Q5_0) memcpy(((moe__block_q5_0 *)out)->qh, &qh, 4);
+    if (type == MOE_T_Q5_1) memcpy(((moe__block_q5_1 *)out)->qh, &qh, 4);
+}
+
+/* n values as q = clamp(round(x / d + off), 0, top) */
+static void round_levels(const float *x, int n, float d, float off, int top, int *q) {
+    const float id = d ? 1.0f / d : 0.0f;
+    for (int j = 0; j < n; j++) {
+        const int l = (int)lrintf(x[j] * id + off);
+        q[j] = l < 0 ? 0 : l > top ? top : l;
+    }
+}
+
+/* x ~ a q - b (b >= 0) for n values with levels 0..top: tries grids of scales between the range's
+ * and slightly wider or narrower ones, fits a and b to each grid's levels by weighted least
+ * squares (weights w), keeps the best; returns a, sets *b (ggml's make_qkx2_quants does the same
+ * kind of search) */
+static float fit_scale_min(const float *x, const float *w, int n, int top, float *b) {
+    float lo = x[0], hi = x[0];
+    for (int j = 1; j < n; j++) lo = fminf(lo, x[j]), hi = fmaxf(hi, x[j]);
+    if (lo > 0) lo = 0;
+    *b = -lo;
+    if (hi <= lo) return 0;
+    float best_a = (hi - lo) / (float)top, best_b = -lo, best_err = INFINITY;
+    int q[256];
+    for (int is = -4; is <= 16; is++) {
+        const float a0 = (hi - lo) / ((float)top + 0.1f * (float)is);
+        round_levels(x, n, a0, -lo / a0, top, q);
+        double sw = 0, sl = 0, sll = 0, sx = 0, slx = 0;
+        for (int j = 0; j < n; j++) sw += w[j], sl += w[j] * q[j], sll += w[j] * q[j] * q[j], sx += w[j] * x[j], slx += w[j] * q[j] * x[j];
+        const double det = sw * sll - sl * sl;
+        if (det <= 0) continue;
+        double a = (sw * slx - sl * sx) / det, bb = (sl * slx - sll * sx) / det; /* x ~ a q - bb */
+        if (bb < 0) a = slx / sll, bb = 0; /* the minimum may not go above zero */
+        double err = 0;
+        for (int j = 0; j < n; j++) {
+            const double e = a * q[j] - bb - x[j];
+            err += w[j] * e * e;
+        }
+        if (err < best_err) best_err = (float)err, best_a = (float)a, best_b = (float)bb;
+    }
+    *b = best_b;
+    return best_a;
+}
+
+/* Q4_K / Q5_K: each sub-block's scale and minimum fitted, then both sets quantized to 6 bits
+ * against the block's largest, the values rounded to the stored ones */
+static void quantize_k4(int type, const float *x, void *out) {
+    const int top = type == MOE_T_Q4_K ? 15 : 31;
+    float a[8], bm[8], w[32], amax = 0, bmax = 0;
+    for (int j = 0; j < 8; j++) {
+        const float *v = x + 32 * j;
+        float s2 = 0;
+        for (int l = 0; l < 32; l++) s2 += v[l] * v[l];
+        const float av = sqrtf(s2 / 32);
+        for (int l = 0; l < 32; l++) w[l] = av + fabsf(v[l]);
+        a[j] = fit_scale_min(v, w, 32, top, &bm[j]);
+        if (a[j] < 0) a[j] = 0;
+        amax = fmaxf(amax, a[j]), bmax = fmaxf(bmax, bm[j]);
+    }
+    uint8_t sc[12] = {0};
+    const float d = amax / 63, dmin = bmax / 63;
+    int ls[8], lm[8];
+    for (int j = 0; j < 8; j++) {
+        ls[j] = d > 0 ? (int)lrintf(a[j] / d) : 0, lm[j] = dmin > 0 ? (int)lrintf(bm[j] / dmin) : 0;
+        ls[j] = ls[j] > 63 ? 63 : ls[j], lm[j] = lm[j] > 63 ? 63 : lm[j];
+        if (j < 4) {
+            sc[j] |= (uint8_t)ls[j], sc[j + 4] |= (uint8_t)lm[j];
+        } else {
+            sc[j + 4] = (uint8_t)((ls[j] & 15) | (lm[j] & 15) << 4);
+            sc[j - 4] |= (uint8_t)((ls[j] >> 4) << 6), sc[j] |= (uint8_t)((lm[j] >> 4) << 6);
+        }
+    }
+    uint16_t hd = moe__f32_to_f16(d), hm = moe__f32_to_f16(dmin);
+    int q[256];
+    for (int j = 0; j < 8; j++) { /* the levels against the scales as stored */
+        const float D = moe__f16_to_f32(hd) * (float)ls[j], M = moe__f16_to_f32(hm) * (float)lm[j];
+        if (D > 0) round_levels(x + 32 * j, 32, D, M / D, top, q + 32 * j);
+        else memset(q + 32 * j, 0, sizeof(int) * 32);
+    }
+    uint8_t *qs, *qh = NULL;
+    if (type == MOE_T_Q4_K) {
+        moe__block_q4_k *b = out;
+        b->d = hd, b->dmin = hm, memcpy(b->scales, sc, 12), qs = b->qs;
+    } else {
+        moe__block_q5_k *b = out;
+        b->d = hd, b->dmin = hm, memcpy(b->scales, sc, 12), qs = b->qs, qh = b->qh;
+        memset(qh, 0, 32);
+    }
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            const int lo = q[64 * c + l], hi = q[64 * c + 32 + l];
+            qs[32 * c + l] = (uint8_t)((lo & 15) | (hi & 15) << 4);
+            if (qh) qh[l] |= (uint8_t)((lo >> 4) << (2 * c) | (hi >> 4) << (2 * c + 1));
+        }
+}
+
+/* Q6_K: each 16 values' scale by a search around max / -32 (weights x^2), the 16 scales to
+ * signed 8 bits against the largest (which maps to -128), the values rounded to the stored ones */
+static void quantize_q6_k(const float *x, moe__block_q6_k *b) {
+    float sc[16], smax = 0;
+    for (int g = 0; g < 16; g++) {
+        const float *v = x + 16 * g;
+        float amax = 0, max = 0;
+        for (int l = 0; l < 16; l++)
+            if (fabsf(v[l]) > amax) amax = fabsf(v[l]), max = v[l];
+        sc[g] = 0;
+        if (amax == 0) continue;
+        double best = -1;
+        for (int is = -9; is <= 9; is++) {
+            const float id = -(32 + 0.1f * (float)is) / max;
+            double sxl = 0, sll = 0;
+            for (int l = 0; l < 16; l++) {
+                int q = (int)lrintf(id * v[l]);
+                q = q < -32 ? -32 : q > 31 ? 31 : q;
+                const double wl = (double)v[l] * v[l];
+                sxl += wl * v[l] * q, sll += wl * q * q;
+            }
+            if (sll > 0 && sxl * sxl / sll > best) best = sxl * sxl / sll, sc[g] = (float)(sxl / sll);
+        }
+        if (fabsf(sc[g]) > fabsf(smax)) smax = sc[g];
+    }
+    memset(b, 0, sizeof *b);
+    if (smax == 0) return;
+    const float id = -128.0f / smax;
+    b->d = moe__f32_to_f16(1 / id);
+    const float d = moe__f16_to_f32(b->d);
+    int q[256];
+    for (int g = 0; g < 16; g++) {
+        int l = (int)lrintf(id * sc[g]);
+        b->scales[g] = (int8_t)(l > 127 ? 127 : l < -128 ? -128 : l);
+        const float D = d * (float)b->scales[g];
+        if (D != 0) round_levels(x + 16 * g, 16, D, 32.0f, 63, q + 16 * g);
+        else for (int k = 0; k < 16; k++) q[16 * g + k] = 32;
+    }
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const int *p = q + 128 * h;
+            b->ql[64 * h + l] = (uint8_t)((p[l] & 15) | (p[l + 64] & 15) << 4);
+            b->ql[64 * h + 32 + l] = (uint8_t)((p[l + 32] & 15) | (p[l + 96] & 15) << 4);
+            b->qh[32 * h + l] = (uint8_t)((p[l] >> 4) | (p[l + 32] >> 4) << 2 | (p[l + 64] >> 4) << 4 | (p[l + 96] >> 4) << 6);
+        }
+}
+
+/* ggml's reference quantizers for Q8_0 and Q4_0 (quantize_row_q8_0_ref / quantize_row_q4_0_ref),
+ * so files and results match llama.cpp's bit for bit; the others as above. */
 void moe__quantize_row(int type, const float *x, void *out, int64_t n) {
+    if (type == MOE_T_Q4_1 || type == MOE_T_Q5_0 || type == MOE_T_Q5_1) {
+        for (int64_t i = 0; i < n / 32; i++) quantize_q4_1_q5(type, x + i * 32, (unsigned char *)out + i * moe__row_bytes(type, 32));
+        return;
+    }
+    if (type == MOE_T_Q4_K || type == MOE_T_Q5_K) {
+        for (int64_t i = 0; i < n / 256; i++) quantize_k4(type, x + i * 256, (unsigned char *)out + i * moe__row_bytes(type, 256));
+        return;
+    }
+    if (type == MOE_T_Q6_K) {
+        for (int64_t i = 0; i < n / 256; i++) quantize_q6_k(x + i * 256, (moe__block_q6_k *)out + i);
+        return;
+    }
     for (int64_t i = 0; i < n / 32; i++) {
         const float *v = x + i * 32;
         if (type == MOE_T_Q8_0) {
@@ -479,8 +779,30 @@ static float dotq_mxfp4g_ref(const void *w, const moe__block_q8a *x, int64_t n) 
     return s;
 }
 
+/* Q4_1 .. Q6_K row . q8a row: per 32 values the exact int32 sums of q x over each 16, then
+ * x.d (D0 acc0 + D1 acc1 + M sum(x)) in float */
+static float dotq_kq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+    float s = 0;
+    for (int64_t b = 0; b < n / 32; b++) {
+        kq_sub u;
+        kq_decode(type, w, b, &u);
+        int a0 = 0, a1 = 0;
+        for (int l = 0; l < 16; l++) a0 += u.q[l] * x[b].qs[l], a1 += u.q[l + 16] * x[b].qs[l + 16];
+        s += x[b].d * (u.D[0] * (float)a0 + u.D[1] * (float)a1 + u.M * (float)x[b].sum);
+    }
+    return s;
+}
+static float dotq_q4_1_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q4_1, w, x, n); }
+static float dotq_q5_0_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q5_0, w, x, n); }
+static float dotq_q5_1_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q5_1, w, x, n); }
+static float dotq_q4_k_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q4_K, w, x, n); }
+static float dotq_q5_k_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q5_K, w, x, n); }
+static float dotq_q6_k_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q6_K, w, x, n); }
+
 float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n) {
-    return type == MOE_T_Q8_0 ? dotq_q8_0_ref(w, x, n) : type == MOE_T_Q4_0 ? dotq_q4_0_ref(w, x, n) : 0;
+    if (type == MOE_T_Q8_0) return dotq_q8_0_ref(w, x, n);
+    if (type == MOE_T_Q4_0) return dotq_q4_0_ref(w, x, n);
+    return moe__is_quant(type) ? dotq_kq_ref(type, w, x, n) : 0;
 }
 
 static float dot_mxfp4g_ref(const void *w, const uint8_t *sc, const float *x, int64_t n) {
@@ -795,6 +1117,131 @@ MOE_TARGET("avx2,fma,f16c") static float dotq_q4_0_avx2(const void *w, const moe
         corr += d0 * (float)x[i].sum;
     }
     return hsum_avx2(_mm256_add_ps(acc0, acc1)) - 8.0f * corr;
+}
+
+/* Q4_1 .. Q6_K: the values decoded to unsigned bytes (Q5_0 and Q6_K shift them by +16 / +32),
+ * products by maddubs as Q4_0's. 32-value formats: a block a turn, the minimum (or the shift)
+ * times sum(x) apart. */
+MOE_TARGET("avx2,fma") static inline __m256i bits_to_bytes_avx2(uint32_t bits) { /* bit j -> 0xff in byte j */
+    const __m256i pick = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick), bit), bit);
+}
+
+MOE_TARGET("avx2,fma") static inline __m256i nibbles32_avx2(const uint8_t *qs) { /* 16 bytes -> values 0..15, 16..31 */
+    const __m128i r = _mm_loadu_si128((const __m128i *)(const void *)qs);
+    return _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r), _mm_srli_epi16(r, 4), 1), _mm256_set1_epi8(15));
+}
+
+MOE_TARGET("avx2,fma,f16c") static float dotq_q4_1_q5_avx2(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+    const int64_t bs = moe__row_bytes(type, 32);
+    const __m256i ones = _mm256_set1_epi16(1), b4 = _mm256_set1_epi8(16);
+    __m256 acc = _mm256_setzero_ps();
+    float corr = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        const unsigned char *b = (const unsigned char *)w + i * bs;
+        uint16_t d, m = 0;
+        uint32_t qh = 0;
+        const uint8_t *qs;
+        memcpy(&d, b, 2);
+        if (type == MOE_T_Q5_0) memcpy(&qh, b + 2, 4), qs = b + 6;
+        else if (type == MOE_T_Q5_1) memcpy(&m, b + 2, 2), memcpy(&qh, b + 4, 4), qs = b + 8;
+        else memcpy(&m, b + 2, 2), qs = b + 4;
+        __m256i q = nibbles32_avx2(qs);
+        if (type != MOE_T_Q4_1) q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes_avx2(qh), b4));
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(const void *)x[i].qs)), ones);
+        const float dx = f16_avx(d) * x[i].d;
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc);
+        corr += (type == MOE_T_Q5_0 ? -16.0f * dx : f16_avx(m) * x[i].d) * (float)x[i].sum;
+    }
+    return hsum_avx2(acc) + corr;
+}
+static float dotq_q4_1_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_avx2(MOE_T_Q4_1, w, x, n); }
+static float dotq_q5_0_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_avx2(MOE_T_Q5_0, w, x, n); }
+static float dotq_q5_1_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_avx2(MOE_T_Q5_1, w, x, n); }
+
+/* the 8 lanes' sums of each of 8 vectors -> one vector of 8 sums */
+MOE_TARGET("avx2,fma") static inline __m256i hsum8x8_avx2(const __m256i *p) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* the 8 activation blocks' scales and sums of a 256-value block */
+MOE_TARGET("avx2,fma") static inline __m256 q8a_scales8_avx2(const moe__block_q8a *x) {
+    return _mm256_setr_ps(x[0].d, x[1].d, x[2].d, x[3].d, x[4].d, x[5].d, x[6].d, x[7].d);
+}
+MOE_TARGET("avx2,fma") static inline __m256 q8a_sums8_avx2(const moe__block_q8a *x) {
+    return _mm256_cvtepi32_ps(_mm256_setr_epi32(x[0].sum, x[1].sum, x[2].sum, x[3].sum, x[4].sum, x[5].sum, x[6].sum, x[7].sum));
+}
+
+/* Q4_K/Q5_K: the 8 sub-blocks' integer sums in one vector, then in float
+ * x.d (d sc_j sum_j - dmin m_j sum(x)) for the 8 at once */
+MOE_TARGET("avx2,fma,f16c") static float dotq_k4_avx2(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+    const int64_t bs = moe__row_bytes(type, 256);
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++, x += 8) {
+        const unsigned char *b = (const unsigned char *)w + i * bs;
+        const uint8_t *qs = b + (type == MOE_T_Q4_K ? 16 : 48);
+        const __m256i hb = type == MOE_T_Q5_K ? _mm256_loadu_si256((const __m256i *)(const void *)(b + 16)) : _mm256_setzero_si256();
+        __m256i p[8];
+        for (int c = 0; c < 4; c++) {
+            const __m256i r = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * c));
+            __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
+            if (type == MOE_T_Q5_K) { /* bit 2c of qh[l] for the low sub-block, 2c + 1 for the high */
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
+            }
+            p[2 * c] = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(const void *)x[2 * c].qs)), ones);
+            p[2 * c + 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(const void *)x[2 * c + 1].qs)), ones);
+        }
+        uint8_t sm[16];
+        uint16_t hd[2];
+        memcpy(hd, b, 4);
+        k4_unpack_scales(b + 4, sm);
+        const __m128i smv = _mm_loadu_si128((const __m128i *)(const void *)sm);
+        const __m256 xd = q8a_scales8_avx2(x);
+        const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)), _mm256_set1_ps(f16_avx(hd[0])));
+        const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))), _mm256_set1_ps(f16_avx(hd[1])));
+        const __m256 t = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(hsum8x8_avx2(p)), _mm256_mul_ps(mn, q8a_sums8_avx2(x)));
+        acc = _mm256_fmadd_ps(xd, t, acc);
+    }
+    return hsum_avx2(acc);
+}
+static float dotq_q4_k_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k4_avx2(MOE_T_Q4_K, w, x, n); }
+static float dotq_q5_k_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k4_avx2(MOE_T_Q5_K, w, x, n); }
+
+/* Q6_K: values q - 32 signed, products by maddubs with |q - 32| and the activations' signs moved
+ * (as mul_i8_avx2), each 16's pair sums times its 8-bit scale (madd) into int32: per sub-block
+ * sc0 acc0 + sc1 acc1 exactly, then x.d d times that in float */
+MOE_TARGET("avx2,fma,f16c") static float dotq_q6_k_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q6_k *b = w;
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), b32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++, x += 8) {
+        __m256i p[8];
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].ql + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].qh + 32 * h));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+            for (int k = 0; k < 4; k++) {
+                const int s = 4 * h + k;
+                const __m256i v = _mm256_sub_epi8(q[k], b32), xv = _mm256_loadu_si256((const __m256i *)(const void *)x[s].qs);
+                const __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
+                const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(b[i].scales[2 * s + 1]), _mm_set1_epi16(b[i].scales[2 * s]));
+                p[s] = _mm256_madd_epi16(pr, sc);
+            }
+        }
+        const __m256 dx = _mm256_mul_ps(q8a_scales8_avx2(x), _mm256_set1_ps(f16_avx(b[i].d)));
+        acc = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(hsum8x8_avx2(p)), acc);
+    }
+    return hsum_avx2(acc);
 }
 
 MOE_TARGET("avx2,fma") static void quant_q8a_avx2(const float *x, moe__block_q8a *out, int64_t n) {
@@ -2078,6 +2525,102 @@ static float dotq_q4_0_neon(const void *w, const moe__block_q8a *x, int64_t n) {
         acc = vfmaq_n_f32(acc, vcvtq_f32_s32(s), moe__f16_to_f32(b[i].d) * x[i].d);
     }
     return vaddvq_f32(acc);
+}
+
+/* Q4_1 .. Q6_K without SDOT (the same on both NEON levels): values decoded to bytes (below 64,
+ * so signed bytes too), each 16's products summed exactly, then the reference's float steps
+ * per sub-block */
+static inline int dot32_neon(uint8x16_t lo, uint8x16_t hi, const int8_t *x, int *a1) {
+    const int32x4_t s0 = dot16_neon(vdupq_n_s32(0), vreinterpretq_s8_u8(lo), vld1q_s8(x));
+    const int32x4_t s1 = dot16_neon(vdupq_n_s32(0), vreinterpretq_s8_u8(hi), vld1q_s8(x + 16));
+    *a1 = vaddvq_s32(s1);
+    return vaddvq_s32(s0);
+}
+
+static inline uint8x16_t bits_to_bytes_neon(uint16_t bits) { /* bit j -> 0xff in byte j */
+    static const uint8_t bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t v = vcombine_u8(vdup_n_u8((uint8_t)bits), vdup_n_u8((uint8_t)(bits >> 8)));
+    return vtstq_u8(v, vld1q_u8(bit));
+}
+
+static float dotq_q4_1_q5_neon(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+    const int64_t bs = moe__row_bytes(type, 32);
+    float s = 0;
+    for (int64_t i = 0; i < n / 32; i++) {
+        const unsigned char *b = (const unsigned char *)w + i * bs;
+        uint16_t d, m = 0;
+        uint32_t qh = 0;
+        const uint8_t *qs;
+        memcpy(&d, b, 2);
+        if (type == MOE_T_Q5_0) memcpy(&qh, b + 2, 4), qs = b + 6;
+        else if (type == MOE_T_Q5_1) memcpy(&m, b + 2, 2), memcpy(&qh, b + 4, 4), qs = b + 8;
+        else memcpy(&m, b + 2, 2), qs = b + 4;
+        const uint8x16_t r = vld1q_u8(qs), b4 = vdupq_n_u8(16);
+        uint8x16_t lo = vandq_u8(r, vdupq_n_u8(15)), hi = vshrq_n_u8(r, 4);
+        if (type != MOE_T_Q4_1) {
+            lo = vorrq_u8(lo, vandq_u8(bits_to_bytes_neon((uint16_t)qh), b4));
+            hi = vorrq_u8(hi, vandq_u8(bits_to_bytes_neon((uint16_t)(qh >> 16)), b4));
+        }
+        int a1, a0 = dot32_neon(lo, hi, x[i].qs, &a1);
+        const int acc = a0 + a1 - (type == MOE_T_Q5_0 ? 16 * x[i].sum : 0);
+        s += x[i].d * (moe__f16_to_f32(d) * (float)acc + moe__f16_to_f32(m) * (float)x[i].sum);
+    }
+    return s;
+}
+static float dotq_q4_1_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_neon(MOE_T_Q4_1, w, x, n); }
+static float dotq_q5_0_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_neon(MOE_T_Q5_0, w, x, n); }
+static float dotq_q5_1_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_neon(MOE_T_Q5_1, w, x, n); }
+
+static float dotq_k4_neon(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+    const int64_t bs = moe__row_bytes(type, 256);
+    float s = 0;
+    for (int64_t i = 0; i < n / 256; i++, x += 8) {
+        const unsigned char *b = (const unsigned char *)w + i * bs;
+        const uint8_t *qs = b + (type == MOE_T_Q4_K ? 16 : 48);
+        uint8x16_t h0 = vdupq_n_u8(0), h1 = h0;
+        if (type == MOE_T_Q5_K) h0 = vld1q_u8(b + 16), h1 = vld1q_u8(b + 32);
+        uint8_t sm[16];
+        uint16_t hd[2];
+        memcpy(hd, b, 4);
+        k4_unpack_scales(b + 4, sm);
+        const float d = moe__f16_to_f32(hd[0]), dmin = moe__f16_to_f32(hd[1]);
+        for (int j = 0; j < 8; j++) {
+            const uint8x16_t r0 = vld1q_u8(qs + 32 * (j / 2)), r1 = vld1q_u8(qs + 32 * (j / 2) + 16);
+            uint8x16_t lo = (j & 1) ? vshrq_n_u8(r0, 4) : vandq_u8(r0, vdupq_n_u8(15));
+            uint8x16_t hi = (j & 1) ? vshrq_n_u8(r1, 4) : vandq_u8(r1, vdupq_n_u8(15));
+            if (type == MOE_T_Q5_K) { /* bit j of qh[l] */
+                const uint8x16_t bj = vdupq_n_u8((uint8_t)(1u << j)), b4 = vdupq_n_u8(16);
+                lo = vorrq_u8(lo, vandq_u8(vtstq_u8(h0, bj), b4)), hi = vorrq_u8(hi, vandq_u8(vtstq_u8(h1, bj), b4));
+            }
+            int a1, a0 = dot32_neon(lo, hi, x[j].qs, &a1);
+            s += x[j].d * (d * (float)sm[j] * (float)(a0 + a1) - dmin * (float)sm[8 + j] * (float)x[j].sum);
+        }
+    }
+    return s;
+}
+static float dotq_q4_k_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k4_neon(MOE_T_Q4_K, w, x, n); }
+static float dotq_q5_k_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k4_neon(MOE_T_Q5_K, w, x, n); }
+
+static float dotq_q6_k_neon(const void *w, const moe__block_q8a *x, int64_t n) {
+    const moe__block_q6_k *b = w;
+    float s = 0;
+    for (int64_t i = 0; i < n / 256; i++, x += 8) {
+        const float d = moe__f16_to_f32(b[i].d);
+        for (int t = 0; t < 8; t++) {
+            const int h = t / 4, k = t % 4;
+            const uint8_t *ql = b[i].ql + 64 * h + (k & 1) * 32, *qhp = b[i].qh + 32 * h;
+            uint8x16_t v[2];
+            for (int u = 0; u < 2; u++) {
+                const uint8x16_t l = vld1q_u8(ql + 16 * u), qh = vld1q_u8(qhp + 16 * u);
+                const uint8x16_t low = k < 2 ? vandq_u8(l, vdupq_n_u8(15)) : vshrq_n_u8(l, 4);
+                const uint8x16_t top = vandq_u8(k == 0 ? vshlq_n_u8(qh, 4) : k == 1 ? vshlq_n_u8(qh, 2) : k == 2 ? qh : vshrq_n_u8(qh, 2), vdupq_n_u8(0x30));
+                v[u] = vreinterpretq_u8_s8(vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(low, top)), vdupq_n_s8(32)));
+            }
+            int a1, a0 = dot32_neon(v[0], v[1], x[t].qs, &a1);
+            s += x[t].d * (d * (float)(b[i].scales[2 * t] * a0 + b[i].scales[2 * t + 1] * a1));
+        }
+    }
+    return s;
 }
 
 /* x8 groups without SDOT: 16 bytes = 4 rows x 4 values against the same 4 activations; products
@@ -3658,6 +4201,12 @@ static void kernels_scalar(moe__kernels *k) {
     k->gemm[MOE_T_BF16] = gemm_bf16_ref;
     k->dotq[MOE_T_Q8_0] = dotq_q8_0_ref;
     k->dotq[MOE_T_Q4_0] = dotq_q4_0_ref;
+    k->dotq[MOE_T_Q4_1] = dotq_q4_1_ref;
+    k->dotq[MOE_T_Q5_0] = dotq_q5_0_ref;
+    k->dotq[MOE_T_Q5_1] = dotq_q5_1_ref;
+    k->dotq[MOE_T_Q4_K] = dotq_q4_k_ref;
+    k->dotq[MOE_T_Q5_K] = dotq_q5_k_ref;
+    k->dotq[MOE_T_Q6_K] = dotq_q6_k_ref;
     k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_ref;
     k->dotq_mxfp4 = moe__dotq_mxfp4_ref;
     k->quant_q8a = moe__quant_q8a_ref;
@@ -3712,6 +4261,12 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->gemm[MOE_T_BF16] = gemm_bf16_avx2;
         k->dotq[MOE_T_Q8_0] = dotq_q8_0_avx2;
         k->dotq[MOE_T_Q4_0] = dotq_q4_0_avx2;
+        k->dotq[MOE_T_Q4_1] = dotq_q4_1_avx2;
+        k->dotq[MOE_T_Q5_0] = dotq_q5_0_avx2;
+        k->dotq[MOE_T_Q5_1] = dotq_q5_1_avx2;
+        k->dotq[MOE_T_Q4_K] = dotq_q4_k_avx2;
+        k->dotq[MOE_T_Q5_K] = dotq_q5_k_avx2;
+        k->dotq[MOE_T_Q6_K] = dotq_q6_k_avx2;
         k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_avx2;
         k->dotq_mxfp4 = dotq_mxfp4_avx2;
         k->quant_q8a = quant_q8a_avx2;
@@ -3818,6 +4373,12 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->quant_q8a = quant_q8a_neon;
         k->dotq[MOE_T_Q8_0] = dotq_q8_0_neon;
         k->dotq[MOE_T_Q4_0] = dotq_q4_0_neon;
+        k->dotq[MOE_T_Q4_1] = dotq_q4_1_neon;
+        k->dotq[MOE_T_Q5_0] = dotq_q5_0_neon;
+        k->dotq[MOE_T_Q5_1] = dotq_q5_1_neon;
+        k->dotq[MOE_T_Q4_K] = dotq_q4_k_neon;
+        k->dotq[MOE_T_Q5_K] = dotq_q5_k_neon;
+        k->dotq[MOE_T_Q6_K] = dotq_q6_k_neon;
         k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_neon;
         k->dotq_mxfp4 = dotq_mxfp4_neon;
         k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_neon;

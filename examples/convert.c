@@ -4,8 +4,10 @@
  *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [--split-max-size SIZE]
  *   moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N] [--split-max-size SIZE]
  *
- * TYPE: f32, bf16, q8_0, q4_0 (dense default: bf16); experts also "mxfp4" and "asis" (default:
- * keep the stored format; MXFP4 experts are repacked into ggml's block_mxfp4 bit for bit).
+ * TYPE: f32, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k (dense default: bf16); experts
+ * also "mxfp4" and "asis" (default: keep the stored format; MXFP4 experts are repacked into ggml's
+ * block_mxfp4 bit for bit). A row that is not whole blocks of the type falls back as llama.cpp's
+ * quantizer does (q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0; to f32 where not whole 32s).
  * Norms, biases, convolutions and the router stay F32. Tensor and key names follow llama.cpp's
  * kimi-linear architecture (kimi-k3 when the model has K3 features); general.alignment is 4096.
  *
@@ -83,8 +85,9 @@ static int usage(const char *msg) {
     fprintf(stderr, "usage: moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE]\n"
                     "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
                     "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N]   (random, released K3 layout)\n"
-                    "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0 (bf16)\n"
-                    "  --experts TYPE  routed experts: asis f32 bf16 q8_0 q4_0 mxfp4 (asis)\n"
+                    "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0\n"
+                    "                  q4_1 q5_0 q5_1 q4_k q5_k q6_k (bf16)\n"
+                    "  --experts TYPE  routed experts: asis f32 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q4_k q5_k q6_k mxfp4 (asis)\n"
                     "  --split-max-size SIZE  parts of at most SIZE of tensor data (e.g. 48G, binary units), written as\n"
                     "                  OUT-00001-of-0000N.gguf ... as llama.cpp splits GGUF files (a larger tensor gets a part alone)\n"
                     "  --no-tensor-first-split  the first part holds only the metadata (as llama.cpp's gguf-split option)\n");
@@ -96,6 +99,12 @@ static int parse_type(const char *s, int experts) {
     if (!strcmp(s, "bf16")) return MOE_T_BF16;
     if (!strcmp(s, "q8_0")) return MOE_T_Q8_0;
     if (!strcmp(s, "q4_0")) return MOE_T_Q4_0;
+    if (!strcmp(s, "q4_1")) return MOE_T_Q4_1;
+    if (!strcmp(s, "q5_0")) return MOE_T_Q5_0;
+    if (!strcmp(s, "q5_1")) return MOE_T_Q5_1;
+    if (!strcmp(s, "q4_k")) return MOE_T_Q4_K;
+    if (!strcmp(s, "q5_k")) return MOE_T_Q5_K;
+    if (!strcmp(s, "q6_k")) return MOE_T_Q6_K;
     if (experts && !strcmp(s, "mxfp4")) return MOE_T_MXFP4_GGML;
     if (experts && !strcmp(s, "asis")) return -1;
     return -2;
@@ -106,7 +115,13 @@ static int ggml_id(int type) {
     case MOE_T_F32: return 0;
     case MOE_T_F16: return 1;
     case MOE_T_Q4_0: return 2;
+    case MOE_T_Q4_1: return 3;
+    case MOE_T_Q5_0: return 6;
+    case MOE_T_Q5_1: return 7;
     case MOE_T_Q8_0: return 8;
+    case MOE_T_Q4_K: return 12;
+    case MOE_T_Q5_K: return 13;
+    case MOE_T_Q6_K: return 14;
     case MOE_T_BF16: return 30;
     case MOE_T_MXFP4_GGML: return 39;
     default: return -1;
@@ -128,9 +143,20 @@ static out_tensor *add(plan *p, const char *name, int type, int kind, const char
     return t;
 }
 
-/* matrix [rows, cols]; block formats need whole 32-value blocks, else F32 */
+/* the type a row of cols values takes: block formats need whole blocks; a k-quant falls back to
+ * the 32-value format llama.cpp's quantizer takes instead, any block format to F32 */
+static int fit_type(int type, int64_t cols) {
+    if (type == MOE_T_MXFP4_GGML || moe__is_quant(type)) {
+        if (cols % moe__block_values(type) == 0) return type;
+        if (cols % 32) return MOE_T_F32;
+        return type == MOE_T_Q4_K ? MOE_T_Q5_0 : type == MOE_T_Q5_K ? MOE_T_Q5_1 : type == MOE_T_Q6_K ? MOE_T_Q8_0 : type;
+    }
+    return type;
+}
+
+/* matrix [rows, cols] */
 static void add_mat(plan *p, const char *gg, const char *hf, int64_t rows, int64_t cols, int type) {
-    if ((type == MOE_T_Q8_0 || type == MOE_T_Q4_0 || type == MOE_T_MXFP4_GGML) && cols % 32) type = MOE_T_F32;
+    type = fit_type(type, cols);
     out_tensor *t = add(p, gg, type, SRC_MAT, hf);
     t->nd = 2, t->ne[0] = cols, t->ne[1] = rows, t->rows = rows, t->cols = cols, t->n_mats = 1;
 }
@@ -204,9 +230,8 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
             HF("model.layers.%d.self_attn.kv_b_proj.weight", i);
             const int64_t dn = c->qk_nope_dim, dv = c->v_head_dim;
             for (int kb = 0; kb < 2; kb++) {
-                int type = dense;
-                int64_t cols = kb == 0 ? dn : r;
-                if ((type == MOE_T_Q8_0 || type == MOE_T_Q4_0) && cols % 32) type = MOE_T_F32;
+                const int64_t cols = kb == 0 ? dn : r;
+                const int type = fit_type(dense, cols);
                 snprintf(gg, sizeof gg, "blk.%d.attn_%s_b.weight", i, kb == 0 ? "k" : "v");
                 out_tensor *t = add(p, gg, type, kb == 0 ? SRC_K_B : SRC_V_B, hf);
                 t->nd = 3, t->ne[0] = cols, t->ne[1] = kb == 0 ? r : dv, t->ne[2] = H;
@@ -238,8 +263,7 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
         static const char *wn[3] = {"w1", "w3", "w2"}, *gn[3] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
         for (int w = 0; w < 3; w++) {
             int64_t rows = w == 2 ? de : Ie, cols = w == 2 ? Ie : de;
-            int type = experts >= 0 ? experts : expert_src_type;
-            if ((type == MOE_T_Q8_0 || type == MOE_T_Q4_0 || type == MOE_T_MXFP4_GGML) && cols % 32) type = MOE_T_F32;
+            const int type = fit_type(experts >= 0 ? experts : expert_src_type, cols);
             snprintf(gg, sizeof gg, "blk.%d.%s.weight", i, gn[w]);
             out_tensor *t = add(p, gg, type, SRC_EXPERTS, HF("model.layers.%d.block_sparse_moe.experts.%%d.%s", i, wn[w]));
             t->nd = 3, t->ne[0] = cols, t->ne[1] = rows, t->ne[2] = E;
@@ -251,8 +275,12 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
         VEC1("model.output_attn_res_norm.weight", d, 1.0f, 0.02f);
         VEC1("model.output_attn_res_proj.weight", d, 0.0f, 0.02f);
     }
-    /* the output matrix in Q8_0 when the rest is Q4_0, as the runtime converts it at load */
-    MAT("lm_head.weight", V, d, dense == MOE_T_Q4_0 ? MOE_T_Q8_0 : dense);
+    /* the output matrix at higher precision when the rest is 4- or 5-bit (Q8_0 for Q4_0, as the
+     * runtime converts it at load; Q6_K for the k-quants, as llama.cpp's Q4_K_M and Q5_K_M mixes) */
+    const int head = dense == MOE_T_Q4_0 || dense == MOE_T_Q4_1 || dense == MOE_T_Q5_0 || dense == MOE_T_Q5_1 ? MOE_T_Q8_0
+                     : dense == MOE_T_Q4_K || dense == MOE_T_Q5_K                                                 ? MOE_T_Q6_K
+                                                                                                                  : dense;
+    MAT("lm_head.weight", V, d, head);
 #undef HF
 #undef MAT
 #undef VEC1

@@ -596,6 +596,190 @@ static void test_quant_blocks(void) {
         }
 }
 
+/* ---- the other ggml block formats (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) ------------------ */
+
+static const int kq_types[6] = {MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K};
+static const char *const kq_names[6] = {"q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+
+static void k_scale_min(int j, const uint8_t *q, int *d, int *m) {
+    if (j < 4) *d = q[j] & 63, *m = q[j + 4] & 63;
+    else *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+}
+
+/* a second decoder, in the loop forms of ggml's dequantize_row_* (byte offsets as its structs) */
+static void ggml_form_dequant(int type, const unsigned char *p, float *y, int n) {
+    if (type == MOE_T_Q4_1 || type == MOE_T_Q5_0 || type == MOE_T_Q5_1) {
+        const int bs = type == MOE_T_Q4_1 ? 20 : type == MOE_T_Q5_0 ? 22 : 24;
+        for (int i = 0; i < n / 32; i++, p += bs, y += 32) {
+            uint16_t hd, hm = 0;
+            uint32_t qh = 0;
+            memcpy(&hd, p, 2);
+            if (type != MOE_T_Q5_0) memcpy(&hm, p + 2, 2);
+            if (type != MOE_T_Q4_1) memcpy(&qh, p + (type == MOE_T_Q5_0 ? 2 : 4), 4);
+            const uint8_t *qs = p + bs - 16;
+            const float d = moe__f16_to_f32(hd), m = moe__f16_to_f32(hm);
+            for (int j = 0; j < 16; j++) {
+                const int xh0 = ((qh >> j) << 4) & 0x10, xh1 = (qh >> (j + 12)) & 0x10;
+                const int x0 = (qs[j] & 0xF) | xh0, x1 = (qs[j] >> 4) | xh1;
+                if (type == MOE_T_Q5_0) y[j] = (float)(x0 - 16) * d, y[j + 16] = (float)(x1 - 16) * d;
+                else y[j] = (float)x0 * d + m, y[j + 16] = (float)x1 * d + m;
+            }
+        }
+        return;
+    }
+    if (type == MOE_T_Q6_K) {
+        for (int i = 0; i < n / 256; i++, p += 210) {
+            uint16_t hd;
+            memcpy(&hd, p + 208, 2);
+            const float d = moe__f16_to_f32(hd);
+            const uint8_t *ql = p, *qh = p + 128;
+            const int8_t *sc = (const int8_t *)(p + 192);
+            for (int k = 0; k < 256; k += 128) {
+                for (int l = 0; l < 32; l++) {
+                    const int is = l / 16;
+                    const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    y[l] = d * sc[is] * q1, y[l + 32] = d * sc[is + 2] * q2;
+                    y[l + 64] = d * sc[is + 4] * q3, y[l + 96] = d * sc[is + 6] * q4;
+                }
+                y += 128, ql += 64, qh += 32, sc += 8;
+            }
+        }
+        return;
+    }
+    const int five = type == MOE_T_Q5_K;
+    for (int i = 0; i < n / 256; i++, p += five ? 176 : 144) {
+        uint16_t hd, hm;
+        memcpy(&hd, p, 2), memcpy(&hm, p + 2, 2);
+        const float d = moe__f16_to_f32(hd), mn = moe__f16_to_f32(hm);
+        const uint8_t *scales = p + 4, *qh = p + 16, *q = p + (five ? 48 : 16);
+        int is = 0, u1 = 1, u2 = 2;
+        for (int j = 0; j < 256; j += 64) {
+            int sc, m;
+            k_scale_min(is, scales, &sc, &m);
+            const float d1 = d * sc, m1 = mn * m;
+            k_scale_min(is + 1, scales, &sc, &m);
+            const float d2 = d * sc, m2 = mn * m;
+            for (int l = 0; l < 32; l++) *y++ = d1 * ((q[l] & 0xF) + (five && (qh[l] & u1) ? 16 : 0)) - m1;
+            for (int l = 0; l < 32; l++) *y++ = d2 * ((q[l] >> 4) + (five && (qh[l] & u2) ? 16 : 0)) - m2;
+            q += 32, is += 2, u1 <<= 2, u2 <<= 2;
+        }
+    }
+}
+
+/* random block bytes with sane half-precision scales (the rest of the bits as they fall) */
+static void random_kq_row(int type, unsigned char *p, int n) {
+    const int64_t rb = moe__row_bytes(type, n), bv = moe__block_values(type), bs = rb / (n / bv);
+    for (int64_t i = 0; i < rb; i++) p[i] = (unsigned char)(urand() * 256);
+    for (int64_t b = 0; b < n / bv; b++) {
+        unsigned char *q = p + b * bs;
+        const uint16_t d = moe__f32_to_f16((float)((urand() < 0.5 ? -1 : 1) * (1e-3 + 0.05 * urand())));
+        const uint16_t m = moe__f32_to_f16((float)(0.05 * urand()));
+        if (type == MOE_T_Q6_K) memcpy(q + 208, &d, 2);
+        else memcpy(q, &d, 2);
+        if (type == MOE_T_Q4_1 || type == MOE_T_Q5_1 || type == MOE_T_Q4_K || type == MOE_T_Q5_K) memcpy(q + 2, &m, 2);
+    }
+}
+
+static void test_kquant_blocks(void) {
+    /* 1. the decoder against ggml's loop forms on random bytes, bit for bit */
+    for (int t = 0; t < 6; t++) {
+        const int type = kq_types[t], n = 1024;
+        unsigned char *row = malloc((size_t)moe__row_bytes(type, n));
+        float a[1024], b[1024];
+        for (int rep = 0; rep < 20; rep++) {
+            random_kq_row(type, row, n);
+            moe__row_to_f32(type, row, NULL, a, n);
+            ggml_form_dequant(type, row, b, n);
+            int same = 1;
+            for (int i = 0; i < n; i++) same &= a[i] == b[i];
+            CHECKF(same, "%s: decoding differs from ggml's loop form", kq_names[t]);
+        }
+        free(row);
+    }
+    /* 2. the quantizers: round trip error relative to the row's RMS, against Q4_0's and Q8_0's on
+     * the same rows (k-quants and the 5-bit formats must beat Q4_0, Q6_K come near Q8_0); zero
+     * rows give zeros; an outlier stays within its block */
+    {
+        const int n = 2048, rows = 40;
+        float *v = malloc(sizeof(float) * n), *back = malloc(sizeof(float) * n);
+        unsigned char *q = malloc((size_t)moe__row_bytes(MOE_T_Q8_0, n));
+        double err[8] = {0}, ref = 0;
+        const int types[8] = {MOE_T_Q4_0, MOE_T_Q8_0, MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K};
+        for (int r = 0; r < rows; r++) {
+            const float s = r % 4 == 0 ? 1e-3f : r % 4 == 1 ? 30.0f : 0.05f;
+            for (int i = 0; i < n; i++) v[i] = nrand() * s + (r % 3 == 0 ? 0.5f * s : 0.0f); /* some rows off zero */
+            if (r % 5 == 2) v[r] = 40 * s;
+            double rr = 0;
+            for (int i = 0; i < n; i++) rr += (double)v[i] * v[i];
+            ref += rr / n / ((double)s * s);
+            for (int t = 0; t < 8; t++) {
+                moe__quantize_row(types[t], v, q, n);
+                moe__row_to_f32(types[t], q, NULL, back, n);
+                double e = 0;
+                for (int i = 0; i < n; i++) e += ((double)back[i] - v[i]) * ((double)back[i] - v[i]);
+                err[t] += e / n / ((double)s * s);
+            }
+        }
+        for (int t = 0; t < 8; t++) err[t] = sqrt(err[t] / ref);
+        printf("  relative RMS error q4_0 %.4f q8_0 %.4f q4_1 %.4f q5_0 %.4f q5_1 %.4f q4_k %.4f q5_k %.4f q6_k %.4f\n", err[0], err[1], err[2], err[3], err[4],
+               err[5], err[6], err[7]);
+        CHECK(err[2] < err[0] && err[5] < err[0]);            /* Q4_1, Q4_K beat Q4_0 */
+        CHECK(err[3] < 0.6 * err[0] && err[4] < 0.6 * err[0]); /* 5 bits: about half the step */
+        CHECK(err[6] < 0.6 * err[5] && err[7] < 0.7 * err[6]); /* Q5_K, Q6_K: a bit more, about half the error */
+        CHECK(err[7] < 5 * err[1]); /* 6 bits in 16s against 8 in 32s: ~3.3x */
+        for (int t = 2; t < 8; t++) {
+            memset(v, 0, sizeof(float) * n);
+            moe__quantize_row(types[t], v, q, n);
+            moe__row_to_f32(types[t], q, NULL, back, n);
+            int zero = 1;
+            for (int i = 0; i < n; i++) zero &= back[i] == 0;
+            CHECKF(zero, "%s: a zero row", kq_names[t - 2]);
+        }
+        free(v), free(back), free(q);
+    }
+    /* 3. every level's kernel against the scalar one, and the scalar one against the decoded
+     * weights times the decoded activations (in double): to float summation order */
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
+    const int lens[] = {32, 96, 256, 512, 2048, 7168};
+    float *xa = malloc(sizeof(float) * 7168), *dw = malloc(sizeof(float) * 7168);
+    moe__block_q8a *qa = malloc(sizeof *qa * 224);
+    unsigned char *w = malloc((size_t)moe__row_bytes(MOE_T_Q8_0, 7168)); /* the largest of them */
+    for (int t = 0; t < 6; t++)
+        for (size_t a = 0; a < sizeof lens / sizeof *lens; a++)
+            for (int mode = 0; mode < 5; mode++) {
+                const int type = kq_types[t], n = lens[a];
+                if (n % moe__block_values(type)) continue;
+                for (int i = 0; i < n; i++) xa[i] = mode == 3 ? 0.0f : nrand() * (mode == 1 ? 1e6f : mode == 2 ? 1e-6f : 1.0f);
+                if (mode == 0) xa[n / 2] = 50.0f;
+                if (mode == 4) { /* quantized from values, with an outlier */
+                    for (int i = 0; i < n; i++) dw[i] = nrand() * 0.02f;
+                    dw[n / 3] = 3.0f;
+                    moe__quantize_row(type, dw, w, n);
+                } else {
+                    random_kq_row(type, w, n);
+                }
+                lv[0].quant_q8a(xa, qa, n);
+                moe__row_to_f32(type, w, NULL, dw, n);
+                double exact = 0, ab = 0;
+                for (int i = 0; i < n; i++) {
+                    const double term = (double)dw[i] * qa[i / 32].d * qa[i / 32].qs[i % 32];
+                    exact += term, ab += fabs(term);
+                }
+                const float r = lv[0].dotq[type](w, qa, n);
+                CHECKF(fabs(r - exact) <= 1e-5 * ab + 1e-30, "%s scalar n %d mode %d: %g vs %g", kq_names[t], n, mode, r, exact);
+                CHECK(r == moe__dotq_ref(type, w, qa, n));
+                for (int li = 1; li < nl; li++) {
+                    const float s = lv[li].dotq[type](w, qa, n);
+                    CHECKF(fabs((double)r - s) <= 1e-5 * ab + 1e-30, "%s %s n %d mode %d: %g vs %g", lv[li].isa, kq_names[t], n, mode, s, r);
+                }
+            }
+    free(xa), free(dw), free(qa), free(w);
+}
+
 /* ---- JSON ------------------------------------------------------------------------------ */
 
 static void test_json(void) {
@@ -3342,6 +3526,44 @@ static void test_gguf_quant_resume(void) {
     remove(a), remove(b);
 }
 
+/* GGUF files in the other ggml formats (the shipped model, hidden size 256: Q4_K/Q5_K/Q6_K
+ * rows, with llama.cpp's fallbacks where a row is 128 values) load and run: the logits as stored
+ * against the same file with every matrix decoded to f32 at load (moe_options dense_type and
+ * expert_type F32: the decoder's exact values, f32 activations), routing pinned to the latter's */
+static void test_gguf_kquants(void) {
+    static const char *const mixes[3][2] = {{"--dense q4_k --experts q4_1", "q4_1"}, {"--dense q5_k --experts q5_1", "q5_1"}, {"--dense q6_k --experts q5_0", "q5_0"}};
+    int32_t ids[48];
+    for (int i = 0; i < 48; i++) ids[i] = (int32_t)(urand() * 4096);
+    for (int k = 0; k < 3; k++) {
+        char out[600], err[300];
+        tmp_path(out, sizeof out, "kq.gguf");
+        CHECK(convert(shipped_dir(), out, mixes[k][0]) == 0);
+        moe_options o = moe_default_options();
+        o.n_threads = 2;
+        moe_model *q = NULL, *f = NULL;
+        CHECKF(moe_model_open(&q, out, &o, err, sizeof err) == MOE_OK, "%s", err);
+        o.dense_type = MOE_WTYPE_F32, o.expert_type = MOE_WTYPE_F32;
+        CHECKF(moe_model_open(&f, out, &o, err, sizeof err) == MOE_OK, "%s", err);
+        if (q && f) {
+            /* the format holding the most bytes: the experts' */
+            CHECKF(!strcmp(moe_model_get_info(q).weight_type, mixes[k][1]), "%s: weight type %s", mixes[k][0], moe_model_get_info(q).weight_type);
+            const moe_config *c = moe_model_config(q);
+            const size_t nv = (size_t)48 * c->vocab_size;
+            int32_t *routes = malloc(sizeof(int32_t) * 48 * c->n_layers * c->n_active);
+            float *lf = logits_routed(f, ids, 48, NULL, routes, NULL), *lq = logits_routed(q, ids, 48, NULL, NULL, routes);
+            double spread = 0;
+            for (size_t i = 0; i < nv; i++) spread += fabs(lf[i]);
+            const double d = max_abs_diff(lf, lq, nv), m = mean_abs_diff(lf, lq, nv);
+            printf("  %s: mean |logit| %.3g, against f32-decoded: max %.3g mean %.3g\n", mixes[k][0], spread / nv, d, m);
+            CHECKF(m < 0.02 * spread / nv && d < 0.5, "%s: max %.3g mean %.3g", mixes[k][0], d, m);
+            free(routes), free(lf), free(lq);
+        }
+        moe_model_close(q), moe_model_close(f);
+        remove(out);
+    }
+}
+
+
 /* a GGUF split into parts (moe-convert --split-max-size: llama.cpp's names and split keys) opens
  * from any part's path, in both expert modes, and passes the golden checks; an interrupted split
  * conversion resumes to the same bytes; a missing, misnamed or inconsistent part is a clean error */
@@ -4157,6 +4379,7 @@ static const struct {
     {"dot_levels", test_dot_levels},
     {"act_levels", test_act_levels},
     {"quant_blocks", test_quant_blocks},
+    {"kquant_blocks", test_kquant_blocks},
     {"json", test_json},
     {"tokenizer_spec_pieces", test_tokenizer_spec_pieces},
     {"tokenizer_random_pieces", test_tokenizer_random_pieces},
@@ -4209,6 +4432,7 @@ static const struct {
     {"gguf_golden", test_gguf_golden},
     {"gguf_quant_resume", test_gguf_quant_resume},
     {"gguf_split", test_gguf_split},
+    {"gguf_kquants", test_gguf_kquants},
     {"gguf_bad", test_gguf_bad},
     {"fuzz_seeds", test_fuzz_seeds},
     {"cache_equivalence", test_cache_equivalence},
