@@ -1746,6 +1746,16 @@ static int x8_type(const moe_model *m, const moe__weight *w) {
     return to != MOE_T_MXFP4X8 || (m->opt.flags & MOE_FLAG_MXFP4_INT8) ? to : -1;
 }
 
+/* What repack_weights makes of a matrix: its interleaved type; for the block formats that have
+ * none (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) their own, a plain copy into the same huge-page RAM
+ * (read through the file mapping's 4 KB pages, a Q4_0 decode token took 2.6x as long as
+ * interleaved: bench/RESULTS.md, session 26); -1: it stays where it is */
+static int placed_type(const moe_model *m, const moe__weight *w) {
+    const int to = x8_type(m, w);
+    if (to >= 0) return to;
+    return moe__is_quant(w->type) && w->type != MOE_T_Q4_0 && w->type != MOE_T_Q8_0 ? w->type : -1;
+}
+
 /* Where repack_weights puts the interleaved matrices: one allocation for all of them, filled in
  * load order, in transparent huge pages where the system gives them (Linux, THP not "never").
  * On this project's Zen 4 machine (a virtual machine, where every TLB miss walks two page tables)
@@ -1773,10 +1783,10 @@ static int free_owned(moe_model *m, const void *p) {
  * Then lets the source go: its mapped pages are dropped from our resident set, or its owned
  * buffer freed. Rows not a multiple of 8 stay as they are. */
 static moe_status repack_weight(moe_model *m, moe__weight *w, repack_arena *a) {
-    const int to = x8_type(m, w);
+    const int to = placed_type(m, w), copy = to == w->type;
     if (!w->data || to < 0) return MOE_OK;
     const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8, sb = w->cols / 32;
-    const size_t bytes = (size_t)(gb * ng);
+    const size_t bytes = copy ? (size_t)(rb * w->rows) : (size_t)(gb * ng);
     unsigned char *dst;
     if (a->p && repack_round(bytes) <= a->left) {
         dst = a->p;
@@ -1789,7 +1799,9 @@ static moe_status repack_weight(moe_model *m, moe__weight *w, repack_arena *a) {
 #pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1 && ng > 64)
 #endif
     for (int64_t g = 0; g < ng; g++)
-        moe__repack_x8(w->type, (const unsigned char *)w->data + g * 8 * rb, rb, w->scale ? w->scale + g * 8 * sb : NULL, dst + g * gb, w->cols);
+        if (!copy) moe__repack_x8(w->type, (const unsigned char *)w->data + g * 8 * rb, rb, w->scale ? w->scale + g * 8 * sb : NULL, dst + g * gb, w->cols);
+        else memcpy(dst + g * 8 * rb, (const unsigned char *)w->data + g * 8 * rb, (size_t)(8 * rb));
+    if (copy) memcpy(dst + ng * 8 * rb, (const unsigned char *)w->data + ng * 8 * rb, (size_t)((w->rows - ng * 8) * rb));
     if (!free_owned(m, w->data)) {
         drop_mapped(w->data, (size_t)(rb * w->rows));
         if (w->scale) drop_mapped(w->scale, (size_t)(sb * w->rows));
@@ -1836,7 +1848,7 @@ static moe_status each_repackable(moe_model *m, repack_fn fn, void *ud, const ch
 typedef struct { uint64_t all, experts, mapped; } repack_count;
 static moe_status count_repack(moe_model *m, moe__weight *w, int expert, void *ud) {
     repack_count *c = ud;
-    const uint64_t b = w->data && x8_type(m, w) >= 0 ? repack_round((size_t)weight_bytes(w)) : 0;
+    const uint64_t b = w->data && placed_type(m, w) >= 0 ? repack_round((size_t)weight_bytes(w)) : 0;
     c->all += b;
     if (expert) c->experts += b;
     if (expert && in_mapping(m, w->data)) c->mapped += b;

@@ -1167,50 +1167,68 @@ MOE_TARGET("avx2,fma") static inline __m256i hsum8x8_avx2(const __m256i *p) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* the 8 activation blocks' scales and sums of a 256-value block */
-MOE_TARGET("avx2,fma") static inline __m256 q8a_scales8_avx2(const moe__block_q8a *x) {
-    return _mm256_setr_ps(x[0].d, x[1].d, x[2].d, x[3].d, x[4].d, x[5].d, x[6].d, x[7].d);
-}
-MOE_TARGET("avx2,fma") static inline __m256 q8a_sums8_avx2(const moe__block_q8a *x) {
-    return _mm256_cvtepi32_ps(_mm256_setr_epi32(x[0].sum, x[1].sum, x[2].sum, x[3].sum, x[4].sum, x[5].sum, x[6].sum, x[7].sum));
+/* the 8 activation blocks' scales and sums of a 256-value block: each block's first 8 bytes
+ * (d, sum) loaded as one, then the pairs split into two vectors in block order */
+MOE_TARGET("avx2,fma") static inline void q8a_heads8_avx2(const moe__block_q8a *x, __m256 *d, __m256 *sum) {
+#define PAIRS(i, j) _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)&x[i]), _mm_loadl_epi64((const __m128i *)(const void *)&x[j]))
+    const __m256 a = _mm256_castsi256_ps(_mm256_setr_m128i(PAIRS(0, 1), PAIRS(4, 5)));
+    const __m256 b = _mm256_castsi256_ps(_mm256_setr_m128i(PAIRS(2, 3), PAIRS(6, 7)));
+#undef PAIRS
+    *d = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+    *sum = _mm256_cvtepi32_ps(_mm256_castps_si256(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))));
 }
 
 /* Q4_K/Q5_K: the 8 sub-blocks' integer sums in one vector, then in float
- * x.d (d sc_j sum_j - dmin m_j sum(x)) for the 8 at once */
-MOE_TARGET("avx2,fma,f16c") static float dotq_k4_avx2(int type, const void *w, const moe__block_q8a *x, int64_t n) {
-    const int64_t bs = moe__row_bytes(type, 256);
-    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n / 256; i++, x += 8) {
-        const unsigned char *b = (const unsigned char *)w + i * bs;
-        const uint8_t *qs = b + (type == MOE_T_Q4_K ? 16 : 48);
-        const __m256i hb = type == MOE_T_Q5_K ? _mm256_loadu_si256((const __m256i *)(const void *)(b + 16)) : _mm256_setzero_si256();
-        __m256i p[8];
-        for (int c = 0; c < 4; c++) {
-            const __m256i r = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * c));
-            __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);
-            if (type == MOE_T_Q5_K) { /* bit 2c of qh[l] for the low sub-block, 2c + 1 for the high */
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4));
-            }
-            p[2 * c] = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(const void *)x[2 * c].qs)), ones);
-            p[2 * c + 1] = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(const void *)x[2 * c + 1].qs)), ones);
-        }
-        uint8_t sm[16];
-        uint16_t hd[2];
-        memcpy(hd, b, 4);
-        k4_unpack_scales(b + 4, sm);
-        const __m128i smv = _mm_loadu_si128((const __m128i *)(const void *)sm);
-        const __m256 xd = q8a_scales8_avx2(x);
-        const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)), _mm256_set1_ps(f16_avx(hd[0])));
-        const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))), _mm256_set1_ps(f16_avx(hd[1])));
-        const __m256 t = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(hsum8x8_avx2(p)), _mm256_mul_ps(mn, q8a_sums8_avx2(x)));
-        acc = _mm256_fmadd_ps(xd, t, acc);
+ * x.d (d sc_j sum_j - dmin m_j sum(x)) for the 8 at once. One function per format and level
+ * (DPB: 32 unsigned bytes times 32 signed ones, summed in fours into int32). Q5_K: bit j of
+ * qh[l] moved to bit 4 of sub-block j's value l. */
+#define K4_SUB(c, LO, HI, FIVE, DPB)                                                                                                 \
+    do {                                                                                                                  \
+        const __m256i r = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * (c)));                            \
+        __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);                        \
+        if (FIVE) {                                                                                                       \
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * (c)), one), 4));        \
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * (c) + 1), one), 4));    \
+        }                                                                                                                 \
+        LO = DPB(lo, _mm256_loadu_si256((const __m256i *)(const void *)x[2 * (c)].qs));                                  \
+        HI = DPB(hi, _mm256_loadu_si256((const __m256i *)(const void *)x[2 * (c) + 1].qs));                              \
+    } while (0)
+#define K4_KERNEL(name, TGT, FIVE, DPB)                                                                                   \
+    MOE_TARGET(TGT) static float name(const void *w, const moe__block_q8a *x, int64_t n) {                              \
+        const int64_t bs = FIVE ? (int64_t)sizeof(moe__block_q5_k) : (int64_t)sizeof(moe__block_q4_k);                  \
+        const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);                  \
+        (void)ones, (void)one;                                                                                            \
+        __m256 acc = _mm256_setzero_ps();                                                                                 \
+        for (int64_t i = 0; i < n / 256; i++, x += 8) {                                                                   \
+            const unsigned char *b = (const unsigned char *)w + i * bs, *qs = b + (FIVE ? 48 : 16);                        \
+            const __m256i hb = FIVE ? _mm256_loadu_si256((const __m256i *)(const void *)(b + 16)) : _mm256_setzero_si256(); \
+            (void)hb;                                                                                                     \
+            __m256i p[8];                                                                                                 \
+            K4_SUB(0, p[0], p[1], FIVE, DPB);                                                                                        \
+            K4_SUB(1, p[2], p[3], FIVE, DPB);                                                                                        \
+            K4_SUB(2, p[4], p[5], FIVE, DPB);                                                                                        \
+            K4_SUB(3, p[6], p[7], FIVE, DPB);                                                                                        \
+            uint8_t sm[16];                                                                                               \
+            uint16_t hd[2];                                                                                               \
+            memcpy(hd, b, 4);                                                                                             \
+            k4_unpack_scales(b + 4, sm);                                                                                  \
+            const __m128i smv = _mm_loadu_si128((const __m128i *)(const void *)sm);                                      \
+            __m256 xd, xs;                                                                                                \
+            q8a_heads8_avx2(x, &xd, &xs);                                                                                 \
+            const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)), _mm256_set1_ps(f16_avx(hd[0]))); \
+            const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))), _mm256_set1_ps(f16_avx(hd[1]))); \
+            acc = _mm256_fmadd_ps(xd, _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(hsum8x8_avx2(p)), _mm256_mul_ps(mn, xs)), acc); \
+        }                                                                                                                 \
+        return hsum_avx2(acc);                                                                                            \
     }
-    return hsum_avx2(acc);
-}
-static float dotq_q4_k_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k4_avx2(MOE_T_Q4_K, w, x, n); }
-static float dotq_q5_k_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k4_avx2(MOE_T_Q5_K, w, x, n); }
+#define DPB_AVX2(u, v) _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones)
+K4_KERNEL(dotq_q4_k_avx2, "avx2,fma,f16c", 0, DPB_AVX2)
+K4_KERNEL(dotq_q5_k_avx2, "avx2,fma,f16c", 1, DPB_AVX2)
+#undef DPB_AVX2
+#define DPB_AVX512VNNI(u, v) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v)
+K4_KERNEL(dotq_q4_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 0, DPB_AVX512VNNI)
+K4_KERNEL(dotq_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 1, DPB_AVX512VNNI)
+#undef DPB_AVX512VNNI
 
 /* Q6_K: values q - 32 signed, products by maddubs with |q - 32| and the activations' signs moved
  * (as mul_i8_avx2), each 16's pair sums times its 8-bit scale (madd) into int32: per sub-block
@@ -1219,7 +1237,9 @@ MOE_TARGET("avx2,fma,f16c") static float dotq_q6_k_avx2(const void *w, const moe
     const moe__block_q6_k *b = w;
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), b32 = _mm256_set1_epi8(32);
     __m256 acc = _mm256_setzero_ps();
+    const __m256i half = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
     for (int64_t i = 0; i < n / 256; i++, x += 8) {
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)b[i].scales));
         __m256i p[8];
         for (int h = 0; h < 2; h++) {
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].ql + 64 * h));
@@ -1234,11 +1254,14 @@ MOE_TARGET("avx2,fma,f16c") static float dotq_q6_k_avx2(const void *w, const moe
                 const int s = 4 * h + k;
                 const __m256i v = _mm256_sub_epi8(q[k], b32), xv = _mm256_loadu_si256((const __m256i *)(const void *)x[s].qs);
                 const __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
-                const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(b[i].scales[2 * s + 1]), _mm_set1_epi16(b[i].scales[2 * s]));
+                /* [scale 2s as 8 words | scale 2s + 1 as 8 words]: dword s of sc16, then its halves */
+                const __m256i sc = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), half);
                 p[s] = _mm256_madd_epi16(pr, sc);
             }
         }
-        const __m256 dx = _mm256_mul_ps(q8a_scales8_avx2(x), _mm256_set1_ps(f16_avx(b[i].d)));
+        __m256 xd, xs;
+        q8a_heads8_avx2(x, &xd, &xs);
+        const __m256 dx = _mm256_mul_ps(xd, _mm256_set1_ps(f16_avx(b[i].d)));
         acc = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(hsum8x8_avx2(p)), acc);
     }
     return hsum_avx2(acc);
@@ -1445,6 +1468,10 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 #endif
 /* VEX has no embedded broadcast: the activation dword is broadcast into a register first */
 #define VNNI_DPB_VEX(acc, u, p) ((acc) = AVXVNNI_DPBUSD(acc, u, _mm256_set1_epi32(*(const int32_t *)(p))))
+#define DPB_AVXVNNI(u, v) AVXVNNI_DPBUSD(_mm256_setzero_si256(), u, v)
+K4_KERNEL(dotq_q4_k_avxvnni, MOE_AVXVNNI, 0, DPB_AVXVNNI)
+K4_KERNEL(dotq_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
+#undef DPB_AVXVNNI
 /* Block b of x8 weights in W-bit registers (256: one group; 512: two groups side by side) against
  * one activation block XB: the block's 8 chunks U(0) .. U(7) (unsigned bytes, in the order of the
  * activation's 4-byte groups) in four dpbusd chains with bias * sum(x) folded into the first,
@@ -4296,6 +4323,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             *v = *k;
             v->dotq[MOE_T_Q8_0] = dotq_q8_0_avxvnni;
             v->dotq[MOE_T_Q4_0] = dotq_q4_0_avxvnni;
+            v->dotq[MOE_T_Q4_K] = dotq_q4_k_avxvnni;
+            v->dotq[MOE_T_Q5_K] = dotq_q5_k_avxvnni;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avxvnni;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avxvnni;
             v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avxvnni;
@@ -4334,6 +4363,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             if (cpu_has_vnni()) {
                 v->dotq[MOE_T_Q8_0] = dotq_q8_0_vnni;
                 v->dotq[MOE_T_Q4_0] = dotq_q4_0_vnni;
+                v->dotq[MOE_T_Q4_K] = dotq_q4_k_vnni;
+                v->dotq[MOE_T_Q5_K] = dotq_q5_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;

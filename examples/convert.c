@@ -38,6 +38,9 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define ALIGN 4096
 #define CHUNK (64u << 20) /* output bytes buffered before a write */
@@ -712,8 +715,54 @@ static void drop_pages(const moe__st_tensor *t) {
     madvise((void *)a, e - a, MADV_DONTNEED); /* a hint: keeps the resident set bounded */
 }
 
-/* produces and writes one tensor at its offset; returns 0 on success */
-static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const source *s, unsigned char *obuf, float *tmp) {
+/* row r of matrix mi of tensor t, converted into dst (tmp: 4 x the widest row of floats) */
+static void produce_row(const out_tensor *t, const source *s, const src_mat *sm, int64_t mi, int64_t r, unsigned char *dst, float *tmp) {
+    if (!s->m) {
+        random_row(tmp, t->cols, s->seed ^ name_hash(t->name) ^ mix64((uint64_t)(mi * t->rows + r + 1)), t->rmean, t->rstd);
+        if (t->kind == SRC_ALOG) /* a = exp(A_log), A_log ~ log U(1, 16) */
+            for (int64_t i = 0; i < t->cols; i++) tmp[i] = -(1.0f + 15.0f * fabsf(tmp[i]) / 2.0f);
+        if (t->type == MOE_T_F32) memcpy(dst, tmp, sizeof(float) * (size_t)t->cols);
+        else {
+            src_mat fake = {0};
+            moe__st_tensor ft = {.type = MOE_T_F32, .data = tmp};
+            fake.w = &ft;
+            convert_row(&fake, 0, t->cols, t->type, dst, tmp + t->cols);
+        }
+        return;
+    }
+    if (t->kind == SRC_V_B) { /* kv_b row h*(dn+dv) + dn + r */
+        convert_row(sm, mi * (t->dn + t->dv) + t->dn + r, t->cols, t->type, dst, tmp);
+        return;
+    }
+    if (t->kind == SRC_K_B) { /* column r of head mi's d_n key rows */
+        const int64_t R = t->rows;
+        float *col = tmp + R;
+        for (int64_t i = 0; i < t->cols; i++) {
+            if (sm->packed) moe__row_to_f32(MOE_T_MXFP4, (const uint8_t *)sm->packed->data + (mi * (t->dn + t->dv) + i) * R / 2,
+                                            (const uint8_t *)sm->scale->data + (mi * (t->dn + t->dv) + i) * R / 32, tmp, R);
+            else moe__row_to_f32(sm->w->type, (const unsigned char *)sm->w->data + (mi * (t->dn + t->dv) + i) * moe__row_bytes(sm->w->type, R), NULL, tmp, R);
+            col[i] = tmp[r];
+        }
+        src_mat fake = {0};
+        moe__st_tensor ft = {.type = MOE_T_F32, .data = col};
+        fake.w = &ft;
+        convert_row(&fake, 0, t->cols, t->type, dst, col + t->cols);
+        return;
+    }
+    if (t->kind == SRC_ALOG || t->kind == SRC_VEC) {
+        /* vectors: any stored shape with the right count (A_log may be zero-padded) */
+        moe__row_to_f32(sm->w->type, sm->w->data, NULL, tmp, t->cols);
+        if (t->kind == SRC_ALOG) for (int64_t i = 0; i < t->cols; i++) tmp[i] = -expf(tmp[i]); /* llama.cpp: -exp(A_log) */
+        memcpy(dst, tmp, sizeof(float) * (size_t)t->cols);
+        return;
+    }
+    convert_row(sm, r, t->cols, t->type, dst, tmp);
+}
+
+/* produces and writes one tensor at its offset; returns 0 on success. The rows of a chunk are
+ * converted by the OpenMP threads where there are any (tmp: tmp_floats for each), each into its
+ * own place: the bytes do not depend on the thread count. */
+static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const source *s, unsigned char *obuf, float *tmp, size_t tmp_floats) {
     const int64_t rb = moe__row_bytes(t->type, t->cols);
     const int64_t rows_per_chunk = (int64_t)CHUNK / (rb > 0 ? rb : 1) > 0 ? (int64_t)CHUNK / rb : 1;
     uint64_t pos = data_start + t->offset;
@@ -735,48 +784,16 @@ static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const 
         }
         for (int64_t r0 = 0; r0 < t->rows; r0 += rows_per_chunk) {
             const int64_t r1 = r0 + rows_per_chunk < t->rows ? r0 + rows_per_chunk : t->rows;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 4) if (r1 - r0 >= 16 && t->kind != SRC_VEC && t->kind != SRC_ALOG)
+#endif
             for (int64_t r = r0; r < r1; r++) {
-                unsigned char *dst = obuf + (r - r0) * rb;
-                if (!s->m) {
-                    random_row(tmp, t->cols, s->seed ^ name_hash(t->name) ^ mix64((uint64_t)(mi * t->rows + r + 1)), t->rmean, t->rstd);
-                    if (t->kind == SRC_ALOG) /* a = exp(A_log), A_log ~ log U(1, 16) */
-                        for (int64_t i = 0; i < t->cols; i++) tmp[i] = -(1.0f + 15.0f * fabsf(tmp[i]) / 2.0f);
-                    if (t->type == MOE_T_F32) memcpy(dst, tmp, sizeof(float) * (size_t)t->cols);
-                    else {
-                        src_mat fake = {0};
-                        moe__st_tensor ft = {.type = MOE_T_F32, .data = tmp};
-                        fake.w = &ft;
-                        convert_row(&fake, 0, t->cols, t->type, dst, tmp + t->cols);
-                    }
-                    continue;
-                }
-                if (t->kind == SRC_V_B) { /* kv_b row h*(dn+dv) + dn + r */
-                    convert_row(&sm, mi * (t->dn + t->dv) + t->dn + r, t->cols, t->type, dst, tmp);
-                    continue;
-                }
-                if (t->kind == SRC_K_B) { /* column r of head mi's d_n key rows */
-                    const int64_t R = t->rows;
-                    float *col = tmp + R;
-                    for (int64_t i = 0; i < t->cols; i++) {
-                        if (sm.packed) moe__row_to_f32(MOE_T_MXFP4, (const uint8_t *)sm.packed->data + (mi * (t->dn + t->dv) + i) * R / 2,
-                                                       (const uint8_t *)sm.scale->data + (mi * (t->dn + t->dv) + i) * R / 32, tmp, R);
-                        else moe__row_to_f32(sm.w->type, (const unsigned char *)sm.w->data + (mi * (t->dn + t->dv) + i) * moe__row_bytes(sm.w->type, R), NULL, tmp, R);
-                        col[i] = tmp[r];
-                    }
-                    src_mat fake = {0};
-                    moe__st_tensor ft = {.type = MOE_T_F32, .data = col};
-                    fake.w = &ft;
-                    convert_row(&fake, 0, t->cols, t->type, dst, col + t->cols);
-                    continue;
-                }
-                if (t->kind == SRC_ALOG || t->kind == SRC_VEC) {
-                    /* vectors: any stored shape with the right count (A_log may be zero-padded) */
-                    moe__row_to_f32(sm.w->type, sm.w->data, NULL, tmp, t->cols);
-                    if (t->kind == SRC_ALOG) for (int64_t i = 0; i < t->cols; i++) tmp[i] = -expf(tmp[i]); /* llama.cpp: -exp(A_log) */
-                    memcpy(dst, tmp, sizeof(float) * (size_t)t->cols);
-                    continue;
-                }
-                convert_row(&sm, r, t->cols, t->type, dst, tmp);
+#ifdef _OPENMP
+                float *mine = tmp + (size_t)omp_get_thread_num() * tmp_floats;
+#else
+                float *mine = tmp;
+#endif
+                produce_row(t, s, &sm, mi, r, obuf + (r - r0) * rb, mine);
             }
             const size_t n = (size_t)((r1 - r0) * rb);
             for (size_t done = 0; done < n;) {
@@ -1290,14 +1307,20 @@ int main(int argc, char **argv) {
         if (rb > maxrow) maxrow = rb;
     }
     unsigned char *obuf = malloc(CHUNK > maxrow ? CHUNK : maxrow);
-    float *tmp = malloc(sizeof(float) * (size_t)maxcols * 4);
+#ifdef _OPENMP
+    const size_t nthreads = (size_t)omp_get_max_threads();
+#else
+    const size_t nthreads = 1;
+#endif
+    const size_t tmp_floats = (size_t)maxcols * 4;
+    float *tmp = malloc(sizeof(float) * tmp_floats * nthreads);
     if (!obuf || !tmp) return die("out of memory");
     double t0 = now(), last = 0;
     uint64_t done_bytes = 0, resumed_bytes = 0;
     for (int i = 0; i < start; i++) resumed_bytes += p.t[i].nbytes;
     for (int i = start; i < p.n; i++) {
         const part *pt = &parts[p.t[i].part];
-        if (write_tensor(pt->fd, pt->hdr.n, &p.t[i], &src, obuf, tmp)) return 1;
+        if (write_tensor(pt->fd, pt->hdr.n, &p.t[i], &src, obuf, tmp, tmp_floats)) return 1;
         if (fdatasync(pt->fd)) return die("%s: sync failed: %s", pt->partial, strerror(errno));
         /* record progress atomically: write a new record, then rename over the old one */
         char tmpd[4400];
