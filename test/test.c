@@ -3529,7 +3529,9 @@ static void test_gguf_quant_resume(void) {
 /* GGUF files in the other ggml formats (the shipped model, hidden size 256: Q4_K/Q5_K/Q6_K
  * rows, with llama.cpp's fallbacks where a row is 128 values) load and run: the logits as stored
  * against the same file with every matrix decoded to f32 at load (moe_options dense_type and
- * expert_type F32: the decoder's exact values, f32 activations), routing pinned to the latter's */
+ * expert_type F32: the decoder's exact values, f32 activations), routing pinned to the latter's;
+ * the same logits bit for bit with the matrices left in the mapping (MOE_FLAG_NO_REPACK; where
+ * no Q8_0 is interleaved) and with the experts read from the file by the expert cache */
 static void test_gguf_kquants(void) {
     static const char *const mixes[3][2] = {{"--dense q4_k --experts q4_1", "q4_1"}, {"--dense q5_k --experts q5_1", "q5_1"}, {"--dense q6_k --experts q5_0", "q5_0"}};
     int32_t ids[48];
@@ -3556,6 +3558,20 @@ static void test_gguf_kquants(void) {
             const double d = max_abs_diff(lf, lq, nv), m = mean_abs_diff(lf, lq, nv);
             printf("  %s: mean |logit| %.3g, against f32-decoded: max %.3g mean %.3g\n", mixes[k][0], spread / nv, d, m);
             CHECKF(m < 0.02 * spread / nv && d < 0.5, "%s: max %.3g mean %.3g", mixes[k][0], d, m);
+            for (int v = 0; v < 2; v++) {
+                moe_options ov = moe_default_options();
+                ov.n_threads = 2;
+                if (v == 0) ov.flags = MOE_FLAG_NO_REPACK;
+                else ov.expert_mode = MOE_EXPERTS_CACHE, ov.expert_budget = 1 << 20;
+                moe_model *mv = NULL;
+                CHECKF(moe_model_open(&mv, out, &ov, err, sizeof err) == MOE_OK, "%s", err);
+                float *lv = mv ? logits_routed(mv, ids, 48, NULL, NULL, routes) : NULL;
+                /* (q6_k's Q8_0 fallbacks are interleaved when repacked: their kernels agree to
+                 * float summation order, which int8 activations make up to one step) */
+                const double lim = v == 0 && k == 2 ? 0.5 : 0;
+                CHECKF(lv && max_abs_diff(lq, lv, nv) <= lim, "%s: %s differs", mixes[k][0], v ? "the expert cache" : "left mapped");
+                free(lv), moe_model_close(mv);
+            }
             free(routes), free(lf), free(lq);
         }
         moe_model_close(q), moe_model_close(f);
