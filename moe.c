@@ -2588,7 +2588,17 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
         m->k.gemm[W->type](base + r0 * moe__row_bytes(W->type, K), K, (int)(r1 - r0), j->x, j->ldx, T, K, j->y + r0, N);
         return;
     }
-    for (int t = 0; t < T; t++)
+    int t = 0;
+    if (T >= 4 && m->k.dotq4[W->type]) { /* prefill, a format without an interleaved form: each weight row meets 4 activation rows a pass */
+        const int64_t rb = moe__row_bytes(W->type, K);
+        for (; t + 4 <= T; t += 4)
+            for (int64_t r = r0; r < r1; r++) {
+                float o[4];
+                m->k.dotq4[W->type](base + r * rb, j->xq + (int64_t)t * nb, nb, K, o);
+                for (int i = 0; i < 4; i++) j->y[(int64_t)(t + i) * N + r] = o[i];
+            }
+    }
+    for (; t < T; t++)
         rows_times(m, W, r0, r1 - r0, j->x + (int64_t)t * j->ldx, j->xq ? j->xq + (int64_t)t * nb : NULL, j->y + (int64_t)t * N + r0, 1.0f);
 }
 

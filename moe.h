@@ -507,6 +507,9 @@ typedef struct {
     moe__dot_fn dot[MOE_T_COUNT];   /* weight row . f32 vector, per float weight type */
     moe__gemm_fn gemm[MOE_T_COUNT]; /* F32 and BF16 weights times a batch of rows (moe__gemm_ref) */
     moe__dotq_fn dotq[MOE_T_COUNT]; /* weight row . q8a row, per integer weight type (and MXFP4_GGML) */
+    /* one weight row . 4 q8a rows (x + t * xs blocks) -> out[t], each bit for bit the level's
+     * dotq (prefill over the formats without an interleaved form; NULL where a level has none) */
+    void (*dotq4[MOE_T_COUNT])(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out);
     /* compressed-tensors MXFP4 row (scales apart) . q8a row: see moe__dotq_mxfp4_ref */
     float (*dotq_mxfp4)(const void *w, const uint8_t *scale, const moe__block_q8a *x, int64_t n);
     moe__quant_fn quant_q8a;        /* f32 row -> q8a blocks */

@@ -1182,89 +1182,130 @@ MOE_TARGET("avx2,fma") static inline void q8a_heads8_avx2(const moe__block_q8a *
  * x.d (d sc_j sum_j - dmin m_j sum(x)) for the 8 at once. One function per format and level
  * (DPB: 32 unsigned bytes times 32 signed ones, summed in fours into int32). Q5_K: bit j of
  * qh[l] moved to bit 4 of sub-block j's value l. */
-#define K4_SUB(c, LO, HI, FIVE, DPB)                                                                                                 \
+#define K4_DECODE(c, lo, hi, FIVE)                                                                                        \
     do {                                                                                                                  \
         const __m256i r = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * (c)));                            \
-        __m256i lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);                        \
+        lo = _mm256_and_si256(r, m4), hi = _mm256_and_si256(_mm256_srli_epi16(r, 4), m4);                                \
         if (FIVE) {                                                                                                       \
             lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * (c)), one), 4));        \
             hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * (c) + 1), one), 4));    \
         }                                                                                                                 \
-        LO = DPB(lo, _mm256_loadu_si256((const __m256i *)(const void *)x[2 * (c)].qs));                                  \
-        HI = DPB(hi, _mm256_loadu_si256((const __m256i *)(const void *)x[2 * (c) + 1].qs));                              \
     } while (0)
-#define K4_KERNEL(name, TGT, FIVE, DPB)                                                                                   \
-    MOE_TARGET(TGT) static float name(const void *w, const moe__block_q8a *x, int64_t n) {                              \
+/* sub-blocks 2c and 2c+1 of token t: their products pairwise summed (the first step of the sums) */
+#define K4_PAIR(c, t, DPB)                                                                                                \
+    _mm256_hadd_epi32(DPB(lo, _mm256_loadu_si256((const __m256i *)(const void *)x[(t) * xs + 8 * i + 2 * (c)].qs)),      \
+                      DPB(hi, _mm256_loadu_si256((const __m256i *)(const void *)x[(t) * xs + 8 * i + 2 * (c) + 1].qs)))
+/* NT (1 or 4) activation rows x + t xs blocks against one weight row: out[t], each row's float
+ * steps the same whatever NT (the integer sums are exact in any order) */
+#define K4_KERNEL(name, name4, TGT, FIVE, DPB)                                                                            \
+    MOE_TARGET(TGT) static inline __attribute__((always_inline)) void name##_rows(const void *w, const moe__block_q8a *x, int64_t xs, \
+                                                                                  int64_t n, float *out, const int NT) { \
         const int64_t bs = FIVE ? (int64_t)sizeof(moe__block_q5_k) : (int64_t)sizeof(moe__block_q4_k);                  \
         const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), ones = _mm256_set1_epi16(1);                  \
         (void)ones, (void)one;                                                                                            \
-        __m256 acc = _mm256_setzero_ps();                                                                                 \
-        for (int64_t i = 0; i < n / 256; i++, x += 8) {                                                                   \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};             \
+        for (int64_t i = 0; i < n / 256; i++) {                                                                           \
             const unsigned char *b = (const unsigned char *)w + i * bs, *qs = b + (FIVE ? 48 : 16);                        \
             const __m256i hb = FIVE ? _mm256_loadu_si256((const __m256i *)(const void *)(b + 16)) : _mm256_setzero_si256(); \
             (void)hb;                                                                                                     \
-            __m256i p[8];                                                                                                 \
-            K4_SUB(0, p[0], p[1], FIVE, DPB);                                                                                        \
-            K4_SUB(1, p[2], p[3], FIVE, DPB);                                                                                        \
-            K4_SUB(2, p[4], p[5], FIVE, DPB);                                                                                        \
-            K4_SUB(3, p[6], p[7], FIVE, DPB);                                                                                        \
+            __m256i lo, hi, h0[4], h1, s0[4], s1[4];                                                                      \
+            K4_DECODE(0, lo, hi, FIVE);                                                                                   \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) h0[t] = K4_PAIR(0, t, DPB);                              \
+            K4_DECODE(1, lo, hi, FIVE);                                                                                   \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) h1 = K4_PAIR(1, t, DPB), s0[t] = _mm256_hadd_epi32(h0[t], h1); \
+            K4_DECODE(2, lo, hi, FIVE);                                                                                   \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) h0[t] = K4_PAIR(2, t, DPB);                              \
+            K4_DECODE(3, lo, hi, FIVE);                                                                                   \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) h1 = K4_PAIR(3, t, DPB), s1[t] = _mm256_hadd_epi32(h0[t], h1); \
             uint8_t sm[16];                                                                                               \
             uint16_t hd[2];                                                                                               \
             memcpy(hd, b, 4);                                                                                             \
             k4_unpack_scales(b + 4, sm);                                                                                  \
             const __m128i smv = _mm_loadu_si128((const __m128i *)(const void *)sm);                                      \
-            __m256 xd, xs;                                                                                                \
-            q8a_heads8_avx2(x, &xd, &xs);                                                                                 \
             const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)), _mm256_set1_ps(f16_avx(hd[0]))); \
             const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))), _mm256_set1_ps(f16_avx(hd[1]))); \
-            acc = _mm256_fmadd_ps(xd, _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(hsum8x8_avx2(p)), _mm256_mul_ps(mn, xs)), acc); \
+            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                                        \
+                const __m256i S = _mm256_add_epi32(_mm256_permute2x128_si256(s0[t], s1[t], 0x20), _mm256_permute2x128_si256(s0[t], s1[t], 0x31)); \
+                __m256 xd, xm;                                                                                            \
+                q8a_heads8_avx2(x + t * xs + 8 * i, &xd, &xm);                                                            \
+                acc[t] = _mm256_fmadd_ps(xd, _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(S), _mm256_mul_ps(mn, xm)), acc[t]);  \
+            }                                                                                                             \
         }                                                                                                                 \
-        return hsum_avx2(acc);                                                                                            \
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]);                                  \
+    }                                                                                                                     \
+    MOE_TARGET(TGT) static float name(const void *w, const moe__block_q8a *x, int64_t n) {                              \
+        float r;                                                                                                          \
+        name##_rows(w, x, 0, n, &r, 1);                                                                                   \
+        return r;                                                                                                         \
+    }                                                                                                                     \
+    MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {      \
+        name##_rows(w, x, xs, n, out, 4);                                                                                 \
     }
 #define DPB_AVX2(u, v) _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), ones)
-K4_KERNEL(dotq_q4_k_avx2, "avx2,fma,f16c", 0, DPB_AVX2)
-K4_KERNEL(dotq_q5_k_avx2, "avx2,fma,f16c", 1, DPB_AVX2)
+K4_KERNEL(dotq_q4_k_avx2, dotq4_q4_k_avx2, "avx2,fma,f16c", 0, DPB_AVX2)
+K4_KERNEL(dotq_q5_k_avx2, dotq4_q5_k_avx2, "avx2,fma,f16c", 1, DPB_AVX2)
 #undef DPB_AVX2
 #define DPB_AVX512VNNI(u, v) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v)
-K4_KERNEL(dotq_q4_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 0, DPB_AVX512VNNI)
-K4_KERNEL(dotq_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 1, DPB_AVX512VNNI)
+K4_KERNEL(dotq_q4_k_vnni, dotq4_q4_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 0, DPB_AVX512VNNI)
+K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 1, DPB_AVX512VNNI)
 #undef DPB_AVX512VNNI
 
 /* Q6_K: values q - 32 signed, products by maddubs with |q - 32| and the activations' signs moved
  * (as mul_i8_avx2), each 16's pair sums times its 8-bit scale (madd) into int32: per sub-block
- * sc0 acc0 + sc1 acc1 exactly, then x.d d times that in float */
-MOE_TARGET("avx2,fma,f16c") static float dotq_q6_k_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
+ * sc0 acc0 + sc1 acc1 exactly, then x.d d times that in float. NT (1 or 4) activation rows
+ * x + t xs blocks, each row's float steps the same whatever NT. */
+MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void q6_k_rows_avx2(const void *w, const moe__block_q8a *x, int64_t xs,
+                                                                                               int64_t n, float *out, const int NT) {
     const moe__block_q6_k *b = w;
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), b32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps();
     const __m256i half = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
-    for (int64_t i = 0; i < n / 256; i++, x += 8) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n / 256; i++) {
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)b[i].scales));
-        __m256i p[8];
-        for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].ql + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].ql + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].qh + 32 * h));
+        __m256i h[4][4]; /* [token][pair of sub-blocks] */
+        for (int hh = 0; hh < 2; hh++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].ql + 64 * hh));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].ql + 64 * hh + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)(b[i].qh + 32 * hh));
             __m256i q[4];
             q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
             q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
             q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-            for (int k = 0; k < 4; k++) {
-                const int s = 4 * h + k;
-                const __m256i v = _mm256_sub_epi8(q[k], b32), xv = _mm256_loadu_si256((const __m256i *)(const void *)x[s].qs);
-                const __m256i pr = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xv, v));
+            for (int k = 0; k < 4; k += 2) {
+                const int s = 4 * hh + k;
+                const __m256i v0 = _mm256_sub_epi8(q[k], b32), v1 = _mm256_sub_epi8(q[k + 1], b32);
+                const __m256i a0 = _mm256_sign_epi8(v0, v0), a1 = _mm256_sign_epi8(v1, v1);
                 /* [scale 2s as 8 words | scale 2s + 1 as 8 words]: dword s of sc16, then its halves */
-                const __m256i sc = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), half);
-                p[s] = _mm256_madd_epi16(pr, sc);
+                const __m256i c0 = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), half);
+                const __m256i c1 = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s + 1)), half);
+                _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {
+                    const moe__block_q8a *xt = x + t * xs + 8 * i;
+                    const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s].qs);
+                    const __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s + 1].qs);
+                    h[t][s / 2] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, v0)), c0),
+                                                    _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, v1)), c1));
+                }
             }
         }
-        __m256 xd, xs;
-        q8a_heads8_avx2(x, &xd, &xs);
-        const __m256 dx = _mm256_mul_ps(xd, _mm256_set1_ps(f16_avx(b[i].d)));
-        acc = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(hsum8x8_avx2(p)), acc);
+        const float d = f16_avx(b[i].d);
+        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {
+            const __m256i s0 = _mm256_hadd_epi32(h[t][0], h[t][1]), s1 = _mm256_hadd_epi32(h[t][2], h[t][3]);
+            const __m256i S = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+            __m256 xd, xm;
+            q8a_heads8_avx2(x + t * xs + 8 * i, &xd, &xm);
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(xd, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(S), acc[t]);
+        }
     }
-    return hsum_avx2(acc);
+    _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]);
+}
+MOE_TARGET("avx2,fma,f16c") static float dotq_q6_k_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
+    float r;
+    q6_k_rows_avx2(w, x, 0, n, &r, 1);
+    return r;
+}
+MOE_TARGET("avx2,fma,f16c") static void dotq4_q6_k_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    q6_k_rows_avx2(w, x, xs, n, out, 4);
 }
 
 MOE_TARGET("avx2,fma") static void quant_q8a_avx2(const float *x, moe__block_q8a *out, int64_t n) {
@@ -1469,8 +1510,8 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 /* VEX has no embedded broadcast: the activation dword is broadcast into a register first */
 #define VNNI_DPB_VEX(acc, u, p) ((acc) = AVXVNNI_DPBUSD(acc, u, _mm256_set1_epi32(*(const int32_t *)(p))))
 #define DPB_AVXVNNI(u, v) AVXVNNI_DPBUSD(_mm256_setzero_si256(), u, v)
-K4_KERNEL(dotq_q4_k_avxvnni, MOE_AVXVNNI, 0, DPB_AVXVNNI)
-K4_KERNEL(dotq_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
+K4_KERNEL(dotq_q4_k_avxvnni, dotq4_q4_k_avxvnni, MOE_AVXVNNI, 0, DPB_AVXVNNI)
+K4_KERNEL(dotq_q5_k_avxvnni, dotq4_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
 #undef DPB_AVXVNNI
 /* Block b of x8 weights in W-bit registers (256: one group; 512: two groups side by side) against
  * one activation block XB: the block's 8 chunks U(0) .. U(7) (unsigned bytes, in the order of the
@@ -4293,6 +4334,9 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq[MOE_T_Q5_1] = dotq_q5_1_avx2;
         k->dotq[MOE_T_Q4_K] = dotq_q4_k_avx2;
         k->dotq[MOE_T_Q5_K] = dotq_q5_k_avx2;
+        k->dotq4[MOE_T_Q4_K] = dotq4_q4_k_avx2;
+        k->dotq4[MOE_T_Q5_K] = dotq4_q5_k_avx2;
+        k->dotq4[MOE_T_Q6_K] = dotq4_q6_k_avx2;
         k->dotq[MOE_T_Q6_K] = dotq_q6_k_avx2;
         k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_avx2;
         k->dotq_mxfp4 = dotq_mxfp4_avx2;
@@ -4325,6 +4369,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq[MOE_T_Q4_0] = dotq_q4_0_avxvnni;
             v->dotq[MOE_T_Q4_K] = dotq_q4_k_avxvnni;
             v->dotq[MOE_T_Q5_K] = dotq_q5_k_avxvnni;
+            v->dotq4[MOE_T_Q4_K] = dotq4_q4_k_avxvnni;
+            v->dotq4[MOE_T_Q5_K] = dotq4_q5_k_avxvnni;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avxvnni;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avxvnni;
             v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avxvnni;
@@ -4365,6 +4411,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq[MOE_T_Q4_0] = dotq_q4_0_vnni;
                 v->dotq[MOE_T_Q4_K] = dotq_q4_k_vnni;
                 v->dotq[MOE_T_Q5_K] = dotq_q5_k_vnni;
+                v->dotq4[MOE_T_Q4_K] = dotq4_q4_k_vnni;
+                v->dotq4[MOE_T_Q5_K] = dotq4_q5_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;

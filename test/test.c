@@ -748,6 +748,8 @@ static void test_kquant_blocks(void) {
     float *xa = malloc(sizeof(float) * 7168), *dw = malloc(sizeof(float) * 7168);
     moe__block_q8a *qa = malloc(sizeof *qa * 224);
     unsigned char *w = malloc((size_t)moe__row_bytes(MOE_T_Q8_0, 7168)); /* the largest of them */
+    for (int i = 0; i < 7168; i++) xa[i] = nrand();
+    lv[0].quant_q8a(xa, qa, 7168); /* every block defined (the 4-row check reads past n) */
     for (int t = 0; t < 6; t++)
         for (size_t a = 0; a < sizeof lens / sizeof *lens; a++)
             for (int mode = 0; mode < 5; mode++) {
@@ -775,6 +777,14 @@ static void test_kquant_blocks(void) {
                 for (int li = 1; li < nl; li++) {
                     const float s = lv[li].dotq[type](w, qa, n);
                     CHECKF(fabs((double)r - s) <= 1e-5 * ab + 1e-30, "%s %s n %d mode %d: %g vs %g", lv[li].isa, kq_names[t], n, mode, s, r);
+                }
+                /* the 4-row kernels: each row bit for bit the level's 1-row kernel (4 rows: qa
+                 * shifted by 0..3 blocks, so each sees other activations) */
+                for (int li = 0; li < nl && n <= 2048; li++) {
+                    if (!lv[li].dotq4[type]) continue;
+                    float o[4];
+                    lv[li].dotq4[type](w, qa, 1, n, o);
+                    for (int k = 0; k < 4; k++) CHECKF(o[k] == lv[li].dotq[type](w, qa + k, n), "%s %s x4 row %d", lv[li].isa, kq_names[t], k);
                 }
             }
     free(xa), free(dw), free(qa), free(w);
