@@ -195,6 +195,19 @@ static inline void k4_unpack_scales(const uint8_t *s, uint8_t out[16]) {
     memcpy(out, v, 16);
 }
 
+/* a Q4_1 / Q5_0 / Q5_1 block's fields (block i of a row): half-precision scale and minimum (0 for
+ * Q5_0), the fifth bits (0 for Q4_1), the nibbles */
+typedef struct { uint16_t d, m; uint32_t qh; const uint8_t *qs; } q32_fields;
+static inline q32_fields q32_block(int type, const void *row, int64_t i) {
+    const unsigned char *b = (const unsigned char *)row + i * moe__row_bytes(type, 32);
+    q32_fields f = {0, 0, 0, NULL};
+    memcpy(&f.d, b, 2);
+    if (type == MOE_T_Q5_0) memcpy(&f.qh, b + 2, 4), f.qs = b + 6;
+    else if (type == MOE_T_Q5_1) memcpy(&f.m, b + 2, 2), memcpy(&f.qh, b + 4, 4), f.qs = b + 8;
+    else memcpy(&f.m, b + 2, 2), f.qs = b + 4;
+    return f;
+}
+
 /* 32 values of Q4_1 .. Q6_K as integers: value l = D[l / 16] q[l] + M (M = 0: a symmetric format) */
 typedef struct { int q[32]; float D[2], M; } kq_sub;
 
@@ -203,26 +216,14 @@ static void kq_decode(int type, const void *row, int64_t s, kq_sub *o) {
     o->M = 0;
     switch (type) {
     case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: {
-        const uint8_t *qs;
-        uint32_t qh = 0;
-        float d, m = 0;
-        if (type == MOE_T_Q4_1) {
-            const moe__block_q4_1 *b = (const moe__block_q4_1 *)row + s;
-            d = moe__f16_to_f32(b->d), m = moe__f16_to_f32(b->m), qs = b->qs;
-        } else if (type == MOE_T_Q5_0) {
-            const moe__block_q5_0 *b = (const moe__block_q5_0 *)row + s;
-            d = moe__f16_to_f32(b->d), qs = b->qs, memcpy(&qh, b->qh, 4);
-        } else {
-            const moe__block_q5_1 *b = (const moe__block_q5_1 *)row + s;
-            d = moe__f16_to_f32(b->d), m = moe__f16_to_f32(b->m), qs = b->qs, memcpy(&qh, b->qh, 4);
-        }
+        const q32_fields f = q32_block(type, row, s);
         for (int j = 0; j < 16; j++) {
-            o->q[j] = (qs[j] & 15) | (int)((qh >> j) & 1) << 4;
-            o->q[j + 16] = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            o->q[j] = (f.qs[j] & 15) | (int)((f.qh >> j) & 1) << 4;
+            o->q[j + 16] = (f.qs[j] >> 4) | (int)((f.qh >> (j + 16)) & 1) << 4;
         }
         if (type == MOE_T_Q5_0)
             for (int j = 0; j < 32; j++) o->q[j] -= 16;
-        o->D[0] = o->D[1] = d, o->M = m;
+        o->D[0] = o->D[1] = moe__f16_to_f32(f.d), o->M = moe__f16_to_f32(f.m);
         break;
     }
     case MOE_T_Q4_K: case MOE_T_Q5_K: {
@@ -1134,25 +1135,17 @@ MOE_TARGET("avx2,fma") static inline __m256i nibbles32_avx2(const uint8_t *qs) {
 }
 
 MOE_TARGET("avx2,fma,f16c") static float dotq_q4_1_q5_avx2(int type, const void *w, const moe__block_q8a *x, int64_t n) {
-    const int64_t bs = moe__row_bytes(type, 32);
     const __m256i ones = _mm256_set1_epi16(1), b4 = _mm256_set1_epi8(16);
     __m256 acc = _mm256_setzero_ps();
     float corr = 0;
     for (int64_t i = 0; i < n / 32; i++) {
-        const unsigned char *b = (const unsigned char *)w + i * bs;
-        uint16_t d, m = 0;
-        uint32_t qh = 0;
-        const uint8_t *qs;
-        memcpy(&d, b, 2);
-        if (type == MOE_T_Q5_0) memcpy(&qh, b + 2, 4), qs = b + 6;
-        else if (type == MOE_T_Q5_1) memcpy(&m, b + 2, 2), memcpy(&qh, b + 4, 4), qs = b + 8;
-        else memcpy(&m, b + 2, 2), qs = b + 4;
-        __m256i q = nibbles32_avx2(qs);
-        if (type != MOE_T_Q4_1) q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes_avx2(qh), b4));
+        const q32_fields f = q32_block(type, w, i);
+        __m256i q = nibbles32_avx2(f.qs);
+        if (type != MOE_T_Q4_1) q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes_avx2(f.qh), b4));
         const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(const void *)x[i].qs)), ones);
-        const float dx = f16_avx(d) * x[i].d;
+        const float dx = f16_avx(f.d) * x[i].d;
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc);
-        corr += (type == MOE_T_Q5_0 ? -16.0f * dx : f16_avx(m) * x[i].d) * (float)x[i].sum;
+        corr += (type == MOE_T_Q5_0 ? -16.0f * dx : f16_avx(f.m) * x[i].d) * (float)x[i].sum;
     }
     return hsum_avx2(acc) + corr;
 }
@@ -2612,26 +2605,18 @@ static inline uint8x16_t bits_to_bytes_neon(uint16_t bits) { /* bit j -> 0xff in
 }
 
 static float dotq_q4_1_q5_neon(int type, const void *w, const moe__block_q8a *x, int64_t n) {
-    const int64_t bs = moe__row_bytes(type, 32);
     float s = 0;
     for (int64_t i = 0; i < n / 32; i++) {
-        const unsigned char *b = (const unsigned char *)w + i * bs;
-        uint16_t d, m = 0;
-        uint32_t qh = 0;
-        const uint8_t *qs;
-        memcpy(&d, b, 2);
-        if (type == MOE_T_Q5_0) memcpy(&qh, b + 2, 4), qs = b + 6;
-        else if (type == MOE_T_Q5_1) memcpy(&m, b + 2, 2), memcpy(&qh, b + 4, 4), qs = b + 8;
-        else memcpy(&m, b + 2, 2), qs = b + 4;
-        const uint8x16_t r = vld1q_u8(qs), b4 = vdupq_n_u8(16);
+        const q32_fields f = q32_block(type, w, i);
+        const uint8x16_t r = vld1q_u8(f.qs), b4 = vdupq_n_u8(16);
         uint8x16_t lo = vandq_u8(r, vdupq_n_u8(15)), hi = vshrq_n_u8(r, 4);
         if (type != MOE_T_Q4_1) {
-            lo = vorrq_u8(lo, vandq_u8(bits_to_bytes_neon((uint16_t)qh), b4));
-            hi = vorrq_u8(hi, vandq_u8(bits_to_bytes_neon((uint16_t)(qh >> 16)), b4));
+            lo = vorrq_u8(lo, vandq_u8(bits_to_bytes_neon((uint16_t)f.qh), b4));
+            hi = vorrq_u8(hi, vandq_u8(bits_to_bytes_neon((uint16_t)(f.qh >> 16)), b4));
         }
         int a1, a0 = dot32_neon(lo, hi, x[i].qs, &a1);
         const int acc = a0 + a1 - (type == MOE_T_Q5_0 ? 16 * x[i].sum : 0);
-        s += x[i].d * (moe__f16_to_f32(d) * (float)acc + moe__f16_to_f32(m) * (float)x[i].sum);
+        s += x[i].d * (moe__f16_to_f32(f.d) * (float)acc + moe__f16_to_f32(f.m) * (float)x[i].sum);
     }
     return s;
 }

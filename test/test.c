@@ -3585,6 +3585,30 @@ static void test_gguf_kquants(void) {
             free(routes), free(lf), free(lq);
         }
         moe_model_close(q), moe_model_close(f);
+        if (k == 0) { /* the embedding's type made Q2_K (sized, not read): a clean refusal naming it */
+            size_t len;
+            char *b = read_all(out, &len);
+            const char *nm = "token_embd.weight";
+            char *at = NULL;
+            for (size_t i = 0; b && !at && i + 17 < len; i++)
+                if (!memcmp(b + i, nm, 17)) at = b + i;
+            if (at) {
+                uint32_t nd, type;
+                memcpy(&nd, at + 17, 4);
+                char *tp = at + 17 + 4 + 8 * (size_t)nd;
+                memcpy(&type, tp, 4);
+                CHECK(nd == 2 && type == 12); /* Q4_K */
+                type = 10;
+                memcpy(tp, &type, 4);
+                write_all(out, b, len);
+                moe_model *bad = NULL;
+                const moe_status st = moe_model_open(&bad, out, NULL, err, sizeof err);
+                CHECKF(st == MOE_ERR_UNSUPPORTED && strstr(err, "token_embd") && strstr(err, "Q4_K"), "%d: %s", st, err);
+                if (!st) moe_model_close(bad);
+            }
+            CHECK(at != NULL);
+            free(b);
+        }
         remove(out);
     }
 }
