@@ -140,6 +140,7 @@ _Static_assert(sizeof(moe__block_q8_0x8) == 272, "q8_0x8 block is 272 bytes");
 _Static_assert(sizeof(moe__block_mxfp4x8) == 8 * sizeof(moe__block_mxfp4), "an mxfp4x8 block is 8 ggml blocks");
 _Static_assert(sizeof(moe__block_q4_1) == 20 && sizeof(moe__block_q5_0) == 22 && sizeof(moe__block_q5_1) == 24, "ggml Q4_1/Q5_0/Q5_1 blocks");
 _Static_assert(sizeof(moe__block_q4_k) == 144 && sizeof(moe__block_q5_k) == 176 && sizeof(moe__block_q6_k) == 210, "ggml k-quant blocks");
+_Static_assert(sizeof(moe__block_q4_kx8) == 1184, "q4_kx8 block is 1184 bytes");
 
 int moe__is_quant(int type) {
     switch (type) {
@@ -170,6 +171,7 @@ int64_t moe__row_bytes(int type, int64_t n) {
     case MOE_T_Q4_K: return n / 256 * (int64_t)sizeof(moe__block_q4_k);
     case MOE_T_Q5_K: return n / 256 * (int64_t)sizeof(moe__block_q5_k);
     case MOE_T_Q6_K: return n / 256 * (int64_t)sizeof(moe__block_q6_k);
+    case MOE_T_Q4_KX8: return n / 256 * (int64_t)sizeof(moe__block_q4_kx8) / 8;
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
     case MOE_T_MXFP4: return n / 2;
@@ -624,6 +626,7 @@ int moe__x8_of(int type) {
     case MOE_T_Q4_0: return MOE_T_Q4_0X8;
     case MOE_T_Q8_0: return MOE_T_Q8_0X8;
     case MOE_T_MXFP4: case MOE_T_MXFP4_GGML: return MOE_T_MXFP4X8;
+    case MOE_T_Q4_K: return MOE_T_Q4_KX8;
     default: return -1;
     }
 }
@@ -663,6 +666,23 @@ static void mxfp4_block_to_ggml(const uint8_t *ct, uint8_t *g) {
 
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
+    if (type == MOE_T_Q4_K) { /* chunk c of pair p: bytes 32p + 4c .. + 3 of a row's qs, as stored */
+        for (int64_t b = 0; b < cols / 256; b++) {
+            moe__block_q4_kx8 *o = (moe__block_q4_kx8 *)dst + b;
+            for (int r = 0; r < 8; r++) {
+                const moe__block_q4_k *in = (const moe__block_q4_k *)(src + r * row_bytes) + b;
+                o->d[r] = in->d, o->dmin[r] = in->dmin;
+                for (int j = 0; j < 8; j++) {
+                    int ls, lm;
+                    k4_scale_min(in->scales, j, &ls, &lm);
+                    o->sc[j][r] = (uint8_t)ls, o->m[j][r] = (uint8_t)lm;
+                }
+                for (int p = 0; p < 4; p++)
+                    for (int c = 0; c < 8; c++) memcpy(o->qs + p * 256 + c * 32 + r * 4, in->qs + 32 * p + 4 * c, 4);
+            }
+        }
+        return;
+    }
     for (int64_t b = 0; b < cols / 32; b++) {
         /* Q4_0 byte j holds values j (low nibble) and j + 16 (high): chunk c's low nibbles are
          * values 4c..4c+3 and its high ones 4c+16..4c+19, exactly bytes 4c..4c+3 as stored, so
@@ -710,6 +730,25 @@ void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_
  * reference's on the row as stored) */
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     for (int r = 0; r < 8; r++) out[r] = 0;
+    if (type == MOE_T_Q4_KX8) { /* per row the float steps of the Q4_K reference */
+        for (int64_t b = 0; b < n / 32; b++) {
+            const moe__block_q4_kx8 *o = (const moe__block_q4_kx8 *)w + b / 8;
+            const int j = (int)(b % 8), p = j / 2;
+            for (int r = 0; r < 8; r++) {
+                int a0 = 0, a1 = 0;
+                for (int c = 0; c < 8; c++)
+                    for (int k = 0; k < 4; k++) {
+                        const uint8_t v = o->qs[p * 256 + c * 32 + r * 4 + k];
+                        const int q = (j & 1) ? v >> 4 : v & 15, l = 4 * c + k;
+                        if (l < 16) a0 += q * x[b].qs[l];
+                        else a1 += q * x[b].qs[l];
+                    }
+                const float D = moe__f16_to_f32(o->d[r]) * (float)o->sc[j][r], M = -(moe__f16_to_f32(o->dmin[r]) * (float)o->m[j][r]);
+                out[r] += x[b].d * (D * (float)a0 + D * (float)a1 + M * (float)x[b].sum);
+            }
+        }
+        return;
+    }
     if (type == MOE_T_MXFP4X8) {
         for (int64_t b = 0; b < n / 32; b++) {
             const moe__block_mxfp4x8 *o = (const moe__block_mxfp4x8 *)w + b;
@@ -1142,10 +1181,15 @@ MOE_TARGET("avx2,fma,f16c") static float dotq_q4_1_q5_avx2(int type, const void 
         const q32_fields f = q32_block(type, w, i);
         __m256i q = nibbles32_avx2(f.qs);
         if (type != MOE_T_Q4_1) q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes_avx2(f.qh), b4));
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(const void *)x[i].qs)), ones);
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)x[i].qs);
         const float dx = f16_avx(f.d) * x[i].d;
+        if (type == MOE_T_Q5_0) { /* q - 16 signed (as Q8_0's): the lanes hold the true partial sums, so terms that cancel leave no rounding */
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(dx), mul_i8_avx2(_mm256_sub_epi8(q, b4), xv), acc);
+            continue;
+        }
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
         acc = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc);
-        corr += (type == MOE_T_Q5_0 ? -16.0f * dx : f16_avx(f.m) * x[i].d) * (float)x[i].sum;
+        corr += f16_avx(f.m) * x[i].d * (float)x[i].sum;
     }
     return hsum_avx2(acc) + corr;
 }
@@ -1242,6 +1286,93 @@ K4_KERNEL(dotq_q5_k_avx2, dotq4_q5_k_avx2, "avx2,fma,f16c", 1, DPB_AVX2)
 K4_KERNEL(dotq_q4_k_vnni, dotq4_q4_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 0, DPB_AVX512VNNI)
 K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", 1, DPB_AVX512VNNI)
 #undef DPB_AVX512VNNI
+
+/* Q4_KX8: 8 rows a call, a row a lane: each chunk's nibbles of the 8 rows against a broadcast
+ * of 4 activation bytes at p (DPBA(acc, u, p) adds their products in fours to acc), the exact int32 sums of each sub-block, then
+ * per lane the float steps the 1-row kernel takes for that sub-block (its lane j), accumulated
+ * per sub-block and summed at the end in hsum_avx2's order: each row bit for bit the level's
+ * dotq[Q4_K] on the row as stored */
+#define K4X8_KERNEL(name, TGT, DPBA)                                                                                       \
+    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) {                   \
+        const moe__block_q4_kx8 *o = w;                                                                                   \
+        const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                                             \
+        (void)ones;                                                                                                       \
+        __m256 acc[8];                                                                                                    \
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();                                                         \
+        for (int64_t i = 0; i < n / 256; i++, o++, x += 8) {                                                              \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->d));                      \
+            const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->dmin));                  \
+            for (int p = 0; p < 4; p++) {                                                                                 \
+                __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                                         \
+                const uint8_t *q = o->qs + p * 256;                                                                       \
+                const int8_t *x0 = x[2 * p].qs, *x1 = x[2 * p + 1].qs;                                                                                 \
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                     \
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));                   \
+                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);      \
+                    DPBA(s0, lo, x0 + 4 * c);                                                                             \
+                    DPBA(s1, hi, x1 + 4 * c);                                                                             \
+                }                                                                                                         \
+                for (int h = 0; h < 2; h++) {                                                                             \
+                    const int j = 2 * p + h;                                                                              \
+                    const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[j]))), d); \
+                    const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->m[j]))), dm); \
+                    const __m256 t = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(h ? s1 : s0), _mm256_mul_ps(mn, _mm256_set1_ps((float)x[j].sum))); \
+                    acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(x[j].d), t, acc[j]);                                          \
+                }                                                                                                         \
+            }                                                                                                             \
+        }                                                                                                                 \
+        const __m256 w0 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));                    \
+        const __m256 w1 = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));                    \
+        _mm256_storeu_ps(out, _mm256_add_ps(w0, w1));                                                                     \
+    }
+/* the same for 4 activation rows (x + t xs blocks) -> out[t * 8 + r], each row's float steps
+ * those of the 1-row kernel (the weights decoded once for the 4; accumulators in memory) */
+#define K4X8X4_KERNEL(name, TGT, DPBA)                                                                                     \
+    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {       \
+        const moe__block_q4_kx8 *o = w;                                                                                   \
+        const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                                             \
+        (void)ones;                                                                                                       \
+        __m256 acc[4][8];                                                                                                 \
+        for (int t = 0; t < 4; t++)                                                                                       \
+            for (int j = 0; j < 8; j++) acc[t][j] = _mm256_setzero_ps();                                                  \
+        for (int64_t i = 0; i < n / 256; i++, o++) {                                                                      \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->d));                      \
+            const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->dmin));                  \
+            for (int p = 0; p < 4; p++) {                                                                                 \
+                __m256i s[4][2];                                                                                          \
+                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();          \
+                const uint8_t *q = o->qs + p * 256;                                                                       \
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                     \
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));                   \
+                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);      \
+                    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                                 \
+                        const moe__block_q8a *xt = x + t * xs + 8 * i;                                                    \
+                        DPBA(s[t][0], lo, xt[2 * p].qs + 4 * c);                                                          \
+                        DPBA(s[t][1], hi, xt[2 * p + 1].qs + 4 * c);                                                      \
+                    }                                                                                                     \
+                }                                                                                                         \
+                for (int h = 0; h < 2; h++) {                                                                             \
+                    const int j = 2 * p + h;                                                                              \
+                    const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[j]))), d); \
+                    const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->m[j]))), dm); \
+                    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                                 \
+                        const moe__block_q8a *xj = x + t * xs + 8 * i + j;                                                \
+                        const __m256 tt = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(s[t][h]), _mm256_mul_ps(mn, _mm256_set1_ps((float)xj->sum))); \
+                        acc[t][j] = _mm256_fmadd_ps(_mm256_set1_ps(xj->d), tt, acc[t][j]);                                \
+                    }                                                                                                     \
+                }                                                                                                         \
+            }                                                                                                             \
+        }                                                                                                                 \
+        for (int t = 0; t < 4; t++) {                                                                                     \
+            const __m256 w0 = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][4]), _mm256_add_ps(acc[t][2], acc[t][6]));    \
+            const __m256 w1 = _mm256_add_ps(_mm256_add_ps(acc[t][1], acc[t][5]), _mm256_add_ps(acc[t][3], acc[t][7]));    \
+            _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(w0, w1));                                                         \
+        }                                                                                                                 \
+    }
+#define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
+K4X8_KERNEL(dotq8_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2)
+K4X8X4_KERNEL(dotq8x4_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2)
+#undef DPBA_AVX2
 
 /* Q6_K: values q - 32 signed, products by maddubs with |q - 32| and the activations' signs moved
  * (as mul_i8_avx2), each 16's pair sums times its 8-bit scale (madd) into int32: per sub-block
@@ -1502,6 +1633,12 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 #endif
 /* VEX has no embedded broadcast: the activation dword is broadcast into a register first */
 #define VNNI_DPB_VEX(acc, u, p) ((acc) = AVXVNNI_DPBUSD(acc, u, _mm256_set1_epi32(*(const int32_t *)(p))))
+/* Q4_KX8 on the VNNI levels: the activation bytes broadcast from memory by the dpbusd itself
+ * (EVEX) or by a broadcast before it (VEX) */
+K4X8_KERNEL(dotq8_q4_k_vnni, MOE_VNNI, VNNI_DPB_256)
+K4X8X4_KERNEL(dotq8x4_q4_k_vnni, MOE_VNNI, VNNI_DPB_256)
+K4X8_KERNEL(dotq8_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX)
+K4X8X4_KERNEL(dotq8x4_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX)
 #define DPB_AVXVNNI(u, v) AVXVNNI_DPBUSD(_mm256_setzero_si256(), u, v)
 K4_KERNEL(dotq_q4_k_avxvnni, dotq4_q4_k_avxvnni, MOE_AVXVNNI, 0, DPB_AVXVNNI)
 K4_KERNEL(dotq_q5_k_avxvnni, dotq4_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
@@ -4322,6 +4459,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq4[MOE_T_Q4_K] = dotq4_q4_k_avx2;
         k->dotq4[MOE_T_Q5_K] = dotq4_q5_k_avx2;
         k->dotq4[MOE_T_Q6_K] = dotq4_q6_k_avx2;
+        k->dotq8[MOE_T_Q4_KX8] = dotq8_q4_k_avx2;
+        k->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_avx2;
         k->dotq[MOE_T_Q6_K] = dotq_q6_k_avx2;
         k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_avx2;
         k->dotq_mxfp4 = dotq_mxfp4_avx2;
@@ -4356,6 +4495,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq[MOE_T_Q5_K] = dotq_q5_k_avxvnni;
             v->dotq4[MOE_T_Q4_K] = dotq4_q4_k_avxvnni;
             v->dotq4[MOE_T_Q5_K] = dotq4_q5_k_avxvnni;
+            v->dotq8[MOE_T_Q4_KX8] = dotq8_q4_k_avxvnni;
+            v->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_avxvnni;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avxvnni;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avxvnni;
             v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avxvnni;
@@ -4398,6 +4539,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq[MOE_T_Q5_K] = dotq_q5_k_vnni;
                 v->dotq4[MOE_T_Q4_K] = dotq4_q4_k_vnni;
                 v->dotq4[MOE_T_Q5_K] = dotq4_q5_k_vnni;
+                v->dotq8[MOE_T_Q4_KX8] = dotq8_q4_k_vnni;
+                v->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
