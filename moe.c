@@ -1739,11 +1739,11 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
 }
 
 /* The interleaved type a matrix is repacked to (Q4_0/Q8_0, MXFP4 when its products take
- * quantized activations, Q4_K where the level has the kernel; rows a multiple of 8), or -1 */
+ * quantized activations, Q4_K/Q5_K where the level has the kernels; rows a multiple of 8), or -1 */
 static int x8_type(const moe_model *m, const moe__weight *w) {
     const int to = moe__x8_of(w->type);
     if (to < 0 || w->rows % 8 || w->cols % 32) return -1;
-    if (to == MOE_T_Q4_KX8) return m->k.dotq8[to] ? to : -1; /* where the level has its kernel (x86) */
+    if (to == MOE_T_Q4_KX8 || to == MOE_T_Q5_KX8) return m->k.dotq8[to] ? to : -1; /* where the level has its kernel (x86) */
     return to != MOE_T_MXFP4X8 || (m->opt.flags & MOE_FLAG_MXFP4_INT8) ? to : -1;
 }
 
@@ -1909,8 +1909,8 @@ static moe_status convert_weights(moe_model *m) {
 
 static void count_dense_bytes(moe_model *m) {
     static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
-                                             "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k"};
-    _Static_assert(MOE_T_COUNT == 19, "a name for each weight type");
+                                             "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k"};
+    _Static_assert(MOE_T_COUNT == 20, "a name for each weight type");
     uint64_t per_type[MOE_T_COUNT] = {0};
     uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);
@@ -2507,7 +2507,9 @@ typedef struct {
 
 /* rows per task: an interleaved row group, or a tile */
 static int mm_per(const moe__weight *W) {
-    return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 || W->type == MOE_T_MXFP4X8 || W->type == MOE_T_Q4_KX8 ? 8 : MM_ROW_TILE;
+    return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 || W->type == MOE_T_MXFP4X8 || W->type == MOE_T_Q4_KX8 || W->type == MOE_T_Q5_KX8
+               ? 8
+               : MM_ROW_TILE;
 }
 
 /* weight rows per task of job j: an interleaved row group (two for prefill where the level has
@@ -3818,9 +3820,9 @@ static int unit_repack(const moe_model *m, cache_entry *v, int nw) {
     for (int i = 0; i < nw; i++) {
         moe__weight *w = &v->w[i];
         const int to = x8_type(m, w);
-        /* (Q4_KX8 takes more bytes than 8 rows of Q4_K: a cached Q4_K expert keeps the row
-         * kernels, whose sums are those of the interleaved ones bit for bit) */
-        if (to < 0 || to == MOE_T_Q4_KX8) continue;
+        /* (Q4_KX8 and Q5_KX8 take more bytes than 8 rows as stored: a cached Q4_K/Q5_K expert
+         * keeps the row kernels, whose sums are those of the interleaved ones bit for bit) */
+        if (to < 0 || to == MOE_T_Q4_KX8 || to == MOE_T_Q5_KX8) continue;
         const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8, sb = w->cols / 32;
         const size_t scales = (size_t)weight_scale_bytes(w);
         unsigned char *tmp = malloc((size_t)(8 * rb) + scales), *p = (unsigned char *)w->data;

@@ -437,7 +437,7 @@ enum {
     /* more ggml block formats, read from files (llama-quantize's mixes: Q4_K_M is Q4_K + Q6_K,
      * with Q5_0 where a row is not whole 256-value blocks) and multiplied as they are stored */
     MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K,
-    MOE_T_Q4_KX8, /* Q4_K interleaved 8 rows at a time at load, where the kernel level has it */
+    MOE_T_Q4_KX8, MOE_T_Q5_KX8, /* Q4_K, Q5_K interleaved 8 rows at a time at load, where the level has the kernels */
     MOE_T_COUNT
 };
 
@@ -478,11 +478,14 @@ typedef struct { uint8_t e[8]; uint8_t qs[128]; } moe__block_mxfp4x8;
  * sub-blocks (2p in the low nibbles, 2p + 1 in the high, as Q4_K stores them) 8 chunks c of
  * [row][4 values 4c..4c+3]: 1184 bytes against 8 x 144 */
 typedef struct { uint16_t d[8], dmin[8]; uint8_t sc[8][8], m[8][8]; uint8_t qs[1024]; } moe__block_q4_kx8;
+/* Q5_KX8: Q4_KX8's fields, then the fifth bits: chunk c's 32 bytes [row][4] are the rows' qh
+ * bytes 4c..4c+3 (bit j: sub-block j's value), 1440 bytes against 8 x 176 */
+typedef struct { uint16_t d[8], dmin[8]; uint8_t sc[8][8], m[8][8]; uint8_t qs[1024]; uint8_t qh[256]; } moe__block_q5_kx8;
 /* Interleaves 8 consecutive rows (row stride row_bytes) of a Q4_0/Q8_0/MXFP4/Q4_K matrix with cols
  * columns into cols/32 x8 blocks at dst; scales8: a compressed-tensors MXFP4 matrix's E8M0 scales
  * of the 8 rows (cols/32 bytes a row), NULL for the other types. */
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols);
-int moe__x8_of(int type); /* the interleaved type of Q4_0, Q8_0, an MXFP4 layout or Q4_K, else -1 */
+int moe__x8_of(int type); /* the interleaved type of Q4_0, Q8_0, an MXFP4 layout, Q4_K or Q5_K, else -1 */
 int moe__is_quant(int type); /* a ggml integer block format: activations go through moe__block_q8a */
 int moe__block_values(int type); /* values per block of a type: 1, 32 or 256 */
 

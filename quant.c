@@ -140,7 +140,7 @@ _Static_assert(sizeof(moe__block_q8_0x8) == 272, "q8_0x8 block is 272 bytes");
 _Static_assert(sizeof(moe__block_mxfp4x8) == 8 * sizeof(moe__block_mxfp4), "an mxfp4x8 block is 8 ggml blocks");
 _Static_assert(sizeof(moe__block_q4_1) == 20 && sizeof(moe__block_q5_0) == 22 && sizeof(moe__block_q5_1) == 24, "ggml Q4_1/Q5_0/Q5_1 blocks");
 _Static_assert(sizeof(moe__block_q4_k) == 144 && sizeof(moe__block_q5_k) == 176 && sizeof(moe__block_q6_k) == 210, "ggml k-quant blocks");
-_Static_assert(sizeof(moe__block_q4_kx8) == 1184, "q4_kx8 block is 1184 bytes");
+_Static_assert(sizeof(moe__block_q4_kx8) == 1184 && sizeof(moe__block_q5_kx8) == 1440, "q4_kx8, q5_kx8 blocks");
 
 int moe__is_quant(int type) {
     switch (type) {
@@ -172,6 +172,7 @@ int64_t moe__row_bytes(int type, int64_t n) {
     case MOE_T_Q5_K: return n / 256 * (int64_t)sizeof(moe__block_q5_k);
     case MOE_T_Q6_K: return n / 256 * (int64_t)sizeof(moe__block_q6_k);
     case MOE_T_Q4_KX8: return n / 256 * (int64_t)sizeof(moe__block_q4_kx8) / 8;
+    case MOE_T_Q5_KX8: return n / 256 * (int64_t)sizeof(moe__block_q5_kx8) / 8;
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
     case MOE_T_MXFP4: return n / 2;
@@ -627,6 +628,7 @@ int moe__x8_of(int type) {
     case MOE_T_Q8_0: return MOE_T_Q8_0X8;
     case MOE_T_MXFP4: case MOE_T_MXFP4_GGML: return MOE_T_MXFP4X8;
     case MOE_T_Q4_K: return MOE_T_Q4_KX8;
+    case MOE_T_Q5_K: return MOE_T_Q5_KX8;
     default: return -1;
     }
 }
@@ -664,21 +666,36 @@ static void mxfp4_block_to_ggml(const uint8_t *ct, uint8_t *g) {
 }
 #endif
 
+/* block b of a Q4_KX8 or Q5_KX8 matrix, field by field (qh: NULL for Q4_KX8) */
+typedef struct { uint16_t *d, *dmin; uint8_t (*sc)[8], (*m)[8]; uint8_t *qs, *qh; } kx8_view;
+static kx8_view kx8_at(int type, const void *base, int64_t b) {
+    if (type == MOE_T_Q5_KX8) {
+        moe__block_q5_kx8 *o = (moe__block_q5_kx8 *)(uintptr_t)base + b;
+        return (kx8_view){o->d, o->dmin, o->sc, o->m, o->qs, o->qh};
+    }
+    moe__block_q4_kx8 *o = (moe__block_q4_kx8 *)(uintptr_t)base + b;
+    return (kx8_view){o->d, o->dmin, o->sc, o->m, o->qs, NULL};
+}
+
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
-    if (type == MOE_T_Q4_K) { /* chunk c of pair p: bytes 32p + 4c .. + 3 of a row's qs, as stored */
+    if (type == MOE_T_Q4_K || type == MOE_T_Q5_K) { /* chunk c of pair p: bytes 32p + 4c .. + 3 of a row's qs, as stored */
+        const int five = type == MOE_T_Q5_K;
         for (int64_t b = 0; b < cols / 256; b++) {
-            moe__block_q4_kx8 *o = (moe__block_q4_kx8 *)dst + b;
+            const kx8_view o = kx8_at(moe__x8_of(type), dst, b);
             for (int r = 0; r < 8; r++) {
-                const moe__block_q4_k *in = (const moe__block_q4_k *)(src + r * row_bytes) + b;
-                o->d[r] = in->d, o->dmin[r] = in->dmin;
+                const unsigned char *in = src + r * row_bytes + b * moe__row_bytes(type, 256);
+                const uint8_t *scales = in + 4, *qs = in + (five ? 48 : 16);
+                memcpy(&o.d[r], in, 2), memcpy(&o.dmin[r], in + 2, 2);
                 for (int j = 0; j < 8; j++) {
                     int ls, lm;
-                    k4_scale_min(in->scales, j, &ls, &lm);
-                    o->sc[j][r] = (uint8_t)ls, o->m[j][r] = (uint8_t)lm;
+                    k4_scale_min(scales, j, &ls, &lm);
+                    o.sc[j][r] = (uint8_t)ls, o.m[j][r] = (uint8_t)lm;
                 }
                 for (int p = 0; p < 4; p++)
-                    for (int c = 0; c < 8; c++) memcpy(o->qs + p * 256 + c * 32 + r * 4, in->qs + 32 * p + 4 * c, 4);
+                    for (int c = 0; c < 8; c++) memcpy(o.qs + p * 256 + c * 32 + r * 4, qs + 32 * p + 4 * c, 4);
+                if (five) /* qh bytes 4c .. 4c+3 of the row: chunk c's fifth bits */
+                    for (int c = 0; c < 8; c++) memcpy(o.qh + c * 32 + r * 4, in + 16 + 4 * c, 4);
             }
         }
         return;
@@ -730,20 +747,22 @@ void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_
  * reference's on the row as stored) */
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     for (int r = 0; r < 8; r++) out[r] = 0;
-    if (type == MOE_T_Q4_KX8) { /* per row the float steps of the Q4_K reference */
+    if (type == MOE_T_Q4_KX8 || type == MOE_T_Q5_KX8) { /* per row the float steps of the Q4_K/Q5_K reference */
+        const int five = type == MOE_T_Q5_KX8;
         for (int64_t b = 0; b < n / 32; b++) {
-            const moe__block_q4_kx8 *o = (const moe__block_q4_kx8 *)w + b / 8;
+            const kx8_view o = kx8_at(type, w, b / 8);
             const int j = (int)(b % 8), p = j / 2;
             for (int r = 0; r < 8; r++) {
                 int a0 = 0, a1 = 0;
                 for (int c = 0; c < 8; c++)
                     for (int k = 0; k < 4; k++) {
-                        const uint8_t v = o->qs[p * 256 + c * 32 + r * 4 + k];
-                        const int q = (j & 1) ? v >> 4 : v & 15, l = 4 * c + k;
+                        const uint8_t v = o.qs[p * 256 + c * 32 + r * 4 + k];
+                        const int h = five ? (o.qh[c * 32 + r * 4 + k] >> j & 1) << 4 : 0;
+                        const int q = ((j & 1) ? v >> 4 : v & 15) | h, l = 4 * c + k;
                         if (l < 16) a0 += q * x[b].qs[l];
                         else a1 += q * x[b].qs[l];
                     }
-                const float D = moe__f16_to_f32(o->d[r]) * (float)o->sc[j][r], M = -(moe__f16_to_f32(o->dmin[r]) * (float)o->m[j][r]);
+                const float D = moe__f16_to_f32(o.d[r]) * (float)o.sc[j][r], M = -(moe__f16_to_f32(o.dmin[r]) * (float)o.m[j][r]);
                 out[r] += x[b].d * (D * (float)a0 + D * (float)a1 + M * (float)x[b].sum);
             }
         }
@@ -1292,11 +1311,18 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
  * per lane the float steps the 1-row kernel takes for that sub-block (its lane j), accumulated
  * per sub-block and summed at the end in hsum_avx2's order: each row bit for bit the level's
  * dotq[Q4_K] on the row as stored */
-#define K4X8_KERNEL(name, TGT, DPBA)                                                                                       \
+/* Q5_KX8: sub-block 2p's and 2p + 1's fifth bits of chunk c (from field QH) to bit 4 of lo and hi */
+#define K5X8_BITS(FIVE, QH, c)                                                                                                \
+    if (FIVE) {                                                                                                           \
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(const void *)(o->QH + 32 * (c)));                        \
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p), one), 4));             \
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p + 1), one), 4));         \
+    }
+#define K4X8_KERNEL(name, TGT, DPBA, BLK, FIVE, QH)                                                                                       \
     MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) {                   \
-        const moe__block_q4_kx8 *o = w;                                                                                   \
-        const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                                             \
-        (void)ones;                                                                                                       \
+        const BLK *o = w;                                                                                                 \
+        const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), one = _mm256_set1_epi8(1);                  \
+        (void)ones, (void)one;                                                                                            \
         __m256 acc[8];                                                                                                    \
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();                                                         \
         for (int64_t i = 0; i < n / 256; i++, o++, x += 8) {                                                              \
@@ -1308,7 +1334,8 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                 const int8_t *x0 = x[2 * p].qs, *x1 = x[2 * p + 1].qs;                                                                                 \
                 _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                     \
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));                   \
-                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);      \
+                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);            \
+                    K5X8_BITS(FIVE, QH, c);                                                                                   \
                     DPBA(s0, lo, x0 + 4 * c);                                                                             \
                     DPBA(s1, hi, x1 + 4 * c);                                                                             \
                 }                                                                                                         \
@@ -1327,11 +1354,11 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
     }
 /* the same for 4 activation rows (x + t xs blocks) -> out[t * 8 + r], each row's float steps
  * those of the 1-row kernel (the weights decoded once for the 4; accumulators in memory) */
-#define K4X8X4_KERNEL(name, TGT, DPBA)                                                                                     \
+#define K4X8X4_KERNEL(name, TGT, DPBA, BLK, FIVE, QH)                                                                                     \
     MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {       \
-        const moe__block_q4_kx8 *o = w;                                                                                   \
-        const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                                             \
-        (void)ones;                                                                                                       \
+        const BLK *o = w;                                                                                                 \
+        const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), one = _mm256_set1_epi8(1);                  \
+        (void)ones, (void)one;                                                                                            \
         __m256 acc[4][8];                                                                                                 \
         for (int t = 0; t < 4; t++)                                                                                       \
             for (int j = 0; j < 8; j++) acc[t][j] = _mm256_setzero_ps();                                                  \
@@ -1344,7 +1371,8 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                 const uint8_t *q = o->qs + p * 256;                                                                       \
                 _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                     \
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));                   \
-                    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);      \
+                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);            \
+                    K5X8_BITS(FIVE, QH, c);                                                                                   \
                     _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                                 \
                         const moe__block_q8a *xt = x + t * xs + 8 * i;                                                    \
                         DPBA(s[t][0], lo, xt[2 * p].qs + 4 * c);                                                          \
@@ -1370,8 +1398,10 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
         }                                                                                                                 \
     }
 #define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
-K4X8_KERNEL(dotq8_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2)
-K4X8X4_KERNEL(dotq8x4_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2)
+K4X8_KERNEL(dotq8_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q4_kx8, 0, qs)
+K4X8X4_KERNEL(dotq8x4_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q4_kx8, 0, qs)
+K4X8_KERNEL(dotq8_q5_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q5_kx8, 1, qh)
+K4X8X4_KERNEL(dotq8x4_q5_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q5_kx8, 1, qh)
 #undef DPBA_AVX2
 
 /* Q6_K: values q - 32 signed, products by maddubs with |q - 32| and the activations' signs moved
@@ -1635,10 +1665,14 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 #define VNNI_DPB_VEX(acc, u, p) ((acc) = AVXVNNI_DPBUSD(acc, u, _mm256_set1_epi32(*(const int32_t *)(p))))
 /* Q4_KX8 on the VNNI levels: the activation bytes broadcast from memory by the dpbusd itself
  * (EVEX) or by a broadcast before it (VEX) */
-K4X8_KERNEL(dotq8_q4_k_vnni, MOE_VNNI, VNNI_DPB_256)
-K4X8X4_KERNEL(dotq8x4_q4_k_vnni, MOE_VNNI, VNNI_DPB_256)
-K4X8_KERNEL(dotq8_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX)
-K4X8X4_KERNEL(dotq8x4_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX)
+K4X8_KERNEL(dotq8_q4_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q4_kx8, 0, qs)
+K4X8X4_KERNEL(dotq8x4_q4_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q4_kx8, 0, qs)
+K4X8_KERNEL(dotq8_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q4_kx8, 0, qs)
+K4X8X4_KERNEL(dotq8x4_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q4_kx8, 0, qs)
+K4X8_KERNEL(dotq8_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q5_kx8, 1, qh)
+K4X8X4_KERNEL(dotq8x4_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q5_kx8, 1, qh)
+K4X8_KERNEL(dotq8_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8, 1, qh)
+K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8, 1, qh)
 #define DPB_AVXVNNI(u, v) AVXVNNI_DPBUSD(_mm256_setzero_si256(), u, v)
 K4_KERNEL(dotq_q4_k_avxvnni, dotq4_q4_k_avxvnni, MOE_AVXVNNI, 0, DPB_AVXVNNI)
 K4_KERNEL(dotq_q5_k_avxvnni, dotq4_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
@@ -4461,6 +4495,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq4[MOE_T_Q6_K] = dotq4_q6_k_avx2;
         k->dotq8[MOE_T_Q4_KX8] = dotq8_q4_k_avx2;
         k->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_avx2;
+        k->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_avx2;
+        k->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_avx2;
         k->dotq[MOE_T_Q6_K] = dotq_q6_k_avx2;
         k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_avx2;
         k->dotq_mxfp4 = dotq_mxfp4_avx2;
@@ -4497,6 +4533,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq4[MOE_T_Q5_K] = dotq4_q5_k_avxvnni;
             v->dotq8[MOE_T_Q4_KX8] = dotq8_q4_k_avxvnni;
             v->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_avxvnni;
+            v->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_avxvnni;
+            v->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_avxvnni;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avxvnni;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avxvnni;
             v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avxvnni;
@@ -4541,6 +4579,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq4[MOE_T_Q5_K] = dotq4_q5_k_vnni;
                 v->dotq8[MOE_T_Q4_KX8] = dotq8_q4_k_vnni;
                 v->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_vnni;
+                v->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_vnni;
+                v->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;

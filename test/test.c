@@ -788,19 +788,21 @@ static void test_kquant_blocks(void) {
                 }
             }
     free(xa), free(dw), free(qa), free(w);
-    /* Q4_K interleaved 8 rows at a time: the reference gives each row's Q4_K reference bit for
-     * bit, each level's kernel each row's 1-row kernel of that level bit for bit */
-    for (int ni = 0; ni < 3; ni++) {
+    /* Q4_K and Q5_K interleaved 8 rows at a time: the reference gives each row's reference bit
+     * for bit, each level's kernels each row's 1-row kernel of that level bit for bit */
+    for (int ti = 0; ti < 6; ti++) {
+        const int ni = ti % 3, kt = ti < 3 ? MOE_T_Q4_K : MOE_T_Q5_K, xt = moe__x8_of(kt);
+        const char *nm = kq_names[ti < 3 ? 3 : 4];
         const int n = ni == 0 ? 256 : ni == 1 ? 2048 : 7168;
-        const int64_t rb = moe__row_bytes(MOE_T_Q4_K, n);
-        unsigned char *rows = malloc((size_t)rb * 8), *packed = malloc((size_t)moe__row_bytes(MOE_T_Q4_KX8, n) * 8);
+        const int64_t rb = moe__row_bytes(kt, n);
+        unsigned char *rows = malloc((size_t)rb * 8), *packed = malloc((size_t)moe__row_bytes(xt, n) * 8);
         float *v = malloc(sizeof(float) * (size_t)n), out[8];
         moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(n / 32));
         for (int r = 0; r < 8; r++) {
-            if (r % 2) random_kq_row(MOE_T_Q4_K, rows + r * rb, n);
+            if (r % 2) random_kq_row(kt, rows + r * rb, n);
             else {
                 for (int i = 0; i < n; i++) v[i] = nrand() * (r == 4 ? 1e-4f : 0.05f) + (r == 2 ? 0.03f : 0.0f);
-                moe__quantize_row(MOE_T_Q4_K, v, rows + r * rb, n);
+                moe__quantize_row(kt, v, rows + r * rb, n);
             }
         }
         for (int i = 0; i < n; i++) v[i] = nrand();
@@ -811,21 +813,21 @@ static void test_kquant_blocks(void) {
             for (int i = 0; i < n; i++) v[i] = nrand() * (t == 2 ? 1e3f : 1.0f);
             moe__quant_q8a_ref(v, xq4 + t * (n / 32 + 1), n);
         }
-        moe__repack_x8(MOE_T_Q4_K, rows, rb, NULL, packed, n);
-        moe__dotq8_ref(MOE_T_Q4_KX8, packed, xq, n, out);
-        for (int r = 0; r < 8; r++) CHECKF(out[r] == moe__dotq_ref(MOE_T_Q4_K, rows + r * rb, xq, n), "q4_kx8 reference row %d n %d", r, n);
+        moe__repack_x8(kt, rows, rb, NULL, packed, n);
+        moe__dotq8_ref(xt, packed, xq, n, out);
+        for (int r = 0; r < 8; r++) CHECKF(out[r] == moe__dotq_ref(kt, rows + r * rb, xq, n), "%s x8 reference row %d n %d", nm, r, n);
         for (int li = 0; li < nl; li++) {
-            if (!lv[li].dotq8[MOE_T_Q4_KX8]) continue;
-            lv[li].dotq8[MOE_T_Q4_KX8](packed, xq, n, out);
+            if (!lv[li].dotq8[xt]) continue;
+            lv[li].dotq8[xt](packed, xq, n, out);
             for (int r = 0; r < 8; r++)
-                CHECKF(out[r] == lv[li].dotq[MOE_T_Q4_K](rows + r * rb, xq, n), "%s q4_kx8 row %d n %d: %g vs %g", lv[li].isa, r, n, out[r],
-                       lv[li].dotq[MOE_T_Q4_K](rows + r * rb, xq, n));
-            if (!lv[li].dotq8x4[MOE_T_Q4_KX8] || n > 2048) continue;
+                CHECKF(out[r] == lv[li].dotq[kt](rows + r * rb, xq, n), "%s %s x8 row %d n %d: %g vs %g", lv[li].isa, nm, r, n, out[r],
+                       lv[li].dotq[kt](rows + r * rb, xq, n));
+            if (!lv[li].dotq8x4[xt] || n > 2048) continue;
             float o32[32], o8[8];
-            lv[li].dotq8x4[MOE_T_Q4_KX8](packed, xq4, n / 32 + 1, n, o32); /* 4 activation rows, xs not n / 32 */
+            lv[li].dotq8x4[xt](packed, xq4, n / 32 + 1, n, o32); /* 4 activation rows, xs not n / 32 */
             for (int t = 0; t < 4; t++) {
-                lv[li].dotq8[MOE_T_Q4_KX8](packed, xq4 + t * (n / 32 + 1), n, o8);
-                CHECKF(!memcmp(o8, o32 + 8 * t, sizeof o8), "%s q4_kx8 4-row kernel, row %d n %d", lv[li].isa, t, n);
+                lv[li].dotq8[xt](packed, xq4 + t * (n / 32 + 1), n, o8);
+                CHECKF(!memcmp(o8, o32 + 8 * t, sizeof o8), "%s %s x8 4-row kernel, row %d n %d", lv[li].isa, nm, t, n);
             }
         }
         free(rows), free(packed), free(v), free(xq), free(xq4);
