@@ -19,6 +19,17 @@
 #define MOE_TARGET(s) __attribute__((target(s)))
 #endif
 
+/* full unrolling of the k-quant kernels' loops over tokens and chunks (fixed, small counts), so
+ * their per-token vectors stay in registers: asked of GCC only (clang unrolls such loops on its
+ * own, and with the hints a sanitizer build of this file took 7 minutes instead of 17 s) */
+#if defined(__GNUC__) && !defined(__clang__)
+#define MOE_UNROLL4 _Pragma("GCC unroll 4")
+#define MOE_UNROLL8 _Pragma("GCC unroll 8")
+#else
+#define MOE_UNROLL4
+#define MOE_UNROLL8
+#endif
+
 #if !defined(MOE_NO_SIMD) && (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
 #define MOE_NEON 1 /* NEON is part of every AArch64 CPU; the dot-product extension is checked */
 #include <arm_neon.h>
@@ -1216,13 +1227,6 @@ static float dotq_q4_1_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
 static float dotq_q5_0_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_avx2(MOE_T_Q5_0, w, x, n); }
 static float dotq_q5_1_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_avx2(MOE_T_Q5_1, w, x, n); }
 
-/* the 8 lanes' sums of each of 8 vectors -> one vector of 8 sums */
-MOE_TARGET("avx2,fma") static inline __m256i hsum8x8_avx2(const __m256i *p) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-}
-
 /* the 8 activation blocks' scales and sums of a 256-value block: each block's first 8 bytes
  * (d, sum) loaded as one, then the pairs split into two vectors in block order */
 MOE_TARGET("avx2,fma") static inline void q8a_heads8_avx2(const moe__block_q8a *x, __m256 *d, __m256 *sum) {
@@ -1266,13 +1270,13 @@ MOE_TARGET("avx2,fma") static inline void q8a_heads8_avx2(const moe__block_q8a *
             (void)hb;                                                                                                     \
             __m256i lo, hi, h0[4], h1, s0[4], s1[4];                                                                      \
             K4_DECODE(0, lo, hi, FIVE);                                                                                   \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) h0[t] = K4_PAIR(0, t, DPB);                              \
+            MOE_UNROLL4 for (int t = 0; t < NT; t++) h0[t] = K4_PAIR(0, t, DPB);                              \
             K4_DECODE(1, lo, hi, FIVE);                                                                                   \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) h1 = K4_PAIR(1, t, DPB), s0[t] = _mm256_hadd_epi32(h0[t], h1); \
+            MOE_UNROLL4 for (int t = 0; t < NT; t++) h1 = K4_PAIR(1, t, DPB), s0[t] = _mm256_hadd_epi32(h0[t], h1); \
             K4_DECODE(2, lo, hi, FIVE);                                                                                   \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) h0[t] = K4_PAIR(2, t, DPB);                              \
+            MOE_UNROLL4 for (int t = 0; t < NT; t++) h0[t] = K4_PAIR(2, t, DPB);                              \
             K4_DECODE(3, lo, hi, FIVE);                                                                                   \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) h1 = K4_PAIR(3, t, DPB), s1[t] = _mm256_hadd_epi32(h0[t], h1); \
+            MOE_UNROLL4 for (int t = 0; t < NT; t++) h1 = K4_PAIR(3, t, DPB), s1[t] = _mm256_hadd_epi32(h0[t], h1); \
             uint8_t sm[16];                                                                                               \
             uint16_t hd[2];                                                                                               \
             memcpy(hd, b, 4);                                                                                             \
@@ -1280,14 +1284,14 @@ MOE_TARGET("avx2,fma") static inline void q8a_heads8_avx2(const moe__block_q8a *
             const __m128i smv = _mm_loadu_si128((const __m128i *)(const void *)sm);                                      \
             const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(smv)), _mm256_set1_ps(f16_avx(hd[0]))); \
             const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(smv, 8))), _mm256_set1_ps(f16_avx(hd[1]))); \
-            _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {                                                        \
+            MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                        \
                 const __m256i S = _mm256_add_epi32(_mm256_permute2x128_si256(s0[t], s1[t], 0x20), _mm256_permute2x128_si256(s0[t], s1[t], 0x31)); \
                 __m256 xd, xm;                                                                                            \
                 q8a_heads8_avx2(x + t * xs + 8 * i, &xd, &xm);                                                            \
                 acc[t] = _mm256_fmadd_ps(xd, _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(S), _mm256_mul_ps(mn, xm)), acc[t]);  \
             }                                                                                                             \
         }                                                                                                                 \
-        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]);                                  \
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]);                                  \
     }                                                                                                                     \
     MOE_TARGET(TGT) static float name(const void *w, const moe__block_q8a *x, int64_t n) {                              \
         float r;                                                                                                          \
@@ -1332,7 +1336,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                 __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                                         \
                 const uint8_t *q = o->qs + p * 256;                                                                       \
                 const int8_t *x0 = x[2 * p].qs, *x1 = x[2 * p + 1].qs;                                                                                 \
-                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                     \
+                MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                     \
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));                   \
                     __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);            \
                     K5X8_BITS(FIVE, QH, c);                                                                                   \
@@ -1367,13 +1371,13 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
             const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->dmin));                  \
             for (int p = 0; p < 4; p++) {                                                                                 \
                 __m256i s[4][2];                                                                                          \
-                _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();          \
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();          \
                 const uint8_t *q = o->qs + p * 256;                                                                       \
-                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                     \
+                MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                     \
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));                   \
                     __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);            \
                     K5X8_BITS(FIVE, QH, c);                                                                                   \
-                    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                                 \
+                    MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                 \
                         const moe__block_q8a *xt = x + t * xs + 8 * i;                                                    \
                         DPBA(s[t][0], lo, xt[2 * p].qs + 4 * c);                                                          \
                         DPBA(s[t][1], hi, xt[2 * p + 1].qs + 4 * c);                                                      \
@@ -1383,7 +1387,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                     const int j = 2 * p + h;                                                                              \
                     const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[j]))), d); \
                     const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->m[j]))), dm); \
-                    _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                                 \
+                    MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                 \
                         const moe__block_q8a *xj = x + t * xs + 8 * i + j;                                                \
                         const __m256 tt = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(s[t][h]), _mm256_mul_ps(mn, _mm256_set1_ps((float)xj->sum))); \
                         acc[t][j] = _mm256_fmadd_ps(_mm256_set1_ps(xj->d), tt, acc[t][j]);                                \
@@ -1433,7 +1437,7 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void q6
                 /* [scale 2s as 8 words | scale 2s + 1 as 8 words]: dword s of sc16, then its halves */
                 const __m256i c0 = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), half);
                 const __m256i c1 = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s + 1)), half);
-                _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) {
                     const moe__block_q8a *xt = x + t * xs + 8 * i;
                     const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s].qs);
                     const __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s + 1].qs);
@@ -1443,7 +1447,7 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void q6
             }
         }
         const float d = f16_avx(b[i].d);
-        _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) {
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) {
             const __m256i s0 = _mm256_hadd_epi32(h[t][0], h[t][1]), s1 = _mm256_hadd_epi32(h[t][2], h[t][3]);
             const __m256i S = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
             __m256 xd, xm;
@@ -1451,7 +1455,7 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void q6
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(xd, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(S), acc[t]);
         }
     }
-    _Pragma("GCC unroll 4") for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]);
+    MOE_UNROLL4 for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]);
 }
 MOE_TARGET("avx2,fma,f16c") static float dotq_q6_k_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
     float r;
