@@ -1738,12 +1738,15 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     return MOE_OK;
 }
 
+/* the interleaved k-quant types (larger than the rows they hold: never repacked in place) */
+static int is_kx8(int type) { return type == MOE_T_Q4_KX8 || type == MOE_T_Q5_KX8; }
+
 /* The interleaved type a matrix is repacked to (Q4_0/Q8_0, MXFP4 when its products take
  * quantized activations, Q4_K/Q5_K where the level has the kernels; rows a multiple of 8), or -1 */
 static int x8_type(const moe_model *m, const moe__weight *w) {
     const int to = moe__x8_of(w->type);
     if (to < 0 || w->rows % 8 || w->cols % 32) return -1;
-    if (to == MOE_T_Q4_KX8 || to == MOE_T_Q5_KX8) return m->k.dotq8[to] ? to : -1; /* where the level has its kernel (x86) */
+    if (is_kx8(to)) return m->k.dotq8[to] ? to : -1; /* where the level has its kernel (x86) */
     return to != MOE_T_MXFP4X8 || (m->opt.flags & MOE_FLAG_MXFP4_INT8) ? to : -1;
 }
 
@@ -1799,10 +1802,9 @@ static moe_status repack_weight(moe_model *m, moe__weight *w, repack_arena *a) {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1 && ng > 64)
 #endif
-    for (int64_t g = 0; g < ng; g++)
-        if (!copy) moe__repack_x8(w->type, (const unsigned char *)w->data + g * 8 * rb, rb, w->scale ? w->scale + g * 8 * sb : NULL, dst + g * gb, w->cols);
-        else memcpy(dst + g * 8 * rb, (const unsigned char *)w->data + g * 8 * rb, (size_t)(8 * rb));
-    if (copy) memcpy(dst + ng * 8 * rb, (const unsigned char *)w->data + ng * 8 * rb, (size_t)((w->rows - ng * 8) * rb));
+    for (int64_t g = 0; g < (copy ? 0 : ng); g++)
+        moe__repack_x8(w->type, (const unsigned char *)w->data + g * 8 * rb, rb, w->scale ? w->scale + g * 8 * sb : NULL, dst + g * gb, w->cols);
+    if (copy) memcpy(dst, w->data, bytes);
     if (!free_owned(m, w->data)) {
         drop_mapped(w->data, (size_t)(rb * w->rows));
         if (w->scale) drop_mapped(w->scale, (size_t)(sb * w->rows));
@@ -2507,9 +2509,7 @@ typedef struct {
 
 /* rows per task: an interleaved row group, or a tile */
 static int mm_per(const moe__weight *W) {
-    return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 || W->type == MOE_T_MXFP4X8 || W->type == MOE_T_Q4_KX8 || W->type == MOE_T_Q5_KX8
-               ? 8
-               : MM_ROW_TILE;
+    return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 || W->type == MOE_T_MXFP4X8 || is_kx8(W->type) ? 8 : MM_ROW_TILE;
 }
 
 /* weight rows per task of job j: an interleaved row group (two for prefill where the level has
@@ -3822,7 +3822,7 @@ static int unit_repack(const moe_model *m, cache_entry *v, int nw) {
         const int to = x8_type(m, w);
         /* (Q4_KX8 and Q5_KX8 take more bytes than 8 rows as stored: a cached Q4_K/Q5_K expert
          * keeps the row kernels, whose sums are those of the interleaved ones bit for bit) */
-        if (to < 0 || to == MOE_T_Q4_KX8 || to == MOE_T_Q5_KX8) continue;
+        if (to < 0 || is_kx8(to)) continue;
         const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8, sb = w->cols / 32;
         const size_t scales = (size_t)weight_scale_bytes(w);
         unsigned char *tmp = malloc((size_t)(8 * rb) + scales), *p = (unsigned char *)w->data;

@@ -792,6 +792,7 @@ static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const 
                 float *mine = tmp + (size_t)omp_get_thread_num() * tmp_floats;
 #else
                 float *mine = tmp;
+                (void)tmp_floats;
 #endif
                 produce_row(t, s, &sm, mi, r, obuf + (r - r0) * rb, mine);
             }
