@@ -571,8 +571,12 @@ static size_t gguf_scalar_size(uint32_t t) {
 static const struct { uint32_t id; int blk, bytes, type; } ggml_types[] = {
     {0, 1, 4, MOE_T_F32},    {1, 1, 2, MOE_T_F16},    {2, 32, 18, MOE_T_Q4_0},  {3, 32, 20, MOE_T_Q4_1},
     {6, 32, 22, MOE_T_Q5_0}, {7, 32, 24, MOE_T_Q5_1}, {8, 32, 34, MOE_T_Q8_0},  {9, 32, 36, -1},
-    {10, 256, 84, -1},       {11, 256, 110, -1},      {12, 256, 144, MOE_T_Q4_K}, {13, 256, 176, MOE_T_Q5_K},
-    {14, 256, 210, MOE_T_Q6_K},    {15, 256, 292, -1},      {24, 1, 1, -1},           {25, 1, 2, -1},
+    {10, 256, 84, MOE_T_Q2_K}, {11, 256, 110, MOE_T_Q3_K},      {12, 256, 144, MOE_T_Q4_K}, {13, 256, 176, MOE_T_Q5_K},
+    {14, 256, 210, MOE_T_Q6_K},    {15, 256, 292, -1},      {20, 32, 18, MOE_T_IQ4_NL}, {23, 256, 136, MOE_T_IQ4_XS},
+    /* the grid-codebook and ternary types: IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 */
+    {16, 256, 66, -1},        {17, 256, 74, -1},       {18, 256, 98, -1},        {19, 256, 50, -1},
+    {21, 256, 110, -1},       {22, 256, 82, -1},       {29, 256, 56, -1},        {34, 256, 54, -1},       {35, 256, 66, -1},
+    {24, 1, 1, -1},           {25, 1, 2, -1},
     {26, 1, 4, MOE_T_I32}, {27, 1, 8, -1},          {28, 1, 8, -1},           {30, 1, 2, MOE_T_BF16},
     {39, 32, 17, MOE_T_MXFP4_GGML},
 };
@@ -1294,7 +1298,7 @@ static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, cons
         if (t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16 && !moe__is_quant(t->type) &&
             t->type != MOE_T_MXFP4_GGML) {
             b->st = fail(b->err, b->errlen, MOE_ERR_UNSUPPORTED,
-                         "%s: tensor %s: weight type not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4)", bfile(b, r), t->name);
+                         "%s: tensor %s: weight type not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)", bfile(b, r), t->name);
             return;
         }
         if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
@@ -1751,7 +1755,7 @@ static int x8_type(const moe_model *m, const moe__weight *w) {
 }
 
 /* What repack_weights makes of a matrix: its interleaved type; for the block formats that have
- * none (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) their own, a plain copy into the same huge-page RAM
+ * none (Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K, IQ4_NL, IQ4_XS) their own, a plain copy into the same huge-page RAM
  * (read through the file mapping's 4 KB pages, a Q4_0 decode token took 2.6x as long as
  * interleaved: bench/RESULTS.md, session 26); -1: it stays where it is */
 static int placed_type(const moe_model *m, const moe__weight *w) {
@@ -1911,8 +1915,9 @@ static moe_status convert_weights(moe_model *m) {
 
 static void count_dense_bytes(moe_model *m) {
     static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
-                                             "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k"};
-    _Static_assert(MOE_T_COUNT == 20, "a name for each weight type");
+                                             "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k",
+                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs"};
+    _Static_assert(MOE_T_COUNT == 24, "a name for each weight type");
     uint64_t per_type[MOE_T_COUNT] = {0};
     uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);

@@ -438,6 +438,8 @@ enum {
      * with Q5_0 where a row is not whole 256-value blocks) and multiplied as they are stored */
     MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K,
     MOE_T_Q4_KX8, MOE_T_Q5_KX8, /* Q4_K, Q5_K interleaved 8 rows at a time at load, where the level has the kernels */
+    /* the low-bit mixes (Q2_K, Q3_K_S/M/L, IQ4_XS; IQ4_NL where a row is not whole 256s) */
+    MOE_T_Q2_K, MOE_T_Q3_K, MOE_T_IQ4_NL, MOE_T_IQ4_XS,
     MOE_T_COUNT
 };
 
@@ -458,6 +460,17 @@ typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; } moe__block_q5_1
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; } moe__block_q4_k;
 typedef struct { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; } moe__block_q5_k;
 typedef struct { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; } moe__block_q6_k;
+/* Q2_K: x = d sc_i q - dmin m_i per 16 values (4-bit sc_i low, m_i high nibble of scales[i]), q
+ * 2 bits. Q3_K: x = d (sc_i - 32) (q - 4) per 16, 6-bit sc_i packed in scales[12], q's low 2 bits
+ * in qs, bit 2 of value v in bit v / 32 of hmask[v % 32]. Both: value v's 2 bits at bit
+ * 2 ((v % 128) / 32) of qs[32 (v / 128) + v % 32]. IQ4_NL: x = d k[q], k = moe__iq4nl_values,
+ * nibbles as Q4_0's. IQ4_XS: x = d (ls_j - 32) k[q] per 32 values, 6-bit ls_j: low 4 bits in
+ * scales_l (nibble j % 2 of byte j / 2), high 2 at bit 2j of scales_h; nibbles per 32 as Q4_0's. */
+typedef struct { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; } moe__block_q2_k;
+typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; } moe__block_q3_k;
+typedef struct { uint16_t d; uint8_t qs[16]; } moe__block_iq4_nl;
+typedef struct { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } moe__block_iq4_xs;
+extern const int8_t moe__iq4nl_values[16];
 /* activations quantized for the integer kernels: f32 scale, the sum of the 32 int8 values (lets
  * Q4_0 kernels multiply unsigned nibbles and subtract 8 * sum once per block), the values */
 typedef struct { float d; int32_t sum; int8_t qs[32]; } moe__block_q8a;

@@ -151,18 +151,21 @@ _Static_assert(sizeof(moe__block_q8_0x8) == 272, "q8_0x8 block is 272 bytes");
 _Static_assert(sizeof(moe__block_mxfp4x8) == 8 * sizeof(moe__block_mxfp4), "an mxfp4x8 block is 8 ggml blocks");
 _Static_assert(sizeof(moe__block_q4_1) == 20 && sizeof(moe__block_q5_0) == 22 && sizeof(moe__block_q5_1) == 24, "ggml Q4_1/Q5_0/Q5_1 blocks");
 _Static_assert(sizeof(moe__block_q4_k) == 144 && sizeof(moe__block_q5_k) == 176 && sizeof(moe__block_q6_k) == 210, "ggml k-quant blocks");
+_Static_assert(sizeof(moe__block_q2_k) == 84 && sizeof(moe__block_q3_k) == 110, "ggml Q2_K, Q3_K blocks");
+_Static_assert(sizeof(moe__block_iq4_nl) == 18 && sizeof(moe__block_iq4_xs) == 136, "ggml IQ4_NL, IQ4_XS blocks");
 _Static_assert(sizeof(moe__block_q4_kx8) == 1184 && sizeof(moe__block_q5_kx8) == 1440, "q4_kx8, q5_kx8 blocks");
 
 int moe__is_quant(int type) {
     switch (type) {
-    case MOE_T_Q8_0: case MOE_T_Q4_0: case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_Q6_K: return 1;
+    case MOE_T_Q8_0: case MOE_T_Q4_0: case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_Q6_K:
+    case MOE_T_Q2_K: case MOE_T_Q3_K: case MOE_T_IQ4_NL: case MOE_T_IQ4_XS: return 1;
     default: return 0;
     }
 }
 
 int moe__block_values(int type) {
     switch (type) {
-    case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_Q6_K: return 256;
+    case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_Q6_K: case MOE_T_Q2_K: case MOE_T_Q3_K: case MOE_T_IQ4_XS: return 256;
     case MOE_T_F32: case MOE_T_F16: case MOE_T_BF16: case MOE_T_U8: case MOE_T_I32: return 1;
     default: return 32;
     }
@@ -182,6 +185,10 @@ int64_t moe__row_bytes(int type, int64_t n) {
     case MOE_T_Q4_K: return n / 256 * (int64_t)sizeof(moe__block_q4_k);
     case MOE_T_Q5_K: return n / 256 * (int64_t)sizeof(moe__block_q5_k);
     case MOE_T_Q6_K: return n / 256 * (int64_t)sizeof(moe__block_q6_k);
+    case MOE_T_Q2_K: return n / 256 * (int64_t)sizeof(moe__block_q2_k);
+    case MOE_T_Q3_K: return n / 256 * (int64_t)sizeof(moe__block_q3_k);
+    case MOE_T_IQ4_NL: return n / 32 * (int64_t)sizeof(moe__block_iq4_nl);
+    case MOE_T_IQ4_XS: return n / 256 * (int64_t)sizeof(moe__block_iq4_xs);
     case MOE_T_Q4_KX8: return n / 256 * (int64_t)sizeof(moe__block_q4_kx8) / 8;
     case MOE_T_Q5_KX8: return n / 256 * (int64_t)sizeof(moe__block_q5_kx8) / 8;
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
@@ -222,12 +229,28 @@ static inline q32_fields q32_block(int type, const void *row, int64_t i) {
     return f;
 }
 
-/* 32 values of Q4_1 .. Q6_K as integers: value l = D[l / 16] q[l] + M (M = 0: a symmetric format) */
-typedef struct { int q[32]; float D[2], M; } kq_sub;
+/* IQ4_NL's and IQ4_XS's 16 levels (ggml's kvalues_iq4nl), ascending */
+const int8_t moe__iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* Q3_K's 6-bit scale i (0..15) from its 12 bytes: low 4 bits in byte i % 8 (low nibble for i < 8),
+ * high 2 bits at bit 2 (i / 4) of byte 8 + i % 4 */
+static int q3k_scale(const uint8_t *s, int i) {
+    const int lo = i < 8 ? s[i] & 15 : s[i - 8] >> 4;
+    return lo | ((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
+}
+
+/* IQ4_XS's 6-bit scale of sub-block j (0..7) */
+static int iq4xs_scale(const moe__block_iq4_xs *b, int j) {
+    return ((b->scales_l[j / 2] >> (4 * (j % 2))) & 15) | ((b->scales_h >> (2 * j)) & 3) << 4;
+}
+
+/* 32 values of Q4_1 .. IQ4_XS as integers: value l = D[l / 16] q[l] + M[l / 16] (M = 0: a
+ * symmetric format; M[0] = M[1] but for Q2_K, whose minimums are per 16 values) */
+typedef struct { int q[32]; float D[2], M[2]; } kq_sub;
 
 /* sub-block s (values 32 s .. 32 s + 31) of a row of one of those formats, as ggml decodes it */
 static void kq_decode(int type, const void *row, int64_t s, kq_sub *o) {
-    o->M = 0;
+    o->M[0] = o->M[1] = 0;
     switch (type) {
     case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: {
         const q32_fields f = q32_block(type, row, s);
@@ -237,7 +260,7 @@ static void kq_decode(int type, const void *row, int64_t s, kq_sub *o) {
         }
         if (type == MOE_T_Q5_0)
             for (int j = 0; j < 32; j++) o->q[j] -= 16;
-        o->D[0] = o->D[1] = moe__f16_to_f32(f.d), o->M = moe__f16_to_f32(f.m);
+        o->D[0] = o->D[1] = moe__f16_to_f32(f.d), o->M[0] = o->M[1] = moe__f16_to_f32(f.m);
         break;
     }
     case MOE_T_Q4_K: case MOE_T_Q5_K: {
@@ -258,7 +281,7 @@ static void kq_decode(int type, const void *row, int64_t s, kq_sub *o) {
             o->q[l] = ((j & 1) ? v >> 4 : v & 15) | (qh ? ((qh[l] >> j) & 1) << 4 : 0);
         }
         o->D[0] = o->D[1] = moe__f16_to_f32(dd[0]) * (float)ls;
-        o->M = -(moe__f16_to_f32(dd[1]) * (float)lm);
+        o->M[0] = o->M[1] = -(moe__f16_to_f32(dd[1]) * (float)lm);
         break;
     }
     case MOE_T_Q6_K: {
@@ -268,6 +291,42 @@ static void kq_decode(int type, const void *row, int64_t s, kq_sub *o) {
         for (int l = 0; l < 32; l++) o->q[l] = ((k < 2 ? ql[l] & 15 : ql[l] >> 4) | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
         const float d = moe__f16_to_f32(b->d);
         o->D[0] = d * (float)b->scales[8 * h + 2 * k], o->D[1] = d * (float)b->scales[8 * h + 2 * k + 1];
+        break;
+    }
+    case MOE_T_Q2_K: case MOE_T_Q3_K: { /* the 2 low bits of sub-block j of a block: bits 2 (j % 4) of qs[32 (j / 4) ..] */
+        const int j = (int)(s % 8);
+        const uint8_t *qs;
+        if (type == MOE_T_Q2_K) {
+            const moe__block_q2_k *b = (const moe__block_q2_k *)row + s / 8;
+            const float d = moe__f16_to_f32(b->d), dmin = moe__f16_to_f32(b->dmin);
+            qs = b->qs + 32 * (j / 4);
+            for (int l = 0; l < 32; l++) o->q[l] = (qs[l] >> (2 * (j % 4))) & 3;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t sc = b->scales[2 * j + h];
+                o->D[h] = d * (float)(sc & 15), o->M[h] = -(dmin * (float)(sc >> 4));
+            }
+        } else {
+            const moe__block_q3_k *b = (const moe__block_q3_k *)row + s / 8;
+            const float d = moe__f16_to_f32(b->d);
+            qs = b->qs + 32 * (j / 4);
+            for (int l = 0; l < 32; l++) o->q[l] = (((qs[l] >> (2 * (j % 4))) & 3) | ((b->hmask[l] >> j) & 1) << 2) - 4;
+            for (int h = 0; h < 2; h++) o->D[h] = d * (float)(q3k_scale(b->scales, 2 * j + h) - 32);
+        }
+        break;
+    }
+    case MOE_T_IQ4_NL: case MOE_T_IQ4_XS: {
+        const uint8_t *qs;
+        float D;
+        if (type == MOE_T_IQ4_NL) {
+            const moe__block_iq4_nl *b = (const moe__block_iq4_nl *)row + s;
+            qs = b->qs, D = moe__f16_to_f32(b->d);
+        } else {
+            const moe__block_iq4_xs *b = (const moe__block_iq4_xs *)row + s / 8;
+            const int j = (int)(s % 8);
+            qs = b->qs + 16 * j, D = moe__f16_to_f32(b->d) * (float)(iq4xs_scale(b, j) - 32);
+        }
+        for (int l = 0; l < 16; l++) o->q[l] = moe__iq4nl_values[qs[l] & 15], o->q[l + 16] = moe__iq4nl_values[qs[l] >> 4];
+        o->D[0] = o->D[1] = D;
         break;
     }
     default: MOE_ASSERT(0 && "not a 32-value sub-block format");
@@ -326,10 +385,11 @@ void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out
         break;
     }
     case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_Q6_K:
+    case MOE_T_Q2_K: case MOE_T_Q3_K: case MOE_T_IQ4_NL: case MOE_T_IQ4_XS:
         for (int64_t i = 0; i < n / 32; i++) {
             kq_sub u;
             kq_decode(type, row, i, &u);
-            for (int j = 0; j < 32; j++) out[i * 32 + j] = u.D[j / 16] * (float)u.q[j] + u.M;
+            for (int j = 0; j < 32; j++) out[i * 32 + j] = u.D[j / 16] * (float)u.q[j] + u.M[j / 16];
         }
         break;
     default: MOE_ASSERT(0 && "not a weight type");
@@ -467,29 +527,35 @@ static void quantize_k4(int type, const float *x, void *out) {
         }
 }
 
-/* Q6_K: each 16 values' scale by a search around max / -32 (weights x^2), the 16 scales to
- * signed 8 bits against the largest (which maps to -128), the values rounded to the stored ones */
+/* the scale of 16 values on the levels -top .. top - 1 (the largest-magnitude value toward
+ * -top, as ggml's symmetric k-quants): a search around max / -top (weights x^2), each candidate's
+ * scale fitted to its levels by least squares */
+static float fit_sym_scale(const float *v, int top) {
+    float amax = 0, max = 0, sc = 0;
+    for (int l = 0; l < 16; l++)
+        if (fabsf(v[l]) > amax) amax = fabsf(v[l]), max = v[l];
+    if (amax == 0) return 0;
+    double best = -1;
+    for (int is = -9; is <= 9; is++) {
+        const float id = -((float)top + 0.1f * (float)is) / max;
+        double sxl = 0, sll = 0;
+        for (int l = 0; l < 16; l++) {
+            int q = (int)lrintf(id * v[l]);
+            q = q < -top ? -top : q > top - 1 ? top - 1 : q;
+            const double wl = (double)v[l] * v[l];
+            sxl += wl * v[l] * q, sll += wl * q * q;
+        }
+        if (sll > 0 && sxl * sxl / sll > best) best = sxl * sxl / sll, sc = (float)(sxl / sll);
+    }
+    return sc;
+}
+
+/* Q6_K: each 16 values' scale by fit_sym_scale, the 16 scales to signed 8 bits against the
+ * largest (which maps to -128), the values rounded to the stored ones */
 static void quantize_q6_k(const float *x, moe__block_q6_k *b) {
     float sc[16], smax = 0;
     for (int g = 0; g < 16; g++) {
-        const float *v = x + 16 * g;
-        float amax = 0, max = 0;
-        for (int l = 0; l < 16; l++)
-            if (fabsf(v[l]) > amax) amax = fabsf(v[l]), max = v[l];
-        sc[g] = 0;
-        if (amax == 0) continue;
-        double best = -1;
-        for (int is = -9; is <= 9; is++) {
-            const float id = -(32 + 0.1f * (float)is) / max;
-            double sxl = 0, sll = 0;
-            for (int l = 0; l < 16; l++) {
-                int q = (int)lrintf(id * v[l]);
-                q = q < -32 ? -32 : q > 31 ? 31 : q;
-                const double wl = (double)v[l] * v[l];
-                sxl += wl * v[l] * q, sll += wl * q * q;
-            }
-            if (sll > 0 && sxl * sxl / sll > best) best = sxl * sxl / sll, sc[g] = (float)(sxl / sll);
-        }
+        sc[g] = fit_sym_scale(x + 16 * g, 32);
         if (fabsf(sc[g]) > fabsf(smax)) smax = sc[g];
     }
     memset(b, 0, sizeof *b);
@@ -514,6 +580,131 @@ static void quantize_q6_k(const float *x, moe__block_q6_k *b) {
         }
 }
 
+/* Q2_K: each 16 values' scale and minimum fitted (levels 0..3), both sets to 4 bits against their
+ * largest, the values rounded to the stored ones */
+static void quantize_q2_k(const float *x, moe__block_q2_k *b) {
+    float a[16], bm[16], w[16], amax = 0, bmax = 0;
+    for (int g = 0; g < 16; g++) {
+        const float *v = x + 16 * g;
+        float s2 = 0;
+        for (int l = 0; l < 16; l++) s2 += v[l] * v[l];
+        const float av = sqrtf(s2 / 16);
+        for (int l = 0; l < 16; l++) w[l] = av + fabsf(v[l]);
+        a[g] = fit_scale_min(v, w, 16, 3, &bm[g]);
+        if (a[g] < 0) a[g] = 0;
+        amax = fmaxf(amax, a[g]), bmax = fmaxf(bmax, bm[g]);
+    }
+    memset(b, 0, sizeof *b);
+    b->d = moe__f32_to_f16(amax / 15), b->dmin = moe__f32_to_f16(bmax / 15);
+    const float d = moe__f16_to_f32(b->d), dmin = moe__f16_to_f32(b->dmin);
+    int q[256];
+    for (int g = 0; g < 16; g++) {
+        int ls = d > 0 ? (int)lrintf(a[g] / d) : 0, lm = dmin > 0 ? (int)lrintf(bm[g] / dmin) : 0;
+        ls = ls > 15 ? 15 : ls, lm = lm > 15 ? 15 : lm;
+        b->scales[g] = (uint8_t)(ls | lm << 4);
+        const float D = d * (float)ls, M = dmin * (float)lm;
+        if (D > 0) round_levels(x + 16 * g, 16, D, M / D, 3, q + 16 * g);
+        else memset(q + 16 * g, 0, sizeof(int) * 16);
+    }
+    for (int v = 0; v < 256; v++) b->qs[32 * (v / 128) + v % 32] |= (uint8_t)(q[v] << (2 * ((v % 128) / 32)));
+}
+
+/* Q3_K: each 16 values' scale by fit_sym_scale (levels -4..3), the 16 scales to signed 6 bits
+ * against the largest (which maps to -32), the values rounded to the stored ones */
+static void quantize_q3_k(const float *x, moe__block_q3_k *b) {
+    float sc[16], smax = 0;
+    for (int g = 0; g < 16; g++) {
+        sc[g] = fit_sym_scale(x + 16 * g, 4);
+        if (fabsf(sc[g]) > fabsf(smax)) smax = sc[g];
+    }
+    memset(b, 0, sizeof *b);
+    if (smax == 0) return;
+    const float id = -32.0f / smax;
+    b->d = moe__f32_to_f16(1 / id);
+    const float d = moe__f16_to_f32(b->d);
+    int q[256];
+    for (int g = 0; g < 16; g++) {
+        int l = (int)lrintf(id * sc[g]);
+        l = l > 31 ? 31 : l < -32 ? -32 : l;
+        const float D = d * (float)l;
+        if (D != 0) round_levels(x + 16 * g, 16, D, 4.0f, 7, q + 16 * g);
+        else for (int k = 0; k < 16; k++) q[16 * g + k] = 4;
+        const int u = l + 32; /* stored unsigned */
+        if (g < 8) b->scales[g] |= (uint8_t)(u & 15);
+        else b->scales[g - 8] |= (uint8_t)((u & 15) << 4);
+        b->scales[8 + g % 4] |= (uint8_t)((u >> 4) << (2 * (g / 4)));
+    }
+    for (int v = 0; v < 256; v++) {
+        b->qs[32 * (v / 128) + v % 32] |= (uint8_t)((q[v] & 3) << (2 * ((v % 128) / 32)));
+        b->hmask[v % 32] |= (uint8_t)((q[v] >> 2) << (v / 32));
+    }
+}
+
+/* the index of IQ4's level nearest to x (levels ascending: x past the midpoint of two moves up) */
+static int iq4_index(float x) {
+    int i = 0;
+    for (int step = 8; step; step >>= 1)
+        if (2 * x >= (float)(moe__iq4nl_values[i + step - 1] + moe__iq4nl_values[i + step])) i += step;
+    return i;
+}
+
+/* the scale of 32 values on IQ4's levels: candidates mapping the largest-magnitude value near
+ * either end, each refitted to its levels by least squares; the one with the least error */
+static float fit_iq4_scale(const float *v) {
+    float amax = 0, max = 0;
+    for (int l = 0; l < 32; l++)
+        if (fabsf(v[l]) > amax) amax = fabsf(v[l]), max = v[l];
+    if (amax == 0) return 0;
+    float best_d = 0;
+    double best = -1;
+    for (int end = 0; end < 2; end++)
+        for (int is = -8; is <= 8; is++) {
+            const float top = end ? -127.0f : 113.0f;
+            const float d = max / (top + 0.05f * top * (float)is / 8);
+            double sxk = 0, skk = 0;
+            for (int l = 0; l < 32; l++) {
+                const int k = moe__iq4nl_values[iq4_index(v[l] / d)];
+                sxk += (double)v[l] * k, skk += (double)k * k;
+            }
+            if (skk > 0 && sxk * sxk / skk > best) best = sxk * sxk / skk, best_d = (float)(sxk / skk);
+        }
+    return best_d;
+}
+
+/* 32 values to IQ4 nibbles against the stored scale D (low nibbles values 0..15) */
+static void iq4_nibbles(const float *v, float D, uint8_t *qs) {
+    for (int l = 0; l < 16; l++) {
+        const int a = D != 0 ? iq4_index(v[l] / D) : 8, c = D != 0 ? iq4_index(v[l + 16] / D) : 8;
+        qs[l] = (uint8_t)(a | c << 4);
+    }
+}
+
+static void quantize_iq4_nl(const float *x, moe__block_iq4_nl *b) {
+    b->d = moe__f32_to_f16(fit_iq4_scale(x));
+    iq4_nibbles(x, moe__f16_to_f32(b->d), b->qs);
+}
+
+/* IQ4_XS: each 32 values' scale by fit_iq4_scale, the 8 scales to signed 6 bits against the
+ * largest (which maps to -32) */
+static void quantize_iq4_xs(const float *x, moe__block_iq4_xs *b) {
+    float sc[8], smax = 0;
+    for (int j = 0; j < 8; j++) {
+        sc[j] = fit_iq4_scale(x + 32 * j);
+        if (fabsf(sc[j]) > fabsf(smax)) smax = sc[j];
+    }
+    memset(b, 0, sizeof *b);
+    const float id = smax != 0 ? -32.0f / smax : 0;
+    b->d = moe__f32_to_f16(smax != 0 ? 1 / id : 0);
+    const float d = moe__f16_to_f32(b->d);
+    for (int j = 0; j < 8; j++) {
+        int l = (int)lrintf(id * sc[j]);
+        l = l > 31 ? 31 : l < -32 ? -32 : l;
+        b->scales_l[j / 2] |= (uint8_t)(((l + 32) & 15) << (4 * (j % 2)));
+        b->scales_h |= (uint16_t)(((l + 32) >> 4) << (2 * j));
+        iq4_nibbles(x + 32 * j, d * (float)l, b->qs + 16 * j);
+    }
+}
+
 /* ggml's reference quantizers for Q8_0 and Q4_0 (quantize_row_q8_0_ref / quantize_row_q4_0_ref),
  * so files and results match llama.cpp's bit for bit; the others as above. */
 void moe__quantize_row(int type, const float *x, void *out, int64_t n) {
@@ -527,6 +718,18 @@ void moe__quantize_row(int type, const float *x, void *out, int64_t n) {
     }
     if (type == MOE_T_Q6_K) {
         for (int64_t i = 0; i < n / 256; i++) quantize_q6_k(x + i * 256, (moe__block_q6_k *)out + i);
+        return;
+    }
+    if (type == MOE_T_Q2_K || type == MOE_T_Q3_K || type == MOE_T_IQ4_XS) {
+        for (int64_t i = 0; i < n / 256; i++) {
+            if (type == MOE_T_Q2_K) quantize_q2_k(x + i * 256, (moe__block_q2_k *)out + i);
+            else if (type == MOE_T_Q3_K) quantize_q3_k(x + i * 256, (moe__block_q3_k *)out + i);
+            else quantize_iq4_xs(x + i * 256, (moe__block_iq4_xs *)out + i);
+        }
+        return;
+    }
+    if (type == MOE_T_IQ4_NL) {
+        for (int64_t i = 0; i < n / 32; i++) quantize_iq4_nl(x + i * 32, (moe__block_iq4_nl *)out + i);
         return;
     }
     for (int64_t i = 0; i < n / 32; i++) {
@@ -849,16 +1052,17 @@ static float dotq_mxfp4g_ref(const void *w, const moe__block_q8a *x, int64_t n) 
     return s;
 }
 
-/* Q4_1 .. Q6_K row . q8a row: per 32 values the exact int32 sums of q x over each 16, then
- * x.d (D0 acc0 + D1 acc1 + M sum(x)) in float */
+/* Q4_1 .. IQ4_XS row . q8a row: per 32 values the exact int32 sums of q x over each 16, then
+ * x.d (D0 acc0 + D1 acc1 + M sum(x)) in float (Q2_K: M0 sum(x first 16) + M1 sum(x last 16)) */
 static float dotq_kq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n) {
     float s = 0;
     for (int64_t b = 0; b < n / 32; b++) {
         kq_sub u;
         kq_decode(type, w, b, &u);
-        int a0 = 0, a1 = 0;
-        for (int l = 0; l < 16; l++) a0 += u.q[l] * x[b].qs[l], a1 += u.q[l + 16] * x[b].qs[l + 16];
-        s += x[b].d * (u.D[0] * (float)a0 + u.D[1] * (float)a1 + u.M * (float)x[b].sum);
+        int a0 = 0, a1 = 0, h0 = 0;
+        for (int l = 0; l < 16; l++) a0 += u.q[l] * x[b].qs[l], a1 += u.q[l + 16] * x[b].qs[l + 16], h0 += x[b].qs[l];
+        const float m = type == MOE_T_Q2_K ? u.M[0] * (float)h0 + u.M[1] * (float)(x[b].sum - h0) : u.M[0] * (float)x[b].sum;
+        s += x[b].d * (u.D[0] * (float)a0 + u.D[1] * (float)a1 + m);
     }
     return s;
 }
@@ -868,6 +1072,10 @@ static float dotq_q5_1_ref(const void *w, const moe__block_q8a *x, int64_t n) { 
 static float dotq_q4_k_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q4_K, w, x, n); }
 static float dotq_q5_k_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q5_K, w, x, n); }
 static float dotq_q6_k_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q6_K, w, x, n); }
+static float dotq_q2_k_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q2_K, w, x, n); }
+static float dotq_q3_k_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q3_K, w, x, n); }
+static float dotq_iq4_nl_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_IQ4_NL, w, x, n); }
+static float dotq_iq4_xs_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_IQ4_XS, w, x, n); }
 
 float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n) {
     if (type == MOE_T_Q8_0) return dotq_q8_0_ref(w, x, n);
@@ -1464,6 +1672,128 @@ MOE_TARGET("avx2,fma,f16c") static float dotq_q6_k_avx2(const void *w, const moe
 }
 MOE_TARGET("avx2,fma,f16c") static void dotq4_q6_k_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
     q6_k_rows_avx2(w, x, xs, n, out, 4);
+}
+
+/* Q2_K, Q3_K, IQ4_XS: a block's 8 sub-blocks of 32 values as signed bytes, its 16 scales (one per
+ * 16 values; IQ4_XS's in pairs) as 16-bit words, then as Q6_K's kernel: per sub-block
+ * sc0 acc0 + sc1 acc1 exactly in int32, x.d d times that in float. Q2_K's minimums: per
+ * sub-block m0 sum(x first 16) + m1 sum(x last 16) (maddubs of the minimums' bytes with x), and
+ * x.d (d S - dmin Sm). NT (1 or 4) activation rows x + t xs blocks, each row's float steps the
+ * same whatever NT. */
+MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k16_rows_avx2(const int type, const void *w, const moe__block_q8a *x,
+                                                                                              int64_t xs, int64_t n, float *out, const int NT) {
+    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);
+    const __m256i half = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)moe__iq4nl_values));
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n / 256; i++) {
+        __m256i v[8], sc16, mb = _mm256_setzero_si256();
+        float d, dmin = 0;
+        if (type == MOE_T_IQ4_XS) {
+            const moe__block_iq4_xs *b = (const moe__block_iq4_xs *)w + i;
+            int16_t sc[16];
+            for (int j = 0; j < 8; j++) sc[2 * j] = sc[2 * j + 1] = (int16_t)(iq4xs_scale(b, j) - 32);
+            sc16 = _mm256_loadu_si256((const __m256i *)(const void *)sc);
+            for (int j = 0; j < 8; j++) v[j] = _mm256_shuffle_epi8(kv, nibbles32_avx2(b->qs + 16 * j));
+            d = f16_avx(b->d);
+        } else {
+            const uint8_t *qs;
+            if (type == MOE_T_Q2_K) {
+                const moe__block_q2_k *b = (const moe__block_q2_k *)w + i;
+                const __m128i s8 = _mm_loadu_si128((const __m128i *)(const void *)b->scales);
+                sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s8, _mm_set1_epi8(15)));
+                mb = _mm256_broadcastsi128_si256(_mm_and_si128(_mm_srli_epi16(s8, 4), _mm_set1_epi8(15)));
+                qs = b->qs, d = f16_avx(b->d), dmin = f16_avx(b->dmin);
+            } else {
+                const moe__block_q3_k *b = (const moe__block_q3_k *)w + i;
+                int16_t sc[16];
+                for (int g = 0; g < 16; g++) sc[g] = (int16_t)(q3k_scale(b->scales, g) - 32);
+                sc16 = _mm256_loadu_si256((const __m256i *)(const void *)sc);
+                qs = b->qs, d = f16_avx(b->d);
+            }
+            for (int c = 0; c < 2; c++) {
+                const __m256i r = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * c));
+                for (int k = 0; k < 4; k++) v[4 * c + k] = _mm256_and_si256(_mm256_srli_epi16(r, 2 * k), three);
+            }
+            if (type == MOE_T_Q3_K) { /* bit j of hmask[l] is bit 2 of value l of sub-block j */
+                const __m256i hm = _mm256_loadu_si256((const __m256i *)(const void *)((const moe__block_q3_k *)w + i)->hmask);
+                for (int j = 0; j < 8; j++)
+                    v[j] = _mm256_sub_epi8(_mm256_or_si256(v[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, j), one), 2)), four);
+            }
+        }
+        __m256i h[4][4], hm4[4][4]; /* [token][pair of sub-blocks] */
+        for (int s = 0; s < 8; s += 2) {
+            const __m256i a0 = _mm256_sign_epi8(v[s], v[s]), a1 = _mm256_sign_epi8(v[s + 1], v[s + 1]);
+            /* [scale 2s as 8 words | scale 2s + 1 as 8 words]: dword s of sc16, then its halves */
+            const __m256i c0 = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), half);
+            const __m256i c1 = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s + 1)), half);
+            /* Q2_K: [minimum 2s as 16 bytes | minimum 2s + 1 as 16 bytes] */
+            const __m256i m0 = _mm256_shuffle_epi8(mb, _mm256_setr_m128i(_mm_set1_epi8((char)(2 * s)), _mm_set1_epi8((char)(2 * s + 1))));
+            const __m256i m1 = _mm256_shuffle_epi8(mb, _mm256_setr_m128i(_mm_set1_epi8((char)(2 * s + 2)), _mm_set1_epi8((char)(2 * s + 3))));
+            (void)m0, (void)m1;
+            MOE_UNROLL4 for (int t = 0; t < NT; t++) {
+                const moe__block_q8a *xt = x + t * xs + 8 * i;
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s].qs);
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s + 1].qs);
+                h[t][s / 2] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, v[s])), c0),
+                                                _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, v[s + 1])), c1));
+                if (type == MOE_T_Q2_K)
+                    hm4[t][s / 2] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, x0), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(m1, x1), ones));
+            }
+        }
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) {
+            const __m256i s0 = _mm256_hadd_epi32(h[t][0], h[t][1]), s1 = _mm256_hadd_epi32(h[t][2], h[t][3]);
+            const __m256i S = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+            __m256 xd, xm;
+            q8a_heads8_avx2(x + t * xs + 8 * i, &xd, &xm);
+            if (type == MOE_T_Q2_K) {
+                const __m256i u0 = _mm256_hadd_epi32(hm4[t][0], hm4[t][1]), u1 = _mm256_hadd_epi32(hm4[t][2], hm4[t][3]);
+                const __m256i Sm = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+                acc[t] = _mm256_fmadd_ps(xd, _mm256_fmsub_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(S), _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(Sm))), acc[t]);
+            } else {
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(xd, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(S), acc[t]);
+            }
+        }
+    }
+    MOE_UNROLL4 for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]);
+}
+#define K16_AVX2(type, name, name4)                                                                                   \
+    MOE_TARGET("avx2,fma,f16c") static float name(const void *w, const moe__block_q8a *x, int64_t n) {              \
+        float r;                                                                                                      \
+        k16_rows_avx2(type, w, x, 0, n, &r, 1);                                                                       \
+        return r;                                                                                                     \
+    }                                                                                                                 \
+    MOE_TARGET("avx2,fma,f16c") static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        k16_rows_avx2(type, w, x, xs, n, out, 4);                                                                     \
+    }
+K16_AVX2(MOE_T_Q2_K, dotq_q2_k_avx2, dotq4_q2_k_avx2)
+K16_AVX2(MOE_T_Q3_K, dotq_q3_k_avx2, dotq4_q3_k_avx2)
+K16_AVX2(MOE_T_IQ4_XS, dotq_iq4_xs_avx2, dotq4_iq4_xs_avx2)
+#undef K16_AVX2
+
+/* IQ4_NL: 16 bytes of nibbles to the levels by one byte shuffle, then as Q8_0 */
+MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void iq4_nl_rows_avx2(const void *w, const moe__block_q8a *x, int64_t xs,
+                                                                                                 int64_t n, float *out, const int NT) {
+    const moe__block_iq4_nl *b = w;
+    const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)moe__iq4nl_values));
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n / 32; i++) {
+        const __m256i v = _mm256_shuffle_epi8(kv, nibbles32_avx2(b[i].qs));
+        const float d = f16_avx(b[i].d);
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) {
+            const moe__block_q8a *xt = x + t * xs + i;
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xt->d), mul_i8_avx2(v, _mm256_loadu_si256((const __m256i *)(const void *)xt->qs)), acc[t]);
+        }
+    }
+    MOE_UNROLL4 for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]);
+}
+MOE_TARGET("avx2,fma,f16c") static float dotq_iq4_nl_avx2(const void *w, const moe__block_q8a *x, int64_t n) {
+    float r;
+    iq4_nl_rows_avx2(w, x, 0, n, &r, 1);
+    return r;
+}
+MOE_TARGET("avx2,fma,f16c") static void dotq4_iq4_nl_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
+    iq4_nl_rows_avx2(w, x, xs, n, out, 4);
 }
 
 MOE_TARGET("avx2,fma") static void quant_q8a_avx2(const float *x, moe__block_q8a *out, int64_t n) {
@@ -2850,6 +3180,71 @@ static float dotq_q6_k_neon(const void *w, const moe__block_q8a *x, int64_t n) {
     }
     return s;
 }
+
+/* Q2_K, Q3_K, IQ4_NL, IQ4_XS: each sub-block's values decoded to signed bytes (IQ4 by one table
+ * lookup), its two 16s' products summed exactly, then d (sc0 a0 + sc1 a1) in float (Q2_K: minus
+ * dmin (m0 sum(x first 16) + m1 sum(x last 16))) */
+static float dotq_k16_neon(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+    const int8x16_t kv = vld1q_s8(moe__iq4nl_values);
+    float s = 0;
+    if (type == MOE_T_IQ4_NL) {
+        const moe__block_iq4_nl *b = w;
+        for (int64_t i = 0; i < n / 32; i++) {
+            const uint8x16_t r = vld1q_u8(b[i].qs);
+            const int8x16_t lo = vqtbl1q_s8(kv, vandq_u8(r, vdupq_n_u8(15))), hi = vqtbl1q_s8(kv, vshrq_n_u8(r, 4));
+            int a1, a0 = dot32_neon(vreinterpretq_u8_s8(lo), vreinterpretq_u8_s8(hi), x[i].qs, &a1);
+            s += x[i].d * (moe__f16_to_f32(b[i].d) * (float)(a0 + a1));
+        }
+        return s;
+    }
+    for (int64_t i = 0; i < n / 256; i++, x += 8) {
+        for (int j = 0; j < 8; j++) {
+            int8x16_t v[2];
+            int sc0, sc1, m0 = 0, m1 = 0;
+            float d, dmin = 0;
+            if (type == MOE_T_IQ4_XS) {
+                const moe__block_iq4_xs *b = (const moe__block_iq4_xs *)w + i;
+                const uint8x16_t r = vld1q_u8(b->qs + 16 * j);
+                v[0] = vqtbl1q_s8(kv, vandq_u8(r, vdupq_n_u8(15))), v[1] = vqtbl1q_s8(kv, vshrq_n_u8(r, 4));
+                sc0 = sc1 = iq4xs_scale(b, j) - 32, d = moe__f16_to_f32(b->d);
+            } else {
+                const uint8_t *qs;
+                const int8x16_t sh = vdupq_n_s8((int8_t)(-2 * (j % 4)));
+                if (type == MOE_T_Q2_K) {
+                    const moe__block_q2_k *b = (const moe__block_q2_k *)w + i;
+                    qs = b->qs, d = moe__f16_to_f32(b->d), dmin = moe__f16_to_f32(b->dmin);
+                    sc0 = b->scales[2 * j] & 15, sc1 = b->scales[2 * j + 1] & 15, m0 = b->scales[2 * j] >> 4, m1 = b->scales[2 * j + 1] >> 4;
+                } else {
+                    const moe__block_q3_k *b = (const moe__block_q3_k *)w + i;
+                    qs = b->qs, d = moe__f16_to_f32(b->d);
+                    sc0 = q3k_scale(b->scales, 2 * j) - 32, sc1 = q3k_scale(b->scales, 2 * j + 1) - 32;
+                }
+                for (int u = 0; u < 2; u++) {
+                    uint8x16_t q = vandq_u8(vshlq_u8(vld1q_u8(qs + 32 * (j / 4) + 16 * u), sh), vdupq_n_u8(3));
+                    if (type == MOE_T_Q3_K) { /* bit j of hmask[l] */
+                        const uint8x16_t hm = vld1q_u8(((const moe__block_q3_k *)w + i)->hmask + 16 * u);
+                        q = vorrq_u8(q, vandq_u8(vtstq_u8(hm, vdupq_n_u8((uint8_t)(1u << j))), vdupq_n_u8(4)));
+                        v[u] = vsubq_s8(vreinterpretq_s8_u8(q), vdupq_n_s8(4));
+                    } else {
+                        v[u] = vreinterpretq_s8_u8(q);
+                    }
+                }
+            }
+            int a1, a0 = dot32_neon(vreinterpretq_u8_s8(v[0]), vreinterpretq_u8_s8(v[1]), x[j].qs, &a1);
+            float t = d * (float)(sc0 * a0 + sc1 * a1);
+            if (type == MOE_T_Q2_K) {
+                const int h0 = vaddlvq_s8(vld1q_s8(x[j].qs)), h1 = vaddlvq_s8(vld1q_s8(x[j].qs + 16));
+                t -= dmin * (float)(m0 * h0 + m1 * h1);
+            }
+            s += x[j].d * t;
+        }
+    }
+    return s;
+}
+static float dotq_q2_k_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k16_neon(MOE_T_Q2_K, w, x, n); }
+static float dotq_q3_k_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k16_neon(MOE_T_Q3_K, w, x, n); }
+static float dotq_iq4_nl_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k16_neon(MOE_T_IQ4_NL, w, x, n); }
+static float dotq_iq4_xs_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k16_neon(MOE_T_IQ4_XS, w, x, n); }
 
 /* x8 groups without SDOT: 16 bytes = 4 rows x 4 values against the same 4 activations; products
  * in int16 (|w x| <= 128 * 127), then summed per row: two pairwise steps into int32 */
@@ -4435,6 +4830,10 @@ static void kernels_scalar(moe__kernels *k) {
     k->dotq[MOE_T_Q4_K] = dotq_q4_k_ref;
     k->dotq[MOE_T_Q5_K] = dotq_q5_k_ref;
     k->dotq[MOE_T_Q6_K] = dotq_q6_k_ref;
+    k->dotq[MOE_T_Q2_K] = dotq_q2_k_ref;
+    k->dotq[MOE_T_Q3_K] = dotq_q3_k_ref;
+    k->dotq[MOE_T_IQ4_NL] = dotq_iq4_nl_ref;
+    k->dotq[MOE_T_IQ4_XS] = dotq_iq4_xs_ref;
     k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_ref;
     k->dotq_mxfp4 = moe__dotq_mxfp4_ref;
     k->quant_q8a = moe__quant_q8a_ref;
@@ -4502,6 +4901,14 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_avx2;
         k->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_avx2;
         k->dotq[MOE_T_Q6_K] = dotq_q6_k_avx2;
+        k->dotq[MOE_T_Q2_K] = dotq_q2_k_avx2;
+        k->dotq[MOE_T_Q3_K] = dotq_q3_k_avx2;
+        k->dotq[MOE_T_IQ4_NL] = dotq_iq4_nl_avx2;
+        k->dotq[MOE_T_IQ4_XS] = dotq_iq4_xs_avx2;
+        k->dotq4[MOE_T_Q2_K] = dotq4_q2_k_avx2;
+        k->dotq4[MOE_T_Q3_K] = dotq4_q3_k_avx2;
+        k->dotq4[MOE_T_IQ4_NL] = dotq4_iq4_nl_avx2;
+        k->dotq4[MOE_T_IQ4_XS] = dotq4_iq4_xs_avx2;
         k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_avx2;
         k->dotq_mxfp4 = dotq_mxfp4_avx2;
         k->quant_q8a = quant_q8a_avx2;
@@ -4630,6 +5037,10 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq[MOE_T_Q4_K] = dotq_q4_k_neon;
         k->dotq[MOE_T_Q5_K] = dotq_q5_k_neon;
         k->dotq[MOE_T_Q6_K] = dotq_q6_k_neon;
+        k->dotq[MOE_T_Q2_K] = dotq_q2_k_neon;
+        k->dotq[MOE_T_Q3_K] = dotq_q3_k_neon;
+        k->dotq[MOE_T_IQ4_NL] = dotq_iq4_nl_neon;
+        k->dotq[MOE_T_IQ4_XS] = dotq_iq4_xs_neon;
         k->dotq[MOE_T_MXFP4_GGML] = dotq_mxfp4g_neon;
         k->dotq_mxfp4 = dotq_mxfp4_neon;
         k->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_neon;

@@ -4,10 +4,12 @@
  *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [--split-max-size SIZE]
  *   moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N] [--split-max-size SIZE]
  *
- * TYPE: f32, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k (dense default: bf16); experts
+ * TYPE: f32, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs
+ * (dense default: bf16); experts
  * also "mxfp4" and "asis" (default: keep the stored format; MXFP4 experts are repacked into ggml's
  * block_mxfp4 bit for bit). A row that is not whole blocks of the type falls back as llama.cpp's
- * quantizer does (q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0; to f32 where not whole 32s).
+ * quantizer does (q2_k, q3_k, iq4_xs -> iq4_nl; q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0; to f32
+ * where not whole 32s).
  * Norms, biases, convolutions and the router stay F32. Tensor and key names follow llama.cpp's
  * kimi-linear architecture (kimi-k3 when the model has K3 features); general.alignment is 4096.
  *
@@ -89,8 +91,8 @@ static int usage(const char *msg) {
                     "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
                     "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N]   (random, released K3 layout)\n"
                     "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0\n"
-                    "                  q4_1 q5_0 q5_1 q4_k q5_k q6_k (bf16)\n"
-                    "  --experts TYPE  routed experts: asis f32 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q4_k q5_k q6_k mxfp4 (asis)\n"
+                    "                  q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs (bf16)\n"
+                    "  --experts TYPE  routed experts: asis mxfp4 or any of those (asis)\n"
                     "  --split-max-size SIZE  parts of at most SIZE of tensor data (e.g. 48G, binary units), written as\n"
                     "                  OUT-00001-of-0000N.gguf ... as llama.cpp splits GGUF files (a larger tensor gets a part alone)\n"
                     "  --no-tensor-first-split  the first part holds only the metadata (as llama.cpp's gguf-split option)\n");
@@ -108,6 +110,10 @@ static int parse_type(const char *s, int experts) {
     if (!strcmp(s, "q4_k")) return MOE_T_Q4_K;
     if (!strcmp(s, "q5_k")) return MOE_T_Q5_K;
     if (!strcmp(s, "q6_k")) return MOE_T_Q6_K;
+    if (!strcmp(s, "q2_k")) return MOE_T_Q2_K;
+    if (!strcmp(s, "q3_k")) return MOE_T_Q3_K;
+    if (!strcmp(s, "iq4_nl")) return MOE_T_IQ4_NL;
+    if (!strcmp(s, "iq4_xs")) return MOE_T_IQ4_XS;
     if (experts && !strcmp(s, "mxfp4")) return MOE_T_MXFP4_GGML;
     if (experts && !strcmp(s, "asis")) return -1;
     return -2;
@@ -122,9 +128,13 @@ static int ggml_id(int type) {
     case MOE_T_Q5_0: return 6;
     case MOE_T_Q5_1: return 7;
     case MOE_T_Q8_0: return 8;
+    case MOE_T_Q2_K: return 10;
+    case MOE_T_Q3_K: return 11;
     case MOE_T_Q4_K: return 12;
     case MOE_T_Q5_K: return 13;
     case MOE_T_Q6_K: return 14;
+    case MOE_T_IQ4_NL: return 20;
+    case MOE_T_IQ4_XS: return 23;
     case MOE_T_BF16: return 30;
     case MOE_T_MXFP4_GGML: return 39;
     default: return -1;
@@ -152,7 +162,13 @@ static int fit_type(int type, int64_t cols) {
     if (type == MOE_T_MXFP4_GGML || moe__is_quant(type)) {
         if (cols % moe__block_values(type) == 0) return type;
         if (cols % 32) return MOE_T_F32;
-        return type == MOE_T_Q4_K ? MOE_T_Q5_0 : type == MOE_T_Q5_K ? MOE_T_Q5_1 : type == MOE_T_Q6_K ? MOE_T_Q8_0 : type;
+        switch (type) {
+        case MOE_T_Q2_K: case MOE_T_Q3_K: case MOE_T_IQ4_XS: return MOE_T_IQ4_NL;
+        case MOE_T_Q4_K: return MOE_T_Q5_0;
+        case MOE_T_Q5_K: return MOE_T_Q5_1;
+        case MOE_T_Q6_K: return MOE_T_Q8_0;
+        default: return type;
+        }
     }
     return type;
 }
@@ -278,11 +294,15 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
         VEC1("model.output_attn_res_norm.weight", d, 1.0f, 0.02f);
         VEC1("model.output_attn_res_proj.weight", d, 0.0f, 0.02f);
     }
-    /* the output matrix at higher precision when the rest is 4- or 5-bit (Q8_0 for Q4_0, as the
-     * runtime converts it at load; Q6_K for the k-quants, as llama.cpp's Q4_K_M and Q5_K_M mixes) */
-    const int head = dense == MOE_T_Q4_0 || dense == MOE_T_Q4_1 || dense == MOE_T_Q5_0 || dense == MOE_T_Q5_1 ? MOE_T_Q8_0
-                     : dense == MOE_T_Q4_K || dense == MOE_T_Q5_K                                                 ? MOE_T_Q6_K
-                                                                                                                  : dense;
+    /* the output matrix at higher precision when the rest is 2- to 5-bit (Q8_0 for the 32-value
+     * formats, as the runtime converts Q4_0 at load; Q6_K for the 256-value ones, as llama.cpp's
+     * k-quant and IQ4_XS mixes) */
+    int head = dense;
+    switch (dense) {
+    case MOE_T_Q4_0: case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: case MOE_T_IQ4_NL: head = MOE_T_Q8_0; break;
+    case MOE_T_Q2_K: case MOE_T_Q3_K: case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_IQ4_XS: head = MOE_T_Q6_K; break;
+    default: break;
+    }
     MAT("lm_head.weight", V, d, head);
 #undef HF
 #undef MAT

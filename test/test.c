@@ -596,10 +596,12 @@ static void test_quant_blocks(void) {
         }
 }
 
-/* ---- the other ggml block formats (Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) ------------------ */
+/* ---- the other ggml block formats (Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K, IQ4_NL, IQ4_XS) -------- */
 
-static const int kq_types[6] = {MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K};
-static const char *const kq_names[6] = {"q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k"};
+#define N_KQ 10
+static const int kq_types[N_KQ] = {MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K, MOE_T_Q2_K, MOE_T_Q3_K, MOE_T_IQ4_NL, MOE_T_IQ4_XS};
+static const char *const kq_names[N_KQ] = {"q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_nl", "iq4_xs"};
+static const int8_t kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static void k_scale_min(int j, const uint8_t *q, int *d, int *m) {
     if (j < 4) *d = q[j] & 63, *m = q[j + 4] & 63;
@@ -608,6 +610,72 @@ static void k_scale_min(int j, const uint8_t *q, int *d, int *m) {
 
 /* a second decoder, in the loop forms of ggml's dequantize_row_* (byte offsets as its structs) */
 static void ggml_form_dequant(int type, const unsigned char *p, float *y, int n) {
+    if (type == MOE_T_Q2_K) {
+        for (int i = 0; i < n / 256; i++, p += 84) {
+            uint16_t hd, hm;
+            memcpy(&hd, p + 80, 2), memcpy(&hm, p + 82, 2);
+            const float d = moe__f16_to_f32(hd), mn = moe__f16_to_f32(hm);
+            const uint8_t *sc = p, *q = p + 16;
+            int is = 0;
+            for (int k = 0; k < 256; k += 128) {
+                for (int shift = 0; shift < 8; shift += 2) {
+                    float dl = d * (sc[is] & 0xF), ml = mn * (sc[is] >> 4);
+                    is++;
+                    for (int l = 0; l < 16; l++) *y++ = dl * ((q[l] >> shift) & 3) - ml;
+                    dl = d * (sc[is] & 0xF), ml = mn * (sc[is] >> 4);
+                    is++;
+                    for (int l = 0; l < 16; l++) *y++ = dl * ((q[l + 16] >> shift) & 3) - ml;
+                }
+                q += 32;
+            }
+        }
+        return;
+    }
+    if (type == MOE_T_Q3_K) {
+        for (int i = 0; i < n / 256; i++, p += 110) {
+            uint16_t hd;
+            memcpy(&hd, p + 108, 2);
+            const float d = moe__f16_to_f32(hd);
+            const uint8_t *hm = p, *q = p + 32, *s = p + 96;
+            uint32_t aux[4], tmp; /* the 6-bit scales unpacked four words at a time, as ggml does */
+            memcpy(aux, s, 12);
+            tmp = aux[2];
+            aux[2] = ((aux[0] >> 4) & 0x0f0f0f0f) | (((tmp >> 4) & 0x03030303) << 4);
+            aux[3] = ((aux[1] >> 4) & 0x0f0f0f0f) | (((tmp >> 6) & 0x03030303) << 4);
+            aux[0] = (aux[0] & 0x0f0f0f0f) | (((tmp >> 0) & 0x03030303) << 4);
+            aux[1] = (aux[1] & 0x0f0f0f0f) | (((tmp >> 2) & 0x03030303) << 4);
+            const int8_t *scales = (const int8_t *)aux;
+            int is = 0;
+            uint8_t m = 1;
+            for (int k = 0; k < 256; k += 128) {
+                for (int shift = 0; shift < 8; shift += 2, m <<= 1) {
+                    float dl = d * (scales[is++] - 32);
+                    for (int l = 0; l < 16; l++) *y++ = dl * (((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+                    dl = d * (scales[is++] - 32);
+                    for (int l = 0; l < 16; l++) *y++ = dl * (((q[l + 16] >> shift) & 3) - ((hm[l + 16] & m) ? 0 : 4));
+                }
+                q += 32;
+            }
+        }
+        return;
+    }
+    if (type == MOE_T_IQ4_NL || type == MOE_T_IQ4_XS) {
+        const int xs = type == MOE_T_IQ4_XS, bv = xs ? 256 : 32;
+        for (int i = 0; i < n / bv; i++, p += xs ? 136 : 18) {
+            uint16_t hd, sh = 0;
+            memcpy(&hd, p, 2);
+            if (xs) memcpy(&sh, p + 2, 2);
+            const float d = moe__f16_to_f32(hd);
+            const uint8_t *qs = p + (xs ? 8 : 2);
+            for (int ib = 0; ib < bv / 32; ib++) {
+                const int ls = xs ? (((p[4 + ib / 2] >> 4 * (ib % 2)) & 0xf) | (((sh >> 2 * ib) & 3) << 4)) : 0;
+                const float dl = xs ? d * (ls - 32) : d;
+                for (int j = 0; j < 16; j++) y[j] = dl * kvalues_iq4nl[qs[j] & 0xf], y[j + 16] = dl * kvalues_iq4nl[qs[j] >> 4];
+                y += 32, qs += 16;
+            }
+        }
+        return;
+    }
     if (type == MOE_T_Q4_1 || type == MOE_T_Q5_0 || type == MOE_T_Q5_1) {
         const int bs = type == MOE_T_Q4_1 ? 20 : type == MOE_T_Q5_0 ? 22 : 24;
         for (int i = 0; i < n / 32; i++, p += bs, y += 32) {
@@ -678,6 +746,8 @@ static void random_kq_row(int type, unsigned char *p, int n) {
         const uint16_t d = moe__f32_to_f16((float)((urand() < 0.5 ? -1 : 1) * (1e-3 + 0.05 * urand())));
         const uint16_t m = moe__f32_to_f16((float)(0.05 * urand()));
         if (type == MOE_T_Q6_K) memcpy(q + 208, &d, 2);
+        else if (type == MOE_T_Q2_K) memcpy(q + 80, &d, 2), memcpy(q + 82, &m, 2);
+        else if (type == MOE_T_Q3_K) memcpy(q + 108, &d, 2);
         else memcpy(q, &d, 2);
         if (type == MOE_T_Q4_1 || type == MOE_T_Q5_1 || type == MOE_T_Q4_K || type == MOE_T_Q5_K) memcpy(q + 2, &m, 2);
     }
@@ -685,7 +755,7 @@ static void random_kq_row(int type, unsigned char *p, int n) {
 
 static void test_kquant_blocks(void) {
     /* 1. the decoder against ggml's loop forms on random bytes, bit for bit */
-    for (int t = 0; t < 6; t++) {
+    for (int t = 0; t < N_KQ; t++) {
         const int type = kq_types[t], n = 1024;
         unsigned char *row = malloc((size_t)moe__row_bytes(type, n));
         float a[1024], b[1024];
@@ -706,8 +776,8 @@ static void test_kquant_blocks(void) {
         const int n = 2048, rows = 40;
         float *v = malloc(sizeof(float) * n), *back = malloc(sizeof(float) * n);
         unsigned char *q = malloc((size_t)moe__row_bytes(MOE_T_Q8_0, n));
-        double err[8] = {0}, ref = 0;
-        const int types[8] = {MOE_T_Q4_0, MOE_T_Q8_0, MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K};
+        double err[12] = {0}, ref = 0;
+        const int types[12] = {MOE_T_Q4_0, MOE_T_Q8_0, MOE_T_Q4_1, MOE_T_Q5_0, MOE_T_Q5_1, MOE_T_Q4_K, MOE_T_Q5_K, MOE_T_Q6_K, MOE_T_Q2_K, MOE_T_Q3_K, MOE_T_IQ4_NL, MOE_T_IQ4_XS};
         for (int r = 0; r < rows; r++) {
             const float s = r % 4 == 0 ? 1e-3f : r % 4 == 1 ? 30.0f : 0.05f;
             for (int i = 0; i < n; i++) v[i] = nrand() * s + (r % 3 == 0 ? 0.5f * s : 0.0f); /* some rows off zero */
@@ -715,7 +785,7 @@ static void test_kquant_blocks(void) {
             double rr = 0;
             for (int i = 0; i < n; i++) rr += (double)v[i] * v[i];
             ref += rr / n / ((double)s * s);
-            for (int t = 0; t < 8; t++) {
+            for (int t = 0; t < 12; t++) {
                 moe__quantize_row(types[t], v, q, n);
                 moe__row_to_f32(types[t], q, NULL, back, n);
                 double e = 0;
@@ -723,14 +793,18 @@ static void test_kquant_blocks(void) {
                 err[t] += e / n / ((double)s * s);
             }
         }
-        for (int t = 0; t < 8; t++) err[t] = sqrt(err[t] / ref);
+        for (int t = 0; t < 12; t++) err[t] = sqrt(err[t] / ref);
         printf("  relative RMS error q4_0 %.4f q8_0 %.4f q4_1 %.4f q5_0 %.4f q5_1 %.4f q4_k %.4f q5_k %.4f q6_k %.4f\n", err[0], err[1], err[2], err[3], err[4],
                err[5], err[6], err[7]);
+        printf("  relative RMS error q2_k %.4f q3_k %.4f iq4_nl %.4f iq4_xs %.4f\n", err[8], err[9], err[10], err[11]);
         CHECK(err[2] < err[0] && err[5] < err[0]);            /* Q4_1, Q4_K beat Q4_0 */
         CHECK(err[3] < 0.6 * err[0] && err[4] < 0.6 * err[0]); /* 5 bits: about half the step */
         CHECK(err[6] < 0.6 * err[5] && err[7] < 0.7 * err[6]); /* Q5_K, Q6_K: a bit more, about half the error */
         CHECK(err[7] < 5 * err[1]); /* 6 bits in 16s against 8 in 32s: ~3.3x */
-        for (int t = 2; t < 8; t++) {
+        CHECK(err[10] < err[0] && err[11] < err[0]);           /* IQ4's levels beat Q4_0's even steps */
+        CHECK(err[9] < 0.7 * err[8] && err[9] < 2 * err[0]);  /* Q3_K: ~1.7x the error of 4 bits */
+        CHECK(err[8] < 3.5 * err[0]);                          /* Q2_K: ~2.7x */
+        for (int t = 2; t < 12; t++) {
             memset(v, 0, sizeof(float) * n);
             moe__quantize_row(types[t], v, q, n);
             moe__row_to_f32(types[t], q, NULL, back, n);
@@ -750,7 +824,7 @@ static void test_kquant_blocks(void) {
     unsigned char *w = malloc((size_t)moe__row_bytes(MOE_T_Q8_0, 7168)); /* the largest of them */
     for (int i = 0; i < 7168; i++) xa[i] = nrand();
     lv[0].quant_q8a(xa, qa, 7168); /* every block defined (the 4-row check reads past n) */
-    for (int t = 0; t < 6; t++)
+    for (int t = 0; t < N_KQ; t++)
         for (size_t a = 0; a < sizeof lens / sizeof *lens; a++)
             for (int mode = 0; mode < 5; mode++) {
                 const int type = kq_types[t], n = lens[a];
@@ -3580,17 +3654,18 @@ static void test_gguf_quant_resume(void) {
     remove(a), remove(b);
 }
 
-/* GGUF files in the other ggml formats (the shipped model, hidden size 256: Q4_K/Q5_K/Q6_K
- * rows, with llama.cpp's fallbacks where a row is 128 values) load and run: the logits as stored
+/* GGUF files in the other ggml formats (the shipped model, hidden size 256: Q2_K .. Q6_K and
+ * IQ4_XS rows, with llama.cpp's fallbacks where a row is 128 values) load and run: the logits as stored
  * against the same file with every matrix decoded to f32 at load (moe_options dense_type and
  * expert_type F32: the decoder's exact values, f32 activations), routing pinned to the latter's;
  * the same logits bit for bit with the matrices left in the mapping (MOE_FLAG_NO_REPACK; where
  * no Q8_0 is interleaved) and with the experts read from the file by the expert cache */
 static void test_gguf_kquants(void) {
-    static const char *const mixes[3][2] = {{"--dense q4_k --experts q4_1", "q4_1"}, {"--dense q5_k --experts q5_1", "q5_1"}, {"--dense q6_k --experts q5_0", "q5_0"}};
+    static const char *const mixes[5][2] = {{"--dense q4_k --experts q4_1", "q4_1"}, {"--dense q5_k --experts q5_1", "q5_1"}, {"--dense q6_k --experts q5_0", "q5_0"},
+                                            {"--dense q3_k --experts q2_k", "iq4_nl"}, {"--dense iq4_xs --experts iq4_nl", "iq4_nl"}};
     int32_t ids[48];
     for (int i = 0; i < 48; i++) ids[i] = (int32_t)(urand() * 4096);
-    for (int k = 0; k < 3; k++) {
+    for (int k = 0; k < 5; k++) {
         char out[600], err[300];
         tmp_path(out, sizeof out, "kq.gguf");
         CHECK(convert(shipped_dir(), out, mixes[k][0]) == 0);
@@ -3601,7 +3676,8 @@ static void test_gguf_kquants(void) {
         o.dense_type = MOE_WTYPE_F32, o.expert_type = MOE_WTYPE_F32;
         CHECKF(moe_model_open(&f, out, &o, err, sizeof err) == MOE_OK, "%s", err);
         if (q && f) {
-            /* the format holding the most bytes: the experts' */
+            /* the format holding the most bytes: the experts' (with Q2_K experts their IQ4_NL down
+             * rows of 128 values, with the dense matrices' fallbacks) */
             CHECKF(!strcmp(moe_model_get_info(q).weight_type, mixes[k][1]), "%s: weight type %s", mixes[k][0], moe_model_get_info(q).weight_type);
             const moe_config *c = moe_model_config(q);
             const size_t nv = (size_t)48 * c->vocab_size;
@@ -3629,7 +3705,7 @@ static void test_gguf_kquants(void) {
             free(routes), free(lf), free(lq);
         }
         moe_model_close(q), moe_model_close(f);
-        if (k == 0) { /* the embedding's type made Q2_K (sized, not read): a clean refusal naming it */
+        if (k == 3) { /* the embedding's Q3_K made IQ3_S (as large; sized, not read): a clean refusal naming it */
             size_t len;
             char *b = read_all(out, &len);
             const char *nm = "token_embd.weight";
@@ -3641,13 +3717,13 @@ static void test_gguf_kquants(void) {
                 memcpy(&nd, at + 17, 4);
                 char *tp = at + 17 + 4 + 8 * (size_t)nd;
                 memcpy(&type, tp, 4);
-                CHECK(nd == 2 && type == 12); /* Q4_K */
-                type = 10;
+                CHECK(nd == 2 && type == 11); /* Q3_K */
+                type = 21;
                 memcpy(tp, &type, 4);
                 write_all(out, b, len);
                 moe_model *bad = NULL;
                 const moe_status st = moe_model_open(&bad, out, NULL, err, sizeof err);
-                CHECKF(st == MOE_ERR_UNSUPPORTED && strstr(err, "token_embd") && strstr(err, "Q4_K"), "%d: %s", st, err);
+                CHECKF(st == MOE_ERR_UNSUPPORTED && strstr(err, "token_embd") && strstr(err, "IQ4_XS"), "%d: %s", st, err);
                 if (!st) moe_model_close(bad);
             }
             CHECK(at != NULL);
