@@ -239,9 +239,30 @@ static int q3k_scale(const uint8_t *s, int i) {
     return lo | ((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
 }
 
+/* all 16 of them (as q3k_scale) in four 32-bit steps: bytes 0..15 = scales 0..15, 0..63 */
+static inline void q3k_scales16(const uint8_t *s, uint8_t out[16]) {
+    uint32_t a[3], u[4];
+    memcpy(a, s, 12);
+    u[0] = (a[0] & 0x0f0f0f0fu) | (a[2] & 0x03030303u) << 4;
+    u[1] = (a[1] & 0x0f0f0f0fu) | ((a[2] >> 2) & 0x03030303u) << 4;
+    u[2] = ((a[0] >> 4) & 0x0f0f0f0fu) | ((a[2] >> 4) & 0x03030303u) << 4;
+    u[3] = ((a[1] >> 4) & 0x0f0f0f0fu) | ((a[2] >> 6) & 0x03030303u) << 4;
+    memcpy(out, u, 16);
+}
+
 /* IQ4_XS's 6-bit scale of sub-block j (0..7) */
 static int iq4xs_scale(const moe__block_iq4_xs *b, int j) {
     return ((b->scales_l[j / 2] >> (4 * (j % 2))) & 15) | ((b->scales_h >> (2 * j)) & 3) << 4;
+}
+
+/* all 8 of them in the bytes of a 64-bit word (the nibbles and 2-bit fields spread by shifts) */
+static inline uint64_t iq4xs_scales8(const moe__block_iq4_xs *b) {
+    uint32_t l32;
+    memcpy(&l32, b->scales_l, 4);
+    uint64_t lo = l32, hi = b->scales_h;
+    lo = (lo | lo << 16) & 0x0000ffff0000ffffULL, lo = (lo | lo << 8) & 0x00ff00ff00ff00ffULL, lo = (lo | lo << 4) & 0x0f0f0f0f0f0f0f0fULL;
+    hi = (hi | hi << 24) & 0x000000ff000000ffULL, hi = (hi | hi << 12) & 0x000f000f000f000fULL, hi = (hi | hi << 6) & 0x0303030303030303ULL;
+    return lo | hi << 4;
 }
 
 /* 32 values of Q4_1 .. IQ4_XS as integers: value l = D[l / 16] q[l] + M[l / 16] (M = 0: a
@@ -1674,16 +1695,17 @@ MOE_TARGET("avx2,fma,f16c") static void dotq4_q6_k_avx2(const void *w, const moe
     q6_k_rows_avx2(w, x, xs, n, out, 4);
 }
 
-/* Q2_K, Q3_K, IQ4_XS: a block's 8 sub-blocks of 32 values as signed bytes, its 16 scales (one per
- * 16 values; IQ4_XS's in pairs) as 16-bit words, then as Q6_K's kernel: per sub-block
- * sc0 acc0 + sc1 acc1 exactly in int32, x.d d times that in float. Q2_K's minimums: per
- * sub-block m0 sum(x first 16) + m1 sum(x last 16) (maddubs of the minimums' bytes with x), and
- * x.d (d S - dmin Sm). NT (1 or 4) activation rows x + t xs blocks, each row's float steps the
- * same whatever NT. */
+/* Q2_K, Q3_K, IQ4_XS: a block's 8 sub-blocks of 32 values as bytes (signed but for Q2_K's), its
+ * 16 scales (one per 16 values; IQ4_XS's in pairs) as 16-bit words, even-numbered in the low
+ * half and odd in the high one, so one byte shuffle gives sub-block s its pair; then as Q6_K's
+ * kernel: per sub-block sc0 acc0 + sc1 acc1 exactly in int32, x.d d times that in float. Q2_K's
+ * minimums: per sub-block m0 sum(x first 16) + m1 sum(x last 16) (maddubs of the minimums'
+ * bytes with x), and x.d (d S - dmin Sm). NT (1 or 4) activation rows x + t xs blocks, each
+ * row's float steps the same whatever NT. */
 MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k16_rows_avx2(const int type, const void *w, const moe__block_q8a *x,
                                                                                               int64_t xs, int64_t n, float *out, const int NT) {
-    const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);
-    const __m256i half = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);
+    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)moe__iq4nl_values));
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0; i < n / 256; i++) {
@@ -1691,9 +1713,8 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
         float d, dmin = 0;
         if (type == MOE_T_IQ4_XS) {
             const moe__block_iq4_xs *b = (const moe__block_iq4_xs *)w + i;
-            int16_t sc[16];
-            for (int j = 0; j < 8; j++) sc[2 * j] = sc[2 * j + 1] = (int16_t)(iq4xs_scale(b, j) - 32);
-            sc16 = _mm256_loadu_si256((const __m256i *)(const void *)sc);
+            const __m128i s8 = _mm_sub_epi8(_mm_cvtsi64_si128((long long)iq4xs_scales8(b)), _mm_set1_epi8(32));
+            sc16 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi64(s8, s8)); /* sub-block j's scale as group 2j's and 2j + 1's */
             for (int j = 0; j < 8; j++) v[j] = _mm256_shuffle_epi8(kv, nibbles32_avx2(b->qs + 16 * j));
             d = f16_avx(b->d);
         } else {
@@ -1701,32 +1722,39 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
             if (type == MOE_T_Q2_K) {
                 const moe__block_q2_k *b = (const moe__block_q2_k *)w + i;
                 const __m128i s8 = _mm_loadu_si128((const __m128i *)(const void *)b->scales);
-                sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s8, _mm_set1_epi8(15)));
+                sc16 = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_and_si128(s8, _mm_set1_epi8(15)), even_odd));
                 mb = _mm256_broadcastsi128_si256(_mm_and_si128(_mm_srli_epi16(s8, 4), _mm_set1_epi8(15)));
                 qs = b->qs, d = f16_avx(b->d), dmin = f16_avx(b->dmin);
             } else {
                 const moe__block_q3_k *b = (const moe__block_q3_k *)w + i;
-                int16_t sc[16];
-                for (int g = 0; g < 16; g++) sc[g] = (int16_t)(q3k_scale(b->scales, g) - 32);
-                sc16 = _mm256_loadu_si256((const __m256i *)(const void *)sc);
+                uint32_t a3[3];
+                memcpy(a3, b->scales, 12);
+                const __m128i lo = _mm_setr_epi32((int)a3[0], (int)a3[1], (int)(a3[0] >> 4), (int)(a3[1] >> 4));
+                const __m128i hi = _mm_srlv_epi32(_mm_set1_epi32((int)a3[2]), _mm_setr_epi32(0, 2, 4, 6)); /* as q3k_scales16, in lanes */
+                const __m128i s8 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lo, _mm_set1_epi8(15)), _mm_slli_epi32(_mm_and_si128(hi, _mm_set1_epi8(3)), 4)), _mm_set1_epi8(32));
+                sc16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, even_odd));
                 qs = b->qs, d = f16_avx(b->d);
             }
             for (int c = 0; c < 2; c++) {
                 const __m256i r = _mm256_loadu_si256((const __m256i *)(const void *)(qs + 32 * c));
                 for (int k = 0; k < 4; k++) v[4 * c + k] = _mm256_and_si256(_mm256_srli_epi16(r, 2 * k), three);
             }
-            if (type == MOE_T_Q3_K) { /* bit j of hmask[l] is bit 2 of value l of sub-block j */
+            if (type == MOE_T_Q3_K) { /* bit j of hmask[l] is bit 2 of value l of sub-block j: 4 off where it is clear */
                 const __m256i hm = _mm256_loadu_si256((const __m256i *)(const void *)((const moe__block_q3_k *)w + i)->hmask);
-                for (int j = 0; j < 8; j++)
-                    v[j] = _mm256_sub_epi8(_mm256_or_si256(v[j], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hm, j), one), 2)), four);
+                MOE_UNROLL8 for (int j = 0; j < 8; j++) {
+                    const __m256i at2 = j < 2 ? _mm256_slli_epi16(hm, 2 - j) : j > 2 ? _mm256_srli_epi16(hm, j - 2) : hm;
+                    v[j] = _mm256_sub_epi8(v[j], _mm256_andnot_si256(at2, four));
+                }
             }
         }
         __m256i h[4][4], hm4[4][4]; /* [token][pair of sub-blocks] */
-        for (int s = 0; s < 8; s += 2) {
-            const __m256i a0 = _mm256_sign_epi8(v[s], v[s]), a1 = _mm256_sign_epi8(v[s + 1], v[s + 1]);
-            /* [scale 2s as 8 words | scale 2s + 1 as 8 words]: dword s of sc16, then its halves */
-            const __m256i c0 = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s)), half);
-            const __m256i c1 = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(sc16, _mm256_set1_epi32(s + 1)), half);
+        MOE_UNROLL4 for (int s = 0; s < 8; s += 2) {
+            /* [scale 2s as 8 words | scale 2s + 1 as 8 words] */
+            const __m256i c0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)((2 * s) | (2 * s + 1) << 8)));
+            const __m256i c1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)((2 * s + 2) | (2 * s + 3) << 8)));
+            /* Q2_K: values 0..3 taken by maddubs as they are; the others' signs moved onto x */
+            const __m256i a0 = type == MOE_T_Q2_K ? v[s] : _mm256_sign_epi8(v[s], v[s]);
+            const __m256i a1 = type == MOE_T_Q2_K ? v[s + 1] : _mm256_sign_epi8(v[s + 1], v[s + 1]);
             /* Q2_K: [minimum 2s as 16 bytes | minimum 2s + 1 as 16 bytes] */
             const __m256i m0 = _mm256_shuffle_epi8(mb, _mm256_setr_m128i(_mm_set1_epi8((char)(2 * s)), _mm_set1_epi8((char)(2 * s + 1))));
             const __m256i m1 = _mm256_shuffle_epi8(mb, _mm256_setr_m128i(_mm_set1_epi8((char)(2 * s + 2)), _mm_set1_epi8((char)(2 * s + 3))));
@@ -1735,8 +1763,9 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
                 const moe__block_q8a *xt = x + t * xs + 8 * i;
                 const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s].qs);
                 const __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s + 1].qs);
-                h[t][s / 2] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x0, v[s])), c0),
-                                                _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x1, v[s + 1])), c1));
+                const __m256i y0 = type == MOE_T_Q2_K ? x0 : _mm256_sign_epi8(x0, v[s]);
+                const __m256i y1 = type == MOE_T_Q2_K ? x1 : _mm256_sign_epi8(x1, v[s + 1]);
+                h[t][s / 2] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, y0), c0), _mm256_madd_epi16(_mm256_maddubs_epi16(a1, y1), c1));
                 if (type == MOE_T_Q2_K)
                     hm4[t][s / 2] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, x0), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(m1, x1), ones));
             }
