@@ -440,6 +440,7 @@ enum {
     MOE_T_Q4_KX8, MOE_T_Q5_KX8, /* Q4_K, Q5_K interleaved 8 rows at a time at load, where the level has the kernels */
     /* the low-bit mixes (Q2_K, Q3_K_S/M/L, IQ4_XS; IQ4_NL where a row is not whole 256s) */
     MOE_T_Q2_K, MOE_T_Q3_K, MOE_T_IQ4_NL, MOE_T_IQ4_XS,
+    MOE_T_IQ4_XSX8, /* IQ4_XS interleaved 8 rows at a time at load, where the level has the kernels */
     MOE_T_COUNT
 };
 
@@ -494,6 +495,10 @@ typedef struct { uint16_t d[8], dmin[8]; uint8_t sc[8][8], m[8][8]; uint8_t qs[1
 /* Q5_KX8: Q4_KX8's fields, then the fifth bits: chunk c's 32 bytes [row][4] are the rows' qh
  * bytes 4c..4c+3 (bit j: sub-block j's value), 1440 bytes against 8 x 176 */
 typedef struct { uint16_t d[8], dmin[8]; uint8_t sc[8][8], m[8][8]; uint8_t qs[1024]; uint8_t qh[256]; } moe__block_q5_kx8;
+/* IQ4_XSX8: 8 IQ4_XS rows' blocks: their scales, the sub-block scales ls - 32 [sub-block][row],
+ * then Q4_KX8's nibble layout (pair p of sub-blocks: 2p low, 2p + 1 high nibbles, 8 chunks c of
+ * [row][indices of values 4c..4c+3]): 1104 bytes against 8 x 136 */
+typedef struct { uint16_t d[8]; int8_t sc[8][8]; uint8_t qs[1024]; } moe__block_iq4_xsx8;
 /* Interleaves 8 consecutive rows (row stride row_bytes) of a Q4_0/Q8_0/MXFP4/Q4_K matrix with cols
  * columns into cols/32 x8 blocks at dst; scales8: a compressed-tensors MXFP4 matrix's E8M0 scales
  * of the 8 rows (cols/32 bytes a row), NULL for the other types. */

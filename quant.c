@@ -153,6 +153,7 @@ _Static_assert(sizeof(moe__block_q4_1) == 20 && sizeof(moe__block_q5_0) == 22 &&
 _Static_assert(sizeof(moe__block_q4_k) == 144 && sizeof(moe__block_q5_k) == 176 && sizeof(moe__block_q6_k) == 210, "ggml k-quant blocks");
 _Static_assert(sizeof(moe__block_q2_k) == 84 && sizeof(moe__block_q3_k) == 110, "ggml Q2_K, Q3_K blocks");
 _Static_assert(sizeof(moe__block_iq4_nl) == 18 && sizeof(moe__block_iq4_xs) == 136, "ggml IQ4_NL, IQ4_XS blocks");
+_Static_assert(sizeof(moe__block_iq4_xsx8) == 1104, "iq4_xsx8 block");
 _Static_assert(sizeof(moe__block_q4_kx8) == 1184 && sizeof(moe__block_q5_kx8) == 1440, "q4_kx8, q5_kx8 blocks");
 
 int moe__is_quant(int type) {
@@ -191,6 +192,7 @@ int64_t moe__row_bytes(int type, int64_t n) {
     case MOE_T_IQ4_XS: return n / 256 * (int64_t)sizeof(moe__block_iq4_xs);
     case MOE_T_Q4_KX8: return n / 256 * (int64_t)sizeof(moe__block_q4_kx8) / 8;
     case MOE_T_Q5_KX8: return n / 256 * (int64_t)sizeof(moe__block_q5_kx8) / 8;
+    case MOE_T_IQ4_XSX8: return n / 256 * (int64_t)sizeof(moe__block_iq4_xsx8) / 8;
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
     case MOE_T_MXFP4: return n / 2;
@@ -237,17 +239,6 @@ const int8_t moe__iq4nl_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 
 static int q3k_scale(const uint8_t *s, int i) {
     const int lo = i < 8 ? s[i] & 15 : s[i - 8] >> 4;
     return lo | ((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
-}
-
-/* all 16 of them (as q3k_scale) in four 32-bit steps: bytes 0..15 = scales 0..15, 0..63 */
-static inline void q3k_scales16(const uint8_t *s, uint8_t out[16]) {
-    uint32_t a[3], u[4];
-    memcpy(a, s, 12);
-    u[0] = (a[0] & 0x0f0f0f0fu) | (a[2] & 0x03030303u) << 4;
-    u[1] = (a[1] & 0x0f0f0f0fu) | ((a[2] >> 2) & 0x03030303u) << 4;
-    u[2] = ((a[0] >> 4) & 0x0f0f0f0fu) | ((a[2] >> 4) & 0x03030303u) << 4;
-    u[3] = ((a[1] >> 4) & 0x0f0f0f0fu) | ((a[2] >> 6) & 0x03030303u) << 4;
-    memcpy(out, u, 16);
 }
 
 /* IQ4_XS's 6-bit scale of sub-block j (0..7) */
@@ -864,6 +855,7 @@ int moe__x8_of(int type) {
     case MOE_T_MXFP4: case MOE_T_MXFP4_GGML: return MOE_T_MXFP4X8;
     case MOE_T_Q4_K: return MOE_T_Q4_KX8;
     case MOE_T_Q5_K: return MOE_T_Q5_KX8;
+    case MOE_T_IQ4_XS: return MOE_T_IQ4_XSX8;
     default: return -1;
     }
 }
@@ -912,8 +904,53 @@ static kx8_view kx8_at(int type, const void *base, int64_t b) {
     return (kx8_view){o->d, o->dmin, o->sc, o->m, o->qs, NULL};
 }
 
+/* sub-block b of a row of Q4_1 .. IQ4_XS times its q8a block xb: the exact int32 sums of q x
+ * over each 16, then xb.d (D0 acc0 + D1 acc1 + M sum(x)) in float (Q2_K: M0 sum(x first 16) +
+ * M1 sum(x last 16)) */
+static float kq_term(int type, const void *w, int64_t b, const moe__block_q8a *xb) {
+    kq_sub u;
+    kq_decode(type, w, b, &u);
+    int a0 = 0, a1 = 0, h0 = 0;
+    for (int l = 0; l < 16; l++) a0 += u.q[l] * xb->qs[l], a1 += u.q[l + 16] * xb->qs[l + 16], h0 += xb->qs[l];
+    const float m = type == MOE_T_Q2_K ? u.M[0] * (float)h0 + u.M[1] * (float)(xb->sum - h0) : u.M[0] * (float)xb->sum;
+    return xb->d * (u.D[0] * (float)a0 + u.D[1] * (float)a1 + m);
+}
+
+/* IQ4_XS sub-block j's index of value l (0..31): low nibbles of its 16 bytes hold values 0..15 */
+static inline int iq4xs_index(const moe__block_iq4_xs *b, int j, int l) { return l < 16 ? b->qs[16 * j + l] & 15 : b->qs[16 * j + l - 16] >> 4; }
+
+/* row r's IQ4_XS block back out of an IQ4_XSX8 block (the reference multiplies rows as stored) */
+static void iq4_xsx8_row(const moe__block_iq4_xsx8 *o, int r, moe__block_iq4_xs *b) {
+    memset(b, 0, sizeof *b);
+    b->d = o->d[r];
+    for (int j = 0; j < 8; j++) {
+        const int ls = o->sc[j][r] + 32;
+        b->scales_l[j / 2] |= (uint8_t)((ls & 15) << (4 * (j % 2)));
+        b->scales_h |= (uint16_t)((ls >> 4) << (2 * j));
+        for (int l = 0; l < 32; l++) {
+            const uint8_t byte = o->qs[(j / 2) * 256 + (l / 4) * 32 + r * 4 + l % 4];
+            const int q = (j % 2) ? byte >> 4 : byte & 15;
+            b->qs[16 * j + l % 16] |= (uint8_t)(l < 16 ? q : q << 4);
+        }
+    }
+}
+
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
+    if (type == MOE_T_IQ4_XS) { /* chunk c of pair p: values 4c..4c+3 of sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+        for (int64_t b = 0; b < cols / 256; b++) {
+            moe__block_iq4_xsx8 *o = (moe__block_iq4_xsx8 *)dst + b;
+            for (int r = 0; r < 8; r++) {
+                const moe__block_iq4_xs *in = (const moe__block_iq4_xs *)(src + r * row_bytes) + b;
+                o->d[r] = in->d;
+                for (int j = 0; j < 8; j++) o->sc[j][r] = (int8_t)(iq4xs_scale(in, j) - 32);
+                for (int p = 0; p < 4; p++)
+                    for (int l = 0; l < 32; l++)
+                        o->qs[p * 256 + (l / 4) * 32 + r * 4 + l % 4] = (uint8_t)(iq4xs_index(in, 2 * p, l) | iq4xs_index(in, 2 * p + 1, l) << 4);
+            }
+        }
+        return;
+    }
     if (type == MOE_T_Q4_K || type == MOE_T_Q5_K) { /* chunk c of pair p: bytes 32p + 4c .. + 3 of a row's qs, as stored */
         const int five = type == MOE_T_Q5_K;
         for (int64_t b = 0; b < cols / 256; b++) {
@@ -982,6 +1019,18 @@ void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_
  * reference's on the row as stored) */
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     for (int r = 0; r < 8; r++) out[r] = 0;
+    if (type == MOE_T_IQ4_XSX8) { /* each row un-interleaved, block by block, through the IQ4_XS reference's steps */
+        for (int r = 0; r < 8; r++) {
+            float s = 0;
+            for (int64_t b = 0; b < n / 256; b++) {
+                moe__block_iq4_xs row;
+                iq4_xsx8_row((const moe__block_iq4_xsx8 *)w + b, r, &row);
+                for (int j = 0; j < 8; j++) s += kq_term(MOE_T_IQ4_XS, &row, j, &x[8 * b + j]);
+            }
+            out[r] = s;
+        }
+        return;
+    }
     if (type == MOE_T_Q4_KX8 || type == MOE_T_Q5_KX8) { /* per row the float steps of the Q4_K/Q5_K reference */
         const int five = type == MOE_T_Q5_KX8;
         for (int64_t b = 0; b < n / 32; b++) {
@@ -1073,18 +1122,10 @@ static float dotq_mxfp4g_ref(const void *w, const moe__block_q8a *x, int64_t n) 
     return s;
 }
 
-/* Q4_1 .. IQ4_XS row . q8a row: per 32 values the exact int32 sums of q x over each 16, then
- * x.d (D0 acc0 + D1 acc1 + M sum(x)) in float (Q2_K: M0 sum(x first 16) + M1 sum(x last 16)) */
+/* Q4_1 .. IQ4_XS row . q8a row: kq_term's per 32 values, summed in order */
 static float dotq_kq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n) {
     float s = 0;
-    for (int64_t b = 0; b < n / 32; b++) {
-        kq_sub u;
-        kq_decode(type, w, b, &u);
-        int a0 = 0, a1 = 0, h0 = 0;
-        for (int l = 0; l < 16; l++) a0 += u.q[l] * x[b].qs[l], a1 += u.q[l + 16] * x[b].qs[l + 16], h0 += x[b].qs[l];
-        const float m = type == MOE_T_Q2_K ? u.M[0] * (float)h0 + u.M[1] * (float)(x[b].sum - h0) : u.M[0] * (float)x[b].sum;
-        s += x[b].d * (u.D[0] * (float)a0 + u.D[1] * (float)a1 + m);
-    }
+    for (int64_t b = 0; b < n / 32; b++) s += kq_term(type, w, b, &x[b]);
     return s;
 }
 static float dotq_q4_1_ref(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_kq_ref(MOE_T_Q4_1, w, x, n); }
@@ -1730,7 +1771,10 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
                 uint32_t a3[3];
                 memcpy(a3, b->scales, 12);
                 const __m128i lo = _mm_setr_epi32((int)a3[0], (int)a3[1], (int)(a3[0] >> 4), (int)(a3[1] >> 4));
-                const __m128i hi = _mm_srlv_epi32(_mm_set1_epi32((int)a3[2]), _mm_setr_epi32(0, 2, 4, 6)); /* as q3k_scales16, in lanes */
+                /* dword k: scales 4k .. 4k + 3, low 4 bits from bytes 0..7 (low, then high nibbles), high 2 bits
+                 * from bits 2k, 2k + 1 of bytes 8..11 (as q3k_scale; kept in registers: written to memory
+                 * and read back as one load the scales cost this kernel 40% of its speed) */
+                const __m128i hi = _mm_srlv_epi32(_mm_set1_epi32((int)a3[2]), _mm_setr_epi32(0, 2, 4, 6));
                 const __m128i s8 = _mm_sub_epi8(_mm_or_si128(_mm_and_si128(lo, _mm_set1_epi8(15)), _mm_slli_epi32(_mm_and_si128(hi, _mm_set1_epi8(3)), 4)), _mm_set1_epi8(32));
                 sc16 = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, even_odd));
                 qs = b->qs, d = f16_avx(b->d);
@@ -2036,6 +2080,63 @@ K4X8_KERNEL(dotq8_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q5_kx8, 1, qh)
 K4X8X4_KERNEL(dotq8x4_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q5_kx8, 1, qh)
 K4X8_KERNEL(dotq8_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8, 1, qh)
 K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8, 1, qh)
+/* IQ4_XSX8: the nibbles of a chunk to levels by one byte shuffle each, 4 values of 8 rows a 32-bit
+ * lane; AVX2 multiplies the signed levels as mul_i8_avx2 does, the VNNI levels take them + 128
+ * unsigned and subtract 128 sum(x). Per sub-block and row the exact int32 dot times ls - 32
+ * (mullo), then x.d d times that in float, summed in hsum_avx2's order: each row bit for bit
+ * the level's IQ4_XS row kernel. NT (1 or 4) activation rows x + t xs blocks -> out[t * 8 + r]. */
+#define IQ4X8_KERNEL(name, name4, TGT, DOT, OFF)                                                                          \
+    MOE_TARGET(TGT) static inline __attribute__((always_inline)) void name##_rows(const void *w, const moe__block_q8a *x, int64_t xs, \
+                                                                                  int64_t n, float *out, const int NT) { \
+        const moe__block_iq4_xsx8 *o = w;                                                                                 \
+        const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                                            \
+        const __m256i kv = _mm256_add_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)moe__iq4nl_values)), \
+                                           _mm256_set1_epi8((char)(OFF)));                                                \
+        (void)ones;                                                                                                       \
+        __m256 acc[4][8];                                                                                                 \
+        for (int t = 0; t < 4; t++)                                                                                       \
+            for (int j = 0; j < 8; j++) acc[t][j] = _mm256_setzero_ps();                                                  \
+        for (int64_t i = 0; i < n / 256; i++, o++) {                                                                      \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->d));                      \
+            for (int p = 0; p < 4; p++) {                                                                                 \
+                __m256i s[4][2];                                                                                          \
+                for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();                                   \
+                const uint8_t *q = o->qs + p * 256;                                                                       \
+                MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                                 \
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(q + 32 * c));                   \
+                    const __m256i lo = _mm256_shuffle_epi8(kv, _mm256_and_si256(v, m4));                                  \
+                    const __m256i hi = _mm256_shuffle_epi8(kv, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));            \
+                    MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                            \
+                        DOT(s[t][0], lo, x[t * xs + 8 * i + 2 * p].qs + 4 * c);                                           \
+                        DOT(s[t][1], hi, x[t * xs + 8 * i + 2 * p + 1].qs + 4 * c);                                       \
+                    }                                                                                                     \
+                }                                                                                                         \
+                for (int h = 0; h < 2; h++) {                                                                             \
+                    const int j = 2 * p + h;                                                                              \
+                    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[j]));  \
+                    MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                            \
+                        const moe__block_q8a *xb = &x[t * xs + 8 * i + j];                                                \
+                        const __m256i dot = (OFF) ? _mm256_sub_epi32(s[t][h], _mm256_set1_epi32((OFF) * xb->sum)) : s[t][h]; \
+                        acc[t][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(xb->d), d), _mm256_cvtepi32_ps(_mm256_mullo_epi32(dot, sc)), acc[t][j]); \
+                    }                                                                                                     \
+                }                                                                                                         \
+            }                                                                                                             \
+        }                                                                                                                 \
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                                        \
+            const __m256 w0 = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][4]), _mm256_add_ps(acc[t][2], acc[t][6]));   \
+            const __m256 w1 = _mm256_add_ps(_mm256_add_ps(acc[t][1], acc[t][5]), _mm256_add_ps(acc[t][3], acc[t][7]));   \
+            _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(w0, w1));                                                         \
+        }                                                                                                                 \
+    }                                                                                                                     \
+    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
+    MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
+#define IQ4_DOT_AVX2(acc, v, p)                                                                                           \
+    ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v),                          \
+                                                                          _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(const void *)(p)), v)), ones)))
+IQ4X8_KERNEL(dotq8_iq4_xs_avx2, dotq8x4_iq4_xs_avx2, "avx2,fma,f16c", IQ4_DOT_AVX2, 0)
+#undef IQ4_DOT_AVX2
+IQ4X8_KERNEL(dotq8_iq4_xs_vnni, dotq8x4_iq4_xs_vnni, MOE_VNNI, VNNI_DPB_256, 128)
+IQ4X8_KERNEL(dotq8_iq4_xs_avxvnni, dotq8x4_iq4_xs_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 128)
 #define DPB_AVXVNNI(u, v) AVXVNNI_DPBUSD(_mm256_setzero_si256(), u, v)
 K4_KERNEL(dotq_q4_k_avxvnni, dotq4_q4_k_avxvnni, MOE_AVXVNNI, 0, DPB_AVXVNNI)
 K4_KERNEL(dotq_q5_k_avxvnni, dotq4_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
@@ -4929,6 +5030,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_avx2;
         k->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_avx2;
         k->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_avx2;
+        k->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_avx2;
+        k->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_avx2;
         k->dotq[MOE_T_Q6_K] = dotq_q6_k_avx2;
         k->dotq[MOE_T_Q2_K] = dotq_q2_k_avx2;
         k->dotq[MOE_T_Q3_K] = dotq_q3_k_avx2;
@@ -4975,6 +5078,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_avxvnni;
             v->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_avxvnni;
             v->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_avxvnni;
+            v->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_avxvnni;
+            v->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_avxvnni;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avxvnni;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avxvnni;
             v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avxvnni;
@@ -5021,6 +5126,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_vnni;
                 v->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_vnni;
                 v->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_vnni;
+                v->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_vnni;
+                v->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;

@@ -37,6 +37,23 @@ int main(int argc, char **argv) {
                 t = now() - t0; if (t < best4) best4 = t;
             }
         }
+        double bx = 0;
+        const int xt = moe__x8_of(type);
+        if (xt >= 0 && k->dotq8[xt]) {
+            const int64_t xb = moe__row_bytes(xt, n) * 8;
+            unsigned char *pk = malloc((size_t)xb * (R / 8));
+            for (int g = 0; g < R / 8; g++) moe__repack_x8(type, w + (size_t)g * 8 * rb, rb, NULL, pk + (size_t)g * xb, n);
+            bx = 1e9;
+            for (int p = 0; p < 20; p++) {
+                float o[8];
+                double t0 = now();
+                for (int g = 0; g < R / 8; g++) { k->dotq8[xt](pk + (size_t)g * xb, x, n, o); sink += o[0]; }
+                double t = now() - t0; if (t < bx) bx = t;
+            }
+            bx = (double)xb * (R / 8) / bx / 1e9;
+            free(pk);
+        }
+        printf("x8 %5.1f GB/s  ", bx);
         printf("%-7s %4lld B/row  1 row: %6.1f GB/s  %6.2f Gval/s   4 rows: %6.2f Gval-rows/s (%.0f)\n", names[ti], (long long)rb, (double)rb * R / best / 1e9, (double)n * R / best / 1e9,
                k->dotq4[type] ? 4.0 * n * R / best4 / 1e9 : 0.0, sink * 0);
         free(w);
