@@ -562,27 +562,33 @@ static float fit_sym_scale(const float *v, int top) {
     return sc;
 }
 
-/* Q6_K: each 16 values' scale by fit_sym_scale, the 16 scales to signed 8 bits against the
- * largest (which maps to -128), the values rounded to the stored ones */
-static void quantize_q6_k(const float *x, moe__block_q6_k *b) {
+/* Q6_K and Q3_K: each 16 values' scale by fit_sym_scale (levels -top .. top - 1), the 16 scales
+ * to signed levels l[g] against the largest (which maps to -lmax), the block scale as stored
+ * returned; the values rounded to the stored scales, as q + top (0 .. 2 top - 1) */
+static uint16_t sym_k_levels(const float *x, int top, int lmax, int l[16], int q[256]) {
     float sc[16], smax = 0;
     for (int g = 0; g < 16; g++) {
-        sc[g] = fit_sym_scale(x + 16 * g, 32);
+        sc[g] = fit_sym_scale(x + 16 * g, top);
         if (fabsf(sc[g]) > fabsf(smax)) smax = sc[g];
     }
-    memset(b, 0, sizeof *b);
-    if (smax == 0) return;
-    const float id = -128.0f / smax;
-    b->d = moe__f32_to_f16(1 / id);
-    const float d = moe__f16_to_f32(b->d);
-    int q[256];
+    const float id = smax != 0 ? -(float)lmax / smax : 0;
+    const uint16_t hd = moe__f32_to_f16(smax != 0 ? 1 / id : 0);
+    const float d = moe__f16_to_f32(hd);
     for (int g = 0; g < 16; g++) {
-        int l = (int)lrintf(id * sc[g]);
-        b->scales[g] = (int8_t)(l > 127 ? 127 : l < -128 ? -128 : l);
-        const float D = d * (float)b->scales[g];
-        if (D != 0) round_levels(x + 16 * g, 16, D, 32.0f, 63, q + 16 * g);
-        else for (int k = 0; k < 16; k++) q[16 * g + k] = 32;
+        const int lg = (int)lrintf(id * sc[g]);
+        l[g] = lg > lmax - 1 ? lmax - 1 : lg < -lmax ? -lmax : lg;
+        const float D = d * (float)l[g];
+        if (D != 0) round_levels(x + 16 * g, 16, D, (float)top, 2 * top - 1, q + 16 * g);
+        else for (int k = 0; k < 16; k++) q[16 * g + k] = top;
     }
+    return hd;
+}
+
+static void quantize_q6_k(const float *x, moe__block_q6_k *b) {
+    int lv[16], q[256];
+    memset(b, 0, sizeof *b);
+    b->d = sym_k_levels(x, 32, 128, lv, q);
+    for (int g = 0; g < 16; g++) b->scales[g] = (int8_t)lv[g];
     for (int h = 0; h < 2; h++)
         for (int l = 0; l < 32; l++) {
             const int *p = q + 128 * h;
@@ -621,27 +627,13 @@ static void quantize_q2_k(const float *x, moe__block_q2_k *b) {
     for (int v = 0; v < 256; v++) b->qs[32 * (v / 128) + v % 32] |= (uint8_t)(q[v] << (2 * ((v % 128) / 32)));
 }
 
-/* Q3_K: each 16 values' scale by fit_sym_scale (levels -4..3), the 16 scales to signed 6 bits
- * against the largest (which maps to -32), the values rounded to the stored ones */
+/* Q3_K: as Q6_K with levels -4..3 and 6-bit scales (stored + 32) */
 static void quantize_q3_k(const float *x, moe__block_q3_k *b) {
-    float sc[16], smax = 0;
-    for (int g = 0; g < 16; g++) {
-        sc[g] = fit_sym_scale(x + 16 * g, 4);
-        if (fabsf(sc[g]) > fabsf(smax)) smax = sc[g];
-    }
+    int lv[16], q[256];
     memset(b, 0, sizeof *b);
-    if (smax == 0) return;
-    const float id = -32.0f / smax;
-    b->d = moe__f32_to_f16(1 / id);
-    const float d = moe__f16_to_f32(b->d);
-    int q[256];
+    b->d = sym_k_levels(x, 4, 32, lv, q);
     for (int g = 0; g < 16; g++) {
-        int l = (int)lrintf(id * sc[g]);
-        l = l > 31 ? 31 : l < -32 ? -32 : l;
-        const float D = d * (float)l;
-        if (D != 0) round_levels(x + 16 * g, 16, D, 4.0f, 7, q + 16 * g);
-        else for (int k = 0; k < 16; k++) q[16 * g + k] = 4;
-        const int u = l + 32; /* stored unsigned */
+        const int u = lv[g] + 32;
         if (g < 8) b->scales[g] |= (uint8_t)(u & 15);
         else b->scales[g - 8] |= (uint8_t)((u & 15) << 4);
         b->scales[8 + g % 4] |= (uint8_t)((u >> 4) << (2 * (g / 4)));
