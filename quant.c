@@ -653,7 +653,8 @@ static int iq4_index(float x) {
 }
 
 /* the scale of 32 values on IQ4's levels: candidates mapping the largest-magnitude value near
- * either end, each refitted to its levels by least squares; the one with the least error */
+ * either end (within 5%), each refitted to its levels by least squares; the one with the least
+ * error (17 candidates a side instead of 5 gave the same round-trip error in the tests) */
 static float fit_iq4_scale(const float *v) {
     float amax = 0, max = 0;
     for (int l = 0; l < 32; l++)
@@ -662,12 +663,12 @@ static float fit_iq4_scale(const float *v) {
     float best_d = 0;
     double best = -1;
     for (int end = 0; end < 2; end++)
-        for (int is = -8; is <= 8; is++) {
+        for (int is = -2; is <= 2; is++) {
             const float top = end ? -127.0f : 113.0f;
-            const float d = max / (top + 0.05f * top * (float)is / 8);
+            const float id = (top + 0.2f * top * (float)is / 8) / max;
             double sxk = 0, skk = 0;
             for (int l = 0; l < 32; l++) {
-                const int k = moe__iq4nl_values[iq4_index(v[l] / d)];
+                const int k = moe__iq4nl_values[iq4_index(v[l] * id)];
                 sxk += (double)v[l] * k, skk += (double)k * k;
             }
             if (skk > 0 && sxk * sxk / skk > best) best = sxk * sxk / skk, best_d = (float)(sxk / skk);
