@@ -1743,7 +1743,9 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
 }
 
 /* the interleaved k-quant types (larger than the rows they hold: never repacked in place) */
-static int is_kx8(int type) { return type == MOE_T_Q4_KX8 || type == MOE_T_Q5_KX8 || type == MOE_T_IQ4_XSX8; }
+static int is_kx8(int type) {
+    return type == MOE_T_Q4_KX8 || type == MOE_T_Q5_KX8 || type == MOE_T_IQ4_XSX8 || type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8;
+}
 
 /* The interleaved type a matrix is repacked to (Q4_0/Q8_0, MXFP4 when its products take
  * quantized activations, Q4_K/Q5_K where the level has the kernels; rows a multiple of 8), or -1 */
@@ -1916,8 +1918,8 @@ static moe_status convert_weights(moe_model *m) {
 static void count_dense_bytes(moe_model *m) {
     static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
                                              "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k",
-                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq4_xs"};
-    _Static_assert(MOE_T_COUNT == 25, "a name for each weight type");
+                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq4_xs", "q2_k", "q3_k"};
+    _Static_assert(MOE_T_COUNT == 27, "a name for each weight type");
     uint64_t per_type[MOE_T_COUNT] = {0};
     uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);

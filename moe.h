@@ -440,7 +440,7 @@ enum {
     MOE_T_Q4_KX8, MOE_T_Q5_KX8, /* Q4_K, Q5_K interleaved 8 rows at a time at load, where the level has the kernels */
     /* the low-bit mixes (Q2_K, Q3_K_S/M/L, IQ4_XS; IQ4_NL where a row is not whole 256s) */
     MOE_T_Q2_K, MOE_T_Q3_K, MOE_T_IQ4_NL, MOE_T_IQ4_XS,
-    MOE_T_IQ4_XSX8, /* IQ4_XS interleaved 8 rows at a time at load, where the level has the kernels */
+    MOE_T_IQ4_XSX8, MOE_T_Q2_KX8, MOE_T_Q3_KX8, /* IQ4_XS, Q2_K, Q3_K interleaved so, where the level has the kernels */
     MOE_T_COUNT
 };
 
@@ -499,6 +499,13 @@ typedef struct { uint16_t d[8], dmin[8]; uint8_t sc[8][8], m[8][8]; uint8_t qs[1
  * then Q4_KX8's nibble layout (pair p of sub-blocks: 2p low, 2p + 1 high nibbles, 8 chunks c of
  * [row][indices of values 4c..4c+3]): 1104 bytes against 8 x 136 */
 typedef struct { uint16_t d[8]; int8_t sc[8][8]; uint8_t qs[1024]; } moe__block_iq4_xsx8;
+/* Q2_KX8, Q3_KX8: 8 rows' blocks: their scales (Q2_K's minimum scales), the 16 groups' scale
+ * bytes [group][row] (Q2_K's as stored: scale low, minimum high nibble; Q3_K's unpacked to
+ * ls - 32), then for each half n of the values 8 chunks c of [row][4]: the rows' qs bytes
+ * 32n + 4c .. + 3, which hold values 4c..4c+3 of sub-blocks 4n..4n+3 at bits 0, 2, 4, 6; Q3_K's
+ * hmask bytes 4c..4c+3 likewise (bit j: sub-block j). 672 bytes as 8 x 84; 912 against 8 x 110 */
+typedef struct { uint16_t d[8], dmin[8]; uint8_t sc[16][8]; uint8_t qs[512]; } moe__block_q2_kx8;
+typedef struct { uint16_t d[8]; int8_t sc[16][8]; uint8_t qs[512]; uint8_t hm[256]; } moe__block_q3_kx8;
 /* Interleaves 8 consecutive rows (row stride row_bytes) of a Q4_0/Q8_0/MXFP4/Q4_K matrix with cols
  * columns into cols/32 x8 blocks at dst; scales8: a compressed-tensors MXFP4 matrix's E8M0 scales
  * of the 8 rows (cols/32 bytes a row), NULL for the other types. */

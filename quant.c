@@ -153,7 +153,7 @@ _Static_assert(sizeof(moe__block_q4_1) == 20 && sizeof(moe__block_q5_0) == 22 &&
 _Static_assert(sizeof(moe__block_q4_k) == 144 && sizeof(moe__block_q5_k) == 176 && sizeof(moe__block_q6_k) == 210, "ggml k-quant blocks");
 _Static_assert(sizeof(moe__block_q2_k) == 84 && sizeof(moe__block_q3_k) == 110, "ggml Q2_K, Q3_K blocks");
 _Static_assert(sizeof(moe__block_iq4_nl) == 18 && sizeof(moe__block_iq4_xs) == 136, "ggml IQ4_NL, IQ4_XS blocks");
-_Static_assert(sizeof(moe__block_iq4_xsx8) == 1104, "iq4_xsx8 block");
+_Static_assert(sizeof(moe__block_iq4_xsx8) == 1104 && sizeof(moe__block_q2_kx8) == 672 && sizeof(moe__block_q3_kx8) == 912, "iq4_xs, q2_k, q3_k x8 blocks");
 _Static_assert(sizeof(moe__block_q4_kx8) == 1184 && sizeof(moe__block_q5_kx8) == 1440, "q4_kx8, q5_kx8 blocks");
 
 int moe__is_quant(int type) {
@@ -193,6 +193,8 @@ int64_t moe__row_bytes(int type, int64_t n) {
     case MOE_T_Q4_KX8: return n / 256 * (int64_t)sizeof(moe__block_q4_kx8) / 8;
     case MOE_T_Q5_KX8: return n / 256 * (int64_t)sizeof(moe__block_q5_kx8) / 8;
     case MOE_T_IQ4_XSX8: return n / 256 * (int64_t)sizeof(moe__block_iq4_xsx8) / 8;
+    case MOE_T_Q2_KX8: return n / 256 * (int64_t)sizeof(moe__block_q2_kx8) / 8;
+    case MOE_T_Q3_KX8: return n / 256 * (int64_t)sizeof(moe__block_q3_kx8) / 8;
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
     case MOE_T_MXFP4: return n / 2;
@@ -849,6 +851,8 @@ int moe__x8_of(int type) {
     case MOE_T_Q4_K: return MOE_T_Q4_KX8;
     case MOE_T_Q5_K: return MOE_T_Q5_KX8;
     case MOE_T_IQ4_XS: return MOE_T_IQ4_XSX8;
+    case MOE_T_Q2_K: return MOE_T_Q2_KX8;
+    case MOE_T_Q3_K: return MOE_T_Q3_KX8;
     default: return -1;
     }
 }
@@ -912,7 +916,7 @@ static float kq_term(int type, const void *w, int64_t b, const moe__block_q8a *x
 /* IQ4_XS sub-block j's index of value l (0..31): low nibbles of its 16 bytes hold values 0..15 */
 static inline int iq4xs_index(const moe__block_iq4_xs *b, int j, int l) { return l < 16 ? b->qs[16 * j + l] & 15 : b->qs[16 * j + l - 16] >> 4; }
 
-/* row r's IQ4_XS block back out of an IQ4_XSX8 block (the reference multiplies rows as stored) */
+/* row r's IQ4_XS block back out of an IQ4_XSX8 block */
 static void iq4_xsx8_row(const moe__block_iq4_xsx8 *o, int r, moe__block_iq4_xs *b) {
     memset(b, 0, sizeof *b);
     b->d = o->d[r];
@@ -928,8 +932,64 @@ static void iq4_xsx8_row(const moe__block_iq4_xsx8 *o, int r, moe__block_iq4_xs 
     }
 }
 
+/* row r's block back out of block b of an IQ4_XSX8, Q2_KX8 or Q3_KX8 matrix (the reference
+ * multiplies rows as stored) */
+static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
+    if (type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8) {
+        const uint8_t *qs;
+        uint8_t *to;
+        if (type == MOE_T_Q2_KX8) {
+            const moe__block_q2_kx8 *o = (const moe__block_q2_kx8 *)w + b;
+            moe__block_q2_k *k = out;
+            k->d = o->d[r], k->dmin = o->dmin[r], qs = o->qs, to = k->qs;
+            for (int g = 0; g < 16; g++) k->scales[g] = o->sc[g][r];
+        } else {
+            const moe__block_q3_kx8 *o = (const moe__block_q3_kx8 *)w + b;
+            moe__block_q3_k *k = out;
+            memset(k->scales, 0, 12);
+            k->d = o->d[r], qs = o->qs, to = k->qs;
+            for (int g = 0; g < 16; g++) {
+                const int u = o->sc[g][r] + 32;
+                if (g < 8) k->scales[g] |= (uint8_t)(u & 15);
+                else k->scales[g - 8] |= (uint8_t)((u & 15) << 4);
+                k->scales[8 + g % 4] |= (uint8_t)((u >> 4) << (2 * (g / 4)));
+            }
+            for (int c = 0; c < 8; c++) memcpy(k->hmask + 4 * c, o->hm + 32 * c + 4 * r, 4);
+        }
+        for (int n = 0; n < 2; n++)
+            for (int c = 0; c < 8; c++) memcpy(to + 32 * n + 4 * c, qs + 256 * n + 32 * c + 4 * r, 4);
+        return;
+    }
+    iq4_xsx8_row((const moe__block_iq4_xsx8 *)w + b, r, out);
+}
+
+
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
+    if (type == MOE_T_Q2_K || type == MOE_T_Q3_K) { /* chunk c of half n: bytes 32n + 4c .. + 3 of a row's qs (and hmask 4c ..), as stored */
+        for (int64_t b = 0; b < cols / 256; b++) {
+            for (int r = 0; r < 8; r++) {
+                const unsigned char *in = src + r * row_bytes + b * moe__row_bytes(type, 256);
+                uint8_t *qs;
+                const uint8_t *from;
+                if (type == MOE_T_Q2_K) {
+                    const moe__block_q2_k *k = (const moe__block_q2_k *)(const void *)in;
+                    moe__block_q2_kx8 *o = (moe__block_q2_kx8 *)dst + b;
+                    o->d[r] = k->d, o->dmin[r] = k->dmin, qs = o->qs, from = k->qs;
+                    for (int g = 0; g < 16; g++) o->sc[g][r] = k->scales[g];
+                } else {
+                    const moe__block_q3_k *k = (const moe__block_q3_k *)(const void *)in;
+                    moe__block_q3_kx8 *o = (moe__block_q3_kx8 *)dst + b;
+                    o->d[r] = k->d, qs = o->qs, from = k->qs;
+                    for (int g = 0; g < 16; g++) o->sc[g][r] = (int8_t)(q3k_scale(k->scales, g) - 32);
+                    for (int c = 0; c < 8; c++) memcpy(o->hm + 32 * c + 4 * r, k->hmask + 4 * c, 4);
+                }
+                for (int n = 0; n < 2; n++)
+                    for (int c = 0; c < 8; c++) memcpy(qs + 256 * n + 32 * c + 4 * r, from + 32 * n + 4 * c, 4);
+            }
+        }
+        return;
+    }
     if (type == MOE_T_IQ4_XS) { /* chunk c of pair p: values 4c..4c+3 of sub-blocks 2p (low nibbles) and 2p + 1 (high) */
         for (int64_t b = 0; b < cols / 256; b++) {
             moe__block_iq4_xsx8 *o = (moe__block_iq4_xsx8 *)dst + b;
@@ -1012,13 +1072,14 @@ void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_
  * reference's on the row as stored) */
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     for (int r = 0; r < 8; r++) out[r] = 0;
-    if (type == MOE_T_IQ4_XSX8) { /* each row un-interleaved, block by block, through the IQ4_XS reference's steps */
+    if (type == MOE_T_IQ4_XSX8 || type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8) { /* each row un-interleaved, block by block, through the row reference's steps */
+        const int rt = type == MOE_T_IQ4_XSX8 ? MOE_T_IQ4_XS : type == MOE_T_Q2_KX8 ? MOE_T_Q2_K : MOE_T_Q3_K;
         for (int r = 0; r < 8; r++) {
             float s = 0;
             for (int64_t b = 0; b < n / 256; b++) {
-                moe__block_iq4_xs row;
-                iq4_xsx8_row((const moe__block_iq4_xsx8 *)w + b, r, &row);
-                for (int j = 0; j < 8; j++) s += kq_term(MOE_T_IQ4_XS, &row, j, &x[8 * b + j]);
+                union { moe__block_iq4_xs a; moe__block_q2_k b; moe__block_q3_k c; } row;
+                x8_row_block(type, w, b, r, &row);
+                for (int j = 0; j < 8; j++) s += kq_term(rt, &row, j, &x[8 * b + j]);
             }
             out[r] = s;
         }
@@ -2130,6 +2191,83 @@ IQ4X8_KERNEL(dotq8_iq4_xs_avx2, dotq8x4_iq4_xs_avx2, "avx2,fma,f16c", IQ4_DOT_AV
 #undef IQ4_DOT_AVX2
 IQ4X8_KERNEL(dotq8_iq4_xs_vnni, dotq8x4_iq4_xs_vnni, MOE_VNNI, VNNI_DPB_256, 128)
 IQ4X8_KERNEL(dotq8_iq4_xs_avxvnni, dotq8x4_iq4_xs_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 128)
+/* Q2_KX8, Q3_KX8: per sub-block j, its 8 chunks' 2-bit values (Q3_K: + 4 where its bit is set
+ * in hmask, so 0..7) as unsigned bytes, 4 values of 8 rows a 32-bit lane, into two int32 sums per
+ * row (values 0..15 and 16..31 of the sub-block); then exactly as the row kernels: Q3_K's
+ * sums less 4 sum(x) over each 16 times the 16s' scales, Q2_K's times its scales, its minimums
+ * times the 16s' sums of x, and the row kernel's float steps, summed in hsum_avx2's order: each
+ * row bit for bit the level's row kernel. NT (1 or 4) activation rows -> out[t * 8 + r]. */
+static inline int sum16_i8(const int8_t *p) { /* SSE2: bytes + 128 summed by psadbw */
+    const __m128i s = _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)p), _mm_set1_epi8((char)0x80)), _mm_setzero_si128());
+    return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
+}
+#define K2X8_KERNEL(name, name4, TGT, DPBA, THREE)                                                                        \
+    MOE_TARGET(TGT) static inline __attribute__((always_inline)) void name##_rows(const void *w, const moe__block_q8a *x, int64_t xs, \
+                                                                                  int64_t n, float *out, const int NT) { \
+        const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);                 \
+        (void)ones, (void)four;                                                                                           \
+        __m256 acc[4][8];                                                                                                 \
+        for (int t = 0; t < 4; t++)                                                                                       \
+            for (int j = 0; j < 8; j++) acc[t][j] = _mm256_setzero_ps();                                                  \
+        for (int64_t i = 0; i < n / 256; i++) {                                                                           \
+            const moe__block_q2_kx8 *o2 = (const moe__block_q2_kx8 *)w + i;                                               \
+            const moe__block_q3_kx8 *o3 = (const moe__block_q3_kx8 *)w + i;                                               \
+            const uint8_t *qs = THREE ? o3->qs : o2->qs;                                                                  \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(THREE ? o3->d : o2->d)));  \
+            const __m256 dmin = THREE ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o2->dmin));  \
+            MOE_UNROLL8 for (int j = 0; j < 8; j++) {                                                                     \
+                __m256i s[4][2];                                                                                          \
+                for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm256_setzero_si256();                                   \
+                MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                                 \
+                    __m256i v = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(const void *)(qs + 256 * (j / 4) + 32 * c)), 2 * (j % 4)), m3); \
+                    if (THREE) { /* bit j of the hmask byte to bit 2 */                                                   \
+                        const __m256i hm = _mm256_loadu_si256((const __m256i *)(const void *)(o3->hm + 32 * c));         \
+                        v = _mm256_or_si256(v, _mm256_and_si256(j < 2 ? _mm256_slli_epi16(hm, 2 - j) : j > 2 ? _mm256_srli_epi16(hm, j - 2) : hm, four)); \
+                    }                                                                                                     \
+                    MOE_UNROLL4 for (int t = 0; t < NT; t++) DPBA(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c);     \
+                }                                                                                                         \
+                __m256i sc0, sc1, mn0 = _mm256_setzero_si256(), mn1 = mn0;                                                \
+                if (THREE) {                                                                                              \
+                    sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o3->sc[2 * j]));           \
+                    sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o3->sc[2 * j + 1]));       \
+                } else {                                                                                                  \
+                    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o2->sc[2 * j])); \
+                    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o2->sc[2 * j + 1])); \
+                    const __m256i m15 = _mm256_set1_epi32(15);                                                            \
+                    sc0 = _mm256_and_si256(b0, m15), sc1 = _mm256_and_si256(b1, m15);                                     \
+                    mn0 = _mm256_srli_epi32(b0, 4), mn1 = _mm256_srli_epi32(b1, 4);                                       \
+                }                                                                                                         \
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                                \
+                    const moe__block_q8a *xb = &x[t * xs + 8 * i + j];                                                    \
+                    const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;                                                   \
+                    __m256i a0 = s[t][0], a1 = s[t][1];                                                                   \
+                    if (THREE) a0 = _mm256_sub_epi32(a0, _mm256_set1_epi32(4 * h0)), a1 = _mm256_sub_epi32(a1, _mm256_set1_epi32(4 * h1)); \
+                    const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(a0, sc0), _mm256_mullo_epi32(a1, sc1));         \
+                    if (THREE) {                                                                                          \
+                        acc[t][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(xb->d), d), _mm256_cvtepi32_ps(S), acc[t][j]); \
+                    } else {                                                                                              \
+                        const __m256i Sm = _mm256_add_epi32(_mm256_mullo_epi32(mn0, _mm256_set1_epi32(h0)), _mm256_mullo_epi32(mn1, _mm256_set1_epi32(h1))); \
+                        acc[t][j] = _mm256_fmadd_ps(_mm256_set1_ps(xb->d), _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(S), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(Sm))), acc[t][j]); \
+                    }                                                                                                     \
+                }                                                                                                         \
+            }                                                                                                             \
+        }                                                                                                                 \
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                                        \
+            const __m256 w0 = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][4]), _mm256_add_ps(acc[t][2], acc[t][6]));   \
+            const __m256 w1 = _mm256_add_ps(_mm256_add_ps(acc[t][1], acc[t][5]), _mm256_add_ps(acc[t][3], acc[t][7]));   \
+            _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(w0, w1));                                                         \
+        }                                                                                                                 \
+    }                                                                                                                     \
+    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
+    MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
+#define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
+K2X8_KERNEL(dotq8_q2_k_avx2, dotq8x4_q2_k_avx2, "avx2,fma,f16c", DPBA_AVX2, 0)
+K2X8_KERNEL(dotq8_q3_k_avx2, dotq8x4_q3_k_avx2, "avx2,fma,f16c", DPBA_AVX2, 1)
+#undef DPBA_AVX2
+K2X8_KERNEL(dotq8_q2_k_vnni, dotq8x4_q2_k_vnni, MOE_VNNI, VNNI_DPB_256, 0)
+K2X8_KERNEL(dotq8_q3_k_vnni, dotq8x4_q3_k_vnni, MOE_VNNI, VNNI_DPB_256, 1)
+K2X8_KERNEL(dotq8_q2_k_avxvnni, dotq8x4_q2_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 0)
+K2X8_KERNEL(dotq8_q3_k_avxvnni, dotq8x4_q3_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 1)
 #define DPB_AVXVNNI(u, v) AVXVNNI_DPBUSD(_mm256_setzero_si256(), u, v)
 K4_KERNEL(dotq_q4_k_avxvnni, dotq4_q4_k_avxvnni, MOE_AVXVNNI, 0, DPB_AVXVNNI)
 K4_KERNEL(dotq_q5_k_avxvnni, dotq4_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
@@ -5025,6 +5163,10 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_avx2;
         k->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_avx2;
         k->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_avx2;
+        k->dotq8[MOE_T_Q2_KX8] = dotq8_q2_k_avx2;
+        k->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_avx2;
+        k->dotq8[MOE_T_Q3_KX8] = dotq8_q3_k_avx2;
+        k->dotq8x4[MOE_T_Q3_KX8] = dotq8x4_q3_k_avx2;
         k->dotq[MOE_T_Q6_K] = dotq_q6_k_avx2;
         k->dotq[MOE_T_Q2_K] = dotq_q2_k_avx2;
         k->dotq[MOE_T_Q3_K] = dotq_q3_k_avx2;
@@ -5073,6 +5215,10 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_avxvnni;
             v->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_avxvnni;
             v->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_avxvnni;
+            v->dotq8[MOE_T_Q2_KX8] = dotq8_q2_k_avxvnni;
+            v->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_avxvnni;
+            v->dotq8[MOE_T_Q3_KX8] = dotq8_q3_k_avxvnni;
+            v->dotq8x4[MOE_T_Q3_KX8] = dotq8x4_q3_k_avxvnni;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avxvnni;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avxvnni;
             v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avxvnni;
@@ -5121,6 +5267,10 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_vnni;
                 v->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_vnni;
                 v->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_vnni;
+                v->dotq8[MOE_T_Q2_KX8] = dotq8_q2_k_vnni;
+                v->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_vnni;
+                v->dotq8[MOE_T_Q3_KX8] = dotq8_q3_k_vnni;
+                v->dotq8x4[MOE_T_Q3_KX8] = dotq8x4_q3_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;

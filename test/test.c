@@ -862,11 +862,13 @@ static void test_kquant_blocks(void) {
                 }
             }
     free(xa), free(dw), free(qa), free(w);
-    /* Q4_K, Q5_K and IQ4_XS interleaved 8 rows at a time: the reference gives each row's
-     * reference bit for bit, each level's kernels each row's 1-row kernel of that level bit for bit */
-    for (int ti = 0; ti < 9; ti++) {
-        const int ni = ti % 3, kt = ti < 3 ? MOE_T_Q4_K : ti < 6 ? MOE_T_Q5_K : MOE_T_IQ4_XS, xt = moe__x8_of(kt);
-        const char *nm = kq_names[ti < 3 ? 3 : ti < 6 ? 4 : 9];
+    /* Q4_K, Q5_K, IQ4_XS, Q2_K and Q3_K interleaved 8 rows at a time: the reference gives each
+     * row's reference bit for bit, each level's kernels each row's 1-row kernel of that level bit
+     * for bit */
+    for (int ti = 0; ti < 15; ti++) {
+        static const int x8_types[5] = {3, 4, 9, 6, 7}; /* in kq_types */
+        const int ni = ti % 3, kt = kq_types[x8_types[ti / 3]], xt = moe__x8_of(kt);
+        const char *nm = kq_names[x8_types[ti / 3]];
         const int n = ni == 0 ? 256 : ni == 1 ? 2048 : 7168;
         const int64_t rb = moe__row_bytes(kt, n);
         unsigned char *rows = malloc((size_t)rb * 8), *packed = malloc((size_t)moe__row_bytes(xt, n) * 8);
