@@ -63,7 +63,7 @@ enum {
     MOE_FLAG_KDA_CHUNKED = 1u << 2,   /* always use the chunked KDA form for prefill */
     MOE_FLAG_MLA_ABSORBED = 1u << 3,  /* always use absorbed MLA attention */
     MOE_FLAG_MLA_EXPANDED = 1u << 4,  /* always expand MLA keys/values from the latent cache */
-    MOE_FLAG_NO_REPACK = 1u << 5,     /* keep Q4_0/Q8_0/Q4_K/Q5_K (MXFP4) matrices as stored (mapped) instead
+    MOE_FLAG_NO_REPACK = 1u << 5,     /* keep Q4_0/Q8_0/Q2_K..Q5_K/IQ4_XS (MXFP4) matrices as stored (mapped) instead
                                          of interleaving them 8 rows at a time into RAM at load, and
                                          the other block formats mapped instead of copied there */
     MOE_FLAG_NO_DIRECT_IO = 1u << 6,  /* CACHE mode: read experts through the page cache instead of
