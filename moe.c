@@ -1742,13 +1742,15 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     return MOE_OK;
 }
 
-/* the interleaved k-quant types (larger than the rows they hold: never repacked in place) */
+/* the interleaved k-quant and IQ4_XS types (never repacked in place: all but Q2_KX8 are larger
+ * than the rows they hold) */
 static int is_kx8(int type) {
     return type == MOE_T_Q4_KX8 || type == MOE_T_Q5_KX8 || type == MOE_T_IQ4_XSX8 || type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8;
 }
 
 /* The interleaved type a matrix is repacked to (Q4_0/Q8_0, MXFP4 when its products take
- * quantized activations, Q4_K/Q5_K where the level has the kernels; rows a multiple of 8), or -1 */
+ * quantized activations, Q2_K..Q5_K/IQ4_XS where the level has the kernels; rows a multiple of
+ * 8), or -1 */
 static int x8_type(const moe_model *m, const moe__weight *w) {
     const int to = moe__x8_of(w->type);
     if (to < 0 || w->rows % 8 || w->cols % 32) return -1;
@@ -1757,7 +1759,8 @@ static int x8_type(const moe_model *m, const moe__weight *w) {
 }
 
 /* What repack_weights makes of a matrix: its interleaved type; for the block formats that have
- * none (Q4_1, Q5_0, Q5_1, Q2_K .. Q6_K, IQ4_NL, IQ4_XS) their own, a plain copy into the same huge-page RAM
+ * none (Q4_1, Q5_0, Q5_1, Q6_K, IQ4_NL; the k-quants and IQ4_XS where the level has no
+ * interleaved kernels) their own, a plain copy into the same huge-page RAM
  * (read through the file mapping's 4 KB pages, a Q4_0 decode token took 2.6x as long as
  * interleaved: bench/RESULTS.md, session 26); -1: it stays where it is */
 static int placed_type(const moe_model *m, const moe__weight *w) {
