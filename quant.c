@@ -3354,9 +3354,11 @@ static float dotq_q4_0_neon(const void *w, const moe__block_q8a *x, int64_t n) {
     return vaddvq_f32(acc);
 }
 
-/* Q4_1 .. Q6_K without SDOT (the same on both NEON levels): values decoded to bytes (below 64,
- * so signed bytes too), each 16's products summed exactly, then the reference's float steps
- * per sub-block */
+/* Q4_1 .. IQ4_XS: values decoded to bytes (signed), each 16's products summed exactly (dot32:
+ * dot32_neon here, dot32_sdot on the dot-product level, which builds the same bodies with it),
+ * then the reference's float steps per sub-block */
+typedef int (*dot32_fn)(uint8x16_t lo, uint8x16_t hi, const int8_t *x, int *a1);
+#define KQ_NEON_BODY static inline __attribute__((always_inline))
 static inline int dot32_neon(uint8x16_t lo, uint8x16_t hi, const int8_t *x, int *a1) {
     const int32x4_t s0 = dot16_neon(vdupq_n_s32(0), vreinterpretq_s8_u8(lo), vld1q_s8(x));
     const int32x4_t s1 = dot16_neon(vdupq_n_s32(0), vreinterpretq_s8_u8(hi), vld1q_s8(x + 16));
@@ -3370,7 +3372,7 @@ static inline uint8x16_t bits_to_bytes_neon(uint16_t bits) { /* bit j -> 0xff in
     return vtstq_u8(v, vld1q_u8(bit));
 }
 
-static float dotq_q4_1_q5_neon(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+KQ_NEON_BODY float q4_1_q5_neon_body(int type, const void *w, const moe__block_q8a *x, int64_t n, dot32_fn dot32) {
     float s = 0;
     for (int64_t i = 0; i < n / 32; i++) {
         const q32_fields f = q32_block(type, w, i);
@@ -3380,17 +3382,13 @@ static float dotq_q4_1_q5_neon(int type, const void *w, const moe__block_q8a *x,
             lo = vorrq_u8(lo, vandq_u8(bits_to_bytes_neon((uint16_t)f.qh), b4));
             hi = vorrq_u8(hi, vandq_u8(bits_to_bytes_neon((uint16_t)(f.qh >> 16)), b4));
         }
-        int a1, a0 = dot32_neon(lo, hi, x[i].qs, &a1);
+        int a1, a0 = dot32(lo, hi, x[i].qs, &a1);
         const int acc = a0 + a1 - (type == MOE_T_Q5_0 ? 16 * x[i].sum : 0);
         s += x[i].d * (moe__f16_to_f32(f.d) * (float)acc + moe__f16_to_f32(f.m) * (float)x[i].sum);
     }
     return s;
 }
-static float dotq_q4_1_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_neon(MOE_T_Q4_1, w, x, n); }
-static float dotq_q5_0_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_neon(MOE_T_Q5_0, w, x, n); }
-static float dotq_q5_1_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_neon(MOE_T_Q5_1, w, x, n); }
-
-static float dotq_k4_neon(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+KQ_NEON_BODY float k4_neon_body(int type, const void *w, const moe__block_q8a *x, int64_t n, dot32_fn dot32) {
     const int64_t bs = moe__row_bytes(type, 256);
     float s = 0;
     for (int64_t i = 0; i < n / 256; i++, x += 8) {
@@ -3411,16 +3409,13 @@ static float dotq_k4_neon(int type, const void *w, const moe__block_q8a *x, int6
                 const uint8x16_t bj = vdupq_n_u8((uint8_t)(1u << j)), b4 = vdupq_n_u8(16);
                 lo = vorrq_u8(lo, vandq_u8(vtstq_u8(h0, bj), b4)), hi = vorrq_u8(hi, vandq_u8(vtstq_u8(h1, bj), b4));
             }
-            int a1, a0 = dot32_neon(lo, hi, x[j].qs, &a1);
+            int a1, a0 = dot32(lo, hi, x[j].qs, &a1);
             s += x[j].d * (d * (float)sm[j] * (float)(a0 + a1) - dmin * (float)sm[8 + j] * (float)x[j].sum);
         }
     }
     return s;
 }
-static float dotq_q4_k_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k4_neon(MOE_T_Q4_K, w, x, n); }
-static float dotq_q5_k_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k4_neon(MOE_T_Q5_K, w, x, n); }
-
-static float dotq_q6_k_neon(const void *w, const moe__block_q8a *x, int64_t n) {
+KQ_NEON_BODY float q6_k_neon_body(const void *w, const moe__block_q8a *x, int64_t n, dot32_fn dot32) {
     const moe__block_q6_k *b = w;
     float s = 0;
     for (int64_t i = 0; i < n / 256; i++, x += 8) {
@@ -3435,7 +3430,7 @@ static float dotq_q6_k_neon(const void *w, const moe__block_q8a *x, int64_t n) {
                 const uint8x16_t top = vandq_u8(k == 0 ? vshlq_n_u8(qh, 4) : k == 1 ? vshlq_n_u8(qh, 2) : k == 2 ? qh : vshrq_n_u8(qh, 2), vdupq_n_u8(0x30));
                 v[u] = vreinterpretq_u8_s8(vsubq_s8(vreinterpretq_s8_u8(vorrq_u8(low, top)), vdupq_n_s8(32)));
             }
-            int a1, a0 = dot32_neon(v[0], v[1], x[t].qs, &a1);
+            int a1, a0 = dot32(v[0], v[1], x[t].qs, &a1);
             s += x[t].d * (d * (float)(b[i].scales[2 * t] * a0 + b[i].scales[2 * t + 1] * a1));
         }
     }
@@ -3445,7 +3440,7 @@ static float dotq_q6_k_neon(const void *w, const moe__block_q8a *x, int64_t n) {
 /* Q2_K, Q3_K, IQ4_NL, IQ4_XS: each sub-block's values decoded to signed bytes (IQ4 by one table
  * lookup), its two 16s' products summed exactly, then d (sc0 a0 + sc1 a1) in float (Q2_K: minus
  * dmin (m0 sum(x first 16) + m1 sum(x last 16))) */
-static float dotq_k16_neon(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+KQ_NEON_BODY float k16_neon_body(int type, const void *w, const moe__block_q8a *x, int64_t n, dot32_fn dot32) {
     const int8x16_t kv = vld1q_s8(moe__iq4nl_values);
     float s = 0;
     if (type == MOE_T_IQ4_NL) {
@@ -3453,7 +3448,7 @@ static float dotq_k16_neon(int type, const void *w, const moe__block_q8a *x, int
         for (int64_t i = 0; i < n / 32; i++) {
             const uint8x16_t r = vld1q_u8(b[i].qs);
             const int8x16_t lo = vqtbl1q_s8(kv, vandq_u8(r, vdupq_n_u8(15))), hi = vqtbl1q_s8(kv, vshrq_n_u8(r, 4));
-            int a1, a0 = dot32_neon(vreinterpretq_u8_s8(lo), vreinterpretq_u8_s8(hi), x[i].qs, &a1);
+            int a1, a0 = dot32(vreinterpretq_u8_s8(lo), vreinterpretq_u8_s8(hi), x[i].qs, &a1);
             s += x[i].d * (moe__f16_to_f32(b[i].d) * (float)(a0 + a1));
         }
         return s;
@@ -3491,7 +3486,7 @@ static float dotq_k16_neon(int type, const void *w, const moe__block_q8a *x, int
                     }
                 }
             }
-            int a1, a0 = dot32_neon(vreinterpretq_u8_s8(v[0]), vreinterpretq_u8_s8(v[1]), x[j].qs, &a1);
+            int a1, a0 = dot32(vreinterpretq_u8_s8(v[0]), vreinterpretq_u8_s8(v[1]), x[j].qs, &a1);
             float t = d * (float)(sc0 * a0 + sc1 * a1);
             if (type == MOE_T_Q2_K) {
                 const int h0 = vaddlvq_s8(vld1q_s8(x[j].qs)), h1 = vaddlvq_s8(vld1q_s8(x[j].qs + 16));
@@ -3502,10 +3497,19 @@ static float dotq_k16_neon(int type, const void *w, const moe__block_q8a *x, int
     }
     return s;
 }
-static float dotq_q2_k_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k16_neon(MOE_T_Q2_K, w, x, n); }
-static float dotq_q3_k_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k16_neon(MOE_T_Q3_K, w, x, n); }
-static float dotq_iq4_nl_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k16_neon(MOE_T_IQ4_NL, w, x, n); }
-static float dotq_iq4_xs_neon(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_k16_neon(MOE_T_IQ4_XS, w, x, n); }
+/* the row kernels of one NEON level: SFX names them, ATTR is its target, DOT32 its 32-value dot */
+#define KQ_NEON_KERNELS(SFX, ATTR, DOT32)                                                                                               \
+    ATTR static float dotq_q4_1_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return q4_1_q5_neon_body(MOE_T_Q4_1, w, x, n, DOT32); } \
+    ATTR static float dotq_q5_0_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return q4_1_q5_neon_body(MOE_T_Q5_0, w, x, n, DOT32); } \
+    ATTR static float dotq_q5_1_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return q4_1_q5_neon_body(MOE_T_Q5_1, w, x, n, DOT32); } \
+    ATTR static float dotq_q4_k_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return k4_neon_body(MOE_T_Q4_K, w, x, n, DOT32); }      \
+    ATTR static float dotq_q5_k_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return k4_neon_body(MOE_T_Q5_K, w, x, n, DOT32); }      \
+    ATTR static float dotq_q6_k_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return q6_k_neon_body(w, x, n, DOT32); }                \
+    ATTR static float dotq_q2_k_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return k16_neon_body(MOE_T_Q2_K, w, x, n, DOT32); }     \
+    ATTR static float dotq_q3_k_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return k16_neon_body(MOE_T_Q3_K, w, x, n, DOT32); }     \
+    ATTR static float dotq_iq4_nl_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return k16_neon_body(MOE_T_IQ4_NL, w, x, n, DOT32); } \
+    ATTR static float dotq_iq4_xs_##SFX(const void *w, const moe__block_q8a *x, int64_t n) { return k16_neon_body(MOE_T_IQ4_XS, w, x, n, DOT32); }
+KQ_NEON_KERNELS(neon, , dot32_neon)
 
 /* x8 groups without SDOT: 16 bytes = 4 rows x 4 values against the same 4 activations; products
  * in int16 (|w x| <= 128 * 127), then summed per row: two pairwise steps into int32 */
@@ -3663,6 +3667,12 @@ static void mla_ctx_neon(const moe__mla_block *b, int h0, int h1) {
 
 /* integer kernels with the dot-product extension (SDOT: 4 int8 products into each int32 lane) */
 #define MOE_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+
+MOE_DOTPROD static inline int dot32_sdot(uint8x16_t lo, uint8x16_t hi, const int8_t *x, int *a1) {
+    *a1 = vaddvq_s32(vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(hi), vld1q_s8(x + 16)));
+    return vaddvq_s32(vdotq_s32(vdupq_n_s32(0), vreinterpretq_s8_u8(lo), vld1q_s8(x)));
+}
+KQ_NEON_KERNELS(sdot, MOE_DOTPROD, dot32_sdot)
 
 MOE_DOTPROD static float dotq_q8_0_dotprod(const void *w, const moe__block_q8a *x, int64_t n) {
     const moe__block_q8_0 *b = w;
@@ -5341,6 +5351,16 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             moe__kernels *v = &out[n++];
             *v = *k;
             v->dotq[MOE_T_Q8_0] = dotq_q8_0_dotprod;
+            v->dotq[MOE_T_Q4_1] = dotq_q4_1_sdot;
+            v->dotq[MOE_T_Q5_0] = dotq_q5_0_sdot;
+            v->dotq[MOE_T_Q5_1] = dotq_q5_1_sdot;
+            v->dotq[MOE_T_Q4_K] = dotq_q4_k_sdot;
+            v->dotq[MOE_T_Q5_K] = dotq_q5_k_sdot;
+            v->dotq[MOE_T_Q6_K] = dotq_q6_k_sdot;
+            v->dotq[MOE_T_Q2_K] = dotq_q2_k_sdot;
+            v->dotq[MOE_T_Q3_K] = dotq_q3_k_sdot;
+            v->dotq[MOE_T_IQ4_NL] = dotq_iq4_nl_sdot;
+            v->dotq[MOE_T_IQ4_XS] = dotq_iq4_xs_sdot;
             v->dotq[MOE_T_Q4_0] = dotq_q4_0_dotprod;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_dotprod;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_dotprod;
