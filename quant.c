@@ -243,9 +243,21 @@ static int q3k_scale(const uint8_t *s, int i) {
     return lo | ((s[8 + i % 4] >> (2 * (i / 4))) & 3) << 4;
 }
 
+/* stores u (0..63) as Q3_K's scale i, into bytes that start zeroed */
+static void q3k_put_scale(uint8_t *s, int i, int u) {
+    s[i % 8] |= (uint8_t)((u & 15) << (4 * (i / 8)));
+    s[8 + i % 4] |= (uint8_t)((u >> 4) << (2 * (i / 4)));
+}
+
 /* IQ4_XS's 6-bit scale of sub-block j (0..7) */
 static int iq4xs_scale(const moe__block_iq4_xs *b, int j) {
     return ((b->scales_l[j / 2] >> (4 * (j % 2))) & 15) | ((b->scales_h >> (2 * j)) & 3) << 4;
+}
+
+/* stores ls (0..63) as IQ4_XS's scale of sub-block j, into fields that start zeroed */
+static void iq4xs_put_scale(moe__block_iq4_xs *b, int j, int ls) {
+    b->scales_l[j / 2] |= (uint8_t)((ls & 15) << (4 * (j % 2)));
+    b->scales_h |= (uint16_t)((ls >> 4) << (2 * j));
 }
 
 /* all 8 of them in the bytes of a 64-bit word (the nibbles and 2-bit fields spread by shifts) */
@@ -634,12 +646,7 @@ static void quantize_q3_k(const float *x, moe__block_q3_k *b) {
     int lv[16], q[256];
     memset(b, 0, sizeof *b);
     b->d = sym_k_levels(x, 4, 32, lv, q);
-    for (int g = 0; g < 16; g++) {
-        const int u = lv[g] + 32;
-        if (g < 8) b->scales[g] |= (uint8_t)(u & 15);
-        else b->scales[g - 8] |= (uint8_t)((u & 15) << 4);
-        b->scales[8 + g % 4] |= (uint8_t)((u >> 4) << (2 * (g / 4)));
-    }
+    for (int g = 0; g < 16; g++) q3k_put_scale(b->scales, g, lv[g] + 32);
     for (int v = 0; v < 256; v++) {
         b->qs[32 * (v / 128) + v % 32] |= (uint8_t)((q[v] & 3) << (2 * ((v % 128) / 32)));
         b->hmask[v % 32] |= (uint8_t)((q[v] >> 2) << (v / 32));
@@ -706,8 +713,7 @@ static void quantize_iq4_xs(const float *x, moe__block_iq4_xs *b) {
     for (int j = 0; j < 8; j++) {
         int l = (int)lrintf(id * sc[j]);
         l = l > 31 ? 31 : l < -32 ? -32 : l;
-        b->scales_l[j / 2] |= (uint8_t)(((l + 32) & 15) << (4 * (j % 2)));
-        b->scales_h |= (uint16_t)(((l + 32) >> 4) << (2 * j));
+        iq4xs_put_scale(b, j, l + 32);
         iq4_nibbles(x + 32 * j, d * (float)l, b->qs + 16 * j);
     }
 }
@@ -921,9 +927,7 @@ static void iq4_xsx8_row(const moe__block_iq4_xsx8 *o, int r, moe__block_iq4_xs 
     memset(b, 0, sizeof *b);
     b->d = o->d[r];
     for (int j = 0; j < 8; j++) {
-        const int ls = o->sc[j][r] + 32;
-        b->scales_l[j / 2] |= (uint8_t)((ls & 15) << (4 * (j % 2)));
-        b->scales_h |= (uint16_t)((ls >> 4) << (2 * j));
+        iq4xs_put_scale(b, j, o->sc[j][r] + 32);
         for (int l = 0; l < 32; l++) {
             const uint8_t byte = o->qs[(j / 2) * 256 + (l / 4) * 32 + r * 4 + l % 4];
             const int q = (j % 2) ? byte >> 4 : byte & 15;
@@ -948,12 +952,7 @@ static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
             moe__block_q3_k *k = out;
             memset(k->scales, 0, 12);
             k->d = o->d[r], qs = o->qs, to = k->qs;
-            for (int g = 0; g < 16; g++) {
-                const int u = o->sc[g][r] + 32;
-                if (g < 8) k->scales[g] |= (uint8_t)(u & 15);
-                else k->scales[g - 8] |= (uint8_t)((u & 15) << 4);
-                k->scales[8 + g % 4] |= (uint8_t)((u >> 4) << (2 * (g / 4)));
-            }
+            for (int g = 0; g < 16; g++) q3k_put_scale(k->scales, g, o->sc[g][r] + 32);
             for (int c = 0; c < 8; c++) memcpy(k->hmask + 4 * c, o->hm + 32 * c + 4 * r, 4);
         }
         for (int n = 0; n < 2; n++)
@@ -962,7 +961,6 @@ static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
     }
     iq4_xsx8_row((const moe__block_iq4_xsx8 *)w + b, r, out);
 }
-
 
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
@@ -1304,6 +1302,22 @@ MOE_TARGET("avx2,fma") static inline float hsum_avx2(__m256 v) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* a[0] + ... + a[7] lane by lane, in the order hsum_avx2 adds a vector's 8 lanes: the interleaved
+ * kernels keep one accumulator per sub-block where the row kernels keep a lane, so each row's sum
+ * comes out as the row kernel's */
+MOE_TARGET("avx2,fma") static inline __m256 sum8_hsum_order_avx2(const __m256 *a) {
+    const __m256 w0 = _mm256_add_ps(_mm256_add_ps(a[0], a[4]), _mm256_add_ps(a[2], a[6]));
+    const __m256 w1 = _mm256_add_ps(_mm256_add_ps(a[1], a[5]), _mm256_add_ps(a[3], a[7]));
+    return _mm256_add_ps(w0, w1);
+}
+
+/* four vectors of pairwise sums h[k] = hadd(p[2k], p[2k + 1]) of 8 vectors p -> one vector of
+ * the 8 vectors' lane sums, in p's order */
+MOE_TARGET("avx2,fma") static inline __m256i sum_pairs8_avx2(const __m256i *h) {
+    const __m256i s0 = _mm256_hadd_epi32(h[0], h[1]), s1 = _mm256_hadd_epi32(h[2], h[3]);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
 }
 
 MOE_TARGET("avx2,fma") static float dot_f32_avx2(const void *w, const uint8_t *sc,
@@ -1676,9 +1690,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                 }                                                                                                         \
             }                                                                                                             \
         }                                                                                                                 \
-        const __m256 w0 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));                    \
-        const __m256 w1 = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));                    \
-        _mm256_storeu_ps(out, _mm256_add_ps(w0, w1));                                                                     \
+        _mm256_storeu_ps(out, sum8_hsum_order_avx2(acc));                                                                 \
     }
 /* the same for 4 activation rows (x + t xs blocks) -> out[t * 8 + r], each row's float steps
  * those of the 1-row kernel (the weights decoded once for the 4; accumulators in memory) */
@@ -1719,11 +1731,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                 }                                                                                                         \
             }                                                                                                             \
         }                                                                                                                 \
-        for (int t = 0; t < 4; t++) {                                                                                     \
-            const __m256 w0 = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][4]), _mm256_add_ps(acc[t][2], acc[t][6]));    \
-            const __m256 w1 = _mm256_add_ps(_mm256_add_ps(acc[t][1], acc[t][5]), _mm256_add_ps(acc[t][3], acc[t][7]));    \
-            _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(w0, w1));                                                         \
-        }                                                                                                                 \
+        for (int t = 0; t < 4; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));                        \
     }
 #define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
 K4X8_KERNEL(dotq8_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q4_kx8, 0, qs)
@@ -1772,8 +1780,7 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void q6
         }
         const float d = f16_avx(b[i].d);
         MOE_UNROLL4 for (int t = 0; t < NT; t++) {
-            const __m256i s0 = _mm256_hadd_epi32(h[t][0], h[t][1]), s1 = _mm256_hadd_epi32(h[t][2], h[t][3]);
-            const __m256i S = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+            const __m256i S = sum_pairs8_avx2(h[t]);
             __m256 xd, xm;
             q8a_heads8_avx2(x + t * xs + 8 * i, &xd, &xm);
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(xd, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(S), acc[t]);
@@ -1869,13 +1876,11 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
             }
         }
         MOE_UNROLL4 for (int t = 0; t < NT; t++) {
-            const __m256i s0 = _mm256_hadd_epi32(h[t][0], h[t][1]), s1 = _mm256_hadd_epi32(h[t][2], h[t][3]);
-            const __m256i S = _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20), _mm256_permute2x128_si256(s0, s1, 0x31));
+            const __m256i S = sum_pairs8_avx2(h[t]);
             __m256 xd, xm;
             q8a_heads8_avx2(x + t * xs + 8 * i, &xd, &xm);
             if (type == MOE_T_Q2_K) {
-                const __m256i u0 = _mm256_hadd_epi32(hm4[t][0], hm4[t][1]), u1 = _mm256_hadd_epi32(hm4[t][2], hm4[t][3]);
-                const __m256i Sm = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+                const __m256i Sm = sum_pairs8_avx2(hm4[t]);
                 acc[t] = _mm256_fmadd_ps(xd, _mm256_fmsub_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(S), _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(Sm))), acc[t]);
             } else {
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(xd, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(S), acc[t]);
@@ -2176,11 +2181,7 @@ K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8
                 }                                                                                                         \
             }                                                                                                             \
         }                                                                                                                 \
-        MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                                        \
-            const __m256 w0 = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][4]), _mm256_add_ps(acc[t][2], acc[t][6]));   \
-            const __m256 w1 = _mm256_add_ps(_mm256_add_ps(acc[t][1], acc[t][5]), _mm256_add_ps(acc[t][3], acc[t][7]));   \
-            _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(w0, w1));                                                         \
-        }                                                                                                                 \
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));          \
     }                                                                                                                     \
     MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
     MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
@@ -2252,11 +2253,7 @@ static inline int sum16_i8(const int8_t *p) { /* SSE2: bytes + 128 summed by psa
                 }                                                                                                         \
             }                                                                                                             \
         }                                                                                                                 \
-        MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                                        \
-            const __m256 w0 = _mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][4]), _mm256_add_ps(acc[t][2], acc[t][6]));   \
-            const __m256 w1 = _mm256_add_ps(_mm256_add_ps(acc[t][1], acc[t][5]), _mm256_add_ps(acc[t][3], acc[t][7]));   \
-            _mm256_storeu_ps(out + 8 * t, _mm256_add_ps(w0, w1));                                                         \
-        }                                                                                                                 \
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));          \
     }                                                                                                                     \
     MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
     MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
