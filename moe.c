@@ -1742,14 +1742,15 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     return MOE_OK;
 }
 
-/* the interleaved k-quant and IQ4_XS types (never repacked in place: all but Q2_KX8 are larger
- * than the rows they hold) */
+/* the interleaved k-quant and IQ4_XS types (never repacked in place: all but Q2_KX8 and Q6_KX8
+ * are larger than the rows they hold) */
 static int is_kx8(int type) {
-    return type == MOE_T_Q4_KX8 || type == MOE_T_Q5_KX8 || type == MOE_T_IQ4_XSX8 || type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8;
+    return type == MOE_T_Q4_KX8 || type == MOE_T_Q5_KX8 || type == MOE_T_IQ4_XSX8 || type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8 ||
+           type == MOE_T_Q6_KX8;
 }
 
 /* The interleaved type a matrix is repacked to (Q4_0/Q8_0, MXFP4 when its products take
- * quantized activations, Q2_K..Q5_K/IQ4_XS where the level has the kernels; rows a multiple of
+ * quantized activations, Q2_K..Q6_K/IQ4_XS where the level has the kernels; rows a multiple of
  * 8), or -1 */
 static int x8_type(const moe_model *m, const moe__weight *w) {
     const int to = moe__x8_of(w->type);
@@ -1759,7 +1760,7 @@ static int x8_type(const moe_model *m, const moe__weight *w) {
 }
 
 /* What repack_weights makes of a matrix: its interleaved type; for the block formats that have
- * none (Q4_1, Q5_0, Q5_1, Q6_K, IQ4_NL; the k-quants and IQ4_XS where the level has no
+ * none (Q4_1, Q5_0, Q5_1, IQ4_NL; the k-quants and IQ4_XS where the level has no
  * interleaved kernels) their own, a plain copy into the same huge-page RAM
  * (read through the file mapping's 4 KB pages, a Q4_0 decode token took 2.6x as long as
  * interleaved: bench/RESULTS.md, session 26); -1: it stays where it is */
@@ -1921,8 +1922,8 @@ static moe_status convert_weights(moe_model *m) {
 static void count_dense_bytes(moe_model *m) {
     static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
                                              "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k",
-                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq4_xs", "q2_k", "q3_k"};
-    _Static_assert(MOE_T_COUNT == 27, "a name for each weight type");
+                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq4_xs", "q2_k", "q3_k", "q6_k"};
+    _Static_assert(MOE_T_COUNT == 28, "a name for each weight type");
     uint64_t per_type[MOE_T_COUNT] = {0};
     uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);

@@ -441,6 +441,7 @@ enum {
     /* the low-bit mixes (Q2_K, Q3_K_S/M/L, IQ4_XS; IQ4_NL where a row is not whole 256s) */
     MOE_T_Q2_K, MOE_T_Q3_K, MOE_T_IQ4_NL, MOE_T_IQ4_XS,
     MOE_T_IQ4_XSX8, MOE_T_Q2_KX8, MOE_T_Q3_KX8, /* IQ4_XS, Q2_K, Q3_K interleaved so, where the level has the kernels */
+    MOE_T_Q6_KX8, /* Q6_K likewise (the LM head of every k-quant mix) */
     MOE_T_COUNT
 };
 
@@ -506,6 +507,12 @@ typedef struct { uint16_t d[8]; int8_t sc[8][8]; uint8_t qs[1024]; } moe__block_
  * hmask bytes 4c..4c+3 likewise (bit j: sub-block j). 672 bytes as 8 x 84; 912 against 8 x 110 */
 typedef struct { uint16_t d[8], dmin[8]; uint8_t sc[16][8]; uint8_t qs[512]; } moe__block_q2_kx8;
 typedef struct { uint16_t d[8]; int8_t sc[16][8]; uint8_t qs[512]; uint8_t hm[256]; } moe__block_q3_kx8;
+/* Q6_KX8: 8 Q6_K rows' blocks: their scales, the 16 groups' scales [group][row], then for each
+ * half n of the values 16 chunks c of [row][4]: the rows' ql bytes 64n + 4c .. + 3 (c < 8: values
+ * 4c..4c+3 of sub-blocks 4n and 4n + 2 in the low and high nibbles; c >= 8: of 4n + 1 and 4n + 3),
+ * and 8 chunks c of the rows' qh bytes 32n + 4c .. + 3 (sub-block 4n + k's high 2 bits at bit
+ * 2k): the same 1680 bytes as 8 x 210 */
+typedef struct { uint16_t d[8]; int8_t sc[16][8]; uint8_t ql[1024]; uint8_t qh[512]; } moe__block_q6_kx8;
 /* Interleaves 8 consecutive rows (row stride row_bytes) of a Q4_0/Q8_0/MXFP4/Q4_K matrix with cols
  * columns into cols/32 x8 blocks at dst; scales8: a compressed-tensors MXFP4 matrix's E8M0 scales
  * of the 8 rows (cols/32 bytes a row), NULL for the other types. */

@@ -154,7 +154,7 @@ _Static_assert(sizeof(moe__block_q4_k) == 144 && sizeof(moe__block_q5_k) == 176 
 _Static_assert(sizeof(moe__block_q2_k) == 84 && sizeof(moe__block_q3_k) == 110, "ggml Q2_K, Q3_K blocks");
 _Static_assert(sizeof(moe__block_iq4_nl) == 18 && sizeof(moe__block_iq4_xs) == 136, "ggml IQ4_NL, IQ4_XS blocks");
 _Static_assert(sizeof(moe__block_iq4_xsx8) == 1104 && sizeof(moe__block_q2_kx8) == 672 && sizeof(moe__block_q3_kx8) == 912, "iq4_xs, q2_k, q3_k x8 blocks");
-_Static_assert(sizeof(moe__block_q4_kx8) == 1184 && sizeof(moe__block_q5_kx8) == 1440, "q4_kx8, q5_kx8 blocks");
+_Static_assert(sizeof(moe__block_q4_kx8) == 1184 && sizeof(moe__block_q5_kx8) == 1440 && sizeof(moe__block_q6_kx8) == 1680, "q4_kx8, q5_kx8, q6_kx8 blocks");
 
 int moe__is_quant(int type) {
     switch (type) {
@@ -195,6 +195,7 @@ int64_t moe__row_bytes(int type, int64_t n) {
     case MOE_T_IQ4_XSX8: return n / 256 * (int64_t)sizeof(moe__block_iq4_xsx8) / 8;
     case MOE_T_Q2_KX8: return n / 256 * (int64_t)sizeof(moe__block_q2_kx8) / 8;
     case MOE_T_Q3_KX8: return n / 256 * (int64_t)sizeof(moe__block_q3_kx8) / 8;
+    case MOE_T_Q6_KX8: return n / 256 * (int64_t)sizeof(moe__block_q6_kx8) / 8;
     case MOE_T_F32: case MOE_T_I32: return 4 * n;
     case MOE_T_F16: case MOE_T_BF16: return 2 * n;
     case MOE_T_MXFP4: return n / 2;
@@ -859,6 +860,7 @@ int moe__x8_of(int type) {
     case MOE_T_IQ4_XS: return MOE_T_IQ4_XSX8;
     case MOE_T_Q2_K: return MOE_T_Q2_KX8;
     case MOE_T_Q3_K: return MOE_T_Q3_KX8;
+    case MOE_T_Q6_K: return MOE_T_Q6_KX8;
     default: return -1;
     }
 }
@@ -936,9 +938,20 @@ static void iq4_xsx8_row(const moe__block_iq4_xsx8 *o, int r, moe__block_iq4_xs 
     }
 }
 
-/* row r's block back out of block b of an IQ4_XSX8, Q2_KX8 or Q3_KX8 matrix (the reference
- * multiplies rows as stored) */
+/* row r's block back out of block b of an IQ4_XSX8, Q2_KX8, Q3_KX8 or Q6_KX8 matrix (the
+ * reference multiplies rows as stored) */
 static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
+    if (type == MOE_T_Q6_KX8) {
+        const moe__block_q6_kx8 *o = (const moe__block_q6_kx8 *)w + b;
+        moe__block_q6_k *k = out;
+        k->d = o->d[r];
+        for (int g = 0; g < 16; g++) k->scales[g] = o->sc[g][r];
+        for (int n = 0; n < 2; n++) {
+            for (int c = 0; c < 16; c++) memcpy(k->ql + 64 * n + 4 * c, o->ql + 512 * n + 32 * c + 4 * r, 4);
+            for (int c = 0; c < 8; c++) memcpy(k->qh + 32 * n + 4 * c, o->qh + 256 * n + 32 * c + 4 * r, 4);
+        }
+        return;
+    }
     if (type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8) {
         const uint8_t *qs;
         uint8_t *to;
@@ -964,6 +977,21 @@ static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
 
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
+    if (type == MOE_T_Q6_K) { /* chunk c of half n: bytes 64n + 4c .. + 3 of a row's ql, 32n + 4c .. + 3 of its qh, as stored */
+        for (int64_t b = 0; b < cols / 256; b++) {
+            moe__block_q6_kx8 *o = (moe__block_q6_kx8 *)dst + b;
+            for (int r = 0; r < 8; r++) {
+                const moe__block_q6_k *k = (const moe__block_q6_k *)(const void *)(src + r * row_bytes) + b;
+                o->d[r] = k->d;
+                for (int g = 0; g < 16; g++) o->sc[g][r] = k->scales[g];
+                for (int n = 0; n < 2; n++) {
+                    for (int c = 0; c < 16; c++) memcpy(o->ql + 512 * n + 32 * c + 4 * r, k->ql + 64 * n + 4 * c, 4);
+                    for (int c = 0; c < 8; c++) memcpy(o->qh + 256 * n + 32 * c + 4 * r, k->qh + 32 * n + 4 * c, 4);
+                }
+            }
+        }
+        return;
+    }
     if (type == MOE_T_Q2_K || type == MOE_T_Q3_K) { /* chunk c of half n: bytes 32n + 4c .. + 3 of a row's qs (and hmask 4c ..), as stored */
         for (int64_t b = 0; b < cols / 256; b++) {
             for (int r = 0; r < 8; r++) {
@@ -1070,12 +1098,12 @@ void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_
  * reference's on the row as stored) */
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out) {
     for (int r = 0; r < 8; r++) out[r] = 0;
-    if (type == MOE_T_IQ4_XSX8 || type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8) { /* each row un-interleaved, block by block, through the row reference's steps */
-        const int rt = type == MOE_T_IQ4_XSX8 ? MOE_T_IQ4_XS : type == MOE_T_Q2_KX8 ? MOE_T_Q2_K : MOE_T_Q3_K;
+    if (type == MOE_T_IQ4_XSX8 || type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8 || type == MOE_T_Q6_KX8) { /* each row un-interleaved, block by block, through the row reference's steps */
+        const int rt = type == MOE_T_IQ4_XSX8 ? MOE_T_IQ4_XS : type == MOE_T_Q2_KX8 ? MOE_T_Q2_K : type == MOE_T_Q3_KX8 ? MOE_T_Q3_K : MOE_T_Q6_K;
         for (int r = 0; r < 8; r++) {
             float s = 0;
             for (int64_t b = 0; b < n / 256; b++) {
-                union { moe__block_iq4_xs a; moe__block_q2_k b; moe__block_q3_k c; } row;
+                union { moe__block_iq4_xs a; moe__block_q2_k b; moe__block_q3_k c; moe__block_q6_k d; } row;
                 x8_row_block(type, w, b, r, &row);
                 for (int j = 0; j < 8; j++) s += kq_term(rt, &row, j, &x[8 * b + j]);
             }
@@ -2265,6 +2293,65 @@ K2X8_KERNEL(dotq8_q2_k_vnni, dotq8x4_q2_k_vnni, MOE_VNNI, VNNI_DPB_256, 0)
 K2X8_KERNEL(dotq8_q3_k_vnni, dotq8x4_q3_k_vnni, MOE_VNNI, VNNI_DPB_256, 1)
 K2X8_KERNEL(dotq8_q2_k_avxvnni, dotq8x4_q2_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 0)
 K2X8_KERNEL(dotq8_q3_k_avxvnni, dotq8x4_q3_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 1)
+/* Q6_KX8: per half of a block and chunk c, one qh load serves its 4 sub-blocks and one ql load
+ * two of them (as the row kernel's q[0..3]): values 0..63 unsigned, 4 of 8 rows a 32-bit lane, into
+ * two int32 sums per row and sub-block (values 0..15, 16..31); then as Q3_KX8: less 32 sum(x) over
+ * each 16, times the 16s' scales, and the row kernel's float steps in hsum_avx2's order: each row
+ * bit for bit the Q6_K row kernel. One activation row takes a half's 4 sub-blocks in one pass over
+ * its chunks (8 int32 sums), 4 rows one sub-block a pass (the 4 rows' sums would not fit in the
+ * registers). NT (1 or 4) activation rows x + t xs blocks -> out[t * 8 + r]. */
+#define K6X8_KERNEL(name, name4, TGT, DPBA)                                                                                \
+    MOE_TARGET(TGT) static inline __attribute__((always_inline)) void name##_rows(const void *w, const moe__block_q8a *x, int64_t xs, \
+                                                                                  int64_t n, float *out, const int NT) { \
+        const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);               \
+        (void)ones;                                                                                                       \
+        const int KG = NT == 1 ? 4 : 1; /* sub-blocks of a half per pass */                                               \
+        __m256 acc[4][8];                                                                                                 \
+        for (int t = 0; t < 4; t++)                                                                                       \
+            for (int j = 0; j < 8; j++) acc[t][j] = _mm256_setzero_ps();                                                  \
+        for (int64_t i = 0; i < n / 256; i++) {                                                                           \
+            const moe__block_q6_kx8 *o = (const moe__block_q6_kx8 *)w + i;                                                \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->d));                      \
+            MOE_UNROLL4 for (int h = 0; h < 2; h++)                                                                       \
+                MOE_UNROLL4 for (int k0 = 0; k0 < 4; k0 += KG) {                                                          \
+                    __m256i s[4][4][2];                                                                                   \
+                    MOE_UNROLL4 for (int t = 0; t < NT; t++)                                                              \
+                        MOE_UNROLL4 for (int k = 0; k < KG; k++) s[t][k][0] = s[t][k][1] = _mm256_setzero_si256();        \
+                    MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                             \
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *)(const void *)(o->qh + 256 * h + 32 * c)); \
+                        MOE_UNROLL4 for (int kk = 0; kk < KG; kk++) {                                                     \
+                            const int k = k0 + kk;                                                                        \
+                            const __m256i l = _mm256_loadu_si256((const __m256i *)(const void *)(o->ql + 512 * h + 256 * (k & 1) + 32 * c)); \
+                            const __m256i lo = _mm256_and_si256(k < 2 ? l : _mm256_srli_epi16(l, 4), m4);                \
+                            const __m256i hi = k == 0 ? _mm256_slli_epi16(qh, 4) : k == 1 ? _mm256_slli_epi16(qh, 2) : k == 2 ? qh : _mm256_srli_epi16(qh, 2); \
+                            const __m256i v = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));                             \
+                            MOE_UNROLL4 for (int t = 0; t < NT; t++) DPBA(s[t][kk][c / 4], v, x[t * xs + 8 * i + 4 * h + k].qs + 4 * c); \
+                        }                                                                                                 \
+                    }                                                                                                     \
+                    MOE_UNROLL4 for (int kk = 0; kk < KG; kk++) {                                                         \
+                        const int j = 4 * h + k0 + kk;                                                                    \
+                        const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[2 * j])); \
+                        const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[2 * j + 1])); \
+                        MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                        \
+                            const moe__block_q8a *xb = &x[t * xs + 8 * i + j];                                            \
+                            const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;                                           \
+                            const __m256i a0 = _mm256_sub_epi32(s[t][kk][0], _mm256_set1_epi32(32 * h0));                 \
+                            const __m256i a1 = _mm256_sub_epi32(s[t][kk][1], _mm256_set1_epi32(32 * h1));                 \
+                            const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(a0, sc0), _mm256_mullo_epi32(a1, sc1));     \
+                            acc[t][j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(xb->d), d), _mm256_cvtepi32_ps(S), acc[t][j]); \
+                        }                                                                                                 \
+                    }                                                                                                     \
+                }                                                                                                         \
+        }                                                                                                                 \
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));          \
+    }                                                                                                                     \
+    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
+    MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
+#define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
+K6X8_KERNEL(dotq8_q6_k_avx2, dotq8x4_q6_k_avx2, "avx2,fma,f16c", DPBA_AVX2)
+#undef DPBA_AVX2
+K6X8_KERNEL(dotq8_q6_k_vnni, dotq8x4_q6_k_vnni, MOE_VNNI, VNNI_DPB_256)
+K6X8_KERNEL(dotq8_q6_k_avxvnni, dotq8x4_q6_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX)
 #define DPB_AVXVNNI(u, v) AVXVNNI_DPBUSD(_mm256_setzero_si256(), u, v)
 K4_KERNEL(dotq_q4_k_avxvnni, dotq4_q4_k_avxvnni, MOE_AVXVNNI, 0, DPB_AVXVNNI)
 K4_KERNEL(dotq_q5_k_avxvnni, dotq4_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
@@ -5174,6 +5261,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_avx2;
         k->dotq8[MOE_T_Q3_KX8] = dotq8_q3_k_avx2;
         k->dotq8x4[MOE_T_Q3_KX8] = dotq8x4_q3_k_avx2;
+        k->dotq8[MOE_T_Q6_KX8] = dotq8_q6_k_avx2;
+        k->dotq8x4[MOE_T_Q6_KX8] = dotq8x4_q6_k_avx2;
         k->dotq[MOE_T_Q6_K] = dotq_q6_k_avx2;
         k->dotq[MOE_T_Q2_K] = dotq_q2_k_avx2;
         k->dotq[MOE_T_Q3_K] = dotq_q3_k_avx2;
@@ -5226,6 +5315,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
             v->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_avxvnni;
             v->dotq8[MOE_T_Q3_KX8] = dotq8_q3_k_avxvnni;
             v->dotq8x4[MOE_T_Q3_KX8] = dotq8x4_q3_k_avxvnni;
+            v->dotq8[MOE_T_Q6_KX8] = dotq8_q6_k_avxvnni;
+            v->dotq8x4[MOE_T_Q6_KX8] = dotq8x4_q6_k_avxvnni;
             v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_avxvnni;
             v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_avxvnni;
             v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_avxvnni;
@@ -5278,6 +5369,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_vnni;
                 v->dotq8[MOE_T_Q3_KX8] = dotq8_q3_k_vnni;
                 v->dotq8x4[MOE_T_Q3_KX8] = dotq8x4_q3_k_vnni;
+                v->dotq8[MOE_T_Q6_KX8] = dotq8_q6_k_vnni;
+                v->dotq8x4[MOE_T_Q6_KX8] = dotq8x4_q6_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;

@@ -862,11 +862,11 @@ static void test_kquant_blocks(void) {
                 }
             }
     free(xa), free(dw), free(qa), free(w);
-    /* Q4_K, Q5_K, IQ4_XS, Q2_K and Q3_K interleaved 8 rows at a time: the reference gives each
-     * row's reference bit for bit, each level's kernels each row's 1-row kernel of that level bit
-     * for bit */
-    for (int ti = 0; ti < 15; ti++) {
-        static const int x8_types[5] = {3, 4, 9, 6, 7}; /* in kq_types */
+    /* Q4_K, Q5_K, IQ4_XS, Q2_K, Q3_K and Q6_K interleaved 8 rows at a time: the reference gives
+     * each row's reference bit for bit, each level's kernels each row's 1-row kernel of that level
+     * bit for bit */
+    for (int ti = 0; ti < 18; ti++) {
+        static const int x8_types[6] = {3, 4, 9, 6, 7, 5}; /* in kq_types */
         const int ni = ti % 3, kt = kq_types[x8_types[ti / 3]], xt = moe__x8_of(kt);
         const char *nm = kq_names[x8_types[ti / 3]];
         const int n = ni == 0 ? 256 : ni == 1 ? 2048 : 7168;
