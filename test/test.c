@@ -910,6 +910,73 @@ static void test_kquant_blocks(void) {
     }
 }
 
+/* Our block formats against ggml's own code: test/ggml/blocks.bin holds, per format, values and
+ * ggml's reference quantization of them, ggml's dequantization of that, random bytes and ggml's
+ * dequantization of those (scripts/ggml-blocks.c, built against ggml's ggml-quants.c; see
+ * test/ggml/README.md). Our decoder must give ggml's values (a zero's sign aside); our quantizer
+ * ggml's bytes where we claim its rounding (Q4_0 .. Q8_0), and elsewhere an RMS error on the same
+ * values near that of ggml's reference quantizer (no importance matrix): per stretch of 256 values
+ * (they differ in scale; one has an outlier) at most 1.15 times it (our Q2_K weighs an outlier
+ * less: 1.12 there, 0.92-0.97 on the others), on average over the stretches at most 1.03. */
+static void test_ggml_blocks(void) {
+    size_t len = 0, at = 0;
+    unsigned char *buf = (unsigned char *)read_all("test/ggml/blocks.bin", &len);
+    CHECK(buf != NULL);
+    if (!buf) return;
+    int records = 0;
+    while (at + 20 <= len) {
+        char name[9] = {0};
+        int32_t h[3];
+        memcpy(name, buf + at, 8), memcpy(h, buf + at + 8, 12);
+        at += 20;
+        const int gt = h[0], n = h[1], nb = h[2];
+        const int type = gt == 2 ? MOE_T_Q4_0 : gt == 3 ? MOE_T_Q4_1 : gt == 6 ? MOE_T_Q5_0 : gt == 7 ? MOE_T_Q5_1 : gt == 8 ? MOE_T_Q8_0
+                       : gt == 10 ? MOE_T_Q2_K : gt == 11 ? MOE_T_Q3_K : gt == 12 ? MOE_T_Q4_K : gt == 13 ? MOE_T_Q5_K : gt == 14 ? MOE_T_Q6_K
+                       : gt == 20 ? MOE_T_IQ4_NL : gt == 23 ? MOE_T_IQ4_XS : gt == 39 ? MOE_T_MXFP4_GGML : -1;
+        CHECKF(type >= 0 && n > 0 && n % 256 == 0 && at + (size_t)n * 12 + (size_t)nb * 2 <= len, "%s: record header", name);
+        if (type < 0 || n <= 0 || n % 256 || at + (size_t)n * 12 + (size_t)nb * 2 > len) break;
+        CHECKF(moe__row_bytes(type, n) == nb, "%s: %d bytes for %d values, ggml %d", name, (int)moe__row_bytes(type, n), n, nb);
+        float *x = malloc(sizeof(float) * (size_t)n * 3), *ours = x + n, *deq = x + 2 * n;
+        unsigned char *mine = malloc((size_t)nb);
+        const unsigned char *q = buf + at + sizeof(float) * (size_t)n, *r = q + nb + sizeof(float) * (size_t)n;
+        memcpy(x, buf + at, sizeof(float) * (size_t)n);
+        at = (size_t)(r - buf) + (size_t)nb + sizeof(float) * (size_t)n;
+        for (int part = 0; part < 2; part++) { /* ggml's quantization of x, then random bytes; each followed by ggml's values */
+            const unsigned char *bytes = part ? r : q;
+            memcpy(deq, bytes + nb, sizeof(float) * (size_t)n);
+            moe__row_to_f32(type, bytes, NULL, ours, n);
+            int bad = 0, first = -1;
+            for (int i = 0; i < n; i++)
+                if (ours[i] != deq[i] && !(isnan(ours[i]) && isnan(deq[i]))) bad++, first = first < 0 ? i : first;
+            CHECKF(!bad, "%s: %s: %d values differ from ggml's decoder, first %d: %g vs %g", name, part ? "random bytes" : "ggml's bytes", bad,
+                   first, first >= 0 ? ours[first] : 0, first >= 0 ? deq[first] : 0);
+        }
+        memcpy(deq, q + nb, sizeof(float) * (size_t)n); /* ggml's decode of its own bytes */
+        if (type != MOE_T_MXFP4_GGML) { /* (MXFP4 from floats is moe-convert's, not the library's) */
+            moe__quantize_row(type, x, mine, n);
+            if (type == MOE_T_Q4_0 || type == MOE_T_Q4_1 || type == MOE_T_Q5_0 || type == MOE_T_Q5_1 || type == MOE_T_Q8_0) {
+                CHECKF(!memcmp(mine, q, (size_t)nb), "%s: our quantizer's bytes are not ggml's", name);
+            } else {
+                moe__row_to_f32(type, mine, NULL, ours, n);
+                double mean = 0;
+                for (int s = 0; s < n / 256; s++) {
+                    double eo = 0, eg = 0;
+                    for (int i = 256 * s; i < 256 * (s + 1); i++)
+                        eo += (double)(ours[i] - x[i]) * (ours[i] - x[i]), eg += (double)(deq[i] - x[i]) * (deq[i] - x[i]);
+                    const double ratio = sqrt(eo / (eg + 1e-300));
+                    mean += ratio / (n / 256);
+                    CHECKF(ratio <= 1.15, "%s: values %d..: RMS error %g against ggml's %g", name, 256 * s, sqrt(eo / 256), sqrt(eg / 256));
+                }
+                CHECKF(mean <= 1.03, "%s: RMS error %.4f of ggml's reference quantizer's (mean of 4 stretches)", name, mean);
+            }
+        }
+        free(x), free(mine);
+        records++;
+    }
+    CHECKF(records == 13 && at == len, "%d records, %zu of %zu bytes read", records, at, len);
+    free(buf);
+}
+
 /* ---- JSON ------------------------------------------------------------------------------ */
 
 static void test_json(void) {
@@ -4552,6 +4619,7 @@ static const struct {
     {"act_levels", test_act_levels},
     {"quant_blocks", test_quant_blocks},
     {"kquant_blocks", test_kquant_blocks},
+    {"ggml_blocks", test_ggml_blocks},
     {"json", test_json},
     {"tokenizer_spec_pieces", test_tokenizer_spec_pieces},
     {"tokenizer_random_pieces", test_tokenizer_random_pieces},
