@@ -539,6 +539,8 @@ static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx,
     if (c->bos_token_id >= 0) kv_u32(b, "tokenizer.ggml.bos_token_id", (uint32_t)c->bos_token_id), mt->n_kv++;
     if (c->eos_token_id >= 0) kv_u32(b, "tokenizer.ggml.eos_token_id", (uint32_t)c->eos_token_id), mt->n_kv++;
     if (tok) write_vocab(mt, c, tok);
+    if (!tok && !random_vocab) /* no tokenizer: llama.cpp loads such a file only when told so ("none": ids only) */
+        kv_str(b, "tokenizer.ggml.model", "none"), mt->n_kv++;
     if (tok && !write_merges(mt, c, tok)) mt->b.oom = 1;
     else if (random_vocab) {
         /* a placeholder SPM ("llama") vocabulary, so other engines can load the benchmark file:

@@ -3616,6 +3616,16 @@ static void test_gguf_golden(void) {
         moe_model *m = open_path(out, 0, 1);
         if (m) CHECK(!strcmp(moe_model_get_info(m).format, "gguf"));
         moe_model_close(m);
+        /* no tokenizer in the checkpoint: the file says so as llama.cpp needs to load it */
+        moe__st_file f;
+        char err[256];
+        const moe_status fs = moe__gguf_open(&f, out, err, sizeof err);
+        CHECKF(fs == MOE_OK, "%s", err);
+        if (fs == MOE_OK) {
+            const moe__gguf_kv *kv = moe__gguf_get(&f, "tokenizer.ggml.model");
+            CHECK(kv && kv->type == MOE_GGUF_STRING && kv->n == 4 && !memcmp(kv->data, "none", 4));
+            moe__st_close(&f);
+        }
         remove(out);
     }
 }

@@ -1,0 +1,74 @@
+// Runs token ids through llama.cpp's CPU path, for scripts/llama-compare: the logits of every
+// position (--all) or the last, written as float32 rows to OUT, then N greedy decode steps;
+// prefill and decode timings on stderr. Built against llama.h (llama.cpp's public API).
+//   llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all]
+#include "llama.h"
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+static double secs(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+    return std::chrono::duration<double>(b - a).count();
+}
+
+int main(int argc, char **argv) {
+    if (argc < 5) {
+        fprintf(stderr, "usage: llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all]\n");
+        return 2;
+    }
+    const int threads = atoi(argv[4]), n_decode = argc > 5 ? atoi(argv[5]) : 0;
+    const bool all = argc > 6 && !strcmp(argv[6], "--all");
+    std::vector<llama_token> ids;
+    FILE *f = fopen(argv[2], "r");
+    if (!f) { perror(argv[2]); return 1; }
+    for (int v; fscanf(f, "%d", &v) == 1;) ids.push_back(v);
+    fclose(f);
+    if (ids.empty()) { fprintf(stderr, "%s: no token ids\n", argv[2]); return 1; }
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    llama_model *model = llama_model_load_from_file(argv[1], mp);
+    if (!model) { fprintf(stderr, "%s: llama.cpp could not load it\n", argv[1]); return 1; }
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = (uint32_t)(ids.size() + n_decode + 16);
+    cp.n_batch = (uint32_t)ids.size();
+    cp.n_threads = cp.n_threads_batch = threads;
+    llama_context *ctx = llama_init_from_model(model, cp);
+    if (!ctx) { fprintf(stderr, "llama.cpp could not make a context\n"); return 1; }
+    const int nv = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    llama_batch b = llama_batch_init((int32_t)ids.size(), 0, 1);
+    for (size_t i = 0; i < ids.size(); i++) {
+        b.token[i] = ids[i], b.pos[i] = (llama_pos)i, b.n_seq_id[i] = 1, b.seq_id[i][0] = 0;
+        b.logits[i] = all || i + 1 == ids.size();
+    }
+    b.n_tokens = (int32_t)ids.size();
+    const auto t0 = std::chrono::steady_clock::now();
+    if (llama_decode(ctx, b)) { fprintf(stderr, "llama_decode failed\n"); return 1; }
+    const auto t1 = std::chrono::steady_clock::now();
+    FILE *o = fopen(argv[3], "wb");
+    if (!o) { perror(argv[3]); return 1; }
+    for (size_t i = all ? 0 : ids.size() - 1; i < ids.size(); i++) fwrite(llama_get_logits_ith(ctx, (int32_t)i), 4, (size_t)nv, o);
+    if (fclose(o)) { perror(argv[3]); return 1; }
+    fprintf(stderr, "llama.cpp: prefill %zu tokens %.3f s = %.2f tok/s\n", ids.size(), secs(t0, t1), ids.size() / secs(t0, t1));
+    if (n_decode > 0) {
+        llama_token tok = 0;
+        const auto t2 = std::chrono::steady_clock::now();
+        for (int k = 0; k < n_decode; k++) {
+            const float *lg = llama_get_logits_ith(ctx, -1);
+            int best = 0;
+            for (int j = 1; j < nv; j++) best = lg[j] > lg[best] ? j : best;
+            tok = best;
+            printf("%d%c", best, k + 1 == n_decode ? '\n' : ' ');
+            llama_batch one = llama_batch_get_one(&tok, 1);
+            if (llama_decode(ctx, one)) { fprintf(stderr, "llama_decode failed\n"); return 1; }
+        }
+        const auto t3 = std::chrono::steady_clock::now();
+        fprintf(stderr, "llama.cpp: decode %d tokens %.3f s = %.2f tok/s\n", n_decode, secs(t2, t3), n_decode / secs(t2, t3));
+    }
+    llama_batch_free(b);
+    llama_free(ctx);
+    llama_model_free(model);
+    return 0;
+}
