@@ -1,7 +1,7 @@
 /* moe-convert: a Hugging Face checkpoint directory (or a benchmark shape) to one GGUF file, or to
  * a GGUF split into parts as llama.cpp splits them.
  *
- *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [--split-max-size SIZE]
+ *   moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE] [--split-max-size SIZE] [--alignment N]
  *   moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N] [--split-max-size SIZE]
  *
  * TYPE: f32, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs
@@ -44,7 +44,11 @@
 #include <omp.h>
 #endif
 
-#define ALIGN 4096
+/* general.alignment: 4096 by default (tensors start on page boundaries, for the expert cache's
+ * O_DIRECT reads); --alignment 32 for files that ggml's GGUF writer will copy (its writer pads
+ * to 32 bytes whatever the key says, so it would keep our 4096 and break the file) */
+#define ALIGN_MAX 4096
+static uint32_t gguf_align = ALIGN_MAX;
 #define CHUNK (64u << 20) /* output bytes buffered before a write */
 
 enum { SRC_MAT, SRC_VEC, SRC_ALOG, SRC_EXPERTS, SRC_K_B, SRC_V_B };
@@ -95,7 +99,9 @@ static int usage(const char *msg) {
                     "  --experts TYPE  routed experts: asis mxfp4 or any of those (asis)\n"
                     "  --split-max-size SIZE  parts of at most SIZE of tensor data (e.g. 48G, binary units), written as\n"
                     "                  OUT-00001-of-0000N.gguf ... as llama.cpp splits GGUF files (a larger tensor gets a part alone)\n"
-                    "  --no-tensor-first-split  the first part holds only the metadata (as llama.cpp's gguf-split option)\n");
+                    "  --no-tensor-first-split  the first part holds only the metadata (as llama.cpp's gguf-split option)\n"
+                    "  --alignment N   general.alignment (4096): 32 for a file that llama-quantize or another tool\n"
+                    "                  writing through ggml's GGUF writer will copy (that writer pads to 32 whatever the key says)\n");
     return 2;
 }
 
@@ -492,7 +498,7 @@ static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx,
     strcpy(mt->arch, k3 ? "kimi-k3" : "kimi-linear");
     kv_str(b, "general.architecture", mt->arch), mt->n_kv++;
     kv_str(b, "general.name", name), mt->n_kv++;
-    kv_u32(b, "general.alignment", ALIGN), mt->n_kv++;
+    kv_u32(b, "general.alignment", gguf_align), mt->n_kv++;
     kv_u32(b, K("block_count"), (uint32_t)c->n_layers);
     kv_u32(b, K("context_length"), (uint32_t)ctx);
     kv_u32(b, K("embedding_length"), (uint32_t)c->hidden_size);
@@ -586,7 +592,7 @@ static int assign_parts(plan *p, uint64_t max_bytes, int no_tensor_first) {
         int64_t rows = 1;
         for (int k = 1; k < t->nd; k++) rows *= t->ne[k];
         t->nbytes = (uint64_t)rows * (uint64_t)moe__row_bytes(t->type, t->ne[0]);
-        const uint64_t padded = (t->nbytes + ALIGN - 1) / ALIGN * ALIGN;
+        const uint64_t padded = (t->nbytes + gguf_align - 1) / gguf_align * gguf_align;
         if (max_bytes && used && used + padded > max_bytes) part++, used = 0;
         t->part = part;
         used += padded;
@@ -596,14 +602,14 @@ static int assign_parts(plan *p, uint64_t max_bytes, int no_tensor_first) {
 
 /* the header of part `part` of nparts: magic, version, counts, metadata (all of it in part 0; the
  * alignment in the others) and split.no / split.count / split.tensors.count when nparts > 1, the
- * part's tensor infos (offsets within its data section), padding to ALIGN */
+ * part's tensor infos (offsets within its data section), padding to gguf_align */
 static int build_header(buf *h, const meta *mt, plan *p, int part, int nparts, uint64_t *data_bytes) {
     uint64_t off = 0, n = 0;
     for (int i = 0; i < p->n; i++) {
         out_tensor *t = &p->t[i];
         if (t->part != part) continue;
         t->offset = off;
-        off = (off + t->nbytes + ALIGN - 1) / ALIGN * ALIGN;
+        off = (off + t->nbytes + gguf_align - 1) / gguf_align * gguf_align;
         n++;
     }
     *data_bytes = off;
@@ -612,7 +618,7 @@ static int build_header(buf *h, const meta *mt, plan *p, int part, int nparts, u
     put_u64(h, n);
     put_u64(h, (uint64_t)(part == 0 ? mt->n_kv : 1) + (nparts > 1 ? 3 : 0));
     if (part == 0) put(h, mt->b.b, mt->b.n);
-    else kv_u32(h, "general.alignment", ALIGN);
+    else kv_u32(h, "general.alignment", gguf_align);
     if (nparts > 1) {
         kv_u16(h, "split.no", (uint16_t)part);
         kv_u16(h, "split.count", (uint16_t)nparts);
@@ -627,8 +633,8 @@ static int build_header(buf *h, const meta *mt, plan *p, int part, int nparts, u
         put_u32(h, (uint32_t)ggml_id(t->type));
         put_u64(h, t->offset);
     }
-    static const unsigned char zero[ALIGN];
-    put(h, zero, (ALIGN - h->n % ALIGN) % ALIGN);
+    static const unsigned char zero[ALIGN_MAX];
+    put(h, zero, (gguf_align - h->n % gguf_align) % gguf_align);
     return !h->oom && !mt->b.oom;
 }
 
@@ -1223,8 +1229,12 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--seed") && more) seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
         else if (!strcmp(a, "--no-tensor-first-split")) no_tensor_first = 1;
-        else if (!strcmp(a, "--split-max-size") && more) {
-            if (!parse_size(argv[++i], &split_max) || split_max < ALIGN) return usage("--split-max-size needs a size such as 48G");
+        else if (!strcmp(a, "--alignment") && more) {
+            const long v = strtol(argv[++i], NULL, 10);
+            if (v < 32 || v > ALIGN_MAX || (v & (v - 1))) return usage("--alignment needs a power of two from 32 to 4096");
+            gguf_align = (uint32_t)v;
+        } else if (!strcmp(a, "--split-max-size") && more) {
+            if (!parse_size(argv[++i], &split_max) || split_max < gguf_align) return usage("--split-max-size needs a size such as 48G");
         }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else if (a[0] == '-') return usage("unknown or incomplete option");

@@ -3628,6 +3628,27 @@ static void test_gguf_golden(void) {
         }
         remove(out);
     }
+    /* --alignment 32 (for files ggml's writer will copy): the key says so and the tensors sit on 32 */
+    char dir[600], out[600];
+    snprintf(dir, sizeof dir, "%s/kimi", golden_dir());
+    snprintf(out, sizeof out, "%s/kimi32.gguf", tmp_root);
+    CHECK(convert(dir, out, "--dense f32 --alignment 32") == 0);
+    CHECK(convert_expect(dir, out, "--dense f32 --alignment 48", 2) == 2);
+    run_golden_path("kimi", out, 0, 1);
+    moe__st_file f;
+    char err[256];
+    const moe_status fs = moe__gguf_open(&f, out, err, sizeof err);
+    CHECKF(fs == MOE_OK, "%s", err);
+    if (fs == MOE_OK) {
+        const moe__gguf_kv *kv = moe__gguf_get(&f, "general.alignment");
+        uint32_t al = 0;
+        if (kv && kv->type == MOE_GGUF_U32) memcpy(&al, kv->data, 4);
+        int off32 = 0;
+        for (int t = 0; t < f.n_tensors; t++) off32 += ((const unsigned char *)f.tensors[t].data - (const unsigned char *)f.map) % 4096 != 0;
+        CHECKF(al == 32 && off32 > 0, "alignment %u, %d tensors off 4 KB", al, off32);
+        moe__st_close(&f);
+    }
+    remove(out);
 }
 
 /* mean |a - b| over n values */
