@@ -1761,12 +1761,13 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
         }                                                                                                                 \
         for (int t = 0; t < 4; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));                        \
     }
+/* AVX2's stand-in for dpbusd (the interleaved kernels' unsigned values times the broadcast
+ * activation dword at p): maddubs + madd, for values whose pair products fit int16 unsaturated */
 #define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
 K4X8_KERNEL(dotq8_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q4_kx8, 0, qs)
 K4X8X4_KERNEL(dotq8x4_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q4_kx8, 0, qs)
 K4X8_KERNEL(dotq8_q5_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q5_kx8, 1, qh)
 K4X8X4_KERNEL(dotq8x4_q5_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q5_kx8, 1, qh)
-#undef DPBA_AVX2
 
 /* Q6_K: values q - 32 signed, products by maddubs with |q - 32| and the activations' signs moved
  * (as mul_i8_avx2), each 16's pair sums times its 8-bit scale (madd) into int32: per sub-block
@@ -2167,6 +2168,10 @@ K4X8_KERNEL(dotq8_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q5_kx8, 1, qh)
 K4X8X4_KERNEL(dotq8x4_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q5_kx8, 1, qh)
 K4X8_KERNEL(dotq8_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8, 1, qh)
 K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8, 1, qh)
+/* the 1- and 4-activation-row kernels of an interleaved format, from its name##_rows(..., NT) */
+#define X8_ROW_FORMS(name, name4, TGT)                                                                                   \
+    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
+    MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
 /* IQ4_XSX8: the nibbles of a chunk to levels by one byte shuffle each, 4 values of 8 rows a 32-bit
  * lane; AVX2 multiplies the signed levels as mul_i8_avx2 does, the VNNI levels take them + 128
  * unsigned and subtract 128 sum(x). Per sub-block and row the exact int32 dot times ls - 32
@@ -2211,8 +2216,7 @@ K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8
         }                                                                                                                 \
         MOE_UNROLL4 for (int t = 0; t < NT; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));          \
     }                                                                                                                     \
-    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
-    MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
+    X8_ROW_FORMS(name, name4, TGT)
 #define IQ4_DOT_AVX2(acc, v, p)                                                                                           \
     ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(v, v),                          \
                                                                           _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(const void *)(p)), v)), ones)))
@@ -2283,12 +2287,9 @@ static inline int sum16_i8(const int8_t *p) { /* SSE2: bytes + 128 summed by psa
         }                                                                                                                 \
         MOE_UNROLL4 for (int t = 0; t < NT; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));          \
     }                                                                                                                     \
-    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
-    MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
-#define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
+    X8_ROW_FORMS(name, name4, TGT)
 K2X8_KERNEL(dotq8_q2_k_avx2, dotq8x4_q2_k_avx2, "avx2,fma,f16c", DPBA_AVX2, 0)
 K2X8_KERNEL(dotq8_q3_k_avx2, dotq8x4_q3_k_avx2, "avx2,fma,f16c", DPBA_AVX2, 1)
-#undef DPBA_AVX2
 K2X8_KERNEL(dotq8_q2_k_vnni, dotq8x4_q2_k_vnni, MOE_VNNI, VNNI_DPB_256, 0)
 K2X8_KERNEL(dotq8_q3_k_vnni, dotq8x4_q3_k_vnni, MOE_VNNI, VNNI_DPB_256, 1)
 K2X8_KERNEL(dotq8_q2_k_avxvnni, dotq8x4_q2_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 0)
@@ -2345,11 +2346,8 @@ K2X8_KERNEL(dotq8_q3_k_avxvnni, dotq8x4_q3_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX,
         }                                                                                                                 \
         MOE_UNROLL4 for (int t = 0; t < NT; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));          \
     }                                                                                                                     \
-    MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
-    MOE_TARGET(TGT) static void name4(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { name##_rows(w, x, xs, n, out, 4); }
-#define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
+    X8_ROW_FORMS(name, name4, TGT)
 K6X8_KERNEL(dotq8_q6_k_avx2, dotq8x4_q6_k_avx2, "avx2,fma,f16c", DPBA_AVX2)
-#undef DPBA_AVX2
 K6X8_KERNEL(dotq8_q6_k_vnni, dotq8x4_q6_k_vnni, MOE_VNNI, VNNI_DPB_256)
 K6X8_KERNEL(dotq8_q6_k_avxvnni, dotq8x4_q6_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX)
 #define DPB_AVXVNNI(u, v) AVXVNNI_DPBUSD(_mm256_setzero_si256(), u, v)
