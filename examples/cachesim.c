@@ -114,8 +114,13 @@ int main(int argc, char **argv) {
     }
     if (!model || !tokens || seqs < 1 || o.n_threads < 1 || !(half_life > 0)) return usage("-m and --tokens are required");
     int32_t *ids;
-    int n = read_ids(tokens, &ids);
-    if (n < seqs * 2) { fprintf(stderr, "moe-cachesim: %s: %s\n", tokens, n < 0 ? "not a readable list of token ids" : "too few ids"); return 1; }
+    const char *why;
+    int n = read_ids(tokens, &ids, &why);
+    if (n < seqs * 2) {
+        fprintf(stderr, "moe-cachesim: %s: %s\n", tokens, n < 0 ? why : "too few ids");
+        free(ids);
+        return 1;
+    }
     char err[512];
     moe_model *m = NULL;
     if (moe_model_open(&m, model, &o, err, sizeof err)) { fprintf(stderr, "moe-cachesim: %s\n", err); return 1; }

@@ -1,6 +1,7 @@
 /* files.h - reading whole input files for the example programs (not part of the runtime). */
 #ifndef MOE_EXAMPLES_FILES_H
 #define MOE_EXAMPLES_FILES_H
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,27 +30,56 @@ static inline char *slurp(const char *path, size_t *len) {
     return b;
 }
 
-/* Returns the number of ids read into *out (caller frees), or -1 when the file cannot be read,
- * is empty, or holds something that is not a token id in 0..INT32_MAX. */
-static inline int read_ids(const char *path, int32_t **out) {
+/* Reads whitespace-separated token ids (decimal, 0..INT32_MAX) from path into *out (caller
+ * frees; NULL when none). Returns how many (0 for an empty file), or -1 with *why saying what
+ * went wrong: the open's error, a read error, out of memory, or something not a token id. */
+static inline int read_ids(const char *path, int32_t **out, const char **why) {
+    *out = NULL;
     FILE *f = fopen(path, "r");
-    if (!f) return -1;
-    int n = 0, cap = 1024;
-    int32_t *ids = malloc(sizeof *ids * (size_t)cap);
-    long v;
-    int r;
-    while (ids && (r = fscanf(f, "%ld", &v)) == 1) {
-        if (v < 0 || v > INT32_MAX) { n = -1; break; }
-        if (n == cap) {
-            int32_t *nb = realloc(ids, sizeof *ids * (size_t)(cap *= 2));
-            if (!nb) { n = -1; break; }
-            ids = nb;
-        }
-        ids[n++] = (int32_t)v;
+    if (!f) {
+        *why = strerror(errno);
+        return -1;
     }
-    if (n >= 0 && !feof(f)) n = -1; /* stopped on something that is not a number */
+    int n = 0, cap = 0, len = 0;
+    int32_t *ids = NULL;
+    char word[64];
+    *why = NULL;
+    for (int c;;) {
+        c = fgetc(f);
+        if (c == EOF || c == ' ' || c == '\n' || c == '\t' || c == '\r') {
+            if (len) {
+                word[len] = 0, len = 0;
+                char *end;
+                errno = 0;
+                const long v = strtol(word, &end, 10);
+                if (*end || errno || v < 0 || v > INT32_MAX || word[0] == '+' || word[0] == '-') {
+                    *why = "not a list of non-negative token ids";
+                    break;
+                }
+                if (n == cap) {
+                    int32_t *nb = realloc(ids, sizeof *ids * (size_t)(cap = cap ? cap * 2 : 1024));
+                    if (!nb) {
+                        *why = "out of memory";
+                        break;
+                    }
+                    ids = nb;
+                }
+                ids[n++] = (int32_t)v;
+            }
+            if (c == EOF) break;
+        } else if (len < (int)sizeof word - 1) {
+            word[len++] = (char)c;
+        } else {
+            *why = "not a list of non-negative token ids";
+            break;
+        }
+    }
+    if (!*why && ferror(f)) *why = "read error";
     fclose(f);
-    if (n <= 0) { free(ids); return -1; }
+    if (*why) {
+        free(ids);
+        return -1;
+    }
     *out = ids;
     return n;
 }

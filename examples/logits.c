@@ -9,6 +9,7 @@
  * last line of stdout. Exit 0 on success, 1 on any error, 2 on usage errors. */
 #include "../moe.h"
 #include "cache_flags.h"
+#include "files.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -34,53 +35,6 @@ static int usage(const char *msg) {
             "  --kv-type f32|bf16|q8  MLA latent cache element (default f32)\n"
             "  --mxfp4 f32|int8  MXFP4 matrices times f32 input (default) or int8-quantized input\n");
     return 2;
-}
-
-/* Reads ids; returns count or -1 with a message. */
-static int read_ids(const char *path, int32_t **out) {
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        fprintf(stderr, "moe-logits: %s: %s\n", path, strerror(errno));
-        return -1;
-    }
-    int n = 0, cap = 0;
-    int32_t *ids = NULL;
-    char word[64];
-    int c, len = 0, bad = 0;
-    for (;;) {
-        c = fgetc(f);
-        if (c == EOF || c == ' ' || c == '\n' || c == '\t' || c == '\r') {
-            if (len) {
-                word[len] = 0;
-                char *end;
-                errno = 0;
-                long v = strtol(word, &end, 10);
-                if (*end || errno || v < 0 || v > INT32_MAX) { bad = 1; break; }
-                if (n == cap) {
-                    cap = cap ? cap * 2 : 1024;
-                    int32_t *nb = realloc(ids, sizeof *ids * (size_t)cap);
-                    if (!nb) { bad = 2; break; }
-                    ids = nb;
-                }
-                ids[n++] = (int32_t)v;
-                len = 0;
-            }
-            if (c == EOF) break;
-        } else {
-            if (len >= (int)sizeof word - 1) { word[len] = 0; bad = 1; break; }
-            word[len++] = (char)c;
-        }
-    }
-    int ioerr = ferror(f);
-    fclose(f);
-    if (bad || ioerr) {
-        fprintf(stderr, "moe-logits: %s: %s\n", path,
-                ioerr ? "read error" : bad == 2 ? "out of memory" : "not a list of non-negative token ids");
-        free(ids);
-        return -1;
-    }
-    *out = ids;
-    return n;
 }
 
 static int write_floats(FILE *f, const float *x, size_t n) {
@@ -128,8 +82,12 @@ int main(int argc, char **argv) {
     if (!model || !tokens) return usage("-m and --tokens are required");
 
     int32_t *ids = NULL;
-    int n = read_ids(tokens, &ids);
-    if (n < 0) return 1;
+    const char *why;
+    int n = read_ids(tokens, &ids, &why);
+    if (n < 0) {
+        fprintf(stderr, "moe-logits: %s: %s\n", tokens, why);
+        return 1;
+    }
     if (n == 0) {
         fprintf(stderr, "moe-logits: %s: no token ids\n", tokens);
         return 1;

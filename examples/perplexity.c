@@ -118,9 +118,11 @@ int main(int argc, char **argv) {
     }
     if (!model || !tokens) return usage("-m and --tokens are required");
     int32_t *ids;
-    int n = read_ids(tokens, &ids);
+    const char *why;
+    int n = read_ids(tokens, &ids, &why);
     if (n < 2) {
-        fprintf(stderr, "moe-perplexity: %s: need at least two token ids (%s)\n", tokens, n < 0 ? strerror(errno) : "too few");
+        fprintf(stderr, "moe-perplexity: %s: %s\n", tokens, n < 0 ? why : "need at least two token ids");
+        free(ids);
         return 1;
     }
     moe_options ro = opt;

@@ -2497,8 +2497,8 @@ static void test_moe_logits_cli(void) {
     CHECK(run_cmd(cmd, out, sizeof out) == 0);
     snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/k3mx --tokens %s --kernels avx9000 2>&1", exe_dir, golden_dir(), idsf);
     CHECK(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "avx9000") && strstr(out, "this CPU runs scalar"));
-    const char *bad_ids[] = {"1 2 x", "1 -2", "99999999", "", "1 2 3.5"};
-    for (int i = 0; i < 5; i++) {
+    const char *bad_ids[] = {"1 2 x", "1 -2", "99999999", "", "1 2 3.5", "1 +2", "0x10"};
+    for (int i = 0; i < 7; i++) {
         FILE *f = fopen(idsf, "w");
         fputs(bad_ids[i], f);
         fclose(f);
