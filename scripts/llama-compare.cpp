@@ -2,6 +2,7 @@
 // position (--all) or the last, written as float32 rows to OUT, then N greedy decode steps;
 // prefill and decode timings on stderr. Built against llama.h (llama.cpp's public API).
 //   llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all]
+//   llama-compare-run --tokenize VOCAB.gguf TEXT_FILE
 #include "llama.h"
 #include <chrono>
 #include <cstdio>
@@ -13,7 +14,30 @@ static double secs(std::chrono::steady_clock::time_point a, std::chrono::steady_
     return std::chrono::duration<double>(b - a).count();
 }
 
+// --tokenize VOCAB.gguf TEXT_FILE: the ids of the file's bytes by llama.cpp's tokenizer (no
+// specials), space-separated on one line; VOCAB.gguf is loaded vocab_only
+static int tokenize(const char *vocab_path, const char *text_path) {
+    llama_backend_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.vocab_only = true;
+    llama_model *model = llama_model_load_from_file(vocab_path, mp);
+    if (!model) { fprintf(stderr, "%s: llama.cpp could not load it\n", vocab_path); return 1; }
+    FILE *f = fopen(text_path, "rb");
+    if (!f) { perror(text_path); return 1; }
+    std::vector<char> text;
+    char buf[65536];
+    for (size_t r; (r = fread(buf, 1, sizeof buf, f)) > 0;) text.insert(text.end(), buf, buf + r);
+    fclose(f);
+    std::vector<llama_token> ids(text.size() + 16);
+    const int n = llama_tokenize(llama_model_get_vocab(model), text.data(), (int32_t)text.size(), ids.data(), (int32_t)ids.size(), false, false);
+    if (n < 0) { fprintf(stderr, "llama_tokenize failed\n"); return 1; }
+    for (int i = 0; i < n; i++) printf("%d%c", ids[i], i + 1 == n ? '\n' : ' ');
+    llama_model_free(model);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc == 4 && !strcmp(argv[1], "--tokenize")) return tokenize(argv[2], argv[3]);
     if (argc < 5) {
         fprintf(stderr, "usage: llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all]\n");
         return 2;
