@@ -938,6 +938,15 @@ static void iq4_xsx8_row(const moe__block_iq4_xsx8 *o, int r, moe__block_iq4_xs 
     }
 }
 
+/* The x8 layout of Q2_K, Q3_K and Q6_K bytes kept as stored: 4-byte chunk c of a row's field
+ * (bytes 4c .. 4c + 3) sits at 32c + 4r of the interleaved field, r the row (0..7) */
+static void chunks_to_x8(uint8_t *x8, const uint8_t *row, int r, int chunks) {
+    for (int c = 0; c < chunks; c++) memcpy(x8 + 32 * c + 4 * r, row + 4 * c, 4);
+}
+static void chunks_from_x8(uint8_t *row, const uint8_t *x8, int r, int chunks) {
+    for (int c = 0; c < chunks; c++) memcpy(row + 4 * c, x8 + 32 * c + 4 * r, 4);
+}
+
 /* row r's block back out of block b of an IQ4_XSX8, Q2_KX8, Q3_KX8 or Q6_KX8 matrix (the
  * reference multiplies rows as stored) */
 static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
@@ -946,10 +955,8 @@ static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
         moe__block_q6_k *k = out;
         k->d = o->d[r];
         for (int g = 0; g < 16; g++) k->scales[g] = o->sc[g][r];
-        for (int n = 0; n < 2; n++) {
-            for (int c = 0; c < 16; c++) memcpy(k->ql + 64 * n + 4 * c, o->ql + 512 * n + 32 * c + 4 * r, 4);
-            for (int c = 0; c < 8; c++) memcpy(k->qh + 32 * n + 4 * c, o->qh + 256 * n + 32 * c + 4 * r, 4);
-        }
+        chunks_from_x8(k->ql, o->ql, r, 32);
+        chunks_from_x8(k->qh, o->qh, r, 16);
         return;
     }
     if (type == MOE_T_Q2_KX8 || type == MOE_T_Q3_KX8) {
@@ -966,10 +973,9 @@ static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
             memset(k->scales, 0, 12);
             k->d = o->d[r], qs = o->qs, to = k->qs;
             for (int g = 0; g < 16; g++) q3k_put_scale(k->scales, g, o->sc[g][r] + 32);
-            for (int c = 0; c < 8; c++) memcpy(k->hmask + 4 * c, o->hm + 32 * c + 4 * r, 4);
+            chunks_from_x8(k->hmask, o->hm, r, 8);
         }
-        for (int n = 0; n < 2; n++)
-            for (int c = 0; c < 8; c++) memcpy(to + 32 * n + 4 * c, qs + 256 * n + 32 * c + 4 * r, 4);
+        chunks_from_x8(to, qs, r, 16);
         return;
     }
     iq4_xsx8_row((const moe__block_iq4_xsx8 *)w + b, r, out);
@@ -977,22 +983,20 @@ static void x8_row_block(int type, const void *w, int64_t b, int r, void *out) {
 
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols) {
     const unsigned char *src = rows8;
-    if (type == MOE_T_Q6_K) { /* chunk c of half n: bytes 64n + 4c .. + 3 of a row's ql, 32n + 4c .. + 3 of its qh, as stored */
+    if (type == MOE_T_Q6_K) { /* ql and qh in 4-byte chunks, as stored */
         for (int64_t b = 0; b < cols / 256; b++) {
             moe__block_q6_kx8 *o = (moe__block_q6_kx8 *)dst + b;
             for (int r = 0; r < 8; r++) {
                 const moe__block_q6_k *k = (const moe__block_q6_k *)(const void *)(src + r * row_bytes) + b;
                 o->d[r] = k->d;
                 for (int g = 0; g < 16; g++) o->sc[g][r] = k->scales[g];
-                for (int n = 0; n < 2; n++) {
-                    for (int c = 0; c < 16; c++) memcpy(o->ql + 512 * n + 32 * c + 4 * r, k->ql + 64 * n + 4 * c, 4);
-                    for (int c = 0; c < 8; c++) memcpy(o->qh + 256 * n + 32 * c + 4 * r, k->qh + 32 * n + 4 * c, 4);
-                }
+                chunks_to_x8(o->ql, k->ql, r, 32);
+                chunks_to_x8(o->qh, k->qh, r, 16);
             }
         }
         return;
     }
-    if (type == MOE_T_Q2_K || type == MOE_T_Q3_K) { /* chunk c of half n: bytes 32n + 4c .. + 3 of a row's qs (and hmask 4c ..), as stored */
+    if (type == MOE_T_Q2_K || type == MOE_T_Q3_K) { /* qs (and hmask) in 4-byte chunks, as stored */
         for (int64_t b = 0; b < cols / 256; b++) {
             for (int r = 0; r < 8; r++) {
                 const unsigned char *in = src + r * row_bytes + b * moe__row_bytes(type, 256);
@@ -1008,10 +1012,9 @@ void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_
                     moe__block_q3_kx8 *o = (moe__block_q3_kx8 *)dst + b;
                     o->d[r] = k->d, qs = o->qs, from = k->qs;
                     for (int g = 0; g < 16; g++) o->sc[g][r] = (int8_t)(q3k_scale(k->scales, g) - 32);
-                    for (int c = 0; c < 8; c++) memcpy(o->hm + 32 * c + 4 * r, k->hmask + 4 * c, 4);
+                    chunks_to_x8(o->hm, k->hmask, r, 8);
                 }
-                for (int n = 0; n < 2; n++)
-                    for (int c = 0; c < 8; c++) memcpy(qs + 256 * n + 32 * c + 4 * r, from + 32 * n + 4 * c, 4);
+                chunks_to_x8(qs, from, r, 16);
             }
         }
         return;
