@@ -581,6 +581,12 @@ static const struct { uint32_t id; int blk, bytes, type; } ggml_types[] = {
     {39, 32, 17, MOE_T_MXFP4_GGML},
 };
 
+int moe__type_of_ggml(uint32_t id) {
+    for (size_t k = 0; k < sizeof ggml_types / sizeof *ggml_types; k++)
+        if (ggml_types[k].id == id) return ggml_types[k].type;
+    return -1;
+}
+
 static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
     const char *path = f->path;
     moe_status st = MOE_OK;

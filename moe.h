@@ -683,6 +683,9 @@ moe_status moe__st_open(moe__st_file *f, const char *path, char *err, size_t err
 /* Opens and validates a GGUF v2/v3 file (same struct, same close). */
 moe_status moe__gguf_open(moe__st_file *f, const char *path, char *err, size_t errlen);
 const moe__gguf_kv *moe__gguf_get(const moe__st_file *f, const char *key);
+/* Our weight type of a ggml tensor type id, as the GGUF reader maps it; -1 for types it only
+ * sizes or does not know */
+int moe__type_of_ggml(uint32_t id);
 /* Parses a safetensors (gguf = 0) or GGUF (gguf = 1) image in memory; the bytes stay the
  * caller's and must outlive f. For fuzzing and tests. */
 moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size, int gguf, char *err, size_t errlen);
