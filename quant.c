@@ -1712,7 +1712,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                     DPBA(s0, lo, x0 + 4 * c);                                                                             \
                     DPBA(s1, hi, x1 + 4 * c);                                                                             \
                 }                                                                                                         \
-                for (int h = 0; h < 2; h++) {                                                                             \
+                MOE_UNROLL4 for (int h = 0; h < 2; h++) {                                                                 \
                     const int j = 2 * p + h;                                                                              \
                     const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[j]))), d); \
                     const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->m[j]))), dm); \
@@ -1750,7 +1750,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                         DPBA(s[t][1], hi, xt[2 * p + 1].qs + 4 * c);                                                      \
                     }                                                                                                     \
                 }                                                                                                         \
-                for (int h = 0; h < 2; h++) {                                                                             \
+                MOE_UNROLL4 for (int h = 0; h < 2; h++) {                                                                 \
                     const int j = 2 * p + h;                                                                              \
                     const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[j]))), d); \
                     const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->m[j]))), dm); \
@@ -2206,7 +2206,7 @@ K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8
                         DOT(s[t][1], hi, x[t * xs + 8 * i + 2 * p + 1].qs + 4 * c);                                       \
                     }                                                                                                     \
                 }                                                                                                         \
-                for (int h = 0; h < 2; h++) {                                                                             \
+                MOE_UNROLL4 for (int h = 0; h < 2; h++) {                                                                 \
                     const int j = 2 * p + h;                                                                              \
                     const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[j]));  \
                     MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                            \
@@ -2599,6 +2599,70 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     }
     VNNI_X4X2_STORE();
 }
+
+/* Q4_KX8 and Q5_KX8, two adjacent groups (16 rows) times 4 activation rows in 512-bit registers,
+ * group A in the low half and B in the high half: each lane takes the 4-row kernel's steps
+ * (K4X8X4_KERNEL: the same integer sums, scales, float operations and final order of sums), so
+ * out[t * 16 + i] is bit for bit the level's dotq8 for row i of A (i < 8) or B */
+/* the two groups' 8 fp16 values at field F of their blocks as 16 floats */
+#define PAIR_F16(pa, pb) _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(pa))), \
+                                                                 _mm_loadu_si128((const __m128i *)(const void *)(pb)), 1))
+/* the two groups' 8 unsigned bytes at pa and pb as 16 floats */
+#define PAIR_U8(pa, pb) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(pa)), \
+                                                                                     _mm_loadl_epi64((const __m128i *)(const void *)(pb)))))
+/* the lane sums of the 8 sub-block accumulators in sum8_hsum_order_avx2's order */
+#define SUM8_HSUM_ORDER_512(a)                                                                                     \
+    _mm512_add_ps(_mm512_add_ps(_mm512_add_ps((a)[0], (a)[4]), _mm512_add_ps((a)[2], (a)[6])),                      \
+                  _mm512_add_ps(_mm512_add_ps((a)[1], (a)[5]), _mm512_add_ps((a)[3], (a)[7])))
+#define K4X8X4X2_KERNEL(name, BLK, FIVE)                                                                           \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        const BLK *oa = w, *ob = oa + n / 256;                                                                     \
+        const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);                                        \
+        (void)one;                                                                                                 \
+        __m512 acc[4][8];                                                                                          \
+        for (int t = 0; t < 4; t++)                                                                                \
+            for (int j = 0; j < 8; j++) acc[t][j] = _mm512_setzero_ps();                                           \
+        for (int64_t i = 0; i < n / 256; i++) {                                                                    \
+            const BLK *a = oa + i, *b = ob + i;                                                                    \
+            const __m512 d = PAIR_F16(a->d, b->d), dm = PAIR_F16(a->dmin, b->dmin);                                \
+            for (int p = 0; p < 4; p++) {                                                                          \
+                __m512i s[4][2];                                                                                   \
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();                \
+                MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                          \
+                    const __m512i v = PAIR256(a->qs + p * 256 + 32 * c, b->qs + p * 256 + 32 * c);                 \
+                    __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);      \
+                    if (FIVE) {                                                                                    \
+                        const __m512i hb = PAIR256(((const moe__block_q5_kx8 *)(const void *)a)->qh + 32 * c,      \
+                                                   ((const moe__block_q5_kx8 *)(const void *)b)->qh + 32 * c);     \
+                        lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * p), one), 4)); \
+                        hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * p + 1), one), 4)); \
+                    }                                                                                              \
+                    MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                      \
+                        const moe__block_q8a *xt = x + t * xs + 8 * i;                                             \
+                        VNNI_DPB_512(s[t][0], lo, xt[2 * p].qs + 4 * c);                                           \
+                        VNNI_DPB_512(s[t][1], hi, xt[2 * p + 1].qs + 4 * c);                                       \
+                    }                                                                                              \
+                }                                                                                                  \
+                MOE_UNROLL4 for (int h = 0; h < 2; h++) {                                                          \
+                    const int j = 2 * p + h;                                                                       \
+                    const __m512 sc = _mm512_mul_ps(PAIR_U8(a->sc[j], b->sc[j]), d);                               \
+                    const __m512 mn = _mm512_mul_ps(PAIR_U8(a->m[j], b->m[j]), dm);                                \
+                    MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                      \
+                        const moe__block_q8a *xj = x + t * xs + 8 * i + j;                                         \
+                        const __m512 tt = _mm512_fmsub_ps(sc, _mm512_cvtepi32_ps(s[t][h]), _mm512_mul_ps(mn, _mm512_set1_ps((float)xj->sum))); \
+                        acc[t][j] = _mm512_fmadd_ps(_mm512_set1_ps(xj->d), tt, acc[t][j]);                         \
+                    }                                                                                              \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));                  \
+    }
+K4X8X4X2_KERNEL(dotq8x4x2_q4_k_vnni, moe__block_q4_kx8, 0)
+K4X8X4X2_KERNEL(dotq8x4x2_q5_k_vnni, moe__block_q5_kx8, 1)
+#undef K4X8X4X2_KERNEL
+#undef SUM8_HSUM_ORDER_512
+#undef PAIR_U8
+#undef PAIR_F16
 #undef VNNI_BLOCK
 #undef VNNI_DPB_256
 #undef VNNI_DPB_512
@@ -5364,6 +5428,8 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8x4[MOE_T_Q4_KX8] = dotq8x4_q4_k_vnni;
                 v->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_vnni;
                 v->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_vnni;
+                v->dotq8x4x2[MOE_T_Q4_KX8] = dotq8x4x2_q4_k_vnni;
+                v->dotq8x4x2[MOE_T_Q5_KX8] = dotq8x4x2_q5_k_vnni;
                 v->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_vnni;
                 v->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_vnni;
                 v->dotq8[MOE_T_Q2_KX8] = dotq8_q2_k_vnni;

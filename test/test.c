@@ -905,6 +905,21 @@ static void test_kquant_blocks(void) {
                 lv[li].dotq8[xt](packed, xq4 + t * (n / 32 + 1), n, o8);
                 CHECKF(!memcmp(o8, o32 + 8 * t, sizeof o8), "%s %s x8 4-row kernel, row %d n %d", lv[li].isa, nm, t, n);
             }
+            if (!lv[li].dotq8x4x2[xt]) continue;
+            /* two adjacent groups, the second the first's rows in reverse order: the 2-group
+             * kernel gives each group's 4-row outputs bit for bit */
+            const int64_t gsz = moe__row_bytes(xt, n) * 8;
+            unsigned char *rev = malloc((size_t)rb * 8), *pair = malloc((size_t)gsz * 2);
+            for (int r = 0; r < 8; r++) memcpy(rev + r * rb, rows + (7 - r) * rb, (size_t)rb);
+            memcpy(pair, packed, (size_t)gsz);
+            moe__repack_x8(kt, rev, rb, NULL, pair + gsz, n);
+            float o64[64], ob[32];
+            lv[li].dotq8x4x2[xt](pair, xq4, n / 32 + 1, n, o64);
+            lv[li].dotq8x4[xt](pair + gsz, xq4, n / 32 + 1, n, ob);
+            for (int t = 0; t < 4; t++)
+                CHECKF(!memcmp(o64 + 16 * t, o32 + 8 * t, 32) && !memcmp(o64 + 16 * t + 8, ob + 8 * t, 32),
+                       "%s %s x8 two-group 4-row kernel, row %d n %d", lv[li].isa, nm, t, n);
+            free(rev), free(pair);
         }
         free(rows), free(packed), free(v), free(xq), free(xq4);
     }
