@@ -2607,6 +2607,8 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 /* the two groups' 8 fp16 values at field F of their blocks as 16 floats */
 #define PAIR_F16(pa, pb) _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(pa))), \
                                                                  _mm_loadu_si128((const __m128i *)(const void *)(pb)), 1))
+/* the two groups' 8 bytes at pa and pb as one 16-byte vector */
+#define PAIR64(pa, pb) _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(pa)), _mm_loadl_epi64((const __m128i *)(const void *)(pb)))
 /* the two groups' 8 unsigned bytes at pa and pb as 16 floats */
 #define PAIR_U8(pa, pb) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(pa)), \
                                                                                      _mm_loadl_epi64((const __m128i *)(const void *)(pb)))))
@@ -2659,9 +2661,147 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     }
 K4X8X4X2_KERNEL(dotq8x4x2_q4_k_vnni, moe__block_q4_kx8, 0)
 K4X8X4X2_KERNEL(dotq8x4x2_q5_k_vnni, moe__block_q5_kx8, 1)
+/* IQ4_XSX8 likewise, each lane the steps of IQ4X8_KERNEL's 4-row form (levels + 128 as unsigned
+ * bytes, 128 sum(x) taken off, times ls - 32 by mullo, then the float steps) */
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_iq4_xs_vnni(const void *w, const moe__block_q8a *x, int64_t xs,
+                                                                                                   int64_t n, float *out) {
+    const moe__block_iq4_xsx8 *oa = w, *ob = oa + n / 256;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i kv = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)moe__iq4nl_values)), _mm512_set1_epi8((char)128));
+    __m512 acc[4][8];
+    for (int t = 0; t < 4; t++)
+        for (int j = 0; j < 8; j++) acc[t][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const moe__block_iq4_xsx8 *a = oa + i, *b = ob + i;
+        const __m512 d = PAIR_F16(a->d, b->d);
+        for (int p = 0; p < 4; p++) {
+            __m512i s[4][2];
+            MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
+            MOE_UNROLL8 for (int c = 0; c < 8; c++) {
+                const __m512i v = PAIR256(a->qs + p * 256 + 32 * c, b->qs + p * 256 + 32 * c);
+                const __m512i lo = _mm512_shuffle_epi8(kv, _mm512_and_si512(v, m4));
+                const __m512i hi = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) {
+                    VNNI_DPB_512(s[t][0], lo, x[t * xs + 8 * i + 2 * p].qs + 4 * c);
+                    VNNI_DPB_512(s[t][1], hi, x[t * xs + 8 * i + 2 * p + 1].qs + 4 * c);
+                }
+            }
+            MOE_UNROLL4 for (int h = 0; h < 2; h++) {
+                const int j = 2 * p + h;
+                const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)a->sc[j]),
+                                                                           _mm_loadl_epi64((const __m128i *)(const void *)b->sc[j])));
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) {
+                    const moe__block_q8a *xb = &x[t * xs + 8 * i + j];
+                    const __m512i dot = _mm512_sub_epi32(s[t][h], _mm512_set1_epi32(128 * xb->sum));
+                    acc[t][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(xb->d), d), _mm512_cvtepi32_ps(_mm512_mullo_epi32(dot, sc)), acc[t][j]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
+}
+/* Q2_KX8 and Q3_KX8 likewise, each lane the steps of K2X8_KERNEL's 4-row form */
+#define K2X8X4X2_KERNEL(name, THREE)                                                                               \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        const moe__block_q2_kx8 *a2 = w, *b2 = a2 + n / 256;                                                       \
+        const moe__block_q3_kx8 *a3 = w, *b3 = a3 + n / 256;                                                       \
+        const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), m15 = _mm512_set1_epi32(15);            \
+        (void)four, (void)m15;                                                                                     \
+        __m512 acc[4][8];                                                                                          \
+        for (int t = 0; t < 4; t++)                                                                                \
+            for (int j = 0; j < 8; j++) acc[t][j] = _mm512_setzero_ps();                                           \
+        for (int64_t i = 0; i < n / 256; i++) {                                                                    \
+            const uint8_t *qa = THREE ? a3[i].qs : a2[i].qs, *qb = THREE ? b3[i].qs : b2[i].qs;                    \
+            const __m512 d = THREE ? PAIR_F16(a3[i].d, b3[i].d) : PAIR_F16(a2[i].d, b2[i].d);                      \
+            const __m512 dmin = THREE ? d : PAIR_F16(a2[i].dmin, b2[i].dmin);                                      \
+            MOE_UNROLL8 for (int j = 0; j < 8; j++) {                                                              \
+                __m512i s[4][2];                                                                                   \
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();                \
+                MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                          \
+                    const int at = 256 * (j / 4) + 32 * c;                                                         \
+                    __m512i v = _mm512_and_si512(_mm512_srli_epi16(PAIR256(qa + at, qb + at), 2 * (j % 4)), m3);   \
+                    if (THREE) { /* bit j of the hmask byte to bit 2 */                                            \
+                        const __m512i hm = PAIR256(a3[i].hm + 32 * c, b3[i].hm + 32 * c);                          \
+                        v = _mm512_or_si512(v, _mm512_and_si512(j < 2 ? _mm512_slli_epi16(hm, 2 - j) : j > 2 ? _mm512_srli_epi16(hm, j - 2) : hm, four)); \
+                    }                                                                                              \
+                    MOE_UNROLL4 for (int t = 0; t < 4; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c); \
+                }                                                                                                  \
+                __m512i sc0, sc1, mn0 = _mm512_setzero_si512(), mn1 = mn0;                                         \
+                if (THREE) {                                                                                       \
+                    sc0 = _mm512_cvtepi8_epi32(PAIR64(a3[i].sc[2 * j], b3[i].sc[2 * j]));                          \
+                    sc1 = _mm512_cvtepi8_epi32(PAIR64(a3[i].sc[2 * j + 1], b3[i].sc[2 * j + 1]));                  \
+                } else {                                                                                           \
+                    const __m512i e0 = _mm512_cvtepu8_epi32(PAIR64(a2[i].sc[2 * j], b2[i].sc[2 * j]));             \
+                    const __m512i e1 = _mm512_cvtepu8_epi32(PAIR64(a2[i].sc[2 * j + 1], b2[i].sc[2 * j + 1]));     \
+                    sc0 = _mm512_and_si512(e0, m15), sc1 = _mm512_and_si512(e1, m15);                              \
+                    mn0 = _mm512_srli_epi32(e0, 4), mn1 = _mm512_srli_epi32(e1, 4);                                \
+                }                                                                                                  \
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                          \
+                    const moe__block_q8a *xb = &x[t * xs + 8 * i + j];                                             \
+                    const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;                                            \
+                    __m512i e0 = s[t][0], e1 = s[t][1];                                                            \
+                    if (THREE) e0 = _mm512_sub_epi32(e0, _mm512_set1_epi32(4 * h0)), e1 = _mm512_sub_epi32(e1, _mm512_set1_epi32(4 * h1)); \
+                    const __m512i S = _mm512_add_epi32(_mm512_mullo_epi32(e0, sc0), _mm512_mullo_epi32(e1, sc1));  \
+                    if (THREE) {                                                                                   \
+                        acc[t][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(xb->d), d), _mm512_cvtepi32_ps(S), acc[t][j]); \
+                    } else {                                                                                       \
+                        const __m512i Sm = _mm512_add_epi32(_mm512_mullo_epi32(mn0, _mm512_set1_epi32(h0)), _mm512_mullo_epi32(mn1, _mm512_set1_epi32(h1))); \
+                        acc[t][j] = _mm512_fmadd_ps(_mm512_set1_ps(xb->d), _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(S), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(Sm))), acc[t][j]); \
+                    }                                                                                              \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));                  \
+    }
+K2X8X4X2_KERNEL(dotq8x4x2_q2_k_vnni, 0)
+K2X8X4X2_KERNEL(dotq8x4x2_q3_k_vnni, 1)
+#undef K2X8X4X2_KERNEL
+/* Q6_KX8 likewise, each lane the steps of K6X8_KERNEL's 4-row form (one sub-block a pass; 6-bit
+ * values as unsigned bytes, 32 sum(x) over each 16 taken off, times the 16s' scales by mullo, then
+ * the float steps) */
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_q6_k_vnni(const void *w, const moe__block_q8a *x, int64_t xs,
+                                                                                                 int64_t n, float *out) {
+    const moe__block_q6_kx8 *oa = w, *ob = oa + n / 256;
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc[4][8];
+    for (int t = 0; t < 4; t++)
+        for (int j = 0; j < 8; j++) acc[t][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n / 256; i++) {
+        const moe__block_q6_kx8 *a = oa + i, *b = ob + i;
+        const __m512 d = PAIR_F16(a->d, b->d);
+        MOE_UNROLL4 for (int h = 0; h < 2; h++)
+            MOE_UNROLL4 for (int k = 0; k < 4; k++) {
+                const int j = 4 * h + k;
+                __m512i s[4][2];
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
+                MOE_UNROLL8 for (int c = 0; c < 8; c++) {
+                    const __m512i qh = PAIR256(a->qh + 256 * h + 32 * c, b->qh + 256 * h + 32 * c);
+                    const __m512i l = PAIR256(a->ql + 512 * h + 256 * (k & 1) + 32 * c, b->ql + 512 * h + 256 * (k & 1) + 32 * c);
+                    const __m512i lo = _mm512_and_si512(k < 2 ? l : _mm512_srli_epi16(l, 4), m4);
+                    const __m512i hi = k == 0 ? _mm512_slli_epi16(qh, 4) : k == 1 ? _mm512_slli_epi16(qh, 2) : k == 2 ? qh : _mm512_srli_epi16(qh, 2);
+                    const __m512i v = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
+                    MOE_UNROLL4 for (int t = 0; t < 4; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c);
+                }
+                const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)a->sc[2 * j]),
+                                                                            _mm_loadl_epi64((const __m128i *)(const void *)b->sc[2 * j])));
+                const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)a->sc[2 * j + 1]),
+                                                                            _mm_loadl_epi64((const __m128i *)(const void *)b->sc[2 * j + 1])));
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) {
+                    const moe__block_q8a *xb = &x[t * xs + 8 * i + j];
+                    const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;
+                    const __m512i a0 = _mm512_sub_epi32(s[t][0], _mm512_set1_epi32(32 * h0));
+                    const __m512i a1 = _mm512_sub_epi32(s[t][1], _mm512_set1_epi32(32 * h1));
+                    const __m512i S = _mm512_add_epi32(_mm512_mullo_epi32(a0, sc0), _mm512_mullo_epi32(a1, sc1));
+                    acc[t][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(xb->d), d), _mm512_cvtepi32_ps(S), acc[t][j]);
+                }
+            }
+    }
+    for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
+}
 #undef K4X8X4X2_KERNEL
 #undef SUM8_HSUM_ORDER_512
 #undef PAIR_U8
+#undef PAIR64
 #undef PAIR_F16
 #undef VNNI_BLOCK
 #undef VNNI_DPB_256
@@ -5432,12 +5572,16 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8x4x2[MOE_T_Q5_KX8] = dotq8x4x2_q5_k_vnni;
                 v->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_vnni;
                 v->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_vnni;
+                v->dotq8x4x2[MOE_T_IQ4_XSX8] = dotq8x4x2_iq4_xs_vnni;
                 v->dotq8[MOE_T_Q2_KX8] = dotq8_q2_k_vnni;
                 v->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_vnni;
+                v->dotq8x4x2[MOE_T_Q2_KX8] = dotq8x4x2_q2_k_vnni;
                 v->dotq8[MOE_T_Q3_KX8] = dotq8_q3_k_vnni;
                 v->dotq8x4[MOE_T_Q3_KX8] = dotq8x4_q3_k_vnni;
+                v->dotq8x4x2[MOE_T_Q3_KX8] = dotq8x4x2_q3_k_vnni;
                 v->dotq8[MOE_T_Q6_KX8] = dotq8_q6_k_vnni;
                 v->dotq8x4[MOE_T_Q6_KX8] = dotq8x4_q6_k_vnni;
+                v->dotq8x4x2[MOE_T_Q6_KX8] = dotq8x4x2_q6_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
