@@ -1691,7 +1691,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p), one), 4));             \
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * p + 1), one), 4));         \
     }
-#define K4X8_KERNEL(name, TGT, DPBA, BLK, FIVE, QH)                                                                                       \
+#define K4X8_KERNEL(name, TGT, DPBA, SUMS, BLK, FIVE, QH)                                                               \
     MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) {                   \
         const BLK *o = w;                                                                                                 \
         const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), one = _mm256_set1_epi8(1);                  \
@@ -1716,7 +1716,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                     const int j = 2 * p + h;                                                                              \
                     const __m256 sc = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->sc[j]))), d); \
                     const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->m[j]))), dm); \
-                    const __m256 t = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(h ? s1 : s0), _mm256_mul_ps(mn, _mm256_set1_ps((float)x[j].sum))); \
+                    const __m256 t = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(SUMS(h ? s1 : s0)), _mm256_mul_ps(mn, _mm256_set1_ps((float)x[j].sum))); \
                     acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(x[j].d), t, acc[j]);                                          \
                 }                                                                                                         \
             }                                                                                                             \
@@ -1725,7 +1725,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
     }
 /* the same for 4 activation rows (x + t xs blocks) -> out[t * 8 + r], each row's float steps
  * those of the 1-row kernel (the weights decoded once for the 4; accumulators in memory) */
-#define K4X8X4_KERNEL(name, TGT, DPBA, BLK, FIVE, QH)                                                                                     \
+#define K4X8X4_KERNEL(name, TGT, DPBA, SUMS, BLK, FIVE, QH)                                                             \
     MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {       \
         const BLK *o = w;                                                                                                 \
         const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), one = _mm256_set1_epi8(1);                  \
@@ -1756,7 +1756,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
                     const __m256 mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)o->m[j]))), dm); \
                     MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                 \
                         const moe__block_q8a *xj = x + t * xs + 8 * i + j;                                                \
-                        const __m256 tt = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(s[t][h]), _mm256_mul_ps(mn, _mm256_set1_ps((float)xj->sum))); \
+                        const __m256 tt = _mm256_fmsub_ps(sc, _mm256_cvtepi32_ps(SUMS(s[t][h])), _mm256_mul_ps(mn, _mm256_set1_ps((float)xj->sum))); \
                         acc[t][j] = _mm256_fmadd_ps(_mm256_set1_ps(xj->d), tt, acc[t][j]);                                \
                     }                                                                                                     \
                 }                                                                                                         \
@@ -1767,10 +1767,17 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
 /* AVX2's stand-in for dpbusd (the interleaved kernels' unsigned values times the broadcast
  * activation dword at p): maddubs + madd, for values whose pair products fit int16 unsaturated */
 #define DPBA_AVX2(acc, u, p) ((acc) = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p))), ones)))
-K4X8_KERNEL(dotq8_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q4_kx8, 0, qs)
-K4X8X4_KERNEL(dotq8x4_q4_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q4_kx8, 0, qs)
-K4X8_KERNEL(dotq8_q5_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q5_kx8, 1, qh)
-K4X8X4_KERNEL(dotq8x4_q5_k_avx2, "avx2,fma,f16c", DPBA_AVX2, moe__block_q5_kx8, 1, qh)
+/* the same summed in int16 lanes (SUMS16_AVX2 widens them to int32 once, after the sub-block's
+ * chunks): exact where no lane can pass 32767, as in Q4_K's 8 chunks of values 0..15 (8 x 2 x 15 x
+ * 128 = 30720) and Q2_K/Q3_K's 4 of 0..7; one instruction fewer per chunk than DPBA_AVX2.
+ * SUMS32: the int32 sums of the other forms as they are. */
+#define DPBA16_AVX2(acc, u, p) ((acc) = _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, _mm256_set1_epi32(*(const int32_t *)(const void *)(p)))))
+#define SUMS16_AVX2(s) _mm256_madd_epi16(s, ones)
+#define SUMS32(s) (s)
+K4X8_KERNEL(dotq8_q4_k_avx2, "avx2,fma,f16c", DPBA16_AVX2, SUMS16_AVX2, moe__block_q4_kx8, 0, qs)
+K4X8X4_KERNEL(dotq8x4_q4_k_avx2, "avx2,fma,f16c", DPBA16_AVX2, SUMS16_AVX2, moe__block_q4_kx8, 0, qs)
+K4X8_KERNEL(dotq8_q5_k_avx2, "avx2,fma,f16c", DPBA_AVX2, SUMS32, moe__block_q5_kx8, 1, qh)
+K4X8X4_KERNEL(dotq8x4_q5_k_avx2, "avx2,fma,f16c", DPBA_AVX2, SUMS32, moe__block_q5_kx8, 1, qh)
 
 /* Q6_K: values q - 32 signed, products by maddubs with |q - 32| and the activations' signs moved
  * (as mul_i8_avx2), each 16's pair sums times its 8-bit scale (madd) into int32: per sub-block
@@ -2163,14 +2170,14 @@ MOE_TARGET("avx2,fma,f16c") static void dotq8_q8_0_avx2(const void *w, const moe
 #define VNNI_DPB_VEX(acc, u, p) ((acc) = AVXVNNI_DPBUSD(acc, u, _mm256_set1_epi32(*(const int32_t *)(p))))
 /* Q4_KX8 on the VNNI levels: the activation bytes broadcast from memory by the dpbusd itself
  * (EVEX) or by a broadcast before it (VEX) */
-K4X8_KERNEL(dotq8_q4_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q4_kx8, 0, qs)
-K4X8X4_KERNEL(dotq8x4_q4_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q4_kx8, 0, qs)
-K4X8_KERNEL(dotq8_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q4_kx8, 0, qs)
-K4X8X4_KERNEL(dotq8x4_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q4_kx8, 0, qs)
-K4X8_KERNEL(dotq8_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q5_kx8, 1, qh)
-K4X8X4_KERNEL(dotq8x4_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, moe__block_q5_kx8, 1, qh)
-K4X8_KERNEL(dotq8_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8, 1, qh)
-K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, moe__block_q5_kx8, 1, qh)
+K4X8_KERNEL(dotq8_q4_k_vnni, MOE_VNNI, VNNI_DPB_256, SUMS32, moe__block_q4_kx8, 0, qs)
+K4X8X4_KERNEL(dotq8x4_q4_k_vnni, MOE_VNNI, VNNI_DPB_256, SUMS32, moe__block_q4_kx8, 0, qs)
+K4X8_KERNEL(dotq8_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, SUMS32, moe__block_q4_kx8, 0, qs)
+K4X8X4_KERNEL(dotq8x4_q4_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, SUMS32, moe__block_q4_kx8, 0, qs)
+K4X8_KERNEL(dotq8_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, SUMS32, moe__block_q5_kx8, 1, qh)
+K4X8X4_KERNEL(dotq8x4_q5_k_vnni, MOE_VNNI, VNNI_DPB_256, SUMS32, moe__block_q5_kx8, 1, qh)
+K4X8_KERNEL(dotq8_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, SUMS32, moe__block_q5_kx8, 1, qh)
+K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, SUMS32, moe__block_q5_kx8, 1, qh)
 /* the 1- and 4-activation-row kernels of an interleaved format, from its name##_rows(..., NT) */
 #define X8_ROW_FORMS(name, name4, TGT)                                                                                   \
     MOE_TARGET(TGT) static void name(const void *w, const moe__block_q8a *x, int64_t n, float *out) { name##_rows(w, x, 0, n, out, 1); } \
@@ -2237,7 +2244,7 @@ static inline int sum16_i8(const int8_t *p) { /* SSE2: bytes + 128 summed by psa
     const __m128i s = _mm_sad_epu8(_mm_xor_si128(_mm_loadu_si128((const __m128i *)(const void *)p), _mm_set1_epi8((char)0x80)), _mm_setzero_si128());
     return _mm_cvtsi128_si32(s) + _mm_extract_epi16(s, 4) - 16 * 128;
 }
-#define K2X8_KERNEL(name, name4, TGT, DPBA, THREE)                                                                        \
+#define K2X8_KERNEL(name, name4, TGT, DPBA, SUMS, THREE)                                                                              \
     MOE_TARGET(TGT) static inline __attribute__((always_inline)) void name##_rows(const void *w, const moe__block_q8a *x, int64_t xs, \
                                                                                   int64_t n, float *out, const int NT) { \
         const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);                 \
@@ -2276,7 +2283,7 @@ static inline int sum16_i8(const int8_t *p) { /* SSE2: bytes + 128 summed by psa
                 MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                                \
                     const moe__block_q8a *xb = &x[t * xs + 8 * i + j];                                                    \
                     const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;                                                   \
-                    __m256i a0 = s[t][0], a1 = s[t][1];                                                                   \
+                    __m256i a0 = SUMS(s[t][0]), a1 = SUMS(s[t][1]);                                                                   \
                     if (THREE) a0 = _mm256_sub_epi32(a0, _mm256_set1_epi32(4 * h0)), a1 = _mm256_sub_epi32(a1, _mm256_set1_epi32(4 * h1)); \
                     const __m256i S = _mm256_add_epi32(_mm256_mullo_epi32(a0, sc0), _mm256_mullo_epi32(a1, sc1));         \
                     if (THREE) {                                                                                          \
@@ -2291,12 +2298,12 @@ static inline int sum16_i8(const int8_t *p) { /* SSE2: bytes + 128 summed by psa
         MOE_UNROLL4 for (int t = 0; t < NT; t++) _mm256_storeu_ps(out + 8 * t, sum8_hsum_order_avx2(acc[t]));          \
     }                                                                                                                     \
     X8_ROW_FORMS(name, name4, TGT)
-K2X8_KERNEL(dotq8_q2_k_avx2, dotq8x4_q2_k_avx2, "avx2,fma,f16c", DPBA_AVX2, 0)
-K2X8_KERNEL(dotq8_q3_k_avx2, dotq8x4_q3_k_avx2, "avx2,fma,f16c", DPBA_AVX2, 1)
-K2X8_KERNEL(dotq8_q2_k_vnni, dotq8x4_q2_k_vnni, MOE_VNNI, VNNI_DPB_256, 0)
-K2X8_KERNEL(dotq8_q3_k_vnni, dotq8x4_q3_k_vnni, MOE_VNNI, VNNI_DPB_256, 1)
-K2X8_KERNEL(dotq8_q2_k_avxvnni, dotq8x4_q2_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 0)
-K2X8_KERNEL(dotq8_q3_k_avxvnni, dotq8x4_q3_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, 1)
+K2X8_KERNEL(dotq8_q2_k_avx2, dotq8x4_q2_k_avx2, "avx2,fma,f16c", DPBA16_AVX2, SUMS16_AVX2, 0)
+K2X8_KERNEL(dotq8_q3_k_avx2, dotq8x4_q3_k_avx2, "avx2,fma,f16c", DPBA16_AVX2, SUMS16_AVX2, 1)
+K2X8_KERNEL(dotq8_q2_k_vnni, dotq8x4_q2_k_vnni, MOE_VNNI, VNNI_DPB_256, SUMS32, 0)
+K2X8_KERNEL(dotq8_q3_k_vnni, dotq8x4_q3_k_vnni, MOE_VNNI, VNNI_DPB_256, SUMS32, 1)
+K2X8_KERNEL(dotq8_q2_k_avxvnni, dotq8x4_q2_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, SUMS32, 0)
+K2X8_KERNEL(dotq8_q3_k_avxvnni, dotq8x4_q3_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, SUMS32, 1)
 /* Q6_KX8: per half of a block and chunk c, one qh load serves its 4 sub-blocks and one ql load
  * two of them (as the row kernel's q[0..3]): values 0..63 unsigned, 4 of 8 rows a 32-bit lane, into
  * two int32 sums per row and sub-block (values 0..15, 16..31); then as Q3_KX8: less 32 sum(x) over
