@@ -1572,29 +1572,48 @@ MOE_TARGET("avx2,fma") static inline __m256i nibbles32_avx2(const uint8_t *qs) {
     return _mm256_and_si256(_mm256_insertf128_si256(_mm256_castsi128_si256(r), _mm_srli_epi16(r, 4), 1), _mm256_set1_epi8(15));
 }
 
-MOE_TARGET("avx2,fma,f16c") static float dotq_q4_1_q5_avx2(int type, const void *w, const moe__block_q8a *x, int64_t n) {
+/* NT (1 or 4) activation rows x + t xs blocks -> out[t]: each block's values decoded once for
+ * the NT rows, each row's float steps those of the 1-row form (so the 4-row form gives each row
+ * bit for bit: prefill takes it) */
+MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void q4_1_q5_rows_avx2(int type, const void *w, const moe__block_q8a *x,
+                                                                                                int64_t xs, int64_t n, float *out, const int NT) {
     const __m256i ones = _mm256_set1_epi16(1), b4 = _mm256_set1_epi8(16);
-    __m256 acc = _mm256_setzero_ps();
-    float corr = 0;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    float corr[4] = {0, 0, 0, 0};
     for (int64_t i = 0; i < n / 32; i++) {
         const q32_fields f = q32_block(type, w, i);
         __m256i q = nibbles32_avx2(f.qs);
         if (type != MOE_T_Q4_1) q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes_avx2(f.qh), b4));
-        const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)x[i].qs);
-        const float dx = f16_avx(f.d) * x[i].d;
-        if (type == MOE_T_Q5_0) { /* q - 16 signed (as Q8_0's): the lanes hold the true partial sums, so terms that cancel leave no rounding */
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(dx), mul_i8_avx2(_mm256_sub_epi8(q, b4), xv), acc);
-            continue;
+        if (type == MOE_T_Q5_0) q = _mm256_sub_epi8(q, b4);
+        const float d = f16_avx(f.d), m = type == MOE_T_Q5_0 ? 0.0f : f16_avx(f.m);
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) {
+            const moe__block_q8a *xt = x + t * xs + i;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(const void *)xt->qs);
+            const float dx = d * xt->d;
+            if (type == MOE_T_Q5_0) { /* q - 16 signed (as Q8_0's): the lanes hold the true partial sums, so terms that cancel leave no rounding */
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx), mul_i8_avx2(q, xv), acc[t]);
+                continue;
+            }
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc[t]);
+            corr[t] += m * xt->d * (float)xt->sum;
         }
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(dx), _mm256_cvtepi32_ps(p), acc);
-        corr += f16_avx(f.m) * x[i].d * (float)x[i].sum;
     }
-    return hsum_avx2(acc) + corr;
+    MOE_UNROLL4 for (int t = 0; t < NT; t++) out[t] = hsum_avx2(acc[t]) + corr[t];
 }
-static float dotq_q4_1_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_avx2(MOE_T_Q4_1, w, x, n); }
-static float dotq_q5_0_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_avx2(MOE_T_Q5_0, w, x, n); }
-static float dotq_q5_1_avx2(const void *w, const moe__block_q8a *x, int64_t n) { return dotq_q4_1_q5_avx2(MOE_T_Q5_1, w, x, n); }
+#define Q4_1_Q5_FORMS(name, T)                                                                                     \
+    MOE_TARGET("avx2,fma,f16c") static float dotq_##name##_avx2(const void *w, const moe__block_q8a *x, int64_t n) { \
+        float r;                                                                                                   \
+        q4_1_q5_rows_avx2(T, w, x, 0, n, &r, 1);                                                                   \
+        return r;                                                                                                  \
+    }                                                                                                              \
+    MOE_TARGET("avx2,fma,f16c") static void dotq4_##name##_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        q4_1_q5_rows_avx2(T, w, x, xs, n, out, 4);                                                                 \
+    }
+Q4_1_Q5_FORMS(q4_1, MOE_T_Q4_1)
+Q4_1_Q5_FORMS(q5_0, MOE_T_Q5_0)
+Q4_1_Q5_FORMS(q5_1, MOE_T_Q5_1)
+#undef Q4_1_Q5_FORMS
 
 /* the 8 activation blocks' scales and sums of a 256-value block: each block's first 8 bytes
  * (d, sum) loaded as one, then the pairs split into two vectors in block order */
@@ -5458,6 +5477,9 @@ int moe__kernel_levels(moe__kernels *out, int max) {
         k->dotq[MOE_T_Q4_1] = dotq_q4_1_avx2;
         k->dotq[MOE_T_Q5_0] = dotq_q5_0_avx2;
         k->dotq[MOE_T_Q5_1] = dotq_q5_1_avx2;
+        k->dotq4[MOE_T_Q4_1] = dotq4_q4_1_avx2;
+        k->dotq4[MOE_T_Q5_0] = dotq4_q5_0_avx2;
+        k->dotq4[MOE_T_Q5_1] = dotq4_q5_1_avx2;
         k->dotq[MOE_T_Q4_K] = dotq_q4_k_avx2;
         k->dotq[MOE_T_Q5_K] = dotq_q5_k_avx2;
         k->dotq4[MOE_T_Q4_K] = dotq4_q4_k_avx2;
