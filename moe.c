@@ -2529,11 +2529,11 @@ static int mm_per(const moe__weight *W) {
     return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 || W->type == MOE_T_MXFP4X8 || is_kx8(W->type) ? 8 : MM_ROW_TILE;
 }
 
-/* weight rows per task of job j: an interleaved row group (two for prefill where the level has
- * the two-group kernel), or a tile */
+/* weight rows per task of job j: an interleaved row group (two where the level has the two-group
+ * kernel for the job's rows: 4 activation rows a pass for prefill, one for decode), or a tile */
 static int mm_task_rows(const moe_model *m, const mm_job *j) {
     if (mm_per(j->W) != 8) return MM_ROW_TILE;
-    return j->T >= 4 && m->k.dotq8x4x2[j->W->type] ? 16 : 8;
+    return (j->T >= 4 ? m->k.dotq8x4x2[j->W->type] != NULL : m->k.dotq8x2[j->W->type] != NULL) ? 16 : 8;
 }
 
 /* whether W is MXFP4 to be multiplied with quantized activations (MOE_FLAG_MXFP4_INT8) */
@@ -2549,7 +2549,10 @@ static int mm_quantized(const moe_model *m, const moe__weight *W) { return mm_pe
 static void x8_groups(const moe_model *m, const moe__weight *W, int64_t g0, int64_t g1, const moe__block_q8a *xq, float *y) {
     const int64_t gb = 8 * moe__row_bytes(W->type, W->cols);
     const unsigned char *base = W->data;
-    for (int64_t g = g0; g < g1; g++) m->k.dotq8[W->type](base + g * gb, xq, W->cols, y + 8 * (g - g0));
+    const moe__dotq8_fn two = m->k.dotq8x2[W->type]; /* two groups a call where the level has it */
+    int64_t g = g0;
+    for (; two && g + 2 <= g1; g += 2) two(base + g * gb, xq, W->cols, y + 8 * (g - g0));
+    for (; g < g1; g++) m->k.dotq8[W->type](base + g * gb, xq, W->cols, y + 8 * (g - g0));
 }
 
 /* y[i] = scale * (row row0 + i of W) . x for n rows: x as f32 for the float formats, as xq (x
@@ -2586,12 +2589,14 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
         const int64_t gb = 8 * moe__row_bytes(W->type, K);
         const int64_t per = mm_task_rows(m, j), ng = (N - r0 < per ? N - r0 : per) / 8; /* groups in this task */
         int t = 0;
-        if (ng == 2) /* prefill: two groups and 4 rows per pass */
+        if (ng == 2 && m->k.dotq8x4x2[W->type]) /* prefill: two groups and 4 rows per pass */
             for (; t + 4 <= T; t += 4) {
                 float o64[64];
                 m->k.dotq8x4x2[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, nb, K, o64);
                 for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(t + i) * N + r0, o64 + 16 * i, sizeof(float) * 16);
             }
+        if (ng == 2 && m->k.dotq8x2[W->type] && (T < 4 || m->k.dotq8x4x2[W->type])) /* decode, and prefill's last rows: two groups a pass */
+            for (; t < T; t++) x8_groups(m, W, r0 / 8, r0 / 8 + 2, j->xq + (int64_t)t * nb, j->y + (int64_t)t * N + r0);
         for (int64_t g = 0; g < ng; g++) {
             const int64_t rg = r0 + 8 * g;
             int tg = t;
@@ -2632,8 +2637,9 @@ static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, 
         while (u >= start[i + 1]) i++;
         const moe__weight *W = j[i].W;
         if (j[i].T == 1 && mm_per(W) == 8) { /* decode over an interleaved matrix: this job's groups in one loop (the calls mm_task makes) */
-            const int64_t end = start[i + 1] < u0 + n ? start[i + 1] : u0 + n, g0 = u - start[i];
-            x8_groups(m, W, g0, end - start[i], j[i].xq, j[i].y + 8 * g0);
+            const int64_t end = start[i + 1] < u0 + n ? start[i + 1] : u0 + n, per = mm_task_rows(m, &j[i]) / 8; /* groups a task */
+            const int64_t g0 = (u - start[i]) * per, g1 = (end - start[i]) * per < W->rows / 8 ? (end - start[i]) * per : W->rows / 8;
+            x8_groups(m, W, g0, g1, j[i].xq, j[i].y + 8 * g0);
             u = end;
         } else
             mm_task(m, &j[i], (u - start[i]) * mm_task_rows(m, &j[i])), u++;

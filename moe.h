@@ -556,6 +556,7 @@ typedef struct {
     float (*dotq_mxfp4)(const void *w, const uint8_t *scale, const moe__block_q8a *x, int64_t n);
     moe__quant_fn quant_q8a;        /* f32 row -> q8a blocks */
     moe__dotq8_fn dotq8[MOE_T_COUNT]; /* x8 row group . q8a row, for Q4_0X8 / Q8_0X8 / MXFP4X8 */
+    moe__dotq8_fn dotq8x2[MOE_T_COUNT]; /* two adjacent x8 groups (16 rows) . q8a row -> out[16], each dotq8's bit for bit */
     /* x8 row group . 4 q8a rows (x + t * xs blocks) -> out[t * 8 + i], each row bit for bit the
      * level's dotq8 (prefill; NULL where a level has none) */
     void (*dotq8x4[MOE_T_COUNT])(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out);

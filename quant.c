@@ -2727,8 +2727,8 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
 }
 /* Q2_KX8 and Q3_KX8 likewise, each lane the steps of K2X8_KERNEL's 4-row form */
-#define K2X8X4X2_KERNEL(name, THREE)                                                                               \
-    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+#define K2X8X4X2_KERNEL(name, name1, THREE)                                                                        \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static inline __attribute__((always_inline)) void name##_rows(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out, const int NT) { \
         const moe__block_q2_kx8 *a2 = w, *b2 = a2 + n / 256;                                                       \
         const moe__block_q3_kx8 *a3 = w, *b3 = a3 + n / 256;                                                       \
         const __m512i m3 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), m15 = _mm512_set1_epi32(15);            \
@@ -2739,10 +2739,14 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
         for (int64_t i = 0; i < n / 256; i++) {                                                                    \
             const uint8_t *qa = THREE ? a3[i].qs : a2[i].qs, *qb = THREE ? b3[i].qs : b2[i].qs;                    \
             const __m512 d = THREE ? PAIR_F16(a3[i].d, b3[i].d) : PAIR_F16(a2[i].d, b2[i].d);                      \
+            if (NT == 1) {                                                                                         \
+                if (THREE) prefetch_ahead_l2(a3 + i, sizeof *a3), prefetch_ahead_l2(b3 + i, sizeof *b3);           \
+                else prefetch_ahead_l2(a2 + i, sizeof *a2), prefetch_ahead_l2(b2 + i, sizeof *b2);                 \
+            }                                                                                                      \
             const __m512 dmin = THREE ? d : PAIR_F16(a2[i].dmin, b2[i].dmin);                                      \
             MOE_UNROLL8 for (int j = 0; j < 8; j++) {                                                              \
                 __m512i s[4][2];                                                                                   \
-                MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();                \
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();                \
                 MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                          \
                     const int at = 256 * (j / 4) + 32 * c;                                                         \
                     __m512i v = _mm512_and_si512(_mm512_srli_epi16(PAIR256(qa + at, qb + at), 2 * (j % 4)), m3);   \
@@ -2750,7 +2754,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
                         const __m512i hm = PAIR256(a3[i].hm + 32 * c, b3[i].hm + 32 * c);                          \
                         v = _mm512_or_si512(v, _mm512_and_si512(j < 2 ? _mm512_slli_epi16(hm, 2 - j) : j > 2 ? _mm512_srli_epi16(hm, j - 2) : hm, four)); \
                     }                                                                                              \
-                    MOE_UNROLL4 for (int t = 0; t < 4; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c); \
+                    MOE_UNROLL4 for (int t = 0; t < NT; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c); \
                 }                                                                                                  \
                 __m512i sc0, sc1, mn0 = _mm512_setzero_si512(), mn1 = mn0;                                         \
                 if (THREE) {                                                                                       \
@@ -2762,7 +2766,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
                     sc0 = _mm512_and_si512(e0, m15), sc1 = _mm512_and_si512(e1, m15);                              \
                     mn0 = _mm512_srli_epi32(e0, 4), mn1 = _mm512_srli_epi32(e1, 4);                                \
                 }                                                                                                  \
-                MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                          \
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                         \
                     const moe__block_q8a *xb = &x[t * xs + 8 * i + j];                                             \
                     const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;                                            \
                     __m512i e0 = s[t][0], e1 = s[t][1];                                                            \
@@ -2777,10 +2781,16 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
-        for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));                  \
+        MOE_UNROLL4 for (int t = 0; t < NT; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));      \
+    }                                                                                                              \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        name##_rows(w, x, xs, n, out, 4);                                                                          \
+    }                                                                                                              \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name1(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
+        name##_rows(w, x, 0, n, out, 1);                                                                           \
     }
-K2X8X4X2_KERNEL(dotq8x4x2_q2_k_vnni, 0)
-K2X8X4X2_KERNEL(dotq8x4x2_q3_k_vnni, 1)
+K2X8X4X2_KERNEL(dotq8x4x2_q2_k_vnni, dotq8x2_q2_k_vnni, 0)
+K2X8X4X2_KERNEL(dotq8x4x2_q3_k_vnni, dotq8x2_q3_k_vnni, 1)
 #undef K2X8X4X2_KERNEL
 /* Q6_KX8 likewise, each lane the steps of K6X8_KERNEL's 4-row form (one sub-block a pass; 6-bit
  * values as unsigned bytes, 32 sum(x) over each 16 taken off, times the 16s' scales by mullo, then
@@ -5605,9 +5615,11 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q2_KX8] = dotq8_q2_k_vnni;
                 v->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_vnni;
                 v->dotq8x4x2[MOE_T_Q2_KX8] = dotq8x4x2_q2_k_vnni;
+                v->dotq8x2[MOE_T_Q2_KX8] = dotq8x2_q2_k_vnni;
                 v->dotq8[MOE_T_Q3_KX8] = dotq8_q3_k_vnni;
                 v->dotq8x4[MOE_T_Q3_KX8] = dotq8x4_q3_k_vnni;
                 v->dotq8x4x2[MOE_T_Q3_KX8] = dotq8x4x2_q3_k_vnni;
+                v->dotq8x2[MOE_T_Q3_KX8] = dotq8x2_q3_k_vnni;
                 v->dotq8[MOE_T_Q6_KX8] = dotq8_q6_k_vnni;
                 v->dotq8x4[MOE_T_Q6_KX8] = dotq8x4_q6_k_vnni;
                 v->dotq8x4x2[MOE_T_Q6_KX8] = dotq8x4x2_q6_k_vnni;

@@ -914,6 +914,13 @@ static void test_kquant_blocks(void) {
             memcpy(pair, packed, (size_t)gsz);
             moe__repack_x8(kt, rev, rb, NULL, pair + gsz, n);
             float o64[64], ob[32];
+            if (lv[li].dotq8x2[xt]) { /* the one-row two-group kernel: each group's dotq8 */
+                float o16[16], oa8[8], ob8[8];
+                lv[li].dotq8x2[xt](pair, xq, n, o16);
+                lv[li].dotq8[xt](pair, xq, n, oa8);
+                lv[li].dotq8[xt](pair + gsz, xq, n, ob8);
+                CHECKF(!memcmp(o16, oa8, 32) && !memcmp(o16 + 8, ob8, 32), "%s %s x8 two-group 1-row kernel n %d", lv[li].isa, nm, n);
+            }
             lv[li].dotq8x4x2[xt](pair, xq4, n / 32 + 1, n, o64);
             lv[li].dotq8x4[xt](pair + gsz, xq4, n / 32 + 1, n, ob);
             for (int t = 0; t < 4; t++)
