@@ -2274,6 +2274,7 @@ static inline int sum16_i8(const int8_t *p) { /* SSE2: bytes + 128 summed by psa
         for (int64_t i = 0; i < n / 256; i++) {                                                                           \
             const moe__block_q2_kx8 *o2 = (const moe__block_q2_kx8 *)w + i;                                               \
             const moe__block_q3_kx8 *o3 = (const moe__block_q3_kx8 *)w + i;                                               \
+            if (NT == 1) { if (THREE) prefetch_ahead_l2(o3, sizeof *o3); else prefetch_ahead_l2(o2, sizeof *o2); }                 \
             const uint8_t *qs = THREE ? o3->qs : o2->qs;                                                                  \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(THREE ? o3->d : o2->d)));  \
             const __m256 dmin = THREE ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o2->dmin));  \
