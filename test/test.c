@@ -4215,7 +4215,14 @@ static void test_cache_faults(void) {
            (unsigned long long)st1.cache_misses);
     moe_session_free(s); /* sessions go before their model */
     moe_model_close(m);
-    m = open_cache("k3mx", 3 * 3264, 1); /* three experts: misses on every layer */
+    /* three experts: misses on every layer. No I/O threads: the step's own thread reads every
+     * unit, in an order that does not depend on timing, so the injected fault below always falls
+     * in the step that follows it (with I/O threads a clean-clone CI run once saw that step
+     * succeed and the fault land in the next one) */
+    o = moe_default_options();
+    o.expert_mode = MOE_EXPERTS_CACHE, o.prefetch = 0, o.io_threads = 0, o.expert_budget = 3 * 3264, o.n_threads = 1;
+    m = open_golden_with("k3mx", &o);
+    if (!m) { free(ids), free(ref), free(lg); return; }
     CHECK(moe_session_new(&s, m, 64, NULL, 0) == MOE_OK);
     q.s = s;
     CHECK(moe_step(m, &q, 1, &st2, NULL, 0) == MOE_OK);
