@@ -2589,14 +2589,14 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
         const int64_t gb = 8 * moe__row_bytes(W->type, K);
         const int64_t per = mm_task_rows(m, j), ng = (N - r0 < per ? N - r0 : per) / 8; /* groups in this task */
         int t = 0;
-        if (ng == 2 && m->k.dotq8x4x2[W->type]) /* prefill: two groups and 4 rows per pass */
+        if (ng == 2) { /* a two-group kernel's task (mm_task_rows): 4 rows per pass, then the rows left (decode's one) */
             for (; t + 4 <= T; t += 4) {
                 float o64[64];
                 m->k.dotq8x4x2[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, nb, K, o64);
                 for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(t + i) * N + r0, o64 + 16 * i, sizeof(float) * 16);
             }
-        if (ng == 2 && m->k.dotq8x2[W->type] && (T < 4 || m->k.dotq8x4x2[W->type])) /* decode, and prefill's last rows: two groups a pass */
             for (; t < T; t++) x8_groups(m, W, r0 / 8, r0 / 8 + 2, j->xq + (int64_t)t * nb, j->y + (int64_t)t * N + r0);
+        }
         for (int64_t g = 0; g < ng; g++) {
             const int64_t rg = r0 + 8 * g;
             int tg = t;

@@ -2571,8 +2571,9 @@ VNNI_X4_KERNELS(avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX)
         _mm512_storeu_ps(out + 32, _mm512_add_ps(a20, a21)), _mm512_storeu_ps(out + 48, _mm512_add_ps(a30, a31))
 /* 32 bytes at p (group A) and q (group B) as one register */
 #define PAIR256(p, q) _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p))), _mm256_loadu_si256((const __m256i *)(q)), 1)
-/* the two groups' 8 fp16 scales each as 16 floats */
-#define PAIR_SCALES(oa, ob) _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(oa).d)), _mm_loadu_si128((const __m128i *)(ob).d), 1))
+/* the two groups' 8 fp16 values at pa and pb (their scales) as 16 floats */
+#define PAIR_F16(pa, pb) _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(pa))), \
+                                                                 _mm_loadu_si128((const __m128i *)(const void *)(pb)), 1))
 /* as VNNI_X4_NIBBLE_CHUNKS for the two groups, A in the low halves and B in the high */
 #define VNNI_X4X2_NIBBLE_CHUNKS(DEC)                                                                               \
     const __m512i v0 = PAIR256(oa[b].qs, ob[b].qs), v1 = PAIR256(oa[b].qs + 32, ob[b].qs + 32);                    \
@@ -2590,7 +2591,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #define NIBBLES(v) _mm512_and_si512(v, m4)
         VNNI_X4X2_NIBBLE_CHUNKS(NIBBLES);
 #undef NIBBLES
-        const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
+        const __m512 dw = PAIR_F16(oa[b].d, ob[b].d);
         VNNI_ROWS4(512, VNNI_DPB_512, -8);
     }
     VNNI_X4X2_STORE();
@@ -2605,7 +2606,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #define QV(c) PAIR256(oa[b].qs + 32 * (c), ob[b].qs + 32 * (c))
         const __m512i u0 = QV(0), u1 = QV(1), u2 = QV(2), u3 = QV(3), u4 = QV(4), u5 = QV(5), u6 = QV(6), u7 = QV(7);
 #undef QV
-        const __m512 dw = PAIR_SCALES(oa[b], ob[b]);
+        const __m512 dw = PAIR_F16(oa[b].d, ob[b].d);
         VNNI_ROWS4(512, VNNI_DPB_512, -128);
     }
     VNNI_X4X2_STORE();
@@ -2632,14 +2633,10 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
  * group A in the low half and B in the high half: each lane takes the 4-row kernel's steps
  * (K4X8X4_KERNEL: the same integer sums, scales, float operations and final order of sums), so
  * out[t * 16 + i] is bit for bit the level's dotq8 for row i of A (i < 8) or B */
-/* the two groups' 8 fp16 values at field F of their blocks as 16 floats */
-#define PAIR_F16(pa, pb) _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(pa))), \
-                                                                 _mm_loadu_si128((const __m128i *)(const void *)(pb)), 1))
 /* the two groups' 8 bytes at pa and pb as one 16-byte vector */
 #define PAIR64(pa, pb) _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(pa)), _mm_loadl_epi64((const __m128i *)(const void *)(pb)))
 /* the two groups' 8 unsigned bytes at pa and pb as 16 floats */
-#define PAIR_U8(pa, pb) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)(pa)), \
-                                                                                     _mm_loadl_epi64((const __m128i *)(const void *)(pb)))))
+#define PAIR_U8(pa, pb) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(PAIR64(pa, pb)))
 /* the lane sums of the 8 sub-block accumulators in sum8_hsum_order_avx2's order */
 #define SUM8_HSUM_ORDER_512(a)                                                                                     \
     _mm512_add_ps(_mm512_add_ps(_mm512_add_ps((a)[0], (a)[4]), _mm512_add_ps((a)[2], (a)[6])),                      \
@@ -2716,8 +2713,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
             }
             MOE_UNROLL4 for (int h = 0; h < 2; h++) {
                 const int j = 2 * p + h;
-                const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)a->sc[j]),
-                                                                           _mm_loadl_epi64((const __m128i *)(const void *)b->sc[j])));
+                const __m512i sc = _mm512_cvtepi8_epi32(PAIR64(a->sc[j], b->sc[j]));
                 MOE_UNROLL4 for (int t = 0; t < 4; t++) {
                     const moe__block_q8a *xb = &x[t * xs + 8 * i + j];
                     const __m512i dot = _mm512_sub_epi32(s[t][h], _mm512_set1_epi32(128 * xb->sum));
@@ -2825,10 +2821,8 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
                     const __m512i v = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
                     MOE_UNROLL4 for (int t = 0; t < 4; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c);
                 }
-                const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)a->sc[2 * j]),
-                                                                            _mm_loadl_epi64((const __m128i *)(const void *)b->sc[2 * j])));
-                const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(const void *)a->sc[2 * j + 1]),
-                                                                            _mm_loadl_epi64((const __m128i *)(const void *)b->sc[2 * j + 1])));
+                const __m512i sc0 = _mm512_cvtepi8_epi32(PAIR64(a->sc[2 * j], b->sc[2 * j]));
+                const __m512i sc1 = _mm512_cvtepi8_epi32(PAIR64(a->sc[2 * j + 1], b->sc[2 * j + 1]));
                 MOE_UNROLL4 for (int t = 0; t < 4; t++) {
                     const moe__block_q8a *xb = &x[t * xs + 8 * i + j];
                     const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;
@@ -2845,7 +2839,6 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #undef SUM8_HSUM_ORDER_512
 #undef PAIR_U8
 #undef PAIR64
-#undef PAIR_F16
 #undef VNNI_BLOCK
 #undef VNNI_DPB_256
 #undef VNNI_DPB_512
@@ -2857,7 +2850,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #undef VNNI_X4X2_STORE
 #undef PAIR256
 #undef VNNI_X4X2_NIBBLE_CHUNKS
-#undef PAIR_SCALES
+#undef PAIR_F16
 
 /* the same for Q8_0x8, each chunk loaded once for the 4 rows */
 MOE_TARGET("avx2,fma,f16c") static void dotq8x4_q8_0_avx2(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) {
