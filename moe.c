@@ -3603,6 +3603,7 @@ static void cache_free(moe_model *m) {
 #define DIRECT_MIN (1u << 20) /* smaller units are read through the page cache, unaligned */
 
 static void *cache_io_main(void *arg);
+static void queue_drop(struct expert_cache *k, size_t id);
 static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw);
 
 static size_t unit_id(const struct expert_cache *k, int li, int e) { return (size_t)li * (size_t)k->units + (size_t)e; }
@@ -3971,6 +3972,10 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
     k->slot[id] = v;
     k->resident[k->n_resident++] = v;
     k->peak = k->used > k->peak ? k->used : k->peak;
+    /* a queued read of it is done here: left queued, an I/O thread would read it again after its
+     * eviction, for no one, and a failure of that read would go to whichever later step asked for
+     * the unit (the test's injected faults landed there: tests cache_faults) */
+    queue_drop(k, id);
     const int inject = k->fail_after > 0 && --k->fail_after == 0;
     pthread_mutex_unlock(&k->lock);
 
@@ -4109,6 +4114,21 @@ static int queue_push(const moe_model *m, struct expert_cache *k, int li, int e,
     unit_where(m, li, e, &r.file, &r.off);
     k->queue[k->qn++] = r;
     return 1;
+}
+
+/* Takes unit id's read out of the queue, if queued. The caller holds the lock. */
+static void queue_drop(struct expert_cache *k, size_t id) {
+    for (int i = 0; i < k->qn; i++)
+        if (k->queue[i].id == (int)id) { k->queue[i] = k->queue[--k->qn]; return; }
+}
+
+/* Takes the reads of layer li's experts ids[0..n-1] out of the queue: a step that failed will not
+ * use them. */
+static void cache_unqueue(const moe_model *m, int li, const int32_t *ids, size_t n) {
+    struct expert_cache *k = m->cache;
+    pthread_mutex_lock(&k->lock);
+    for (size_t i = 0; i < n; i++) queue_drop(k, unit_id(k, li, ids[i]));
+    pthread_mutex_unlock(&k->lock);
 }
 
 /* Queues reads of the experts of layer li marked in want (demand: the layer about to compute
@@ -4372,6 +4392,7 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     const int de = c->latent_dim ? c->latent_dim : d;
     moe_status st = MOE_OK;
     size_t nk = (size_t)n * K;
+    int queued = 0; /* ids' experts were queued for the I/O threads */
     float *logits = work_get(&wk->layer, sizeof(float) * ((size_t)n * E + 4 * (size_t)E + nk + (size_t)n * de * 2 +
                                             (size_t)n * (2 * (size_t)Ie + de) + (size_t)n * de));
     int *cnt = xcalloc((size_t)E + 1, sizeof *cnt), *rows = malloc(sizeof(int) * nk);
@@ -4390,6 +4411,7 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
         if (!want) { st = MOE_ERR_NOMEM; goto done; }
         for (size_t i = 0; i < nk; i++) want[ids[i]] = 1;
         cache_queue(m, li, want, 1);
+        queued = 1;
         free(want);
     }
     if (pred && m->cache && m->opt.prefetch) {
@@ -4519,6 +4541,7 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     }
     free(sh);
 done:
+    if (st && queued) cache_unqueue(m, li, ids, nk);
     free(cnt);
     free(rows);
     free(rw);

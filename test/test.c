@@ -4215,28 +4215,37 @@ static void test_cache_faults(void) {
            (unsigned long long)st1.cache_misses);
     moe_session_free(s); /* sessions go before their model */
     moe_model_close(m);
-    /* three experts: misses on every layer. No I/O threads: the step's own thread reads every
-     * unit, in an order that does not depend on timing, so the injected fault below always falls
-     * in the step that follows it (with I/O threads a clean-clone CI run once saw that step
-     * succeed and the fault land in the next one) */
-    o = moe_default_options();
-    o.expert_mode = MOE_EXPERTS_CACHE, o.prefetch = 0, o.io_threads = 0, o.expert_budget = 3 * 3264, o.n_threads = 1;
-    m = open_golden_with("k3mx", &o);
-    if (!m) { free(ids), free(ref), free(lg); return; }
-    CHECK(moe_session_new(&s, m, 64, NULL, 0) == MOE_OK);
-    q.s = s;
-    CHECK(moe_step(m, &q, 1, &st2, NULL, 0) == MOE_OK);
-    /* every miss was read (I/O threads may also read ahead experts evicted again before use) */
-    CHECK(st2.cache_misses > 0 && st2.bytes_read >= st2.cache_misses * 3264 && max_abs_diff(ref, lg, (size_t)V * n) == 0);
-    /* the 5th read from now fails: the step reports an I/O error, the sessions are reset, and the
-     * model works again afterwards */
-    moe_session_reset(s);
-    moe__fail_expert_read(m, 5);
-    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_ERR_IO && moe_session_pos(s) == 0);
-    CHECK(moe_step(m, &q, 1, NULL, err, sizeof err) == MOE_OK && max_abs_diff(ref, lg, (size_t)V * n) == 0);
-    moe_session_free(s);
+    /* three experts: misses on every layer; the step's own thread reads every unit (no I/O
+     * threads), or I/O threads read what each layer routes to while the step reads what they
+     * have not taken yet: the n-th read from now, whichever thread makes it, is one that step
+     * needs, so the injected fault always falls in the step that follows it */
+    for (int io = 0; io <= 4; io += 4) {
+        o = moe_default_options();
+        o.expert_mode = MOE_EXPERTS_CACHE, o.prefetch = 0, o.io_threads = io, o.expert_budget = 3 * 3264, o.n_threads = 1;
+        m = open_golden_with("k3mx", &o);
+        if (!m) break;
+        CHECK(moe_session_new(&s, m, 64, NULL, 0) == MOE_OK);
+        q.s = s;
+        CHECK(moe_step(m, &q, 1, &st2, NULL, 0) == MOE_OK);
+        /* every miss was read (I/O threads may also read ahead experts evicted again before use) */
+        CHECK(st2.cache_misses > 0 && st2.bytes_read >= st2.cache_misses * 3264 && max_abs_diff(ref, lg, (size_t)V * n) == 0);
+        /* each read from the 1st to the 12th from now fails in turn: the step reports an I/O
+         * error, the sessions are reset, and the model works again afterwards, with the same
+         * logits */
+        for (int nth = 1; nth <= 12; nth++) {
+            moe_session_reset(s);
+            moe__fail_expert_read(m, nth);
+            moe_status r1 = moe_step(m, &q, 1, NULL, err, sizeof err);
+            CHECKF(r1 == MOE_ERR_IO && moe_session_pos(s) == 0, "io threads %d, read %d: step %d, position %d", io, nth, (int)r1,
+                   moe_session_pos(s));
+            moe_status r2 = moe_step(m, &q, 1, NULL, err, sizeof err);
+            CHECKF(r2 == MOE_OK && max_abs_diff(ref, lg, (size_t)V * n) == 0, "io threads %d, read %d: next step %d, logits off by %g",
+                   io, nth, (int)r2, max_abs_diff(ref, lg, (size_t)V * n));
+        }
+        moe_session_free(s);
+        moe_model_close(m);
+    }
     free(ids), free(ref), free(lg);
-    moe_model_close(m);
 }
 
 /* Dense matrices streamed through the cache (dense_budget): every layer, or the layers after
