@@ -2200,6 +2200,54 @@ static void test_model_info(void) {
     moe_model_close(s);
 }
 
+/* moe_sample before its candidates were picked by selection and radix sort: every candidate
+ * sorted by qsort (logit descending, id ascending), then as moe_sample does */
+typedef struct {
+    float p;
+    int32_t id;
+} ref_cand;
+static int ref_cand_desc(const void *a, const void *b) {
+    const ref_cand *x = a, *y = b;
+    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+static uint64_t ref_rng_next(uint64_t *s) {
+    if (!*s) *s = 0x9E3779B97F4A7C15ull;
+    *s ^= *s >> 12, *s ^= *s << 25, *s ^= *s >> 27;
+    return *s * 0x2545F4914F6CDD1Dull;
+}
+static int32_t ref_sample(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng) {
+    ref_cand *cs = malloc(sizeof *cs * (size_t)n_vocab);
+    for (int i = 0; i < n_vocab; i++) cs[i] = (ref_cand){logits[i], i};
+    qsort(cs, (size_t)n_vocab, sizeof *cs, ref_cand_desc);
+    int n = n_vocab;
+    if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
+    double mx = cs[0].p, sum = 0;
+    for (int i = 0; i < n; i++) sum += cs[i].p = (float)exp((cs[i].p - mx) / sp->temperature);
+    for (int i = 0; i < n; i++) cs[i].p = (float)(cs[i].p / sum);
+    if (sp->min_p > 0) {
+        int k = 1;
+        while (k < n && cs[k].p >= sp->min_p * cs[0].p) k++;
+        n = k;
+    }
+    if (sp->top_p > 0 && sp->top_p < 1) {
+        double acc = 0;
+        int k = 0;
+        while (k < n && acc < sp->top_p) acc += cs[k++].p;
+        n = k ? k : 1;
+    }
+    sum = 0;
+    for (int i = 0; i < n; i++) sum += cs[i].p;
+    double u = (double)(ref_rng_next(rng) >> 11) / 9007199254740992.0 * sum, acc = 0;
+    int32_t pick = cs[n - 1].id;
+    for (int i = 0; i < n; i++) {
+        acc += cs[i].p;
+        if (u < acc) { pick = cs[i].id; break; }
+    }
+    free(cs);
+    return pick;
+}
+
 static void test_sampling(void) {
     float logits[6] = {0.1f, 2.0f, -1.0f, 1.9f, 0.0f, 1.0f};
     moe_sampler greedy = {.top_p = 1}, topk1 = {.temperature = 1.0f, .top_k = 1, .top_p = 1}, hot = {.temperature = 1.0f, .top_p = 1};
@@ -2232,6 +2280,25 @@ static void test_sampling(void) {
         int t = moe_sample(logits, 6, &minp, &r);
         CHECK(t == 1 || t == 3); /* e^-1 = 0.37 < 0.5 removes token 5 */
     }
+    /* large vocabularies, with ties (logits on a coarse grid), -0 beside +0 and -inf: the same
+     * picks, and the generator left in the same state, as sorting every candidate with qsort */
+    const int nv[2] = {1000, 70000};
+    float *lg = malloc(sizeof(float) * 70000);
+    for (int vi = 0; vi < 2; vi++) {
+        const int V = nv[vi];
+        for (int i = 0; i < V; i++) lg[i] = roundf(nrand() * 16.0f) / 8.0f;
+        lg[V / 7] = -0.0f, lg[V / 5] = 0.0f, lg[V / 3] = -INFINITY, lg[V / 2] = 6.0f, lg[V - 1] = 6.0f;
+        const int ks[6] = {0, 1, 40, 256, 257, 5000};
+        const float ps[3] = {1.0f, 0.95f, 0.5f}, ms[2] = {0.0f, 0.05f}, ts[2] = {0.8f, 1.5f};
+        int same = 1, cases = 0;
+        for (int c = 0; c < 6 * 3 * 2 * 2; c += vi ? 5 : 1) { /* the large one: 15 of the 72 samplers (qsort takes a while) */
+            moe_sampler sp = {.temperature = ts[c % 2], .top_k = ks[c / 12], .top_p = ps[c / 4 % 3], .min_p = ms[c / 2 % 2]};
+            uint64_t ra = 1234567 + (uint64_t)c, rb = ra;
+            for (int d = 0; d < (vi ? 2 : 20); d++, cases++) same &= moe_sample(lg, V, &sp, &ra) == ref_sample(lg, V, &sp, &rb) && ra == rb;
+        }
+        CHECKF(same, "vocabulary %d: %d draws", V, cases);
+    }
+    free(lg);
 }
 
 /* ---- hostile files ---------------------------------------------------------------------------- */
