@@ -3471,6 +3471,7 @@ typedef struct cache_entry {
                                  loading: being read by one thread, the others wait */
     int prefetched;           /* read by an I/O thread and not used yet (2: for the layer computing) */
     int failed;               /* an I/O thread's read of it failed: the step that asks gets the error */
+    int kx8;                  /* its k-quant/IQ4_XS matrices interleaved as read (unit_repack_kx8) */
     uint64_t last_use;
     size_t bytes;
     unsigned char *buf;
@@ -3498,6 +3499,7 @@ struct expert_cache {
     int fail_after; /* fault injection: the n-th read from now fails (0: never) */
     size_t direct_min; /* units of at least this many bytes are read with O_DIRECT (DIRECT_MIN) */
     uint64_t bytes_read; /* by every thread since open */
+    uint64_t kx8_count;  /* k-quant/IQ4_XS expert matrices interleaved as read, since open */
     /* I/O threads read queued units into free or evictable room, most urgent first (what the
      * current layer needs, then read-ahead), in file and offset order within each class */
     pthread_t *io;
@@ -3616,7 +3618,7 @@ static void cache_free(moe_model *m) {
 
 static void *cache_io_main(void *arg);
 static void queue_drop(struct expert_cache *k, size_t id);
-static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw);
+static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw, int expert);
 
 static size_t unit_id(const struct expert_cache *k, int li, int e) { return (size_t)li * (size_t)k->units + (size_t)e; }
 
@@ -3658,12 +3660,12 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
         const moe__weight *w[UNIT_MAX];
         for (int e = 0; m->layers[l].experts && e < c->n_experts; e++) {
             const int nw = unit_weights(m, l, e, w, NULL);
-            const uint64_t b = unit_bytes(m, w, nw);
+            const uint64_t b = unit_bytes(m, w, nw, 1);
             biggest = b > biggest ? b : biggest;
         }
         if (m->layers[l].stream) {
             const int nw = unit_weights(m, l, c->n_experts, w, NULL);
-            const uint64_t b = unit_bytes(m, w, nw);
+            const uint64_t b = unit_bytes(m, w, nw, 0);
             dense = b > dense ? b : dense;
         }
     }
@@ -3814,16 +3816,67 @@ static int unit_pieces(const moe_model *m, const moe__weight *const *w, int nw, 
     return np;
 }
 
-/* the buffer size an entry for the unit needs: what is read, rounded up to whole huge pages when
- * that adds at most an eighth (the kernels streamed a cached expert 10-14% faster from huge
- * pages, bench/RESULTS.md session 30; a unit's 4 KB-page tail still costs TLB misses) */
-static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw) {
+/* where each matrix's data lands in a unit's buffer as read (off[i]), and how many bytes are read;
+ * -1 when the unit cannot be read */
+static int unit_read_layout(const moe_model *m, const moe__weight *const *w, int nw, size_t *off, size_t *bytes) {
     int f, direct;
     uint64_t a, b;
-    size_t bytes = 0;
+    if (unit_span(m, w, nw, &f, &a, &b, &direct)) {
+        for (int i = 0; i < nw; i++) off[i] = (size_t)((const unsigned char *)w[i]->data - ((const unsigned char *)m->files[f].map + a));
+        *bytes = (size_t)(b - a);
+        return 0;
+    }
     unit_piece pc[2 * UNIT_MAX];
-    if (unit_span(m, w, nw, &f, &a, &b, &direct)) bytes = (size_t)(b - a);
-    else if (unit_pieces(m, w, nw, pc, &bytes) < 0) return 0;
+    const int np = unit_pieces(m, w, nw, pc, bytes);
+    if (np < 0) return -1;
+    for (int i = 0, p = 0; i < nw; i++) {
+        off[i] = pc[p].at + pc[p].skip;
+        p += w[i]->scale ? 2 : 1;
+    }
+    return 0;
+}
+
+/* An expert unit's matrices once interleaved: the k-quant and IQ4_XS ones where the level has the
+ * kernels (all but Q2_K and Q6_K take a little more room interleaved, so each matrix moves to
+ * new_off[i] >= off[i], in offset order, clear of the one before); to[i] the type each becomes
+ * (-1: kept). Returns the end of that layout, or 0 when no matrix is interleaved this way (a unit
+ * with MXFP4 scales apart is left to unit_repack's in-place path). */
+static size_t unit_kx8_layout(const moe_model *m, const moe__weight *const *w, int nw, const size_t *off, size_t *new_off, int *to) {
+    int any = 0, order[UNIT_MAX];
+    for (int i = 0; i < nw; i++) {
+        to[i] = m->opt.flags & MOE_FLAG_NO_REPACK ? -1 : x8_type(m, w[i]);
+        any |= to[i] >= 0 && is_kx8(to[i]);
+        if (w[i]->scale) return 0;
+        order[i] = i;
+    }
+    if (!any) return 0;
+    for (int i = 1; i < nw; i++) /* by offset */
+        for (int j = i; j > 0 && off[order[j]] < off[order[j - 1]]; j--) {
+            const int t = order[j];
+            order[j] = order[j - 1], order[j - 1] = t;
+        }
+    size_t end = 0;
+    for (int k = 0; k < nw; k++) {
+        const int i = order[k];
+        const size_t n = to[i] >= 0 && is_kx8(to[i]) ? (size_t)(w[i]->rows * moe__row_bytes(to[i], w[i]->cols)) : (size_t)weight_data_bytes(w[i]);
+        new_off[i] = off[i] > end ? off[i] : end;
+        end = new_off[i] + n;
+    }
+    return end;
+}
+
+/* the buffer size an entry for the unit needs (expert: a routed expert's, which unit_repack
+ * interleaves): what is read, or the interleaved layout where larger, rounded up to whole huge
+ * pages when that adds at most an eighth (the kernels streamed a cached expert 13-15% faster from
+ * huge pages, bench/RESULTS.md session 30; a unit's 4 KB-page tail still costs TLB misses) */
+static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw, int expert) {
+    size_t off[UNIT_MAX], new_off[UNIT_MAX], bytes = 0;
+    int to[UNIT_MAX];
+    if (unit_read_layout(m, w, nw, off, &bytes)) return 0;
+    if (expert) {
+        const size_t end = unit_kx8_layout(m, w, nw, off, new_off, to);
+        bytes = end > bytes ? end : bytes;
+    }
     const size_t whole = (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
     return bytes >= HUGE_PAGE && whole - bytes <= bytes / 8 ? whole : bytes;
 }
@@ -3856,13 +3909,50 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
  * blocks start no earlier than its own codes (copied aside too), so the codes of the groups
  * before it are still in place when their turn comes. Rows not a multiple of 8 stay as they
  * are. */
+/* The k-quant and IQ4_XS matrices of an expert read into v->buf, interleaved where
+ * unit_kx8_layout puts them (unit_bytes sized the buffer for it): from the last matrix to the
+ * first, and within one from its last row group to its first, so that nothing is overwritten
+ * before it is read (every matrix and group moves to the same place or further on); matrices that
+ * stay as stored move with them. 0, or ENOMEM. */
+static int unit_repack_kx8(const moe_model *m, cache_entry *v, int nw) {
+    size_t off[UNIT_MAX], new_off[UNIT_MAX];
+    int to[UNIT_MAX];
+    const moe__weight *w[UNIT_MAX];
+    for (int i = 0; i < nw; i++) w[i] = &v->w[i], off[i] = (size_t)((const unsigned char *)v->w[i].data - v->buf);
+    const size_t end = unit_kx8_layout(m, w, nw, off, new_off, to);
+    if (!end || end > v->bytes) return 0; /* nothing to interleave so (or no room: kept as stored) */
+    for (int left = nw; left > 0; left--) {
+        int i = -1; /* the matrix with the highest offset not yet moved */
+        for (int j = 0; j < nw; j++)
+            if (off[j] != SIZE_MAX && (i < 0 || off[j] > off[i])) i = j;
+        moe__weight *x = &v->w[i];
+        unsigned char *src = v->buf + off[i], *dst = v->buf + new_off[i];
+        if (to[i] >= 0 && is_kx8(to[i])) {
+            const int64_t rb = moe__row_bytes(x->type, x->cols), gb = 8 * rb, gx = 8 * moe__row_bytes(to[i], x->cols);
+            unsigned char *tmp = malloc((size_t)gb);
+            if (!tmp) return ENOMEM;
+            for (int64_t g = x->rows / 8 - 1; g >= 0; g--) {
+                memcpy(tmp, src + g * gb, (size_t)gb);
+                moe__repack_x8(x->type, tmp, rb, NULL, dst + g * gx, x->cols);
+            }
+            free(tmp);
+            *x = (moe__weight){to[i], x->rows, x->cols, dst, NULL};
+            v->kx8++;
+        } else if (dst != src) {
+            memmove(dst, src, (size_t)weight_data_bytes(x));
+            x->data = dst;
+        }
+        off[i] = SIZE_MAX;
+    }
+    return 0;
+}
+
 static int unit_repack(const moe_model *m, cache_entry *v, int nw) {
+    if (unit_repack_kx8(m, v, nw)) return ENOMEM;
     for (int i = 0; i < nw; i++) {
         moe__weight *w = &v->w[i];
         const int to = x8_type(m, w);
-        /* (Q4_KX8 and Q5_KX8 take more bytes than 8 rows as stored: a cached Q4_K/Q5_K expert
-         * keeps the row kernels, whose sums are those of the interleaved ones bit for bit) */
-        if (to < 0 || is_kx8(to)) continue;
+        if (to < 0 || is_kx8(to)) continue; /* (a k-quant left as stored: its row kernels give the same sums) */
         const int64_t rb = moe__row_bytes(w->type, w->cols), gb = 8 * moe__row_bytes(to, w->cols), ng = w->rows / 8, sb = w->cols / 32;
         const size_t scales = (size_t)weight_scale_bytes(w);
         unsigned char *tmp = malloc((size_t)(8 * rb) + scales), *p = (unsigned char *)w->data;
@@ -3937,7 +4027,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
     const int dense = e == k->units - 1;
     const moe__weight *src[UNIT_MAX];
     const int nw = unit_weights(m, li, e, src, NULL);
-    const size_t bytes = unit_bytes(m, src, nw);
+    const size_t bytes = unit_bytes(m, src, nw, !dense);
     pthread_mutex_lock(&k->lock);
     cache_entry *v;
     int waited = 0; /* it was being read when this step asked for it: a miss, partly hidden */
@@ -4001,7 +4091,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
 
     pthread_mutex_lock(&k->lock);
     if (stats) stats->io_seconds += dt;
-    if (!rc) k->bytes_read += bytes;
+    if (!rc) k->bytes_read += bytes, k->kx8_count += (uint64_t)v->kx8;
     if (rc) { /* a failed read leaves nothing behind: the slot is free for a later try */
         cache_evict(k, v);
         pthread_cond_broadcast(&k->unpinned);
@@ -4034,6 +4124,14 @@ void moe__fail_expert_read(moe_model *m, int n) {
     pthread_mutex_lock(&m->cache->lock);
     m->cache->fail_after = n > 0 ? n : 0;
     pthread_mutex_unlock(&m->cache->lock);
+}
+
+uint64_t moe__expert_kx8_count(const moe_model *m) {
+    if (!m || !m->cache) return 0;
+    pthread_mutex_lock(&m->cache->lock);
+    const uint64_t n = m->cache->kx8_count;
+    pthread_mutex_unlock(&m->cache->lock);
+    return n;
 }
 
 void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak) {
@@ -4080,7 +4178,7 @@ static void *cache_io_main(void *arg) {
         const int li = rq.id / k->units, e = rq.id % k->units;
         const moe__weight *src[UNIT_MAX];
         const int nw = unit_weights(m, li, e, src, NULL);
-        const size_t bytes = unit_bytes(m, src, nw);
+        const size_t bytes = unit_bytes(m, src, nw, e < k->units - 1);
         cache_entry *lru;
         int room;
         while (!(room = spare_or_room(k, bytes)) && (lru = cache_lru(k, 1))) cache_evict(k, lru);
@@ -4104,7 +4202,7 @@ static void *cache_io_main(void *arg) {
             k->used -= v->bytes;
             v->bytes = 0;
         } else {
-            k->bytes_read += bytes;
+            k->bytes_read += bytes, k->kx8_count += (uint64_t)v->kx8;
         }
         pthread_cond_broadcast(&k->unpinned);
     }

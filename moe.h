@@ -709,6 +709,8 @@ void moe__set_step_team(moe_model *m, int mode);
 uint64_t moe__expert_bytes_read(const moe_model *m);
 /* CACHE mode: bytes the expert cache holds now, and the most it ever held. */
 void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak);
+/* CACHE mode: k-quant and IQ4_XS expert matrices interleaved as they were read, since open. */
+uint64_t moe__expert_kx8_count(const moe_model *m);
 /* Validates a config.json text as moe_model_open would. */
 moe_status moe__config_check(const char *text, size_t len, char *err, size_t errlen);
 /* The same, keeping the result: layer arrays go to kinds/moe ([4096] each). */

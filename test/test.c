@@ -3921,6 +3921,59 @@ static void test_gguf_kquants(void) {
 }
 
 
+/* Routed experts in the k-quant formats and IQ4_XS read into the expert cache are interleaved as
+ * they are read (where the kernel level has the interleaved kernels; all but Q2_K and Q6_K take
+ * a little more room so, each matrix of the unit moving along), and give the mapping's logits bit
+ * for bit, in prefill and decode, as do the row kernels over the experts as stored
+ * (MOE_FLAG_NO_REPACK) */
+static void test_cache_kquants(void) {
+    char shape[600], out[600], err[300];
+    tmp_path(shape, sizeof shape, "kq-shape.json");
+    tmp_path(out, sizeof out, "kq-random.gguf");
+    const char *js = "{\"n_vocab\": 512, \"n_embd\": 256, \"n_layer\": 3, \"layer_types\": {\"mla_layers\": [2]},"
+                     " \"kda\": {\"n_head\": 2, \"head_dim\": 128}, \"mla\": {\"n_head\": 2, \"kv_lora_rank\": 128,"
+                     " \"qk_nope_head_dim\": 64, \"qk_rope_head_dim\": 32, \"v_head_dim\": 64}, \"ffn\": {\"n_layer_dense_lead\": 1,"
+                     " \"dense_n_ff\": 512, \"n_expert\": 8, \"n_expert_used\": 2, \"n_expert_shared\": 1, \"n_ff_exp\": 384}}";
+    CHECK(write_all(shape, js, strlen(js)));
+    const char *types[5] = {"q4_k", "q3_k", "iq4_xs", "q2_k", "q6_k"}; /* (Q5_K's layout is Q4_K's, with high bits) */
+    const int ttype[5] = {MOE_T_Q4_K, MOE_T_Q3_K, MOE_T_IQ4_XS, MOE_T_Q2_K, MOE_T_Q6_K};
+    moe__kernels kn;
+    moe__kernels_init(&kn, 0);
+    int32_t ids[20];
+    for (int i = 0; i < 20; i++) ids[i] = (int32_t)(urand() * 512);
+    const int pieces[] = {12, 1, 1, 1, 1, 1, 1, 1, 1, 0}; /* a prompt, then decode steps */
+    for (int t = 0; t < 5; t++) {
+        char model[700], args[100];
+        snprintf(model, sizeof model, "--random %s", shape);
+        snprintf(args, sizeof args, "--dense q8_0 --experts %s", types[t]);
+        if (convert(model, out, args)) { CHECKF(0, "%s: convert", types[t]); continue; }
+        float *l[4] = {NULL, NULL, NULL, NULL};
+        uint64_t kx8[4] = {0, 0, 0, 0};
+        for (int v = 0; v < 4; v++) { /* mapped (interleaved at load), cached; both as stored */
+            moe_options o = moe_default_options();
+            o.n_threads = 2;
+            if (v % 2) o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 1 << 20; /* a few experts: misses and evictions */
+            if (v >= 2) o.flags = MOE_FLAG_NO_REPACK;
+            moe_model *m = NULL;
+            CHECKF(moe_model_open(&m, out, &o, err, sizeof err) == MOE_OK, "%s: %s", types[t], err);
+            if (!m) continue;
+            l[v] = logits_in_pieces(m, ids, 20, pieces);
+            kx8[v] = moe__expert_kx8_count(m);
+            moe_model_close(m);
+        }
+        const size_t nv = (size_t)20 * 512;
+        for (int v = 1; v < 4; v += 2)
+            CHECKF(l[v - 1] && l[v] && max_abs_diff(l[v - 1], l[v], nv) == 0, "%s: the cache%s differs by %.3g", types[t], v == 3 ? " as stored" : "",
+                   l[v - 1] && l[v] ? max_abs_diff(l[v - 1], l[v], nv) : -1.0);
+        const int has = kn.dotq8[moe__x8_of(ttype[t])] != NULL;
+        CHECKF(has ? kx8[1] > 0 : kx8[1] == 0, "%s: %llu matrices interleaved in the cache (level %s)", types[t], (unsigned long long)kx8[1], kn.isa);
+        CHECK(kx8[3] == 0);
+        for (int v = 0; v < 4; v++) free(l[v]);
+        remove(out);
+    }
+    remove(shape);
+}
+
 /* a GGUF split into parts (moe-convert --split-max-size: llama.cpp's names and split keys) opens
  * from any part's path, in both expert modes, and passes the golden checks; an interrupted split
  * conversion resumes to the same bytes; a missing, misnamed or inconsistent part is a clean error */
@@ -4807,6 +4860,7 @@ static const struct {
     {"gguf_quant_resume", test_gguf_quant_resume},
     {"gguf_split", test_gguf_split},
     {"gguf_kquants", test_gguf_kquants},
+    {"cache_kquants", test_cache_kquants},
     {"gguf_bad", test_gguf_bad},
     {"fuzz_seeds", test_fuzz_seeds},
     {"cache_equivalence", test_cache_equivalence},
