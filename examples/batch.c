@@ -400,6 +400,8 @@ typedef struct {
     int fed;            /* prompt tokens already in the session */
     int gen;            /* tokens sampled */
     int32_t last;       /* the token to feed next */
+    int row;            /* its row of the step's logits */
+    int32_t pick;       /* the token sampled from them */
     int32_t *hist;      /* prompt + generated, for penalties */
     buf content, reasoning;
     moe_chat_reply rep;
@@ -665,6 +667,7 @@ int main(int argc, char **argv) {
         for (int i = 0; i < parallel; i++) {
             slot *sl = &slots[i];
             if (!sl->r) continue;
+            sl->row = ns;
             moe_seq *q = &seqs[ns++];
             memset(q, 0, sizeof *q);
             q->s = sl->s;
@@ -677,15 +680,25 @@ int main(int argc, char **argv) {
             fprintf(stderr, "moe-batch: %s (the requests in flight get no answer; rerun to finish)\n", err);
             goto out;
         }
-        for (int i = 0, k = 0; i < parallel; i++) {
+        /* the sequences' tokens sampled side by side (each request has its own generator, so
+         * the picks do not depend on the threads: a full-vocabulary draw sorts every token) */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(opt.n_threads) schedule(dynamic, 1) if (ns > 1 && opt.n_threads > 1)
+#endif
+        for (int i = 0; i < parallel; i++) {
             slot *sl = &slots[i];
             if (!sl->r) continue;
-            const float *lg = logits + (size_t)(k++) * (size_t)c->vocab_size;
             request *rq = sl->r;
-            sl->fed = rq->n_prompt;
             rq->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
             rq->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
-            int32_t t = moe_sample(lg, c->vocab_size, &rq->sp, &rq->rng);
+            sl->pick = moe_sample(logits + (size_t)sl->row * (size_t)c->vocab_size, c->vocab_size, &rq->sp, &rq->rng);
+        }
+        for (int i = 0; i < parallel; i++) {
+            slot *sl = &slots[i];
+            if (!sl->r) continue;
+            request *rq = sl->r;
+            sl->fed = rq->n_prompt;
+            int32_t t = sl->pick;
             sl->hist[rq->n_prompt + sl->gen++] = t;
             sl->last = t;
             tokens++;

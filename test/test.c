@@ -3235,6 +3235,8 @@ static int check_batch_output(const char *path, const char *want_id, char *text,
 
 /* answers, errors for bad lines, rerun skips what is done, a torn last line is repaired,
  * duplicate custom_ids are refused, shards split the work */
+/* req-0's golden prompt again, greedy: decoded in whichever slot frees up first */
+#define AGAIN(id) "{\"custom_id\": \"" id "\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], \"max_tokens\": 4, \"temperature\": 0}}\n"
 static void test_batch_basic(void) {
     char in[600], out[600], cmd[2400], buf[8192], text[512];
     tmp_path(in, sizeof in, "batch-in.jsonl");
@@ -3248,15 +3250,23 @@ static void test_batch_basic(void) {
                       "{\"custom_id\": \"chat\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}}\n"
                       "\n"
                       "{\"method\": \"POST\"}\n"
-                      "{\"custom_id\": \"big-seed\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"seed\": 1.5e62}}\n");
+                      "{\"custom_id\": \"big-seed\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"seed\": 1.5e62}}\n"
+                      AGAIN("again-1") AGAIN("again-2") AGAIN("again-3"));
     remove(out);
     snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 2>&1", exe_dir, golden_dir(), in, out);
     int rc = run_cmd(cmd, buf, sizeof buf);
     CHECKF(rc == 0, "%s: %d %s", cmd, rc, buf);
     int n = check_batch_output(out, "req-0", text, sizeof text);
-    CHECKF(n == 12 + 8, "%d lines", n);
-    /* req-0 is greedy on a golden prompt: the golden continuation, decoded among other sequences */
+    CHECKF(n == 12 + 11, "%d lines", n);
+    /* req-0 is greedy on a golden prompt: the golden continuation, decoded among other sequences,
+     * and so are its copies, each in the slot it got (each slot samples its own row of logits) */
     CHECKF(!strcmp(text, "555 1114 583 989"), "req-0: %s", text);
+    for (int i = 1; i <= 3; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "again-%d", i);
+        check_batch_output(out, id, text, sizeof text);
+        CHECKF(!strcmp(text, "555 1114 583 989"), "%s: %s", id, text);
+    }
     size_t len = 0;
     char *all = read_all(out, &len);
     CHECK(all && strstr(all, "\"input_line\": 13") && strstr(all, "/v1/embeddings") == NULL && strstr(all, "not valid UTF-8") &&
@@ -3264,6 +3274,20 @@ static void test_batch_basic(void) {
           strstr(all, "\"finish_reason\": \"length\"") && strstr(all, "\"usage\": {\"prompt_tokens\": 7") &&
           strstr(all, "seed must be a 64-bit integer"));
     free(all);
+    /* two threads (sampling side by side): the same answers */
+    char out2[600], cmd2[2400], t1[512], t2[512];
+    tmp_path(out2, sizeof out2, "batch-out-t2.jsonl");
+    remove(out2);
+    snprintf(cmd2, sizeof cmd2, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 -t 2 2>&1", exe_dir, golden_dir(), in, out2);
+    CHECKF(run_cmd(cmd2, buf, sizeof buf) == 0, "%s: %s", cmd2, buf);
+    for (int i = 0; i < 12; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "req-%d", i);
+        t1[0] = t2[0] = 0;
+        check_batch_output(out, id, t1, sizeof t1), check_batch_output(out2, id, t2, sizeof t2);
+        CHECKF(t1[0] && !strcmp(t1, t2), "%s: %s with one thread, %s with two", id, t1, t2);
+    }
+    remove(out2);
     /* a rerun has nothing to do; a torn tail is cut off and that request answered again */
     CHECK(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, "0 to run"));
     all = read_all(out, &len);
@@ -3272,7 +3296,7 @@ static void test_batch_basic(void) {
     fclose(f);
     free(all);
     CHECK(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, "torn"));
-    CHECK(check_batch_output(out, NULL, NULL, 0) == 12 + 8);
+    CHECK(check_batch_output(out, NULL, NULL, 0) == 12 + 11);
     /* shards: disjoint, together everything */
     char o0[600], o1[600];
     tmp_path(o0, sizeof o0, "batch-s0.jsonl");
@@ -3283,7 +3307,7 @@ static void test_batch_basic(void) {
         CHECK(run_cmd(cmd, buf, sizeof buf) == 0);
     }
     int a = check_batch_output(o0, NULL, NULL, 0), b = check_batch_output(o1, NULL, NULL, 0);
-    CHECKF(a > 0 && b > 0 && a + b == 12 + 8, "shards %d + %d", a, b);
+    CHECKF(a > 0 && b > 0 && a + b == 12 + 11, "shards %d + %d", a, b);
     /* duplicate custom_ids: refused before anything is written */
     write_batch_input(in, 3, "{\"custom_id\": \"req-1\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1]}}\n");
     remove(out);
