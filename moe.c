@@ -3897,18 +3897,6 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
     return 0;
 }
 
-/* Interleaves the matrices of a unit just read 8 rows at a time in place, as repack_weight does
- * at load for what stays mapped or resident, so a cached expert runs the same x8 kernels as a
- * mapped one: the same sums in the same order, the same logits whichever mode loads it. A group
- * of 8 Q4_0/Q8_0/ggml MXFP4 rows takes the same bytes in either layout. A compressed-tensors
- * MXFP4 matrix becomes x8 blocks over its codes and, right after them, as many bytes again as
- * its scales take: its scales themselves when the unit was read in one stretch (unit_span asks
- * for that), else alignment padding and the scales' own piece (unit_pieces puts it after the
- * codes').
- * Its scales are set aside first, then its row groups are rewritten from the last: group g's
- * blocks start no earlier than its own codes (copied aside too), so the codes of the groups
- * before it are still in place when their turn comes. Rows not a multiple of 8 stay as they
- * are. */
 /* The k-quant and IQ4_XS matrices of an expert read into v->buf, interleaved where
  * unit_kx8_layout puts them (unit_bytes sized the buffer for it): from the last matrix to the
  * first, and within one from its last row group to its first, so that nothing is overwritten
@@ -3947,6 +3935,19 @@ static int unit_repack_kx8(const moe_model *m, cache_entry *v, int nw) {
     return 0;
 }
 
+/* Interleaves the matrices of a unit just read 8 rows at a time, as repack_weight does at load
+ * for what stays mapped or resident, so a cached expert runs the same x8 kernels as a mapped
+ * one: the same sums in the same order, the same logits whichever mode loads it. The k-quants and
+ * IQ4_XS first (unit_repack_kx8), then in place the rest: a group of 8 Q4_0/Q8_0/ggml MXFP4 rows
+ * takes the same bytes in either layout. A compressed-tensors
+ * MXFP4 matrix becomes x8 blocks over its codes and, right after them, as many bytes again as
+ * its scales take: its scales themselves when the unit was read in one stretch (unit_span asks
+ * for that), else alignment padding and the scales' own piece (unit_pieces puts it after the
+ * codes').
+ * Its scales are set aside first, then its row groups are rewritten from the last: group g's
+ * blocks start no earlier than its own codes (copied aside too), so the codes of the groups
+ * before it are still in place when their turn comes. Rows not a multiple of 8 stay as they
+ * are. */
 static int unit_repack(const moe_model *m, cache_entry *v, int nw) {
     if (unit_repack_kx8(m, v, nw)) return ENOMEM;
     for (int i = 0; i < nw; i++) {
