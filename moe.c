@@ -3838,14 +3838,17 @@ static int unit_read_layout(const moe_model *m, const moe__weight *const *w, int
 
 /* An expert unit's matrices once interleaved: the k-quant and IQ4_XS ones where the level has the
  * kernels (all but Q2_K and Q6_K take a little more room interleaved, so each matrix moves to
- * new_off[i] >= off[i], in offset order, clear of the one before); to[i] the type each becomes
- * (-1: kept). Returns the end of that layout, or 0 when no matrix is interleaved this way (a unit
- * with MXFP4 scales apart is left to unit_repack's in-place path). */
-static size_t unit_kx8_layout(const moe_model *m, const moe__weight *const *w, int nw, const size_t *off, size_t *new_off, int *to) {
-    int any = 0, order[UNIT_MAX];
+ * new_off[i] >= off[i], in offset order, clear of the one before); to[i] the interleaved type of
+ * each such matrix (-1: the others), order[] the matrices by offset. Returns the end of that
+ * layout, or 0 when no matrix is interleaved this way (a unit with MXFP4 scales apart is left to
+ * unit_repack's in-place path). */
+static size_t unit_kx8_layout(const moe_model *m, const moe__weight *const *w, int nw, const size_t *off, size_t *new_off, int *to,
+                              int *order) {
+    int any = 0;
     for (int i = 0; i < nw; i++) {
-        to[i] = m->opt.flags & MOE_FLAG_NO_REPACK ? -1 : x8_type(m, w[i]);
-        any |= to[i] >= 0 && is_kx8(to[i]);
+        const int t = m->opt.flags & MOE_FLAG_NO_REPACK ? -1 : x8_type(m, w[i]);
+        to[i] = t >= 0 && is_kx8(t) ? t : -1;
+        any |= to[i] >= 0;
         if (w[i]->scale) return 0;
         order[i] = i;
     }
@@ -3858,7 +3861,7 @@ static size_t unit_kx8_layout(const moe_model *m, const moe__weight *const *w, i
     size_t end = 0;
     for (int k = 0; k < nw; k++) {
         const int i = order[k];
-        const size_t n = to[i] >= 0 && is_kx8(to[i]) ? (size_t)(w[i]->rows * moe__row_bytes(to[i], w[i]->cols)) : (size_t)weight_data_bytes(w[i]);
+        const size_t n = to[i] >= 0 ? (size_t)(w[i]->rows * moe__row_bytes(to[i], w[i]->cols)) : (size_t)weight_data_bytes(w[i]);
         new_off[i] = off[i] > end ? off[i] : end;
         end = new_off[i] + n;
     }
@@ -3871,10 +3874,10 @@ static size_t unit_kx8_layout(const moe_model *m, const moe__weight *const *w, i
  * huge pages, bench/RESULTS.md session 30; a unit's 4 KB-page tail still costs TLB misses) */
 static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw, int expert) {
     size_t off[UNIT_MAX], new_off[UNIT_MAX], bytes = 0;
-    int to[UNIT_MAX];
+    int to[UNIT_MAX], order[UNIT_MAX];
     if (unit_read_layout(m, w, nw, off, &bytes)) return 0;
     if (expert) {
-        const size_t end = unit_kx8_layout(m, w, nw, off, new_off, to);
+        const size_t end = unit_kx8_layout(m, w, nw, off, new_off, to, order);
         bytes = end > bytes ? end : bytes;
     }
     const size_t whole = (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
@@ -3904,18 +3907,16 @@ static int span_read(struct expert_cache *k, int f, uint64_t start, uint64_t end
  * stay as stored move with them. 0, or ENOMEM. */
 static int unit_repack_kx8(const moe_model *m, cache_entry *v, int nw) {
     size_t off[UNIT_MAX], new_off[UNIT_MAX];
-    int to[UNIT_MAX];
+    int to[UNIT_MAX], order[UNIT_MAX];
     const moe__weight *w[UNIT_MAX];
     for (int i = 0; i < nw; i++) w[i] = &v->w[i], off[i] = (size_t)((const unsigned char *)v->w[i].data - v->buf);
-    const size_t end = unit_kx8_layout(m, w, nw, off, new_off, to);
+    const size_t end = unit_kx8_layout(m, w, nw, off, new_off, to, order);
     if (!end || end > v->bytes) return 0; /* nothing to interleave so (or no room: kept as stored) */
-    for (int left = nw; left > 0; left--) {
-        int i = -1; /* the matrix with the highest offset not yet moved */
-        for (int j = 0; j < nw; j++)
-            if (off[j] != SIZE_MAX && (i < 0 || off[j] > off[i])) i = j;
+    for (int k = nw - 1; k >= 0; k--) { /* the matrix with the highest offset first */
+        const int i = order[k];
         moe__weight *x = &v->w[i];
         unsigned char *src = v->buf + off[i], *dst = v->buf + new_off[i];
-        if (to[i] >= 0 && is_kx8(to[i])) {
+        if (to[i] >= 0) {
             const int64_t rb = moe__row_bytes(x->type, x->cols), gb = 8 * rb, gx = 8 * moe__row_bytes(to[i], x->cols);
             unsigned char *tmp = malloc((size_t)gb);
             if (!tmp) return ENOMEM;
@@ -3930,7 +3931,6 @@ static int unit_repack_kx8(const moe_model *m, cache_entry *v, int nw) {
             memmove(dst, src, (size_t)weight_data_bytes(x));
             x->data = dst;
         }
-        off[i] = SIZE_MAX;
     }
     return 0;
 }
@@ -4211,13 +4211,20 @@ static void *cache_io_main(void *arg) {
     return NULL;
 }
 
+/* where unit id's read waits in the queue, or -1. The caller holds the lock. */
+static int queue_find(const struct expert_cache *k, size_t id) {
+    for (int i = 0; i < k->qn; i++)
+        if (k->queue[i].id == (int)id) return i;
+    return -1;
+}
+
 /* Queues a read of unit (li, e) unless it is resident or queued (then its urgency is raised
  * to demand if asked); 1 when queued. The caller holds the lock. */
 static int queue_push(const moe_model *m, struct expert_cache *k, int li, int e, int demand) {
     const int id = (int)unit_id(k, li, e);
     if (k->slot[id]) return 0;
-    for (int i = 0; i < k->qn; i++)
-        if (k->queue[i].id == id) { k->queue[i].demand |= demand; return 0; }
+    const int q = queue_find(k, (size_t)id);
+    if (q >= 0) { k->queue[q].demand |= demand; return 0; }
     if (k->qn == k->qcap) { /* full: drop the oldest guess (the queue holds at most a few layers' worth) */
         int drop = -1;
         for (int i = 0; i < k->qn && drop < 0; i++)
@@ -4233,8 +4240,8 @@ static int queue_push(const moe_model *m, struct expert_cache *k, int li, int e,
 
 /* Takes unit id's read out of the queue, if queued. The caller holds the lock. */
 static void queue_drop(struct expert_cache *k, size_t id) {
-    for (int i = 0; i < k->qn; i++)
-        if (k->queue[i].id == (int)id) { k->queue[i] = k->queue[--k->qn]; return; }
+    const int q = queue_find(k, id);
+    if (q >= 0) k->queue[q] = k->queue[--k->qn];
 }
 
 /* Takes the reads of layer li's experts ids[0..n-1] out of the queue: a step that failed will not
@@ -7251,7 +7258,7 @@ static uint32_t cand_key(float p) {
     if (p == 0) p = 0; /* -0 as +0 */
     uint32_t b;
     memcpy(&b, &p, sizeof b);
-    return ~(b & 0x80000000u ? ~b : b | 0x80000000u); /* ascending floats give ascending (b ...): inverted */
+    return ~(b & 0x80000000u ? ~b : b | 0x80000000u); /* (the inner form ascends with the float) */
 }
 static int cand_before(cand a, cand b) {
     const uint32_t ka = cand_key(a.p), kb = cand_key(b.p);
