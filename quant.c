@@ -2439,11 +2439,12 @@ K4_KERNEL(dotq_q5_k_avxvnni, dotq4_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
  * (PREFETCH_AHEAD) into L1, the same into L2 only, and without it, leaving the stream to the
  * hardware prefetchers. moe__kernel_levels takes the third on Zen 4, where it was 5% faster for
  * a whole decode token (2 threads, tokens alternating between the builds in one process), as
- * prefetching to L2 was 7-8% slower; the second on Intel, where 2 threads of a Xeon (Emerald
- * Rapids) decoded at 0.859 of the roofline against 0.823 with the first (30 alternating runs,
- * the L2 build ahead in 26) and the kernels streamed ~5% faster, and without software prefetch
- * at two thirds of the speed; the first elsewhere: on Zen 5 it had taken one core from 28-30 to
- * 40 GB/s (bench/RESULTS.md). Same products, bit for bit (quant_blocks runs all three). */
+ * prefetching to L2 was 7-8% slower; the second elsewhere: 2 threads of a Xeon (Emerald Rapids)
+ * decoded at 0.859 of the roofline against 0.823 with the first (30 alternating runs, the L2
+ * build ahead in 26), and on Zen 5 a Q4_0 decode token took 5-6% less time than with the first
+ * (3-4% for Q8_0; the first had replaced no prefetch there, taking one core from 28-30 to 40
+ * GB/s). bench/RESULTS.md has the figures. Same products, bit for bit (quant_blocks runs all
+ * three). */
 /* one 1-row kernel: block type BT, set-up declarations SETUP, per-block loads LOADS, chunk
  * decoder U, high-chunk scaling HI, bias, scales DW */
 #define VNNI_X1_KERNEL(fname, TGT, DPB, BT, SETUP, LOADS, U, HI, bias, DW, PF)                                     \
@@ -5626,8 +5627,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
-                if (cpu_is_amd_family19()) moe__x8_prefetch(v, 0);
-                if (cpu_vendor_is("GenuineIntel")) moe__x8_prefetch(v, 2);
+                moe__x8_prefetch(v, cpu_is_amd_family19() ? 0 : 2);
                 v->dotq8x4[MOE_T_Q4_0X8] = dotq8x4_q4_0_vnni;
                 v->dotq8x4[MOE_T_Q8_0X8] = dotq8x4_q8_0_vnni;
                 v->dotq8x4x2[MOE_T_Q4_0X8] = dotq8x4x2_q4_0_vnni;
