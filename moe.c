@@ -7331,6 +7331,38 @@ int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *sp, uint
     return r;
 }
 
+/* A draw from every token, none cut by rank (top-k) or by the mass before it (top-p): the walk
+ * over [0, sum) goes in id order, since any fixed order gives each token its share, so nothing is
+ * sorted (sorting 65,536 logits took half of such a draw, ~1 ms). min-p keeps the tokens at or
+ * above min_p times the best one's probability, wherever they lie. */
+static int32_t sample_all(const float *logits, int n, const moe_sampler *sp, uint64_t *rng) {
+    float *p = malloc(sizeof *p * (size_t)n);
+    if (!p) return sample_from(logits, n, NULL, NULL); /* no memory: greedy rather than fail the caller */
+    double mx = -INFINITY, sum = 0;
+    for (int i = 0; i < n; i++)
+        if (logits[i] > mx) mx = logits[i];
+    for (int i = 0; i < n; i++) sum += p[i] = (float)exp((logits[i] - mx) / sp->temperature);
+    float top = 0;
+    for (int i = 0; i < n; i++) {
+        p[i] = (float)(p[i] / sum);
+        if (p[i] > top) top = p[i];
+    }
+    const float floor = sp->min_p < 1 ? sp->min_p * top : top; /* the best token always stays */
+    int32_t pick = n - 1; /* the last token kept, where rounding leaves u past the end */
+    double kept = 0;
+    for (int i = 0; i < n; i++)
+        if (sp->min_p > 0 && !(p[i] >= floor)) p[i] = 0; /* a zero share is never drawn */
+        else kept += p[i], pick = i;
+    const double u = (double)(rng_next(rng) >> 11) / 9007199254740992.0 * kept;
+    double acc = 0;
+    for (int i = 0; i < n; i++) {
+        acc += p[i];
+        if (u < acc) { pick = i; break; }
+    }
+    free(p);
+    return pick;
+}
+
 static int32_t sample_from(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng) {
     int32_t best = 0; /* the greedy pick: the first largest logit */
     if (!sp || !(sp->temperature > 0) || !rng) {
@@ -7339,6 +7371,7 @@ static int32_t sample_from(const float *logits, int n_vocab, const moe_sampler *
             if (logits[i] > top) top = logits[i], best = i;
         return best;
     }
+    if (!(sp->top_k > 0 && sp->top_k < n_vocab) && !(sp->top_p > 0 && sp->top_p < 1)) return sample_all(logits, n_vocab, sp, rng);
     int n = n_vocab;
     if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
     const int few = n <= 256 && n < n_vocab; /* top-k: picked in one pass, the rest never sorted */

@@ -410,7 +410,9 @@ typedef struct {
 
 /* Picks a token from logits[n_vocab] (not modified). *rng is the caller's generator state (any
  * seed != 0 works; 0 is replaced by a fixed constant); it advances. Deterministic for a given
- * state. Temperature <= 0 (or sp or rng NULL) is greedy. Returns -1 only for bad arguments. */
+ * state. Temperature <= 0 (or sp or rng NULL) is greedy. The draw walks the candidates by logit,
+ * highest first, where top-k or top-p cuts them by rank or mass, and in id order otherwise (the
+ * same distribution, without sorting the vocabulary). Returns -1 only for bad arguments. */
 MOE_API int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *sp,
                            uint64_t *rng);
 

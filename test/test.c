@@ -2201,7 +2201,8 @@ static void test_model_info(void) {
 }
 
 /* moe_sample before its candidates were picked by selection and radix sort: every candidate
- * sorted by qsort (logit descending, id ascending), then as moe_sample does */
+ * sorted by qsort (logit descending, id ascending) where top-k or top-p cuts them, left in id
+ * order where nothing does, then as moe_sample does */
 typedef struct {
     float p;
     int32_t id;
@@ -2219,15 +2220,19 @@ static uint64_t ref_rng_next(uint64_t *s) {
 static int32_t ref_sample(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng) {
     ref_cand *cs = malloc(sizeof *cs * (size_t)n_vocab);
     for (int i = 0; i < n_vocab; i++) cs[i] = (ref_cand){logits[i], i};
-    qsort(cs, (size_t)n_vocab, sizeof *cs, ref_cand_desc);
+    const int ranked = (sp->top_k > 0 && sp->top_k < n_vocab) || (sp->top_p > 0 && sp->top_p < 1);
+    if (ranked) qsort(cs, (size_t)n_vocab, sizeof *cs, ref_cand_desc);
     int n = n_vocab;
     if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
-    double mx = cs[0].p, sum = 0;
+    double mx = -INFINITY, sum = 0;
+    for (int i = 0; i < n; i++) mx = cs[i].p > mx ? cs[i].p : mx;
     for (int i = 0; i < n; i++) sum += cs[i].p = (float)exp((cs[i].p - mx) / sp->temperature);
-    for (int i = 0; i < n; i++) cs[i].p = (float)(cs[i].p / sum);
-    if (sp->min_p > 0) {
-        int k = 1;
-        while (k < n && cs[k].p >= sp->min_p * cs[0].p) k++;
+    float top = 0;
+    for (int i = 0; i < n; i++) cs[i].p = (float)(cs[i].p / sum), top = cs[i].p > top ? cs[i].p : top;
+    if (sp->min_p > 0) { /* the candidates at or above min_p times the best one's probability */
+        int k = 0;
+        for (int i = 0; i < n; i++)
+            if (cs[i].p >= (sp->min_p < 1 ? sp->min_p * top : top)) cs[k++] = cs[i];
         n = k;
     }
     if (sp->top_p > 0 && sp->top_p < 1) {
@@ -2281,7 +2286,8 @@ static void test_sampling(void) {
         CHECK(t == 1 || t == 3); /* e^-1 = 0.37 < 0.5 removes token 5 */
     }
     /* large vocabularies, with ties (logits on a coarse grid), -0 beside +0 and -inf: the same
-     * picks, and the generator left in the same state, as sorting every candidate with qsort */
+     * picks, and the generator left in the same state, as sorting every candidate with qsort (or
+     * none, where no top-k or top-p applies) */
     const int nv[2] = {1000, 70000};
     float *lg = malloc(sizeof(float) * 70000);
     for (int vi = 0; vi < 2; vi++) {
