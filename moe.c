@@ -7265,19 +7265,21 @@ static int cand_before(cand a, cand b) {
     return ka != kb ? ka < kb : a.id < b.id;
 }
 
-/* cs[0..n) = logits[0..n) in the candidates' order: a stable radix sort of key << 32 | id made
- * in id order (a byte a pass, passes where every item has the same byte skipped), so equal logits
- * stay in id order. A vocabulary of 65536 took ~11 ms a token with qsort. tmp holds 2 n. */
-static void cand_sort(const float *logits, int n, cand *cs, uint64_t *tmp) {
+/* cs[0..n) = the tokens ids[0..n) (ascending; NULL: 0 .. n-1) in the candidates' order by their
+ * logits: a stable radix sort of key << 32 | id made in id order (a byte a pass, passes where
+ * every item has the same byte skipped), so equal logits stay in id order. A vocabulary of 65536
+ * took ~11 ms a token with qsort. tmp holds 2 n. */
+static void cand_sort(const float *logits, const int32_t *ids, int n, cand *cs, uint64_t *tmp) {
     uint64_t *a = tmp, *b = tmp + n;
     int count[4][257];
     memset(count, 0, sizeof count);
     for (int i = 0; i < n; i++) {
-        const uint32_t k = cand_key(logits[i]);
-        a[i] = (uint64_t)k << 32 | (uint32_t)i;
+        const int32_t id = ids ? ids[i] : i;
+        const uint32_t k = cand_key(logits[id]);
+        a[i] = (uint64_t)k << 32 | (uint32_t)id;
         for (int d = 0; d < 4; d++) count[d][(k >> 8 * d & 255) + 1]++;
     }
-    for (int d = 0; d < 4; d++) {
+    for (int d = 0; d < 4 && n > 0; d++) {
         int *c = count[d];
         if (c[(a[0] >> (32 + 8 * d) & 255) + 1] == n) continue; /* one bucket: already in order */
         for (int v = 0; v < 256; v++) c[v + 1] += c[v];
@@ -7331,13 +7333,9 @@ int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *sp, uint
     return r;
 }
 
-/* A draw from every token, none cut by rank (top-k) or by the mass before it (top-p): the walk
- * over [0, sum) goes in id order, since any fixed order gives each token its share, so nothing is
- * sorted (sorting 65,536 logits took half of such a draw, ~1 ms). min-p keeps the tokens at or
- * above min_p times the best one's probability, wherever they lie. */
-static int32_t sample_all(const float *logits, int n, const moe_sampler *sp, uint64_t *rng) {
-    float *p = malloc(sizeof *p * (size_t)n);
-    if (!p) return sample_from(logits, n, NULL, NULL); /* no memory: greedy rather than fail the caller */
+/* p[i] = token i's probability at the sampler's temperature: exp of its logit less the largest,
+ * over their sum in id order; returns the best token's */
+static float token_probs(const float *logits, int n, const moe_sampler *sp, float *p) {
     double mx = -INFINITY, sum = 0;
     for (int i = 0; i < n; i++)
         if (logits[i] > mx) mx = logits[i];
@@ -7347,11 +7345,38 @@ static int32_t sample_all(const float *logits, int n, const moe_sampler *sp, uin
         p[i] = (float)(p[i] / sum);
         if (p[i] > top) top = p[i];
     }
-    const float floor = sp->min_p < 1 ? sp->min_p * top : top; /* the best token always stays */
+    return top;
+}
+
+/* whether min-p keeps a token of probability p, the best one's being top (the best always stays) */
+static int min_p_keeps(const moe_sampler *sp, float p, float top) {
+    return !(sp->min_p > 0) || p >= (sp->min_p < 1 ? sp->min_p * top : top);
+}
+
+/* a draw from cs[0..n), n >= 1, in their order: the first whose running sum passes u in [0, sum) */
+static int32_t draw_from(const cand *cs, int n, uint64_t *rng) {
+    double sum = 0, acc = 0;
+    for (int i = 0; i < n; i++) sum += cs[i].p;
+    const double u = (double)(rng_next(rng) >> 11) / 9007199254740992.0 * sum;
+    for (int i = 0; i < n; i++) {
+        acc += cs[i].p;
+        if (u < acc) return cs[i].id;
+    }
+    return cs[n - 1].id; /* rounding left u past the end */
+}
+
+/* A draw from every token, none cut by rank (top-k) or by the mass before it (top-p): the walk
+ * over [0, sum) goes in id order, since any fixed order gives each token its share, so nothing is
+ * sorted (sorting 65,536 logits took half of such a draw, ~1 ms). min-p keeps the tokens at or
+ * above min_p times the best one's probability, wherever they lie. */
+static int32_t sample_all(const float *logits, int n, const moe_sampler *sp, uint64_t *rng) {
+    float *p = malloc(sizeof *p * (size_t)n);
+    if (!p) return sample_from(logits, n, NULL, NULL); /* no memory: greedy rather than fail the caller */
+    const float top = token_probs(logits, n, sp, p);
     int32_t pick = n - 1; /* the last token kept, where rounding leaves u past the end */
     double kept = 0;
     for (int i = 0; i < n; i++)
-        if (sp->min_p > 0 && !(p[i] >= floor)) p[i] = 0; /* a zero share is never drawn */
+        if (!min_p_keeps(sp, p[i], top)) p[i] = 0; /* a zero share is never drawn */
         else kept += p[i], pick = i;
     const double u = (double)(rng_next(rng) >> 11) / 9007199254740992.0 * kept;
     double acc = 0;
@@ -7359,6 +7384,41 @@ static int32_t sample_all(const float *logits, int n, const moe_sampler *sp, uin
         acc += p[i];
         if (u < acc) { pick = i; break; }
     }
+    free(p);
+    return pick;
+}
+
+/* Top-p without top-k: the nucleus is the fewest tokens, best first, whose probabilities reach
+ * top_p, so only the tokens that may be in it are sorted. A pass sums the probabilities by the
+ * top 12 bits of their floats (buckets in the order of the values; 1.0 is in bucket 1016); the
+ * tokens of the buckets from the top down to the one where that sum reaches top_p are sorted and
+ * walked. Where rounding leaves their sum short of top_p, every token min-p keeps is sorted. */
+#define NUCLEUS_BUCKETS 1024
+static int32_t sample_nucleus(const float *logits, int n, const moe_sampler *sp, uint64_t *rng) {
+    float *p = malloc((sizeof *p + sizeof(int32_t) + sizeof(cand) + 2 * sizeof(uint64_t)) * (size_t)n);
+    if (!p) return sample_from(logits, n, NULL, NULL); /* no memory: greedy rather than fail the caller */
+    int32_t *ids = (int32_t *)(void *)(p + n);
+    cand *cs = (cand *)(void *)(ids + n);
+    uint64_t *tmp = (uint64_t *)(void *)(cs + n);
+    const float top = token_probs(logits, n, sp, p);
+    double mass[NUCLEUS_BUCKETS] = {0};
+    uint32_t bits;
+    for (int i = 0; i < n; i++)
+        if (min_p_keeps(sp, p[i], top)) memcpy(&bits, &p[i], sizeof bits), mass[bits >> 20 & (NUCLEUS_BUCKETS - 1)] += p[i];
+    int lo = NUCLEUS_BUCKETS - 1; /* the lowest bucket sorted */
+    for (double acc = mass[lo]; lo > 0 && acc < sp->top_p;) acc += mass[--lo];
+    int m, k;
+    for (;;) {
+        m = 0;
+        for (int i = 0; i < n; i++)
+            if (min_p_keeps(sp, p[i], top) && (memcpy(&bits, &p[i], sizeof bits), (int)(bits >> 20 & (NUCLEUS_BUCKETS - 1)) >= lo)) ids[m++] = i;
+        cand_sort(logits, ids, m, cs, tmp);
+        double acc = 0;
+        for (k = 0; k < m && acc < sp->top_p; k++) acc += cs[k].p = p[cs[k].id];
+        if (acc >= sp->top_p || lo == 0) break;
+        lo = 0;
+    }
+    const int32_t pick = k ? draw_from(cs, k, rng) : (int32_t)(n - 1);
     free(p);
     return pick;
 }
@@ -7371,14 +7431,16 @@ static int32_t sample_from(const float *logits, int n_vocab, const moe_sampler *
             if (logits[i] > top) top = logits[i], best = i;
         return best;
     }
-    if (!(sp->top_k > 0 && sp->top_k < n_vocab) && !(sp->top_p > 0 && sp->top_p < 1)) return sample_all(logits, n_vocab, sp, rng);
-    int n = n_vocab;
-    if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
-    const int few = n <= 256 && n < n_vocab; /* top-k: picked in one pass, the rest never sorted */
+    if (!(sp->top_k > 0 && sp->top_k < n_vocab))
+        return sp->top_p > 0 && sp->top_p < 1 ? sample_nucleus(logits, n_vocab, sp, rng) : sample_all(logits, n_vocab, sp, rng);
+    /* top-k: the k best in order (picked in one pass where k is small, else every token sorted),
+     * their probabilities over their own sum */
+    int n = sp->top_k;
+    const int few = n <= 256;
     cand *cs = malloc(few ? sizeof *cs * (size_t)n : (sizeof *cs + 2 * sizeof(uint64_t)) * (size_t)n_vocab);
     if (!cs) return sample_from(logits, n_vocab, NULL, NULL); /* no memory: greedy rather than fail the caller */
     if (few) cand_top(logits, n_vocab, n, cs);
-    else cand_sort(logits, n_vocab, cs, (uint64_t *)(void *)(cs + n_vocab));
+    else cand_sort(logits, NULL, n_vocab, cs, (uint64_t *)(void *)(cs + n_vocab));
     double mx = cs[0].p, sum = 0;
     for (int i = 0; i < n; i++) sum += cs[i].p = (float)exp((cs[i].p - mx) / sp->temperature);
     for (int i = 0; i < n; i++) cs[i].p = (float)(cs[i].p / sum);
@@ -7393,14 +7455,7 @@ static int32_t sample_from(const float *logits, int n_vocab, const moe_sampler *
         while (k < n && acc < sp->top_p) acc += cs[k++].p;
         n = k ? k : 1;
     }
-    sum = 0;
-    for (int i = 0; i < n; i++) sum += cs[i].p;
-    double u = (double)(rng_next(rng) >> 11) / 9007199254740992.0 * sum, acc = 0;
-    int32_t pick = cs[n - 1].id;
-    for (int i = 0; i < n; i++) {
-        acc += cs[i].p;
-        if (u < acc) { pick = cs[i].id; break; }
-    }
+    const int32_t pick = draw_from(cs, n, rng);
     free(cs);
     return pick;
 }

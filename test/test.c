@@ -2200,16 +2200,17 @@ static void test_model_info(void) {
     moe_model_close(s);
 }
 
-/* moe_sample before its candidates were picked by selection and radix sort: every candidate
- * sorted by qsort (logit descending, id ascending) where top-k or top-p cuts them, left in id
- * order where nothing does, then as moe_sample does */
+/* moe_sample by the simplest means, as an oracle: every candidate sorted by qsort (logit
+ * descending, id ascending) where top-k or top-p cuts them, left in id order where nothing does;
+ * probabilities over the top-k's own sum where top-k cuts, else over every token's in id order;
+ * then min-p, top-p and the draw */
 typedef struct {
-    float p;
+    float l, p; /* logit, probability */
     int32_t id;
 } ref_cand;
 static int ref_cand_desc(const void *a, const void *b) {
     const ref_cand *x = a, *y = b;
-    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    if (x->l != y->l) return x->l > y->l ? -1 : 1;
     return x->id < y->id ? -1 : x->id > y->id;
 }
 static uint64_t ref_rng_next(uint64_t *s) {
@@ -2217,18 +2218,28 @@ static uint64_t ref_rng_next(uint64_t *s) {
     *s ^= *s >> 12, *s ^= *s << 25, *s ^= *s >> 27;
     return *s * 0x2545F4914F6CDD1Dull;
 }
-static int32_t ref_sample(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng) {
-    ref_cand *cs = malloc(sizeof *cs * (size_t)n_vocab);
-    for (int i = 0; i < n_vocab; i++) cs[i] = (ref_cand){logits[i], i};
-    const int ranked = (sp->top_k > 0 && sp->top_k < n_vocab) || (sp->top_p > 0 && sp->top_p < 1);
-    if (ranked) qsort(cs, (size_t)n_vocab, sizeof *cs, ref_cand_desc);
-    int n = n_vocab;
-    if (sp->top_k > 0 && sp->top_k < n) n = sp->top_k;
+/* cs[0..n).p from their logits; returns the largest */
+static float ref_probs(ref_cand *cs, int n, float temperature) {
     double mx = -INFINITY, sum = 0;
-    for (int i = 0; i < n; i++) mx = cs[i].p > mx ? cs[i].p : mx;
-    for (int i = 0; i < n; i++) sum += cs[i].p = (float)exp((cs[i].p - mx) / sp->temperature);
+    for (int i = 0; i < n; i++) mx = cs[i].l > mx ? cs[i].l : mx;
+    for (int i = 0; i < n; i++) sum += cs[i].p = (float)exp((cs[i].l - mx) / temperature);
     float top = 0;
     for (int i = 0; i < n; i++) cs[i].p = (float)(cs[i].p / sum), top = cs[i].p > top ? cs[i].p : top;
+    return top;
+}
+static int32_t ref_sample(const float *logits, int n_vocab, const moe_sampler *sp, uint64_t *rng) {
+    ref_cand *cs = malloc(sizeof *cs * (size_t)n_vocab);
+    for (int i = 0; i < n_vocab; i++) cs[i] = (ref_cand){logits[i], 0, i};
+    const int cut_k = sp->top_k > 0 && sp->top_k < n_vocab, ranked = cut_k || (sp->top_p > 0 && sp->top_p < 1);
+    int n = n_vocab;
+    float top;
+    if (cut_k) {
+        qsort(cs, (size_t)n_vocab, sizeof *cs, ref_cand_desc);
+        top = ref_probs(cs, n = sp->top_k, sp->temperature);
+    } else {
+        top = ref_probs(cs, n, sp->temperature);
+        if (ranked) qsort(cs, (size_t)n_vocab, sizeof *cs, ref_cand_desc);
+    }
     if (sp->min_p > 0) { /* the candidates at or above min_p times the best one's probability */
         int k = 0;
         for (int i = 0; i < n; i++)
@@ -2241,7 +2252,7 @@ static int32_t ref_sample(const float *logits, int n_vocab, const moe_sampler *s
         while (k < n && acc < sp->top_p) acc += cs[k++].p;
         n = k ? k : 1;
     }
-    sum = 0;
+    double sum = 0;
     for (int i = 0; i < n; i++) sum += cs[i].p;
     double u = (double)(ref_rng_next(rng) >> 11) / 9007199254740992.0 * sum, acc = 0;
     int32_t pick = cs[n - 1].id;
@@ -2288,16 +2299,17 @@ static void test_sampling(void) {
     /* large vocabularies, with ties (logits on a coarse grid), -0 beside +0 and -inf: the same
      * picks, and the generator left in the same state, as sorting every candidate with qsort (or
      * none, where no top-k or top-p applies) */
-    const int nv[2] = {1000, 70000};
+    const int nv[3] = {1000, 70000, 70000};
     float *lg = malloc(sizeof(float) * 70000);
-    for (int vi = 0; vi < 2; vi++) {
+    for (int vi = 0; vi < 3; vi++) {
         const int V = nv[vi];
-        for (int i = 0; i < V; i++) lg[i] = roundf(nrand() * 16.0f) / 8.0f;
+        /* the third: spread out, so that a few hundred tokens hold most of the probability */
+        for (int i = 0; i < V; i++) lg[i] = vi < 2 ? roundf(nrand() * 16.0f) / 8.0f : nrand() * 4.0f;
         lg[V / 7] = -0.0f, lg[V / 5] = 0.0f, lg[V / 3] = -INFINITY, lg[V / 2] = 6.0f, lg[V - 1] = 6.0f;
         const int ks[6] = {0, 1, 40, 256, 257, 5000};
         const float ps[3] = {1.0f, 0.95f, 0.5f}, ms[2] = {0.0f, 0.05f}, ts[2] = {0.8f, 1.5f};
         int same = 1, cases = 0;
-        for (int c = 0; c < 6 * 3 * 2 * 2; c += vi ? 5 : 1) { /* the large one: 15 of the 72 samplers (qsort takes a while) */
+        for (int c = 0; c < 6 * 3 * 2 * 2; c += vi ? 5 : 1) { /* the large ones: 15 of the 72 samplers (qsort takes a while) */
             moe_sampler sp = {.temperature = ts[c % 2], .top_k = ks[c / 12], .top_p = ps[c / 4 % 3], .min_p = ms[c / 2 % 2]};
             uint64_t ra = 1234567 + (uint64_t)c, rb = ra;
             for (int d = 0; d < (vi ? 2 : 20); d++, cases++) same &= moe_sample(lg, V, &sp, &ra) == ref_sample(lg, V, &sp, &rb) && ra == rb;
