@@ -5,7 +5,7 @@
  *
  * Each input line is {"custom_id", "method": "POST", "url": "/v1/chat/completions" or
  * "/v1/completions", "body": {"messages" | "prompt", "max_tokens", "temperature", "top_p", "seed",
- * "stop", ...}}. Each answer is one output line {"id", "custom_id", "response": {"status_code",
+ * "stop", "logprobs", ...}}. Each answer is one output line {"id", "custom_id", "response": {"status_code",
  * "request_id", "body"}, "error"}, appended whole. A malformed line or a failing request gets an
  * error line and the rest go on. Rerunning with the same output file skips the requests already
  * answered (a torn last line left by a crash is cut off first), so a job killed at any moment and
@@ -15,7 +15,9 @@
  * Up to P requests decode at once in lockstep through one batched step (their rows share every
  * expert loaded for that step), new requests join as others finish, and a prompt prefix shared
  * by all requests is computed once and copied into each sequence. Sampling is seeded from the
- * request's seed, or its custom_id, so reruns give the same text.
+ * request's seed, or its custom_id, so a request's draws do not depend on its slot. With
+ * "logprobs", each sampled token's log probability (and the best alternatives') is written in
+ * OpenAI's form.
  *
  * Exit 0 when every request of the shard has an answer, 1 on errors (input unreadable, output
  * not writable, a failed step: rerun to finish), 2 on usage errors. Uses the library's internal
@@ -27,6 +29,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -253,6 +256,7 @@ typedef struct {
     uint64_t rng;
     char *stop[4];
     int n_stop;
+    int logprobs; /* -1: none; else each sampled token's log probability and this many best alternatives */
     moe_chat_options co;
 } request;
 
@@ -328,6 +332,26 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
     r->sp.frequency_penalty = (float)v;
     v = 1;
     if (!num_field(body, "n", 1, 1, &v, why, wn)) return snprintf(why, wn, "n must be 1"), 0;
+    /* log probabilities: chat's "logprobs": true with "top_logprobs": N, the completions'
+     * "logprobs": N (OpenAI allows 5 there, 20 in chat: both take up to 20 here) */
+    r->logprobs = -1;
+    const moe__json *lp = moe__json_get(body, "logprobs"), *echo = moe__json_get(body, "echo");
+    if (r->chat) {
+        if (lp && lp->type != MOE_JSON_BOOL && lp->type != MOE_JSON_NULL) return snprintf(why, wn, "logprobs must be true or false"), 0;
+        v = -1;
+        if (!num_field(body, "top_logprobs", 0, 20, &v, why, wn)) return 0;
+        if (v != (int)v) return snprintf(why, wn, "top_logprobs must be an integer"), 0;
+        const int on = lp && lp->type == MOE_JSON_BOOL && lp->num != 0;
+        if (v >= 0 && !on) return snprintf(why, wn, "top_logprobs needs logprobs: true"), 0;
+        if (on) r->logprobs = v >= 0 ? (int)v : 0;
+    } else {
+        v = -1;
+        if (!num_field(body, "logprobs", 0, 20, &v, why, wn)) return 0;
+        if (v != (int)v) return snprintf(why, wn, "logprobs must be an integer"), 0;
+        r->logprobs = (int)v;
+        if (echo && !(echo->type == MOE_JSON_NULL || (echo->type == MOE_JSON_BOOL && echo->num == 0)))
+            return snprintf(why, wn, "echo is not supported"), 0;
+    }
     const moe__json *seed = moe__json_get(body, "seed");
     if (seed && seed->type == MOE_JSON_NUM) { /* a 64-bit integer: converting anything else to int64_t is undefined */
         if (!(seed->num >= -9.2e18 && seed->num <= 9.2e18) || (double)(int64_t)seed->num != seed->num)
@@ -403,10 +427,36 @@ typedef struct {
     int row;            /* its row of the step's logits */
     int32_t pick;       /* the token sampled from them */
     int32_t *hist;      /* prompt + generated, for penalties */
+    /* with logprobs: per sampled token its log probability, its text's offset in content, and
+     * the request's logprobs best alternatives (ids and log probabilities) */
+    float *lp, *alt_lp;
+    int32_t *alt;
+    size_t *offset;
     buf content, reasoning;
     moe_chat_reply rep;
     const char *finish; /* set when done */
 } slot;
+
+/* Log probabilities of the raw logits l[0..V) (before temperature and penalties, as OpenAI
+ * reports them): the pick's into *lp, the n best tokens (highest first, ties by id) into alt and
+ * their log probabilities into alt_lp. */
+static void logprobs_of(const float *l, int V, int32_t pick, int n, float *lp, int32_t *alt, float *alt_lp) {
+    float mx = -INFINITY;
+    for (int i = 0; i < V; i++)
+        if (l[i] > mx) mx = l[i];
+    double sum = 0;
+    for (int i = 0; i < V; i++) sum += exp((double)l[i] - mx);
+    const double lse = mx + log(sum);
+    *lp = (float)(l[pick] - lse);
+    int have = 0;
+    for (int i = 0; i < V && n > 0; i++) {
+        if (have == n && !(l[i] > l[alt[n - 1]])) continue;
+        int j = have < n ? have++ : n - 1;
+        for (; j > 0 && l[i] > l[alt[j - 1]]; j--) alt[j] = alt[j - 1];
+        alt[j] = i;
+    }
+    for (int j = 0; j < have; j++) alt_lp[j] = (float)(l[alt[j]] - lse);
+}
 
 static int slot_check_stop(slot *sl) {
     int stopped = 0;
@@ -416,7 +466,95 @@ static int slot_check_stop(slot *sl) {
     return stopped;
 }
 
-static void answer_line(buf *b, const slot *sl, const char *tool_calls) {
+/* a log probability as JSON (-9999 for a token the model rules out, as OpenAI writes it) */
+static void blogprob(buf *b, float v) { bprintf(b, "%.9g", isfinite(v) ? (double)v : -9999.0); }
+
+/* token t's text: its bytes, or its id where the model has no tokenizer */
+static const char *token_text(const moe_tokenizer *tok, int32_t t, char *idbuf, size_t n, size_t *len) {
+    const char *p = tok ? moe_token_bytes(tok, t, len) : NULL;
+    if (p) return p;
+    *len = (size_t)snprintf(idbuf, n, "%d", (int)t);
+    return idbuf;
+}
+
+/* chat's {"token", "logprob", "bytes"} of token t (the bytes as numbers: a token may hold part of
+ * a character) */
+static void chat_token_lp(buf *b, const moe_tokenizer *tok, int32_t t, float lp) {
+    char idb[16];
+    size_t len = 0;
+    const char *p = token_text(tok, t, idb, sizeof idb, &len);
+    bprintf(b, "\"token\": ");
+    bjson_str(b, p, len);
+    bprintf(b, ", \"logprob\": ");
+    blogprob(b, lp);
+    bprintf(b, ", \"bytes\": [");
+    for (size_t i = 0; i < len; i++) bprintf(b, i ? ", %u" : "%u", (unsigned char)p[i]);
+    bprintf(b, "]");
+}
+
+/* the choice's "logprobs": one entry per sampled token (completion_tokens of them, the reasoning
+ * and a closing end-of-turn token included), chat's or the completions' form */
+static void logprobs_json(buf *b, const slot *sl, const moe_tokenizer *tok) {
+    const request *r = sl->r;
+    const int32_t *gen = sl->hist + r->n_prompt;
+    const int n = r->logprobs;
+    char idb[16];
+    size_t len = 0;
+    if (r->logprobs < 0) {
+        bprintf(b, "\"logprobs\": null, ");
+        return;
+    }
+    if (r->chat) {
+        bprintf(b, "\"logprobs\": {\"content\": [");
+        for (int i = 0; i < sl->gen; i++) {
+            bprintf(b, i ? ", {" : "{");
+            chat_token_lp(b, tok, gen[i], sl->lp[i]);
+            bprintf(b, ", \"top_logprobs\": [");
+            for (int j = 0; j < n; j++) {
+                bprintf(b, j ? ", {" : "{");
+                chat_token_lp(b, tok, sl->alt[(size_t)i * n + j], sl->alt_lp[(size_t)i * n + j]);
+                bprintf(b, "}");
+            }
+            bprintf(b, "]}");
+        }
+        bprintf(b, "], \"refusal\": null}, ");
+        return;
+    }
+    bprintf(b, "\"logprobs\": {\"tokens\": [");
+    for (int i = 0; i < sl->gen; i++) {
+        const char *p = token_text(tok, gen[i], idb, sizeof idb, &len);
+        if (i) bprintf(b, ", ");
+        bjson_str(b, p, len);
+    }
+    bprintf(b, "], \"token_logprobs\": [");
+    for (int i = 0; i < sl->gen; i++) {
+        if (i) bprintf(b, ", ");
+        blogprob(b, sl->lp[i]);
+    }
+    bprintf(b, "], \"top_logprobs\": ");
+    if (n > 0) {
+        bprintf(b, "[");
+        for (int i = 0; i < sl->gen; i++) {
+            bprintf(b, i ? ", {" : "{");
+            for (int j = 0; j < n; j++) {
+                const char *p = token_text(tok, sl->alt[(size_t)i * n + j], idb, sizeof idb, &len);
+                if (j) bprintf(b, ", ");
+                bjson_str(b, p, len);
+                bprintf(b, ": ");
+                blogprob(b, sl->alt_lp[(size_t)i * n + j]);
+            }
+            bprintf(b, "}");
+        }
+        bprintf(b, "]");
+    } else {
+        bprintf(b, "null");
+    }
+    bprintf(b, ", \"text_offset\": [");
+    for (int i = 0; i < sl->gen; i++) bprintf(b, i ? ", %zu" : "%zu", sl->offset[i]);
+    bprintf(b, "]}, ");
+}
+
+static void answer_line(buf *b, const slot *sl, const char *tool_calls, const moe_tokenizer *tok) {
     const request *r = sl->r;
     char rid[32];
     snprintf(rid, sizeof rid, "%016llx", (unsigned long long)fnv(r->custom_id, strlen(r->custom_id)));
@@ -441,8 +579,9 @@ static void answer_line(buf *b, const slot *sl, const char *tool_calls) {
     } else {
         bprintf(b, "\"text\": ");
         bjson_str(b, sl->content.s ? sl->content.s : "", sl->content.n);
-        bprintf(b, ", \"logprobs\": null, ");
+        bprintf(b, ", ");
     }
+    logprobs_json(b, sl, tok);
     bprintf(b, "\"finish_reason\": \"%s\"}], \"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %d, \"total_tokens\": %d}}}, "
                "\"error\": null}\n", tool_calls ? "tool_calls" : sl->finish, r->n_prompt, sl->gen, r->n_prompt + sl->gen);
 }
@@ -652,6 +791,17 @@ int main(int argc, char **argv) {
             if (!h) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
             sl->hist = h;
             memcpy(h, rq->prompt, sizeof *h * (size_t)rq->n_prompt);
+            if (rq->logprobs >= 0) {
+                const size_t nt = (size_t)rq->max_tokens, na = nt * (size_t)rq->logprobs + 1;
+                float *lp = realloc(sl->lp, sizeof *lp * nt), *alt_lp = realloc(sl->alt_lp, sizeof *alt_lp * na);
+                int32_t *alt = realloc(sl->alt, sizeof *alt * na);
+                size_t *off = realloc(sl->offset, sizeof *off * nt);
+                if (lp) sl->lp = lp;
+                if (alt_lp) sl->alt_lp = alt_lp;
+                if (alt) sl->alt = alt;
+                if (off) sl->offset = off;
+                if (!lp || !alt_lp || !alt || !off) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
+            }
             sl->r = rq, sl->gen = 0, sl->finish = NULL, sl->content.n = 0, sl->reasoning.n = 0;
             if (sl->content.s) sl->content.s[0] = 0;
             if (sl->reasoning.s) sl->reasoning.s[0] = 0;
@@ -691,7 +841,11 @@ int main(int argc, char **argv) {
             request *rq = sl->r;
             rq->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
             rq->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
-            sl->pick = moe_sample(logits + (size_t)sl->row * (size_t)c->vocab_size, c->vocab_size, &rq->sp, &rq->rng);
+            const float *row = logits + (size_t)sl->row * (size_t)c->vocab_size;
+            sl->pick = moe_sample(row, c->vocab_size, &rq->sp, &rq->rng);
+            if (rq->logprobs >= 0)
+                logprobs_of(row, c->vocab_size, sl->pick, rq->logprobs, &sl->lp[sl->gen], sl->alt + (size_t)sl->gen * rq->logprobs,
+                            sl->alt_lp + (size_t)sl->gen * rq->logprobs);
         }
         for (int i = 0; i < parallel; i++) {
             slot *sl = &slots[i];
@@ -699,6 +853,7 @@ int main(int argc, char **argv) {
             request *rq = sl->r;
             sl->fed = rq->n_prompt;
             int32_t t = sl->pick;
+            if (rq->logprobs >= 0) sl->offset[sl->gen] = sl->content.n;
             sl->hist[rq->n_prompt + sl->gen++] = t;
             sl->last = t;
             tokens++;
@@ -714,6 +869,7 @@ int main(int argc, char **argv) {
                 if (!rq->chat && (t == moe_token_id(tok, "[EOS]"))) end = 1;
             } else {
                 bprintf(&sl->content, sl->gen > 1 ? " %d" : "%d", (int)t); /* no tokenizer: the ids */
+                if (rq->logprobs >= 0 && sl->gen > 1) sl->offset[sl->gen - 1]++; /* past the space */
             }
             if (sl->content.oom || sl->reasoning.oom) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
             if (end || slot_check_stop(sl)) sl->finish = "stop";
@@ -733,7 +889,7 @@ int main(int argc, char **argv) {
                     }
                 }
             }
-            answer_line(&line, sl, calls);
+            answer_line(&line, sl, calls, tok);
             free(calls);
             if (line.oom || append_line(&line)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, line.oom ? "out of memory" : strerror(errno)); goto out; }
             finished++;
@@ -758,6 +914,7 @@ out:
     for (int i = 0; slots && i < parallel; i++) {
         moe_session_free(slots[i].s);
         free(slots[i].hist);
+        free(slots[i].lp), free(slots[i].alt), free(slots[i].alt_lp), free(slots[i].offset);
         free(slots[i].content.s);
         free(slots[i].reasoning.s);
     }

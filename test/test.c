@@ -3254,6 +3254,143 @@ static int check_batch_output(const char *path, const char *want_id, char *text,
 /* answers, errors for bad lines, rerun skips what is done, a torn last line is repaired,
  * duplicate custom_ids are refused, shards split the work */
 /* req-0's golden prompt again, greedy: decoded in whichever slot frees up first */
+static const char *shipped_dir(void);
+
+/* the parsed answer to custom_id id in the output file at path (NULL: none); free with moe__json_free */
+static moe__json *batch_answer(const char *path, const char *id) {
+    size_t len = 0;
+    char *all = read_all(path, &len), key[80];
+    moe__json *j = NULL;
+    snprintf(key, sizeof key, "\"custom_id\": \"%s\"", id);
+    char *p = all ? strstr(all, key) : NULL;
+    if (p) {
+        while (p > all && p[-1] != '\n') p--;
+        char *e = strchr(p, '\n');
+        if (e && moe__json_parse(p, (size_t)(e - p), &j, NULL, 0) != MOE_OK) j = NULL;
+    }
+    free(all);
+    return j;
+}
+static const moe__json *json_at(const moe__json *a, int i) {
+    const moe__json *e = a && (a->type == MOE_JSON_ARR || a->type == MOE_JSON_OBJ) ? a->child : NULL;
+    while (e && i-- > 0) e = e->next;
+    return e;
+}
+
+/* moe-batch's log probabilities: a greedy completion on a golden prompt gives each token's log
+ * probability under the golden logits (log-softmax of the expected rows, within twice the
+ * logits' tolerance), its best alternatives in order with the pick first, and offsets into the
+ * text; a chat answer on the shipped model lists every sampled token with its bytes; bad
+ * requests are refused; two threads give the same tokens and log probabilities within rounding
+ * (the decode attention's split over threads rounds differently) */
+static void test_batch_logprobs(void) {
+    char in[600], out[600], out2[600], cmd[2400], buf[8192];
+    tmp_path(in, sizeof in, "lp-in.jsonl");
+    tmp_path(out, sizeof out, "lp-out.jsonl");
+    tmp_path(out2, sizeof out2, "lp-out2.jsonl");
+    FILE *f = fopen(in, "w");
+    fputs("{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+          "\"max_tokens\": 4, \"temperature\": 0, \"logprobs\": 3}}\n"
+          "{\"custom_id\": \"h\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9, \"logprobs\": 0}}\n"
+          "{\"custom_id\": \"echo\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"echo\": true, \"logprobs\": 1}}\n"
+          "{\"custom_id\": \"big\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"logprobs\": 21}}\n"
+          "{\"custom_id\": \"half\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"logprobs\": 1.5}}\n",
+          f);
+    fclose(f);
+    remove(out), remove(out2);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 2>&1", exe_dir, golden_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    golden g;
+    if (!golden_load(&g, "k3mx")) return;
+    const moe__st_tensor *want = moe__st_find(&g.ref, "p1.greedy_logits");
+    moe__json *a = batch_answer(out, "g");
+    const moe__json *lp = moe__json_get(json_at(moe__json_get(moe__json_get(moe__json_get(a, "response"), "body"), "choices"), 0), "logprobs");
+    const moe__json *toks = moe__json_get(lp, "tokens"), *tlp = moe__json_get(lp, "token_logprobs"), *top = moe__json_get(lp, "top_logprobs"),
+                    *off = moe__json_get(lp, "text_offset");
+    CHECK(want && toks && tlp && top && off && toks->n == 4 && tlp->n == 4 && top->n == 4 && off->n == 4);
+    if (want && toks && tlp && top && off && toks->n == 4 && tlp->n == 4 && top->n == 4 && off->n == 4) {
+        const int V = (int)want->shape[1], greedy[4] = {555, 1114, 583, 989}, offsets[4] = {0, 4, 9, 13};
+        double worst = 0;
+        for (int i = 0; i < 4; i++) {
+            const float *row = (const float *)want->data + (size_t)i * V;
+            double mx = -INFINITY, sum = 0;
+            for (int v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+            for (int v = 0; v < V; v++) sum += exp(row[v] - mx);
+            const double expect = row[greedy[i]] - mx - log(sum), d = fabs(json_at(tlp, i)->num - expect);
+            worst = d > worst ? d : worst;
+            CHECKF(atoi(json_at(toks, i)->str) == greedy[i], "token %d: %s", i, json_at(toks, i)->str);
+            CHECKF((int)json_at(off, i)->num == offsets[i], "offset %d: %g", i, json_at(off, i)->num);
+            const moe__json *alts = json_at(top, i);
+            CHECK(alts && alts->n == 3);
+            for (int j = 0; alts && j < alts->n; j++) { /* the pick first (greedy), then in order, each its golden log probability */
+                const moe__json *e = json_at(alts, j);
+                CHECK(j > 0 || (atoi(e->key) == greedy[i] && e->num == json_at(tlp, i)->num));
+                CHECK(j == 0 || e->num <= json_at(alts, j - 1)->num);
+                const double ej = row[atoi(e->key)] - mx - log(sum);
+                CHECKF(fabs(e->num - ej) <= 2 * g.tol, "token %d alternative %d: %g against %g", i, j, e->num, ej);
+            }
+        }
+        CHECKF(worst <= 2 * g.tol, "log probabilities %.3g from the golden logits'", worst);
+    }
+    moe__json_free(a);
+    a = batch_answer(out, "h"); /* sampled, no alternatives */
+    lp = moe__json_get(json_at(moe__json_get(moe__json_get(moe__json_get(a, "response"), "body"), "choices"), 0), "logprobs");
+    CHECK(lp && moe__json_get(lp, "token_logprobs")->n == 5 && moe__json_get(lp, "top_logprobs")->type == MOE_JSON_NULL);
+    for (int i = 0; lp && i < 5; i++) CHECK(json_at(moe__json_get(lp, "token_logprobs"), i)->num <= 0);
+    moe__json_free(a);
+    size_t len = 0;
+    char *all = read_all(out, &len);
+    CHECK(all && strstr(all, "echo is not supported") && strstr(all, "logprobs must be a number in [0, 20]") && strstr(all, "logprobs must be an integer"));
+    free(all);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 -t 2 2>&1", exe_dir, golden_dir(), in, out2);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    for (int k = 0; k < 2; k++) {
+        moe__json *x = batch_answer(out, k ? "h" : "g"), *y = batch_answer(out2, k ? "h" : "g");
+        const moe__json *cx = json_at(moe__json_get(moe__json_get(moe__json_get(x, "response"), "body"), "choices"), 0);
+        const moe__json *cy = json_at(moe__json_get(moe__json_get(moe__json_get(y, "response"), "body"), "choices"), 0);
+        CHECK(cx && cy && !strcmp(moe__json_get(cx, "text")->str, moe__json_get(cy, "text")->str));
+        const moe__json *lx = moe__json_get(json_at(moe__json_get(moe__json_get(moe__json_get(x, "response"), "body"), "choices"), 0), "logprobs");
+        const moe__json *ly = moe__json_get(json_at(moe__json_get(moe__json_get(moe__json_get(y, "response"), "body"), "choices"), 0), "logprobs");
+        for (int i = 0; lx && ly && i < moe__json_get(lx, "token_logprobs")->n; i++)
+            CHECK(fabs(json_at(moe__json_get(lx, "token_logprobs"), i)->num - json_at(moe__json_get(ly, "token_logprobs"), i)->num) < 1e-4);
+        CHECK(lx && ly);
+        moe__json_free(x), moe__json_free(y);
+    }
+    golden_free(&g);
+    /* chat on the shipped model: an entry per sampled token, its bytes, two alternatives each */
+    f = fopen(in, "w");
+    fputs("{\"custom_id\": \"c\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
+          "\"max_tokens\": 6, \"logprobs\": true, \"top_logprobs\": 2, \"seed\": 3}}\n"
+          "{\"custom_id\": \"t\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"top_logprobs\": 2}}\n",
+          f);
+    fclose(f);
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s -i %s -o %s 2>&1", exe_dir, shipped_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    a = batch_answer(out, "c");
+    const moe__json *body = moe__json_get(moe__json_get(a, "response"), "body");
+    const moe__json *content = moe__json_get(moe__json_get(json_at(moe__json_get(body, "choices"), 0), "logprobs"), "content");
+    const int gen = (int)moe__json_get(moe__json_get(body, "usage"), "completion_tokens")->num;
+    CHECKF(content && content->n == gen && gen > 0, "%d entries for %d tokens", content ? content->n : -1, gen);
+    for (int i = 0; content && i < content->n; i++) {
+        const moe__json *e = json_at(content, i), *bytes = moe__json_get(e, "bytes"), *alts = moe__json_get(e, "top_logprobs");
+        CHECK(moe__json_get(e, "logprob")->num <= 0 && bytes && bytes->n > 0 && alts && alts->n == 2 &&
+              json_at(alts, 0)->n == 3 && moe__json_get(json_at(alts, 0), "logprob")->num >= moe__json_get(json_at(alts, 1), "logprob")->num &&
+              moe__json_get(e, "logprob")->num <= moe__json_get(json_at(alts, 0), "logprob")->num);
+        /* the bytes spell the token where they are whole UTF-8 */
+        char tb[64];
+        int nb = 0;
+        for (const moe__json *x = bytes ? bytes->child : NULL; x && nb < 63; x = x->next) tb[nb++] = (char)(int)x->num;
+        tb[nb] = 0;
+        if (moe_utf8_valid_prefix(tb, (size_t)nb) == (size_t)nb) CHECKF(!strcmp(tb, moe__json_get(e, "token")->str), "entry %d: %s", i, tb);
+    }
+    moe__json_free(a);
+    all = read_all(out, &len);
+    CHECK(all && strstr(all, "top_logprobs needs logprobs: true"));
+    free(all);
+    remove(in), remove(out), remove(out2);
+}
+
 #define AGAIN(id) "{\"custom_id\": \"" id "\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], \"max_tokens\": 4, \"temperature\": 0}}\n"
 static void test_batch_basic(void) {
     char in[600], out[600], cmd[2400], buf[8192], text[512];
@@ -4861,6 +4998,7 @@ static const struct {
     {"chat_ids", test_chat_ids},
     {"chat_json_dumps", test_chat_json_dumps},
     {"batch_basic", test_batch_basic},
+    {"batch_logprobs", test_batch_logprobs},
     {"batch_faults", test_batch_faults},
     {"shipped_reference", test_shipped_reference},
     {"shipped_mxfp4_int8", test_shipped_mxfp4_int8},
