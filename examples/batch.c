@@ -17,7 +17,7 @@
  * by all requests is computed once and copied into each sequence. Sampling is seeded from the
  * request's seed, or its custom_id, so a request's draws do not depend on its slot. With
  * "logprobs", each sampled token's log probability (and the best alternatives') is written in
- * OpenAI's form.
+ * OpenAI's form; "n" choices decode as sequences of their own, answered together.
  *
  * Exit 0 when every request of the shard has an answer, 1 on errors (input unreadable, output
  * not writable, a failed step: rerun to finish), 2 on usage errors. Uses the library's internal
@@ -258,9 +258,16 @@ typedef struct {
     int n_stop;
     int logprobs; /* -1: none; else each sampled token's log probability and this many best alternatives */
     moe_chat_options co;
+    int n;          /* choices ("n"): each decodes as a sequence of its own */
+    int started;    /* choices given a slot so far */
+    int done;       /* choices finished */
+    int gen_total;  /* their sampled tokens */
+    buf *choices;   /* each finished choice's JSON object, until the last one finishes */
 } request;
 
 static void request_free(request *r) {
+    for (int i = 0; r->choices && i < r->n; i++) free(r->choices[i].s);
+    free(r->choices);
     free(r->custom_id);
     free(r->prompt);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
@@ -331,7 +338,10 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
     if (!num_field(body, "frequency_penalty", -2, 2, &v, why, wn)) return 0;
     r->sp.frequency_penalty = (float)v;
     v = 1;
-    if (!num_field(body, "n", 1, 1, &v, why, wn)) return snprintf(why, wn, "n must be 1"), 0;
+    if (!num_field(body, "n", 1, 128, &v, why, wn)) return 0;
+    if (v != (int)v) return snprintf(why, wn, "n must be an integer"), 0;
+    r->n = (int)v;
+    if (!(r->choices = calloc((size_t)r->n, sizeof *r->choices))) return snprintf(why, wn, "out of memory"), 0;
     /* log probabilities: chat's "logprobs": true with "top_logprobs": N, the completions'
      * "logprobs": N (OpenAI allows 5 there, 20 in chat: both take up to 20 here) */
     r->logprobs = -1;
@@ -420,6 +430,9 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
 
 typedef struct {
     request *r;
+    int choice;         /* which of r's choices */
+    moe_sampler sp;     /* r's sampler, with this sequence's recent tokens */
+    uint64_t rng;       /* this choice's generator */
     moe_session *s;
     int fed;            /* prompt tokens already in the session */
     int gen;            /* tokens sampled */
@@ -554,17 +567,20 @@ static void logprobs_json(buf *b, const slot *sl, const moe_tokenizer *tok) {
     bprintf(b, "]}, ");
 }
 
-static void answer_line(buf *b, const slot *sl, const char *tool_calls, const moe_tokenizer *tok) {
-    const request *r = sl->r;
-    char rid[32];
-    snprintf(rid, sizeof rid, "%016llx", (unsigned long long)fnv(r->custom_id, strlen(r->custom_id)));
-    bprintf(b, "{\"id\": \"batch_req_%s\", \"custom_id\": ", rid);
-    bjson_str(b, r->custom_id, strlen(r->custom_id));
-    bprintf(b, ", \"response\": {\"status_code\": 200, \"request_id\": \"req_%s\", \"body\": {\"id\": \"%s-%s\", \"object\": \"%s\", "
-               "\"created\": %ld, \"model\": ", rid, r->chat ? "chatcmpl" : "cmpl", rid, r->chat ? "chat.completion" : "text_completion", g_created);
-    bjson_str(b, model_name, strlen(model_name));
-    bprintf(b, ", \"choices\": [{\"index\": 0, ");
-    if (r->chat) {
+/* choice k's generator: the request's own for the first, so that n = 1 draws as before; the
+ * others from it by splitmix64's mixing */
+static uint64_t choice_rng(uint64_t seed, int k) {
+    if (!k) return seed;
+    uint64_t z = seed + (uint64_t)k * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (z ^ (z >> 31)) | 1;
+}
+
+/* one finished choice as its JSON object, into b */
+static void choice_json(buf *b, const slot *sl, const char *tool_calls, const moe_tokenizer *tok) {
+    bprintf(b, "{\"index\": %d, ", sl->choice);
+    if (sl->r->chat) {
         bprintf(b, "\"message\": {\"role\": \"assistant\", \"content\": ");
         bjson_str(b, sl->content.s ? sl->content.s : "", sl->content.n);
         if (sl->reasoning.n) {
@@ -582,8 +598,25 @@ static void answer_line(buf *b, const slot *sl, const char *tool_calls, const mo
         bprintf(b, ", ");
     }
     logprobs_json(b, sl, tok);
-    bprintf(b, "\"finish_reason\": \"%s\"}], \"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %d, \"total_tokens\": %d}}}, "
-               "\"error\": null}\n", tool_calls ? "tool_calls" : sl->finish, r->n_prompt, sl->gen, r->n_prompt + sl->gen);
+    bprintf(b, "\"finish_reason\": \"%s\"}", tool_calls ? "tool_calls" : sl->finish);
+}
+
+/* the answer line of request r, every choice finished (the prompt counted once, as OpenAI does) */
+static void answer_line(buf *b, const request *r) {
+    char rid[32];
+    snprintf(rid, sizeof rid, "%016llx", (unsigned long long)fnv(r->custom_id, strlen(r->custom_id)));
+    bprintf(b, "{\"id\": \"batch_req_%s\", \"custom_id\": ", rid);
+    bjson_str(b, r->custom_id, strlen(r->custom_id));
+    bprintf(b, ", \"response\": {\"status_code\": 200, \"request_id\": \"req_%s\", \"body\": {\"id\": \"%s-%s\", \"object\": \"%s\", "
+               "\"created\": %ld, \"model\": ", rid, r->chat ? "chatcmpl" : "cmpl", rid, r->chat ? "chat.completion" : "text_completion", g_created);
+    bjson_str(b, model_name, strlen(model_name));
+    bprintf(b, ", \"choices\": [");
+    for (int i = 0; i < r->n; i++) {
+        if (i) bprintf(b, ", ");
+        bput(b, r->choices[i].s, r->choices[i].n);
+    }
+    bprintf(b, "], \"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %d, \"total_tokens\": %d}}}, \"error\": null}\n", r->n_prompt,
+            r->gen_total, r->n_prompt + r->gen_total);
 }
 
 static int parse_shard(const char *s, int *i, int *n) {
@@ -786,7 +819,10 @@ int main(int argc, char **argv) {
         for (int i = 0; i < parallel && next < n_reqs; i++) {
             slot *sl = &slots[i];
             if (sl->r) continue;
-            request *rq = &reqs[next++];
+            request *rq = &reqs[next];
+            sl->choice = rq->started++;
+            if (rq->started == rq->n) next++;
+            sl->sp = rq->sp, sl->rng = choice_rng(rq->rng, sl->choice);
             int32_t *h = realloc(sl->hist, sizeof *h * (size_t)(rq->n_prompt + rq->max_tokens + 1));
             if (!h) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
             sl->hist = h;
@@ -839,10 +875,10 @@ int main(int argc, char **argv) {
             slot *sl = &slots[i];
             if (!sl->r) continue;
             request *rq = sl->r;
-            rq->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
-            rq->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
+            sl->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
+            sl->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
             const float *row = logits + (size_t)sl->row * (size_t)c->vocab_size;
-            sl->pick = moe_sample(row, c->vocab_size, &rq->sp, &rq->rng);
+            sl->pick = moe_sample(row, c->vocab_size, &sl->sp, &sl->rng);
             if (rq->logprobs >= 0)
                 logprobs_of(row, c->vocab_size, sl->pick, rq->logprobs, &sl->lp[sl->gen], sl->alt + (size_t)sl->gen * rq->logprobs,
                             sl->alt_lp + (size_t)sl->gen * rq->logprobs);
@@ -889,11 +925,17 @@ int main(int argc, char **argv) {
                     }
                 }
             }
-            answer_line(&line, sl, calls, tok);
+            buf *ch = &rq->choices[sl->choice];
+            choice_json(ch, sl, calls, tok);
             free(calls);
-            if (line.oom || append_line(&line)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, line.oom ? "out of memory" : strerror(errno)); goto out; }
-            finished++;
+            if (ch->oom) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
+            rq->done++, rq->gen_total += sl->gen;
             sl->r = NULL;
+            if (rq->done < rq->n) continue; /* the line waits for the request's last choice */
+            answer_line(&line, rq);
+            if (line.oom || append_line(&line)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, line.oom ? "out of memory" : strerror(errno)); goto out; }
+            for (int k = 0; k < rq->n; k++) free(rq->choices[k].s), rq->choices[k] = (buf){0};
+            finished++;
         }
         double tn = now();
         if (tn - last_report >= 1.0 || finished == n_reqs) {

@@ -3277,6 +3277,68 @@ static const moe__json *json_at(const moe__json *a, int i) {
     return e;
 }
 
+/* moe-batch's "n": each choice decodes as a sequence of its own (more choices than slots: they
+ * wait for slots like requests), the answer written once all are done, the prompt counted once;
+ * greedy choices are the golden continuation, sampled ones differ from each other, and the first
+ * draws as a request without "n" does */
+static void test_batch_choices(void) {
+    char in[600], out[600], cmd[2400], buf[8192];
+    tmp_path(in, sizeof in, "n-in.jsonl");
+    tmp_path(out, sizeof out, "n-out.jsonl");
+    FILE *f = fopen(in, "w");
+    fputs("{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+          "\"max_tokens\": 4, \"temperature\": 0, \"n\": 3}}\n"
+          "{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9, \"n\": 4, \"logprobs\": 1}}\n"
+          "{\"custom_id\": \"zero\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"n\": 0}}\n"
+          "{\"custom_id\": \"half\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"n\": 2.5}}\n",
+          f);
+    fclose(f);
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 2>&1", exe_dir, golden_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    CHECK(check_batch_output(out, NULL, NULL, 0) == 4);
+    moe__json *a = batch_answer(out, "g");
+    const moe__json *body = moe__json_get(moe__json_get(a, "response"), "body"), *ch = moe__json_get(body, "choices");
+    CHECK(ch && ch->n == 3);
+    for (int i = 0; ch && i < ch->n; i++) {
+        const moe__json *c = json_at(ch, i);
+        CHECK((int)moe__json_get(c, "index")->num == i && !strcmp(moe__json_get(c, "text")->str, "555 1114 583 989"));
+    }
+    const moe__json *usage = moe__json_get(body, "usage");
+    CHECK(usage && moe__json_get(usage, "prompt_tokens")->num == 7 && moe__json_get(usage, "completion_tokens")->num == 12);
+    moe__json_free(a);
+    a = batch_answer(out, "s");
+    ch = moe__json_get(moe__json_get(moe__json_get(a, "response"), "body"), "choices");
+    char first[128] = "";
+    int distinct = 0;
+    CHECK(ch && ch->n == 4);
+    for (int i = 0; ch && i < ch->n; i++) {
+        const moe__json *c = json_at(ch, i);
+        CHECK(moe__json_get(moe__json_get(c, "logprobs"), "token_logprobs")->n == 5);
+        if (!i) snprintf(first, sizeof first, "%s", moe__json_get(c, "text")->str);
+        int seen = 0;
+        for (int j = 0; j < i; j++) seen |= !strcmp(moe__json_get(json_at(ch, j), "text")->str, moe__json_get(c, "text")->str);
+        distinct += !seen;
+    }
+    CHECKF(distinct == 4, "%d distinct texts of 4", distinct);
+    moe__json_free(a);
+    size_t len = 0;
+    char *all = read_all(out, &len);
+    CHECK(all && strstr(all, "n must be a number in [1, 128]") && strstr(all, "n must be an integer"));
+    free(all);
+    /* the same request without n, alone: choice 0's text */
+    f = fopen(in, "w");
+    fputs("{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9}}\n", f);
+    fclose(f);
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s 2>&1", exe_dir, golden_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    char text[128] = "";
+    check_batch_output(out, "s", text, sizeof text);
+    CHECKF(!strcmp(text, first), "alone %s, first choice %s", text, first);
+    remove(in), remove(out);
+}
+
 /* moe-batch's log probabilities: a greedy completion on a golden prompt gives each token's log
  * probability under the golden logits (log-softmax of the expected rows, within twice the
  * logits' tolerance), its best alternatives in order with the pick first, and offsets into the
@@ -4999,6 +5061,7 @@ static const struct {
     {"chat_json_dumps", test_chat_json_dumps},
     {"batch_basic", test_batch_basic},
     {"batch_logprobs", test_batch_logprobs},
+    {"batch_choices", test_batch_choices},
     {"batch_faults", test_batch_faults},
     {"shipped_reference", test_shipped_reference},
     {"shipped_mxfp4_int8", test_shipped_mxfp4_int8},
