@@ -261,6 +261,8 @@ typedef struct {
     int n;          /* choices ("n"): each decodes as a sequence of its own */
     int started;    /* choices given a slot so far */
     int done;       /* choices finished */
+    int lead;       /* the slot of its first choice, while the others assigned with it wait for its prompt */
+    long lead_pass; /* the assignment pass that gave the first choice its slot */
     int gen_total;  /* their sampled tokens */
     buf *choices;   /* each finished choice's JSON object, until the last one finishes */
 } request;
@@ -431,6 +433,7 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
 typedef struct {
     request *r;
     int choice;         /* which of r's choices */
+    int leader;         /* >= 0: the slot computing r's prompt, whose state this one copies after the step */
     moe_sampler sp;     /* r's sampler, with this sequence's recent tokens */
     uint64_t rng;       /* this choice's generator */
     moe_session *s;
@@ -813,13 +816,18 @@ int main(int argc, char **argv) {
 
     /* lockstep decoding; requests join as slots free up */
     size_t next = 0, finished = 0;
-    uint64_t tokens = 0;
+    uint64_t tokens = 0, prompt_tokens = (uint64_t)lcp;
+    long pass = 0;
     double t0 = now(), last_report = t0;
-    for (;;) {
+    for (;; pass++) {
         for (int i = 0; i < parallel && next < n_reqs; i++) {
             slot *sl = &slots[i];
             if (sl->r) continue;
             request *rq = &reqs[next];
+            /* choices that get a slot with the first one wait for its prompt instead of computing
+             * it again; later ones compute their own (the first has moved on) */
+            if (!rq->started) rq->lead = i, rq->lead_pass = pass;
+            sl->leader = rq->started && rq->lead_pass == pass ? rq->lead : -1;
             sl->choice = rq->started++;
             if (rq->started == rq->n) next++;
             sl->sp = rq->sp, sl->rng = choice_rng(rq->rng, sl->choice);
@@ -852,19 +860,25 @@ int main(int argc, char **argv) {
         int ns = 0;
         for (int i = 0; i < parallel; i++) {
             slot *sl = &slots[i];
-            if (!sl->r) continue;
+            if (!sl->r || sl->leader >= 0) continue;
             sl->row = ns;
             moe_seq *q = &seqs[ns++];
             memset(q, 0, sizeof *q);
             q->s = sl->s;
             q->logits = logits + (size_t)(ns - 1) * (size_t)c->vocab_size;
-            if (sl->fed < sl->r->n_prompt) q->tokens = sl->r->prompt + sl->fed, q->n = sl->r->n_prompt - sl->fed;
+            if (sl->fed < sl->r->n_prompt) q->tokens = sl->r->prompt + sl->fed, q->n = sl->r->n_prompt - sl->fed, prompt_tokens += (uint64_t)q->n;
             else q->tokens = &sl->last, q->n = 1;
         }
         if (!ns) break;
         if ((st = moe_step(m, seqs, ns, &stats, err, sizeof err))) {
             fprintf(stderr, "moe-batch: %s (the requests in flight get no answer; rerun to finish)\n", err);
             goto out;
+        }
+        for (int i = 0; i < parallel; i++) { /* the waiting choices take their first choice's prompt and logits */
+            slot *sl = &slots[i];
+            if (!sl->r || sl->leader < 0) continue;
+            if ((st = moe_session_restore(sl->s, slots[sl->leader].s, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
+            sl->row = slots[sl->leader].row, sl->leader = -1;
         }
         /* the sequences' tokens sampled side by side (each request has its own generator, so
          * the picks do not depend on the threads: a full-vocabulary draw sorts every token) */
@@ -945,7 +959,8 @@ int main(int argc, char **argv) {
             last_report = tn;
         }
     }
-    fprintf(stderr, "\nmoe-batch: %zu requests answered by the model, %ld refused, %llu tokens in %.2f s\n", finished, n_errors,
+    fprintf(stderr, "\nmoe-batch: %zu requests answered by the model, %ld refused, %llu prompt tokens computed, %llu tokens in %.2f s\n",
+            finished, n_errors, (unsigned long long)prompt_tokens,
             (unsigned long long)tokens, now() - t0);
     rc = 0;
 out:

@@ -3297,6 +3297,9 @@ static void test_batch_choices(void) {
     snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 2>&1", exe_dir, golden_dir(), in, out);
     CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
     CHECK(check_batch_output(out, NULL, NULL, 0) == 4);
+    /* g's first two choices share one computation of its prompt, the third computes it again
+     * (7 + 7); s's choices get the slots one at a time as they free up (4 x 2) */
+    CHECKF(strstr(buf, " 22 prompt tokens computed"), "%s", buf);
     moe__json *a = batch_answer(out, "g");
     const moe__json *body = moe__json_get(moe__json_get(a, "response"), "body"), *ch = moe__json_get(body, "choices");
     CHECK(ch && ch->n == 3);
@@ -3326,6 +3329,18 @@ static void test_batch_choices(void) {
     char *all = read_all(out, &len);
     CHECK(all && strstr(all, "n must be a number in [1, 128]") && strstr(all, "n must be an integer"));
     free(all);
+    /* g alone with room for its three choices: its prompt computed once */
+    f = fopen(in, "w");
+    fputs("{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+          "\"max_tokens\": 4, \"temperature\": 0, \"n\": 3}}\n", f);
+    fclose(f);
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 2>&1", exe_dir, golden_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, " 7 prompt tokens computed"), "%s", buf);
+    a = batch_answer(out, "g");
+    ch = moe__json_get(moe__json_get(moe__json_get(a, "response"), "body"), "choices");
+    for (int i = 0; i < 3; i++) CHECK(ch && ch->n == 3 && !strcmp(moe__json_get(json_at(ch, i), "text")->str, "555 1114 583 989"));
+    moe__json_free(a);
     /* the same request without n, alone: choice 0's text */
     f = fopen(in, "w");
     fputs("{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9}}\n", f);
