@@ -3276,6 +3276,15 @@ static const moe__json *json_at(const moe__json *a, int i) {
     while (e && i-- > 0) e = e->next;
     return e;
 }
+/* an answer's body, and its choice i */
+static const moe__json *answer_body(const moe__json *a) { return moe__json_get(moe__json_get(a, "response"), "body"); }
+static const moe__json *answer_choice(const moe__json *a, int i) { return json_at(moe__json_get(answer_body(a), "choices"), i); }
+/* a batch input file: remove out, write text to in */
+static void batch_files(const char *in, const char *out, const char *text) {
+    remove(out);
+    FILE *f = fopen(in, "w");
+    if (f) fputs(text, f), fclose(f);
+}
 
 /* moe-batch's "n": each choice decodes as a sequence of its own (more choices than slots: they
  * wait for slots like requests), the answer written once all are done, the prompt counted once;
@@ -3285,15 +3294,11 @@ static void test_batch_choices(void) {
     char in[600], out[600], cmd[2400], buf[8192];
     tmp_path(in, sizeof in, "n-in.jsonl");
     tmp_path(out, sizeof out, "n-out.jsonl");
-    FILE *f = fopen(in, "w");
-    fputs("{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
-          "\"max_tokens\": 4, \"temperature\": 0, \"n\": 3}}\n"
-          "{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9, \"n\": 4, \"logprobs\": 1}}\n"
-          "{\"custom_id\": \"zero\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"n\": 0}}\n"
-          "{\"custom_id\": \"half\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"n\": 2.5}}\n",
-          f);
-    fclose(f);
-    remove(out);
+    batch_files(in, out, "{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+                         "\"max_tokens\": 4, \"temperature\": 0, \"n\": 3}}\n"
+                         "{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9, \"n\": 4, \"logprobs\": 1}}\n"
+                         "{\"custom_id\": \"zero\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"n\": 0}}\n"
+                         "{\"custom_id\": \"half\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"n\": 2.5}}\n");
     snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 2>&1", exe_dir, golden_dir(), in, out);
     CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
     CHECK(check_batch_output(out, NULL, NULL, 0) == 4);
@@ -3301,7 +3306,7 @@ static void test_batch_choices(void) {
      * (7 + 7); s's choices get the slots one at a time as they free up (4 x 2) */
     CHECKF(strstr(buf, " 22 prompt tokens computed"), "%s", buf);
     moe__json *a = batch_answer(out, "g");
-    const moe__json *body = moe__json_get(moe__json_get(a, "response"), "body"), *ch = moe__json_get(body, "choices");
+    const moe__json *body = answer_body(a), *ch = moe__json_get(body, "choices");
     CHECK(ch && ch->n == 3);
     for (int i = 0; ch && i < ch->n; i++) {
         const moe__json *c = json_at(ch, i);
@@ -3311,7 +3316,7 @@ static void test_batch_choices(void) {
     CHECK(usage && moe__json_get(usage, "prompt_tokens")->num == 7 && moe__json_get(usage, "completion_tokens")->num == 12);
     moe__json_free(a);
     a = batch_answer(out, "s");
-    ch = moe__json_get(moe__json_get(moe__json_get(a, "response"), "body"), "choices");
+    ch = moe__json_get(answer_body(a), "choices");
     char first[128] = "";
     int distinct = 0;
     CHECK(ch && ch->n == 4);
@@ -3330,22 +3335,16 @@ static void test_batch_choices(void) {
     CHECK(all && strstr(all, "n must be a number in [1, 128]") && strstr(all, "n must be an integer"));
     free(all);
     /* g alone with room for its three choices: its prompt computed once */
-    f = fopen(in, "w");
-    fputs("{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
-          "\"max_tokens\": 4, \"temperature\": 0, \"n\": 3}}\n", f);
-    fclose(f);
-    remove(out);
+    batch_files(in, out, "{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+                         "\"max_tokens\": 4, \"temperature\": 0, \"n\": 3}}\n");
     snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 2>&1", exe_dir, golden_dir(), in, out);
     CHECKF(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, " 7 prompt tokens computed"), "%s", buf);
     a = batch_answer(out, "g");
-    ch = moe__json_get(moe__json_get(moe__json_get(a, "response"), "body"), "choices");
+    ch = moe__json_get(answer_body(a), "choices");
     for (int i = 0; i < 3; i++) CHECK(ch && ch->n == 3 && !strcmp(moe__json_get(json_at(ch, i), "text")->str, "555 1114 583 989"));
     moe__json_free(a);
     /* the same request without n, alone: choice 0's text */
-    f = fopen(in, "w");
-    fputs("{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9}}\n", f);
-    fclose(f);
-    remove(out);
+    batch_files(in, out, "{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9}}\n");
     snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s 2>&1", exe_dir, golden_dir(), in, out);
     CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
     char text[128] = "";
@@ -3365,23 +3364,20 @@ static void test_batch_logprobs(void) {
     tmp_path(in, sizeof in, "lp-in.jsonl");
     tmp_path(out, sizeof out, "lp-out.jsonl");
     tmp_path(out2, sizeof out2, "lp-out2.jsonl");
-    FILE *f = fopen(in, "w");
-    fputs("{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
-          "\"max_tokens\": 4, \"temperature\": 0, \"logprobs\": 3}}\n"
-          "{\"custom_id\": \"h\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9, \"logprobs\": 0}}\n"
-          "{\"custom_id\": \"echo\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"echo\": true, \"logprobs\": 1}}\n"
-          "{\"custom_id\": \"big\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"logprobs\": 21}}\n"
-          "{\"custom_id\": \"half\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"logprobs\": 1.5}}\n",
-          f);
-    fclose(f);
-    remove(out), remove(out2);
+    batch_files(in, out, "{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+                         "\"max_tokens\": 4, \"temperature\": 0, \"logprobs\": 3}}\n"
+                         "{\"custom_id\": \"h\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9, \"logprobs\": 0}}\n"
+                         "{\"custom_id\": \"echo\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"echo\": true, \"logprobs\": 1}}\n"
+                         "{\"custom_id\": \"big\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"logprobs\": 21}}\n"
+                         "{\"custom_id\": \"half\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"logprobs\": 1.5}}\n");
+    remove(out2);
     snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 2>&1", exe_dir, golden_dir(), in, out);
     CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
     golden g;
     if (!golden_load(&g, "k3mx")) return;
     const moe__st_tensor *want = moe__st_find(&g.ref, "p1.greedy_logits");
     moe__json *a = batch_answer(out, "g");
-    const moe__json *lp = moe__json_get(json_at(moe__json_get(moe__json_get(moe__json_get(a, "response"), "body"), "choices"), 0), "logprobs");
+    const moe__json *lp = moe__json_get(answer_choice(a, 0), "logprobs");
     const moe__json *toks = moe__json_get(lp, "tokens"), *tlp = moe__json_get(lp, "token_logprobs"), *top = moe__json_get(lp, "top_logprobs"),
                     *off = moe__json_get(lp, "text_offset");
     CHECK(want && toks && tlp && top && off && toks->n == 4 && tlp->n == 4 && top->n == 4 && off->n == 4);
@@ -3411,7 +3407,7 @@ static void test_batch_logprobs(void) {
     }
     moe__json_free(a);
     a = batch_answer(out, "h"); /* sampled, no alternatives */
-    lp = moe__json_get(json_at(moe__json_get(moe__json_get(moe__json_get(a, "response"), "body"), "choices"), 0), "logprobs");
+    lp = moe__json_get(answer_choice(a, 0), "logprobs");
     CHECK(lp && moe__json_get(lp, "token_logprobs")->n == 5 && moe__json_get(lp, "top_logprobs")->type == MOE_JSON_NULL);
     for (int i = 0; lp && i < 5; i++) CHECK(json_at(moe__json_get(lp, "token_logprobs"), i)->num <= 0);
     moe__json_free(a);
@@ -3423,11 +3419,11 @@ static void test_batch_logprobs(void) {
     CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
     for (int k = 0; k < 2; k++) {
         moe__json *x = batch_answer(out, k ? "h" : "g"), *y = batch_answer(out2, k ? "h" : "g");
-        const moe__json *cx = json_at(moe__json_get(moe__json_get(moe__json_get(x, "response"), "body"), "choices"), 0);
-        const moe__json *cy = json_at(moe__json_get(moe__json_get(moe__json_get(y, "response"), "body"), "choices"), 0);
+        const moe__json *cx = answer_choice(x, 0);
+        const moe__json *cy = answer_choice(y, 0);
         CHECK(cx && cy && !strcmp(moe__json_get(cx, "text")->str, moe__json_get(cy, "text")->str));
-        const moe__json *lx = moe__json_get(json_at(moe__json_get(moe__json_get(moe__json_get(x, "response"), "body"), "choices"), 0), "logprobs");
-        const moe__json *ly = moe__json_get(json_at(moe__json_get(moe__json_get(moe__json_get(y, "response"), "body"), "choices"), 0), "logprobs");
+        const moe__json *lx = moe__json_get(answer_choice(x, 0), "logprobs");
+        const moe__json *ly = moe__json_get(answer_choice(y, 0), "logprobs");
         for (int i = 0; lx && ly && i < moe__json_get(lx, "token_logprobs")->n; i++)
             CHECK(fabs(json_at(moe__json_get(lx, "token_logprobs"), i)->num - json_at(moe__json_get(ly, "token_logprobs"), i)->num) < 1e-4);
         CHECK(lx && ly);
@@ -3435,17 +3431,13 @@ static void test_batch_logprobs(void) {
     }
     golden_free(&g);
     /* chat on the shipped model: an entry per sampled token, its bytes, two alternatives each */
-    f = fopen(in, "w");
-    fputs("{\"custom_id\": \"c\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
-          "\"max_tokens\": 6, \"logprobs\": true, \"top_logprobs\": 2, \"seed\": 3}}\n"
-          "{\"custom_id\": \"t\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"top_logprobs\": 2}}\n",
-          f);
-    fclose(f);
-    remove(out);
+    batch_files(in, out, "{\"custom_id\": \"c\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
+                         "\"max_tokens\": 6, \"logprobs\": true, \"top_logprobs\": 2, \"seed\": 3}}\n"
+                         "{\"custom_id\": \"t\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"top_logprobs\": 2}}\n");
     snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s -i %s -o %s 2>&1", exe_dir, shipped_dir(), in, out);
     CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
     a = batch_answer(out, "c");
-    const moe__json *body = moe__json_get(moe__json_get(a, "response"), "body");
+    const moe__json *body = answer_body(a);
     const moe__json *content = moe__json_get(moe__json_get(json_at(moe__json_get(body, "choices"), 0), "logprobs"), "content");
     const int gen = (int)moe__json_get(moe__json_get(body, "usage"), "completion_tokens")->num;
     CHECKF(content && content->n == gen && gen > 0, "%d entries for %d tokens", content ? content->n : -1, gen);
