@@ -433,7 +433,10 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
 typedef struct {
     request *r;
     int choice;         /* which of r's choices */
-    int leader;         /* >= 0: the slot computing r's prompt, whose state this one copies after the step */
+    /* -1: computes r's prompt itself (its first choice); >= 0: the slot computing it in this step,
+     * whose state and logits this one takes after the step; -2: takes them from the copy kept
+     * for r's later choices */
+    int leader;
     moe_sampler sp;     /* r's sampler, with this sequence's recent tokens */
     uint64_t rng;       /* this choice's generator */
     moe_session *s;
@@ -441,6 +444,7 @@ typedef struct {
     int gen;            /* tokens sampled */
     int32_t last;       /* the token to feed next */
     int row;            /* its row of the step's logits */
+    const float *lrow;  /* the logits it samples from */
     int32_t pick;       /* the token sampled from them */
     int32_t *hist;      /* prompt + generated, for penalties */
     /* with logprobs: per sampled token its log probability, its text's offset in content, and
@@ -672,6 +676,10 @@ int main(int argc, char **argv) {
     request *reqs = NULL;
     slot *slots = NULL;
     moe_session *prefix = NULL;
+    /* the state and last logits of the prompt of reqs[next] while it still has choices to start
+     * (only that request can), for the choices that get slots in later passes */
+    moe_session *kept = NULL;
+    float *kept_logits = NULL;
     float *logits = NULL;
     moe_seq *seqs = NULL;
     char *input = NULL;
@@ -824,10 +832,10 @@ int main(int argc, char **argv) {
             slot *sl = &slots[i];
             if (sl->r) continue;
             request *rq = &reqs[next];
-            /* choices that get a slot with the first one wait for its prompt instead of computing
-             * it again; later ones compute their own (the first has moved on) */
+            /* a request's prompt is computed once, by its first choice: the choices that get
+             * slots in the same pass take its state after the step, later ones a copy of it */
             if (!rq->started) rq->lead = i, rq->lead_pass = pass;
-            sl->leader = rq->started && rq->lead_pass == pass ? rq->lead : -1;
+            sl->leader = !rq->started ? -1 : rq->lead_pass == pass ? rq->lead : -2;
             sl->choice = rq->started++;
             if (rq->started == rq->n) next++;
             sl->sp = rq->sp, sl->rng = choice_rng(rq->rng, sl->choice);
@@ -857,11 +865,20 @@ int main(int argc, char **argv) {
             }
             if (rq->chat && tok) moe_chat_reply_init(&sl->rep, tok, &rq->co);
         }
-        int ns = 0;
+        /* a request left with choices to start keeps its first choice's state after this step */
+        const int keep = next < n_reqs && reqs[next].started && reqs[next].lead_pass == pass ? reqs[next].lead : -1;
+        if (keep >= 0 && !kept && ((st = moe_session_new(&kept, m, ctx, err, sizeof err)) ||
+                                   !(kept_logits = malloc(sizeof(float) * (size_t)c->vocab_size)))) {
+            fprintf(stderr, "moe-batch: %s\n", st ? err : "out of memory");
+            goto out;
+        }
+        int ns = 0, active = 0;
         for (int i = 0; i < parallel; i++) {
             slot *sl = &slots[i];
-            if (!sl->r || sl->leader >= 0) continue;
+            active += sl->r != NULL;
+            if (!sl->r || sl->leader != -1) continue;
             sl->row = ns;
+            sl->lrow = logits + (size_t)ns * (size_t)c->vocab_size;
             moe_seq *q = &seqs[ns++];
             memset(q, 0, sizeof *q);
             q->s = sl->s;
@@ -869,19 +886,20 @@ int main(int argc, char **argv) {
             if (sl->fed < sl->r->n_prompt) q->tokens = sl->r->prompt + sl->fed, q->n = sl->r->n_prompt - sl->fed, prompt_tokens += (uint64_t)q->n;
             else q->tokens = &sl->last, q->n = 1;
         }
-        if (!ns) break;
-        if ((st = moe_step(m, seqs, ns, &stats, err, sizeof err))) {
+        if (!active) break;
+        if (ns && (st = moe_step(m, seqs, ns, &stats, err, sizeof err))) {
             fprintf(stderr, "moe-batch: %s (the requests in flight get no answer; rerun to finish)\n", err);
             goto out;
         }
         for (int i = 0; i < parallel; i++) { /* the waiting choices take their first choice's prompt and logits */
             slot *sl = &slots[i];
-            if (!sl->r || sl->leader < 0) continue;
-            if ((st = moe_session_restore(sl->s, slots[sl->leader].s, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
-            sl->row = slots[sl->leader].row, sl->leader = -1;
+            if (!sl->r || sl->leader == -1) continue;
+            const moe_session *from = sl->leader >= 0 ? slots[sl->leader].s : kept;
+            if ((st = moe_session_restore(sl->s, from, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
+            sl->lrow = sl->leader >= 0 ? slots[sl->leader].lrow : kept_logits, sl->leader = -1;
         }
-        /* the sequences' tokens sampled side by side (each request has its own generator, so
-         * the picks do not depend on the threads: a full-vocabulary draw sorts every token) */
+        /* the sequences' tokens sampled side by side (each choice has its own generator, so the
+         * picks do not depend on the threads) */
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(opt.n_threads) schedule(dynamic, 1) if (ns > 1 && opt.n_threads > 1)
 #endif
@@ -891,7 +909,7 @@ int main(int argc, char **argv) {
             request *rq = sl->r;
             sl->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
             sl->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
-            const float *row = logits + (size_t)sl->row * (size_t)c->vocab_size;
+            const float *row = sl->lrow;
             sl->pick = moe_sample(row, c->vocab_size, &sl->sp, &sl->rng);
             if (rq->logprobs >= 0)
                 logprobs_of(row, c->vocab_size, sl->pick, rq->logprobs, &sl->lp[sl->gen], sl->alt + (size_t)sl->gen * rq->logprobs,
@@ -951,6 +969,10 @@ int main(int argc, char **argv) {
             for (int k = 0; k < rq->n; k++) free(rq->choices[k].s), rq->choices[k] = (buf){0};
             finished++;
         }
+        if (keep >= 0) { /* its session still holds just the prompt (the pick goes in next step), its row the logits */
+            if ((st = moe_session_restore(kept, slots[keep].s, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
+            memcpy(kept_logits, slots[keep].lrow, sizeof(float) * (size_t)c->vocab_size);
+        }
         double tn = now();
         if (tn - last_report >= 1.0 || finished == n_reqs) {
             double rate = tokens / (tn - t0 > 1e-9 ? tn - t0 : 1e-9), per_req = finished ? (tn - t0) / finished : 0;
@@ -983,6 +1005,8 @@ out:
     free(line.s);
     free(input);
     moe_session_free(prefix);
+    moe_session_free(kept);
+    free(kept_logits);
     ks_free(&done);
     ks_free(&seen);
     moe_tokenizer_free(tok);
