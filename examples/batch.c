@@ -768,6 +768,7 @@ int main(int argc, char **argv) {
         if (ok) {
             rq.custom_id = strdup(custom_id);
             ok = rq.custom_id && parse_request(&rq, j, tok, ctx, default_max, why, sizeof why);
+            if (rq.logprobs > c->vocab_size) rq.logprobs = c->vocab_size; /* no more alternatives than tokens */
             for (int i = 0; ok && i < rq.n_prompt; i++)
                 if (rq.prompt[i] < 0 || rq.prompt[i] >= c->vocab_size) {
                     snprintf(why, sizeof why, "prompt token %d is outside the vocabulary (%d)", (int)rq.prompt[i], c->vocab_size);
