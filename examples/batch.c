@@ -443,8 +443,7 @@ typedef struct {
     int fed;            /* prompt tokens already in the session */
     int gen;            /* tokens sampled */
     int32_t last;       /* the token to feed next */
-    int row;            /* its row of the step's logits */
-    const float *lrow;  /* the logits it samples from */
+    const float *lrow;  /* the logits it samples from: its row of the step's, or another's */
     int32_t pick;       /* the token sampled from them */
     int32_t *hist;      /* prompt + generated, for penalties */
     /* with logprobs: per sampled token its log probability, its text's offset in content, and
@@ -878,12 +877,11 @@ int main(int argc, char **argv) {
             slot *sl = &slots[i];
             active += sl->r != NULL;
             if (!sl->r || sl->leader != -1) continue;
-            sl->row = ns;
-            sl->lrow = logits + (size_t)ns * (size_t)c->vocab_size;
-            moe_seq *q = &seqs[ns++];
+            moe_seq *q = &seqs[ns];
             memset(q, 0, sizeof *q);
             q->s = sl->s;
-            q->logits = logits + (size_t)(ns - 1) * (size_t)c->vocab_size;
+            q->logits = logits + (size_t)ns++ * (size_t)c->vocab_size;
+            sl->lrow = q->logits;
             if (sl->fed < sl->r->n_prompt) q->tokens = sl->r->prompt + sl->fed, q->n = sl->r->n_prompt - sl->fed, prompt_tokens += (uint64_t)q->n;
             else q->tokens = &sl->last, q->n = 1;
         }
@@ -970,7 +968,7 @@ int main(int argc, char **argv) {
             for (int k = 0; k < rq->n; k++) free(rq->choices[k].s), rq->choices[k] = (buf){0};
             finished++;
         }
-        if (keep >= 0) { /* its session still holds just the prompt (the pick goes in next step), its row the logits */
+        if (keep >= 0) { /* its session still holds just the prompt (the pick goes in next step), its lrow the logits */
             if ((st = moe_session_restore(kept, slots[keep].s, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
             memcpy(kept_logits, slots[keep].lrow, sizeof(float) * (size_t)c->vocab_size);
         }
