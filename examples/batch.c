@@ -900,7 +900,7 @@ int main(int argc, char **argv) {
         /* the sequences' tokens sampled side by side (each choice has its own generator, so the
          * picks do not depend on the threads) */
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(opt.n_threads) schedule(dynamic, 1) if (ns > 1 && opt.n_threads > 1)
+#pragma omp parallel for num_threads(opt.n_threads) schedule(dynamic, 1) if (active > 1 && opt.n_threads > 1)
 #endif
         for (int i = 0; i < parallel; i++) {
             slot *sl = &slots[i];
