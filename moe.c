@@ -7394,6 +7394,11 @@ static int32_t sample_all(const float *logits, int n, const moe_sampler *sp, uin
  * tokens of the buckets from the top down to the one where that sum reaches top_p are sorted and
  * walked. Where rounding leaves their sum short of top_p, every token min-p keeps is sorted. */
 #define NUCLEUS_BUCKETS 1024
+static int nucleus_bucket(float p) {
+    uint32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    return (int)(bits >> 20 & (NUCLEUS_BUCKETS - 1));
+}
 static int32_t sample_nucleus(const float *logits, int n, const moe_sampler *sp, uint64_t *rng) {
     float *p = malloc((sizeof *p + sizeof(int32_t) + sizeof(cand) + 2 * sizeof(uint64_t)) * (size_t)n);
     if (!p) return sample_from(logits, n, NULL, NULL); /* no memory: greedy rather than fail the caller */
@@ -7402,16 +7407,15 @@ static int32_t sample_nucleus(const float *logits, int n, const moe_sampler *sp,
     uint64_t *tmp = (uint64_t *)(void *)(cs + n);
     const float top = token_probs(logits, n, sp, p);
     double mass[NUCLEUS_BUCKETS] = {0};
-    uint32_t bits;
     for (int i = 0; i < n; i++)
-        if (min_p_keeps(sp, p[i], top)) memcpy(&bits, &p[i], sizeof bits), mass[bits >> 20 & (NUCLEUS_BUCKETS - 1)] += p[i];
+        if (min_p_keeps(sp, p[i], top)) mass[nucleus_bucket(p[i])] += p[i];
     int lo = NUCLEUS_BUCKETS - 1; /* the lowest bucket sorted */
     for (double acc = mass[lo]; lo > 0 && acc < sp->top_p;) acc += mass[--lo];
     int m, k;
     for (;;) {
         m = 0;
         for (int i = 0; i < n; i++)
-            if (min_p_keeps(sp, p[i], top) && (memcpy(&bits, &p[i], sizeof bits), (int)(bits >> 20 & (NUCLEUS_BUCKETS - 1)) >= lo)) ids[m++] = i;
+            if (min_p_keeps(sp, p[i], top) && nucleus_bucket(p[i]) >= lo) ids[m++] = i;
         cand_sort(logits, ids, m, cs, tmp);
         double acc = 0;
         for (k = 0; k < m && acc < sp->top_p; k++) acc += cs[k].p = p[cs[k].id];
