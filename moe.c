@@ -573,9 +573,9 @@ static const struct { uint32_t id; int blk, bytes, type; } ggml_types[] = {
     {6, 32, 22, MOE_T_Q5_0}, {7, 32, 24, MOE_T_Q5_1}, {8, 32, 34, MOE_T_Q8_0},  {9, 32, 36, -1},
     {10, 256, 84, MOE_T_Q2_K}, {11, 256, 110, MOE_T_Q3_K},      {12, 256, 144, MOE_T_Q4_K}, {13, 256, 176, MOE_T_Q5_K},
     {14, 256, 210, MOE_T_Q6_K},    {15, 256, 292, -1},      {20, 32, 18, MOE_T_IQ4_NL}, {23, 256, 136, MOE_T_IQ4_XS},
-    /* the grid-codebook and ternary types: IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M, TQ1_0, TQ2_0 */
-    {16, 256, 66, -1},        {17, 256, 74, -1},       {18, 256, 98, -1},        {19, 256, 50, -1},
-    {21, 256, 110, -1},       {22, 256, 82, -1},       {29, 256, 56, -1},        {34, 256, 54, -1},       {35, 256, 66, -1},
+    /* the grid-codebook types (IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ3_S, IQ2_S, IQ1_M); the ternary TQ1_0 and TQ2_0 */
+    {16, 256, 66, MOE_T_IQ2_XXS}, {17, 256, 74, MOE_T_IQ2_XS}, {18, 256, 98, MOE_T_IQ3_XXS}, {19, 256, 50, MOE_T_IQ1_S},
+    {21, 256, 110, MOE_T_IQ3_S},  {22, 256, 82, MOE_T_IQ2_S},  {29, 256, 56, MOE_T_IQ1_M},  {34, 256, 54, -1},       {35, 256, 66, -1},
     {24, 1, 1, -1},           {25, 1, 2, -1},
     {26, 1, 4, MOE_T_I32}, {27, 1, 8, -1},          {28, 1, 8, -1},           {30, 1, 2, MOE_T_BF16},
     {39, 32, 17, MOE_T_MXFP4_GGML},
@@ -1304,7 +1304,7 @@ static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, cons
         if (t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16 && !moe__is_quant(t->type) &&
             t->type != MOE_T_MXFP4_GGML) {
             b->st = fail(b->err, b->errlen, MOE_ERR_UNSUPPORTED,
-                         "%s: tensor %s: weight type not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)", bfile(b, r), t->name);
+                         "%s: tensor %s: weight type not supported (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ4_NL, IQ4_XS, MXFP4)", bfile(b, r), t->name);
             return;
         }
         if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
@@ -1928,8 +1928,9 @@ static moe_status convert_weights(moe_model *m) {
 static void count_dense_bytes(moe_model *m) {
     static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
                                              "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k",
-                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq4_xs", "q2_k", "q3_k", "q6_k"};
-    _Static_assert(MOE_T_COUNT == 28, "a name for each weight type");
+                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq4_xs", "q2_k", "q3_k", "q6_k",
+                                             "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"};
+    _Static_assert(MOE_T_COUNT == 35, "a name for each weight type");
     uint64_t per_type[MOE_T_COUNT] = {0};
     uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);

@@ -444,6 +444,9 @@ enum {
     MOE_T_Q2_K, MOE_T_Q3_K, MOE_T_IQ4_NL, MOE_T_IQ4_XS,
     MOE_T_IQ4_XSX8, MOE_T_Q2_KX8, MOE_T_Q3_KX8, /* IQ4_XS, Q2_K, Q3_K interleaved so, where the level has the kernels */
     MOE_T_Q6_KX8, /* Q6_K likewise (the LM head of every k-quant mix) */
+    /* the grid-codebook formats (llama-quantize's IQ1_S .. IQ3_M mixes, the smallest files of the
+     * largest models), multiplied as stored */
+    MOE_T_IQ2_XXS, MOE_T_IQ2_XS, MOE_T_IQ2_S, MOE_T_IQ3_XXS, MOE_T_IQ3_S, MOE_T_IQ1_S, MOE_T_IQ1_M,
     MOE_T_COUNT
 };
 
@@ -474,6 +477,25 @@ typedef struct { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; } moe__bl
 typedef struct { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; } moe__block_q3_k;
 typedef struct { uint16_t d; uint8_t qs[16]; } moe__block_iq4_nl;
 typedef struct { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } moe__block_iq4_xs;
+/* The grid-codebook formats: 256 values a block, each 8 (IQ3: 4) values one entry of a fixed
+ * table of byte vectors (ggml's iq2xxs_grid .. iq1s_grid), x = d sc q with a sign per value
+ * (IQ2, IQ3) or a shift of +-1/8 per 8 or 32 values (IQ1). Per 32 values j: IQ2_XXS: 4 grid
+ * bytes, then a word of four 7-bit sign indices (the 8th sign is their parity) and the scale
+ * (top 4 bits), x = d (ls + 1/2) / 4 g. IQ2_XS: 4 words of a 9-bit grid index and a 7-bit sign
+ * index; a nibble scale per 16 values. IQ2_S: 8-bit grid indices, 2 more bits each in qh[j],
+ * sign bytes after the 64 index bytes, nibble scales. IQ3_XXS: 8 one-byte indices into a table of
+ * 4-byte entries, then per 32 a word as IQ2_XXS's, x = d (ls + 1/2) / 2 g. IQ3_S: 9-bit indices
+ * (bit 8 in qh[j]), sign bytes, x = d (1 + 2 s) g with s a nibble per 32. IQ1_S: 11-bit indices of
+ * entries in {-1, 0, 1} (3 high bits per index in qh[j]), x = d (2 s + 1) (g +- 1/8), s and the
+ * shift's sign in qh[j]'s top 4 bits. IQ1_M: the same entries, 3-bit scales per 16, the shift's
+ * sign per 8, the half-precision d spread over the scales' top nibbles. See quant.c, iq_sub. */
+typedef struct { uint16_t d; uint16_t qs[32]; } moe__block_iq2_xxs;
+typedef struct { uint16_t d; uint16_t qs[32]; uint8_t scales[8]; } moe__block_iq2_xs;
+typedef struct { uint16_t d; uint8_t qs[64]; uint8_t qh[8]; uint8_t scales[8]; } moe__block_iq2_s;
+typedef struct { uint16_t d; uint8_t qs[96]; } moe__block_iq3_xxs;
+typedef struct { uint16_t d; uint8_t qs[64]; uint8_t qh[8]; uint8_t signs[32]; uint8_t scales[4]; } moe__block_iq3_s;
+typedef struct { uint16_t d; uint8_t qs[32]; uint16_t qh[8]; } moe__block_iq1_s;
+typedef struct { uint8_t qs[32]; uint8_t qh[16]; uint8_t scales[8]; } moe__block_iq1_m;
 extern const int8_t moe__iq4nl_values[16];
 /* activations quantized for the integer kernels: f32 scale, the sum of the 32 int8 values (lets
  * Q4_0 kernels multiply unsigned nibbles and subtract 8 * sum once per block), the values */
@@ -521,6 +543,7 @@ typedef struct { uint16_t d[8]; int8_t sc[16][8]; uint8_t ql[1024]; uint8_t qh[5
 void moe__repack_x8(int type, const void *rows8, int64_t row_bytes, const uint8_t *scales8, void *dst, int64_t cols);
 int moe__x8_of(int type); /* the interleaved type of Q4_0, Q8_0, an MXFP4 layout, Q4_K or Q5_K, else -1 */
 int moe__is_quant(int type); /* a ggml integer block format: activations go through moe__block_q8a */
+int moe__is_iq(int type);    /* one of the grid-codebook formats, IQ1_S .. IQ3_S */
 int moe__block_values(int type); /* values per block of a type: 1, 32 or 256 */
 
 /* A weight matrix [rows, cols] (PyTorch [out, in]) in its stored format. MXFP4 rows are cols/2

@@ -5,10 +5,11 @@
  *   moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N] [--split-max-size SIZE]
  *
  * TYPE: f32, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs
- * (dense default: bf16); experts
+ * (dense default: bf16), and with --random only iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs,
+ * iq3_s (random blocks: moe has no quantizer for the grid formats); experts
  * also "mxfp4" and "asis" (default: keep the stored format; MXFP4 experts are repacked into ggml's
  * block_mxfp4 bit for bit). A row that is not whole blocks of the type falls back as llama.cpp's
- * quantizer does (q2_k, q3_k, iq4_xs -> iq4_nl; q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0; to f32
+ * quantizer does (q2_k, q3_k, iq4_xs and the grid formats -> iq4_nl; q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0; to f32
  * where not whole 32s).
  * Norms, biases, convolutions and the router stay F32. Tensor and key names follow llama.cpp's
  * kimi-linear architecture (kimi-k3 when the model has K3 features); general.alignment is 4096.
@@ -95,7 +96,8 @@ static int usage(const char *msg) {
                     "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
                     "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N]   (random, released K3 layout)\n"
                     "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0\n"
-                    "                  q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs (bf16)\n"
+                    "                  q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs (bf16); with --random also\n"
+                    "                  iq1_s iq1_m iq2_xxs iq2_xs iq2_s iq3_xxs iq3_s (random blocks)\n"
                     "  --experts TYPE  routed experts: asis mxfp4 or any of those (asis)\n"
                     "  --split-max-size SIZE  parts of at most SIZE of tensor data (e.g. 48G, binary units), written as\n"
                     "                  OUT-00001-of-0000N.gguf ... as llama.cpp splits GGUF files (a larger tensor gets a part alone)\n"
@@ -120,6 +122,13 @@ static int parse_type(const char *s, int experts) {
     if (!strcmp(s, "q3_k")) return MOE_T_Q3_K;
     if (!strcmp(s, "iq4_nl")) return MOE_T_IQ4_NL;
     if (!strcmp(s, "iq4_xs")) return MOE_T_IQ4_XS;
+    if (!strcmp(s, "iq2_xxs")) return MOE_T_IQ2_XXS; /* the grid formats: --random only (see random_iq_row) */
+    if (!strcmp(s, "iq2_xs")) return MOE_T_IQ2_XS;
+    if (!strcmp(s, "iq2_s")) return MOE_T_IQ2_S;
+    if (!strcmp(s, "iq3_xxs")) return MOE_T_IQ3_XXS;
+    if (!strcmp(s, "iq3_s")) return MOE_T_IQ3_S;
+    if (!strcmp(s, "iq1_s")) return MOE_T_IQ1_S;
+    if (!strcmp(s, "iq1_m")) return MOE_T_IQ1_M;
     if (experts && !strcmp(s, "mxfp4")) return MOE_T_MXFP4_GGML;
     if (experts && !strcmp(s, "asis")) return -1;
     return -2;
@@ -141,6 +150,13 @@ static int ggml_id(int type) {
     case MOE_T_Q6_K: return 14;
     case MOE_T_IQ4_NL: return 20;
     case MOE_T_IQ4_XS: return 23;
+    case MOE_T_IQ2_XXS: return 16;
+    case MOE_T_IQ2_XS: return 17;
+    case MOE_T_IQ3_XXS: return 18;
+    case MOE_T_IQ1_S: return 19;
+    case MOE_T_IQ3_S: return 21;
+    case MOE_T_IQ2_S: return 22;
+    case MOE_T_IQ1_M: return 29;
     case MOE_T_BF16: return 30;
     case MOE_T_MXFP4_GGML: return 39;
     default: return -1;
@@ -170,6 +186,8 @@ static int fit_type(int type, int64_t cols) {
         if (cols % 32) return MOE_T_F32;
         switch (type) {
         case MOE_T_Q2_K: case MOE_T_Q3_K: case MOE_T_IQ4_XS: return MOE_T_IQ4_NL;
+        case MOE_T_IQ2_XXS: case MOE_T_IQ2_XS: case MOE_T_IQ2_S: case MOE_T_IQ3_XXS: case MOE_T_IQ3_S: case MOE_T_IQ1_S: case MOE_T_IQ1_M:
+            return MOE_T_IQ4_NL; /* as llama.cpp's quantizer */
         case MOE_T_Q4_K: return MOE_T_Q5_0;
         case MOE_T_Q5_K: return MOE_T_Q5_1;
         case MOE_T_Q6_K: return MOE_T_Q8_0;
@@ -307,7 +325,7 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
     switch (dense) {
     case MOE_T_Q4_0: case MOE_T_Q4_1: case MOE_T_Q5_0: case MOE_T_Q5_1: case MOE_T_IQ4_NL: head = MOE_T_Q8_0; break;
     case MOE_T_Q2_K: case MOE_T_Q3_K: case MOE_T_Q4_K: case MOE_T_Q5_K: case MOE_T_IQ4_XS: head = MOE_T_Q6_K; break;
-    default: break;
+    default: head = moe__is_iq(dense) ? MOE_T_Q6_K : dense; break;
     }
     MAT("lm_head.weight", V, d, head);
 #undef HF
@@ -660,6 +678,37 @@ static void random_row(float *out, int64_t n, uint64_t seed, float mean, float s
     }
 }
 
+/* A random row in one of the grid formats (IQ1_S .. IQ3_S), which moe-convert cannot quantize
+ * to (llama.cpp's quantizers search the grids with an importance matrix): random bytes, every
+ * block's scale then set so its values' RMS is std. For benchmark and test files (--random) only. */
+static void random_iq_row(int type, unsigned char *dst, int64_t n, uint64_t seed, float std) {
+    const int64_t bb = moe__row_bytes(type, 256);
+    uint64_t s = mix64(seed) | 1;
+    for (int64_t i = 0; i < n / 256 * bb; i++) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        dst[i] = (unsigned char)(s >> 56);
+    }
+    float v[256];
+    for (int64_t b = 0; b < n / 256; b++) {
+        unsigned char *blk = dst + b * bb;
+        for (int k = 0; k < 2; k++) { /* k = 0: the RMS at scale 1; k = 1: the scale that makes it std */
+            double ss = 0;
+            uint16_t h = 0x3c00; /* 1.0 */
+            if (k) {
+                moe__row_to_f32(type, blk, NULL, v, 256);
+                for (int i = 0; i < 256; i++) ss += (double)v[i] * v[i];
+                h = moe__f32_to_f16(ss > 0 ? std / (float)sqrt(ss / 256) : 1.0f);
+            }
+            if (type == MOE_T_IQ1_M) { /* the half-precision scale in the top nibbles of the 4 scale words */
+                moe__block_iq1_m *q = (moe__block_iq1_m *)(void *)blk;
+                for (int w = 0; w < 4; w++) q->scales[2 * w + 1] = (uint8_t)((q->scales[2 * w + 1] & 0x0f) | ((h >> (4 * w)) & 15) << 4);
+            } else {
+                memcpy(blk, &h, 2);
+            }
+        }
+    }
+}
+
 static uint64_t name_hash(const char *s) {
     uint64_t h = 1469598103934665603ull;
     while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
@@ -745,6 +794,10 @@ static void drop_pages(const moe__st_tensor *t) {
 
 /* row r of matrix mi of tensor t, converted into dst (tmp: 4 x the widest row of floats) */
 static void produce_row(const out_tensor *t, const source *s, const src_mat *sm, int64_t mi, int64_t r, unsigned char *dst, float *tmp) {
+    if (!s->m && moe__is_iq(t->type)) {
+        random_iq_row(t->type, dst, t->cols, s->seed ^ name_hash(t->name) ^ mix64((uint64_t)(mi * t->rows + r + 1)), t->rstd);
+        return;
+    }
     if (!s->m) {
         random_row(tmp, t->cols, s->seed ^ name_hash(t->name) ^ mix64((uint64_t)(mi * t->rows + r + 1)), t->rmean, t->rstd);
         if (t->kind == SRC_ALOG) /* a = exp(A_log), A_log ~ log U(1, 16) */
@@ -1244,6 +1297,9 @@ int main(int argc, char **argv) {
     }
     if (k3shape) return out ? k3_slice(k3shape, out, seed) : usage("--k3-slice SHAPE.json needs OUT_DIR");
     if (!out || (!in && !shape)) return usage("need MODEL_DIR (or --random SHAPE.json) and OUT.gguf");
+    if (!shape && (moe__is_iq(dense) || moe__is_iq(experts)))
+        return usage("the IQ1_S .. IQ3_S formats are written with --random only: quantizing to them takes llama.cpp's grid search "
+                     "with an importance matrix (llama-quantize --imatrix); moe reads such files");
 
     source src = {NULL, "", seed};
     moe_config cfg, shape_cfg;

@@ -6,8 +6,14 @@
  * Record per format (little-endian): char name[8]; int32 ggml type; int32 n values; int32 bytes
  * for n values; float x[n] (inputs); uint8 q[bytes] (ggml's quantization of x, no importance
  * matrix); float y[n] (ggml's dequantization of q); uint8 r[bytes] (random bytes; MXFP4 scale
- * bytes below 255); float z[n] (ggml's dequantization of r). */
+ * bytes below 255); float z[n] (ggml's dequantization of r). The grid-codebook formats (IQ2_XXS ..
+ * IQ1_M) come last, quantized with an importance matrix of ones (ggml asks for one). */
 #include "ggml-quants.h"
+#include "ggml.h"
+#ifdef LM_GGML_API /* llama.rn's copy renames ggml's own symbols */
+#define ggml_quantize_init lm_ggml_quantize_init
+#define ggml_type lm_ggml_type
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -42,11 +48,19 @@ int main(int argc, char **argv) {
         {"iq4_nl", 20, 32, 18, (deq_fn)dequantize_row_iq4_nl, NULL, (qimat_fn)quantize_iq4_nl},
         {"iq4_xs", 23, 256, 136, (deq_fn)dequantize_row_iq4_xs, NULL, (qimat_fn)quantize_iq4_xs},
         {"mxfp4", 39, 32, 17, (deq_fn)dequantize_row_mxfp4, (qref_fn)quantize_row_mxfp4_ref, NULL},
+        {"iq2_xxs", 16, 256, 66, (deq_fn)dequantize_row_iq2_xxs, NULL, (qimat_fn)quantize_iq2_xxs},
+        {"iq2_xs", 17, 256, 74, (deq_fn)dequantize_row_iq2_xs, NULL, (qimat_fn)quantize_iq2_xs},
+        {"iq2_s", 22, 256, 82, (deq_fn)dequantize_row_iq2_s, NULL, (qimat_fn)quantize_iq2_s},
+        {"iq3_xxs", 18, 256, 98, (deq_fn)dequantize_row_iq3_xxs, NULL, (qimat_fn)quantize_iq3_xxs},
+        {"iq3_s", 21, 256, 110, (deq_fn)dequantize_row_iq3_s, NULL, (qimat_fn)quantize_iq3_s},
+        {"iq1_s", 19, 256, 50, (deq_fn)dequantize_row_iq1_s, NULL, (qimat_fn)quantize_iq1_s},
+        {"iq1_m", 29, 256, 56, (deq_fn)dequantize_row_iq1_m, NULL, (qimat_fn)quantize_iq1_m},
     };
     const int n = 1024;
     FILE *f = fopen(argv[1], "wb");
     if (!f) { perror(argv[1]); return 1; }
-    float x[1024], y[1024];
+    float x[1024], y[1024], ones[1024];
+    for (int i = 0; i < n; i++) ones[i] = 1.0f;
     unsigned char q[1024 * 2];
     for (size_t k = 0; k < sizeof F / sizeof *F; k++) {
         const int32_t hdr[3] = {F[k].type, n, n / F[k].block_values * F[k].block_bytes};
@@ -60,6 +74,7 @@ int main(int argc, char **argv) {
         x[600] = 900.0f;
         memset(x + 64, 0, sizeof(float) * 32); /* an all-zero block */
         if (F[k].qref) F[k].qref(x, q, n);
+        else if (F[k].block_values == 256 && F[k].type != 23) ggml_quantize_init((enum ggml_type)F[k].type), F[k].qim(x, q, 1, n, ones);
         else F[k].qim(x, q, 1, n, NULL);
         F[k].deq(q, y, n);
         fwrite(name, 1, 8, f), fwrite(hdr, 4, 3, f), fwrite(x, 4, (size_t)n, f), fwrite(q, 1, (size_t)hdr[2], f), fwrite(y, 4, (size_t)n, f);

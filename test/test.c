@@ -932,6 +932,75 @@ static void test_kquant_blocks(void) {
     }
 }
 
+/* ---- the grid-codebook formats (IQ1_S .. IQ3_S), read only ---------------------------------- */
+
+#define N_IQ 7
+static const int iq_types[N_IQ] = {MOE_T_IQ2_XXS, MOE_T_IQ2_XS, MOE_T_IQ2_S, MOE_T_IQ3_XXS, MOE_T_IQ3_S, MOE_T_IQ1_S, MOE_T_IQ1_M};
+static const char *const iq_names[N_IQ] = {"iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"};
+
+/* a row of n values of an IQ format: every byte `fill` (0..255) or random (-1), each block's
+ * half-precision scale then set to +-(1e-3 .. 0.05) (IQ1_M keeps it in its scales' top nibbles) */
+static void iq_row(int type, unsigned char *p, int n, int fill) {
+    const int64_t bb = moe__row_bytes(type, 256);
+    for (int64_t i = 0; i < n / 256 * bb; i++) p[i] = (unsigned char)(fill >= 0 ? fill : (int)(urand() * 256));
+    for (int b = 0; b < n / 256; b++) {
+        unsigned char *q = p + b * bb;
+        const uint16_t d = moe__f32_to_f16((float)((urand() < 0.5 ? -1 : 1) * (1e-3 + 0.05 * urand())));
+        if (type == MOE_T_IQ1_M)
+            for (int w = 0; w < 4; w++) q[48 + 2 * w + 1] = (unsigned char)((q[48 + 2 * w + 1] & 15) | ((d >> (4 * w)) & 15) << 4);
+        else memcpy(q, &d, 2);
+    }
+}
+
+/* Every level's kernels for the grid formats against the scalar one, and the scalar one against
+ * the decoded weights times the decoded activations (in double, to float summation order; the
+ * decoder itself is checked against ggml's in ggml_blocks); the 4-row kernels give each row the
+ * level's 1-row kernel bit for bit. Rows of random bytes, all ones (the largest indices, scales
+ * and every sign) and all zeros; activations normal, huge, tiny, zero, with an outlier. */
+static void test_iq_kernels(void) {
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
+    const int lens[] = {256, 512, 2048, 7168};
+    float *xa = malloc(sizeof(float) * (7168 + 96)), *dw = malloc(sizeof(float) * 7168);
+    moe__block_q8a *qa = malloc(sizeof *qa * 227);
+    unsigned char *w = malloc((size_t)moe__row_bytes(MOE_T_IQ3_S, 7168)); /* the largest of them */
+    for (int i = 0; i < 7168 + 96; i++) xa[i] = nrand();
+    lv[0].quant_q8a(xa, qa, 7168 + 96); /* every block defined (the 4-row check reads 3 blocks past n) */
+    int checked = 0;
+    for (int t = 0; t < N_IQ; t++)
+        for (size_t a = 0; a < sizeof lens / sizeof *lens; a++)
+            for (int mode = 0; mode < 6; mode++) {
+                const int type = iq_types[t], n = lens[a];
+                for (int i = 0; i < n; i++) xa[i] = mode == 3 ? 0.0f : nrand() * (mode == 1 ? 1e6f : mode == 2 ? 1e-6f : 1.0f);
+                if (mode == 0) xa[n / 2] = 50.0f;
+                iq_row(type, w, n, mode == 4 ? 255 : mode == 5 ? 0 : -1);
+                lv[0].quant_q8a(xa, qa, n);
+                moe__row_to_f32(type, w, NULL, dw, n);
+                double exact = 0, ab = 0;
+                for (int i = 0; i < n; i++) {
+                    const double term = (double)dw[i] * qa[i / 32].d * qa[i / 32].qs[i % 32];
+                    exact += term, ab += fabs(term);
+                }
+                const float r = lv[0].dotq[type](w, qa, n);
+                CHECKF(fabs(r - exact) <= 1e-5 * ab + 1e-30, "%s scalar n %d mode %d: %g vs %g", iq_names[t], n, mode, r, exact);
+                CHECK(r == moe__dotq_ref(type, w, qa, n));
+                for (int li = 1; li < nl; li++) {
+                    const float s = lv[li].dotq[type](w, qa, n);
+                    CHECKF(fabs((double)r - s) <= 1e-5 * ab + 1e-30, "%s %s n %d mode %d: %g vs %g", lv[li].isa, iq_names[t], n, mode, s, r);
+                    checked += lv[li].dotq[type] != lv[0].dotq[type];
+                }
+                for (int li = 0; li < nl; li++) {
+                    if (!lv[li].dotq4[type]) continue;
+                    float o[4];
+                    lv[li].dotq4[type](w, qa, 1, n, o);
+                    for (int k = 0; k < 4; k++) CHECKF(o[k] == lv[li].dotq[type](w, qa + k, n), "%s %s x4 row %d", lv[li].isa, iq_names[t], k);
+                }
+            }
+    /* every SIMD level has its own kernels for them (none left to the scalar one) */
+    CHECKF(nl == 1 || checked == (nl - 1) * N_IQ * 4 * 6, "%d of %d SIMD calls were the level's own", checked, (nl - 1) * N_IQ * 4 * 6);
+    free(xa), free(dw), free(qa), free(w);
+}
+
 /* Our block formats against ggml's own code: test/ggml/blocks.bin holds, per format, values and
  * ggml's reference quantization of them, ggml's dequantization of that, random bytes and ggml's
  * dequantization of those (scripts/ggml-blocks.c, built against ggml's ggml-quants.c; see
@@ -972,7 +1041,7 @@ static void test_ggml_blocks(void) {
                    first, first >= 0 ? ours[first] : 0, first >= 0 ? deq[first] : 0);
         }
         memcpy(deq, q + nb, sizeof(float) * (size_t)n); /* ggml's decode of its own bytes */
-        if (type != MOE_T_MXFP4_GGML) { /* (MXFP4 from floats is moe-convert's, not the library's) */
+        if (type != MOE_T_MXFP4_GGML && !moe__is_iq(type)) { /* (MXFP4 from floats is moe-convert's, not the library's; the grid formats are read only) */
             moe__quantize_row(type, x, mine, n);
             if (type == MOE_T_Q4_0 || type == MOE_T_Q4_1 || type == MOE_T_Q5_0 || type == MOE_T_Q5_1 || type == MOE_T_Q8_0) {
                 CHECKF(!memcmp(mine, q, (size_t)nb), "%s: our quantizer's bytes are not ggml's", name);
@@ -993,7 +1062,7 @@ static void test_ggml_blocks(void) {
         free(x), free(mine);
         records++;
     }
-    CHECKF(records == 13 && at == len, "%d records, %zu of %zu bytes read", records, at, len);
+    CHECKF(records == 20 && at == len, "%d records, %zu of %zu bytes read", records, at, len);
     free(buf);
 }
 
@@ -4139,7 +4208,7 @@ static void test_gguf_kquants(void) {
             free(routes), free(lf), free(lq);
         }
         moe_model_close(q), moe_model_close(f);
-        if (k == 3) { /* the embedding's Q3_K made IQ3_S (as large; sized, not read): a clean refusal naming it */
+        if (k == 3) { /* the embedding's Q3_K made TQ1_0 (ternary; sized, not read): a clean refusal naming it */
             size_t len;
             char *b = read_all(out, &len);
             const char *nm = "token_embd.weight";
@@ -4152,7 +4221,7 @@ static void test_gguf_kquants(void) {
                 char *tp = at + 17 + 4 + 8 * (size_t)nd;
                 memcpy(&type, tp, 4);
                 CHECK(nd == 2 && type == 11); /* Q3_K */
-                type = 21;
+                type = 34;
                 memcpy(tp, &type, 4);
                 write_all(out, b, len);
                 moe_model *bad = NULL;
@@ -4216,6 +4285,62 @@ static void test_cache_kquants(void) {
         CHECKF(has ? kx8[1] > 0 : kx8[1] == 0, "%s: %llu matrices interleaved in the cache (level %s)", types[t], (unsigned long long)kx8[1], kn.isa);
         CHECK(kx8[3] == 0);
         for (int v = 0; v < 4; v++) free(l[v]);
+        remove(out);
+    }
+    remove(shape);
+}
+
+/* GGUF files with routed experts (and, once, dense matrices) in the grid formats, written by
+ * moe-convert --random as random blocks: mapped and through the expert cache give the same
+ * logits; against the same file decoded to F32 at load (routes pinned) they differ only by the
+ * int8 activations; the scalar kernels agree with the level's to summation order (which can move
+ * an activation across an int8 step, and that step carries on through the layers and tokens:
+ * with every dense matrix IQ3_XXS, 1% of the mean logit on average, against 100% for a wrong
+ * kernel). */
+static void test_gguf_iq(void) {
+    char shape[600], out[600], err[300];
+    tmp_path(shape, sizeof shape, "iq-shape.json");
+    tmp_path(out, sizeof out, "iq-random.gguf");
+    const char *js = "{\"n_vocab\": 512, \"n_embd\": 256, \"n_layer\": 3, \"layer_types\": {\"mla_layers\": [2]},"
+                     " \"kda\": {\"n_head\": 2, \"head_dim\": 128}, \"mla\": {\"n_head\": 2, \"kv_lora_rank\": 128,"
+                     " \"qk_nope_head_dim\": 64, \"qk_rope_head_dim\": 32, \"v_head_dim\": 64}, \"ffn\": {\"n_layer_dense_lead\": 1,"
+                     " \"dense_n_ff\": 512, \"n_expert\": 8, \"n_expert_used\": 2, \"n_expert_shared\": 1, \"n_ff_exp\": 512}}";
+    CHECK(write_all(shape, js, strlen(js)));
+    int32_t ids[20];
+    for (int i = 0; i < 20; i++) ids[i] = (int32_t)(urand() * 512);
+    const int pieces[] = {12, 1, 1, 1, 1, 1, 1, 1, 1, 0};
+    const size_t nv = (size_t)20 * 512;
+    for (int t = 0; t <= N_IQ; t++) {
+        char model[700], args[100];
+        snprintf(model, sizeof model, "--random %s", shape);
+        if (t < N_IQ) snprintf(args, sizeof args, "--dense q8_0 --experts %s", iq_names[t]);
+        else snprintf(args, sizeof args, "--dense iq3_xxs --experts iq2_s");
+        if (convert(model, out, args)) { CHECKF(0, "%s: convert", args); continue; }
+        moe_model *m[4] = {NULL, NULL, NULL, NULL};
+        for (int v = 0; v < 4; v++) { /* mapped; cached; decoded to F32 at load; scalar kernels */
+            moe_options o = moe_default_options();
+            o.n_threads = 2;
+            if (v == 1) o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 1 << 20;
+            if (v == 2) o.dense_type = MOE_WTYPE_F32, o.expert_type = MOE_WTYPE_F32;
+            if (v == 3) o.flags = MOE_FLAG_FORCE_SCALAR;
+            CHECKF(moe_model_open(&m[v], out, &o, err, sizeof err) == MOE_OK, "%s: %s", args, err);
+        }
+        if (m[0] && m[1] && m[2] && m[3]) {
+            const moe_config *c = moe_model_config(m[0]);
+            int32_t *routes = malloc(sizeof(int32_t) * 20 * c->n_layers * c->n_active);
+            float *l0 = logits_routed(m[0], ids, 20, pieces, routes, NULL), *l1 = logits_in_pieces(m[1], ids, 20, pieces);
+            float *lf = logits_routed(m[2], ids, 20, pieces, NULL, routes), *ls = logits_routed(m[3], ids, 20, pieces, NULL, routes);
+            double spread = 0;
+            for (size_t i = 0; i < nv; i++) spread += fabs(lf[i]);
+            const double dc = max_abs_diff(l0, l1, nv), df = max_abs_diff(l0, lf, nv), mf = mean_abs_diff(l0, lf, nv);
+            const double ds = max_abs_diff(l0, ls, nv), ms = mean_abs_diff(l0, ls, nv), mean = spread / nv;
+            printf("  %s: mean |logit| %.3g; cache %.3g, f32-decoded max %.3g mean %.3g, scalar max %.3g mean %.3g\n", args, mean, dc, df, mf, ds, ms);
+            CHECKF(dc == 0, "%s: the expert cache differs by %.3g", args, dc);
+            CHECKF(mf < 0.04 * mean && df < 0.25 * mean, "%s: against f32-decoded max %.3g mean %.3g", args, df, mf);
+            CHECKF(ms < 0.02 * mean && ds < 0.15 * mean, "%s: the scalar kernels differ by max %.3g mean %.3g", args, ds, ms);
+            free(routes), free(l0), free(l1), free(lf), free(ls);
+        }
+        for (int v = 0; v < 4; v++) moe_model_close(m[v]);
         remove(out);
     }
     remove(shape);
@@ -5053,6 +5178,7 @@ static const struct {
     {"act_levels", test_act_levels},
     {"quant_blocks", test_quant_blocks},
     {"kquant_blocks", test_kquant_blocks},
+    {"iq_kernels", test_iq_kernels},
     {"ggml_blocks", test_ggml_blocks},
     {"json", test_json},
     {"tokenizer_spec_pieces", test_tokenizer_spec_pieces},
@@ -5108,6 +5234,7 @@ static const struct {
     {"gguf_golden", test_gguf_golden},
     {"gguf_quant_resume", test_gguf_quant_resume},
     {"gguf_split", test_gguf_split},
+    {"gguf_iq", test_gguf_iq},
     {"gguf_kquants", test_gguf_kquants},
     {"cache_kquants", test_cache_kquants},
     {"gguf_bad", test_gguf_bad},
