@@ -753,6 +753,38 @@ static void random_kq_row(int type, unsigned char *p, int n) {
     }
 }
 
+/* A row w of n values of an integer format times the q8a row qa, on every kernel level lv[0..nl):
+ * the scalar kernel against the decoded weights times the decoded activations (in double: to
+ * float summation order) and the reference; every other level against the scalar kernel; with
+ * x4, each level's 4-row kernel (qa shifted by 0..3 blocks, so each row sees other activations:
+ * qa must hold n / 32 + 3 blocks) against its 1-row kernel, bit for bit. dw: n floats of room.
+ * Returns how many levels after the first have a kernel of their own for the format. */
+static int check_row_dotq(const moe__kernels *lv, int nl, int type, const char *name, const void *w, const moe__block_q8a *qa, int n, int mode,
+                          int x4, float *dw) {
+    moe__row_to_f32(type, w, NULL, dw, n);
+    double exact = 0, ab = 0;
+    for (int i = 0; i < n; i++) {
+        const double term = (double)dw[i] * qa[i / 32].d * qa[i / 32].qs[i % 32];
+        exact += term, ab += fabs(term);
+    }
+    const float r = lv[0].dotq[type](w, qa, n);
+    CHECKF(fabs(r - exact) <= 1e-5 * ab + 1e-30, "%s scalar n %d mode %d: %g vs %g", name, n, mode, r, exact);
+    CHECK(r == moe__dotq_ref(type, w, qa, n));
+    int own = 0;
+    for (int li = 1; li < nl; li++) {
+        const float s = lv[li].dotq[type](w, qa, n);
+        CHECKF(fabs((double)r - s) <= 1e-5 * ab + 1e-30, "%s %s n %d mode %d: %g vs %g", lv[li].isa, name, n, mode, s, r);
+        own += lv[li].dotq[type] != lv[0].dotq[type];
+    }
+    for (int li = 0; li < nl && x4; li++) {
+        if (!lv[li].dotq4[type]) continue;
+        float o[4];
+        lv[li].dotq4[type](w, qa, 1, n, o);
+        for (int k = 0; k < 4; k++) CHECKF(o[k] == lv[li].dotq[type](w, qa + k, n), "%s %s x4 row %d", lv[li].isa, name, k);
+    }
+    return own;
+}
+
 static void test_kquant_blocks(void) {
     /* 1. the decoder against ggml's loop forms on random bytes, bit for bit */
     for (int t = 0; t < N_KQ; t++) {
@@ -839,27 +871,7 @@ static void test_kquant_blocks(void) {
                     random_kq_row(type, w, n);
                 }
                 lv[0].quant_q8a(xa, qa, n);
-                moe__row_to_f32(type, w, NULL, dw, n);
-                double exact = 0, ab = 0;
-                for (int i = 0; i < n; i++) {
-                    const double term = (double)dw[i] * qa[i / 32].d * qa[i / 32].qs[i % 32];
-                    exact += term, ab += fabs(term);
-                }
-                const float r = lv[0].dotq[type](w, qa, n);
-                CHECKF(fabs(r - exact) <= 1e-5 * ab + 1e-30, "%s scalar n %d mode %d: %g vs %g", kq_names[t], n, mode, r, exact);
-                CHECK(r == moe__dotq_ref(type, w, qa, n));
-                for (int li = 1; li < nl; li++) {
-                    const float s = lv[li].dotq[type](w, qa, n);
-                    CHECKF(fabs((double)r - s) <= 1e-5 * ab + 1e-30, "%s %s n %d mode %d: %g vs %g", lv[li].isa, kq_names[t], n, mode, s, r);
-                }
-                /* the 4-row kernels: each row bit for bit the level's 1-row kernel (4 rows: qa
-                 * shifted by 0..3 blocks, so each sees other activations) */
-                for (int li = 0; li < nl && n <= 2048; li++) {
-                    if (!lv[li].dotq4[type]) continue;
-                    float o[4];
-                    lv[li].dotq4[type](w, qa, 1, n, o);
-                    for (int k = 0; k < 4; k++) CHECKF(o[k] == lv[li].dotq[type](w, qa + k, n), "%s %s x4 row %d", lv[li].isa, kq_names[t], k);
-                }
+                check_row_dotq(lv, nl, type, kq_names[t], w, qa, n, mode, n <= 2048, dw);
             }
     free(xa), free(dw), free(qa), free(w);
     /* Q4_K, Q5_K, IQ4_XS, Q2_K, Q3_K and Q6_K interleaved 8 rows at a time: the reference gives
@@ -952,11 +964,9 @@ static void iq_row(int type, unsigned char *p, int n, int fill) {
     }
 }
 
-/* Every level's kernels for the grid formats against the scalar one, and the scalar one against
- * the decoded weights times the decoded activations (in double, to float summation order; the
- * decoder itself is checked against ggml's in ggml_blocks); the 4-row kernels give each row the
- * level's 1-row kernel bit for bit. Rows of random bytes, all ones (the largest indices, scales
- * and every sign) and all zeros; activations normal, huge, tiny, zero, with an outlier. */
+/* The grid formats' kernels on every level (check_row_dotq; the decoder they share is checked
+ * against ggml's in ggml_blocks): rows of random bytes, all ones (the largest indices, scales and
+ * every sign) and all zeros; activations normal, huge, tiny, zero, with an outlier. */
 static void test_iq_kernels(void) {
     moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
     const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX);
@@ -975,26 +985,7 @@ static void test_iq_kernels(void) {
                 if (mode == 0) xa[n / 2] = 50.0f;
                 iq_row(type, w, n, mode == 4 ? 255 : mode == 5 ? 0 : -1);
                 lv[0].quant_q8a(xa, qa, n);
-                moe__row_to_f32(type, w, NULL, dw, n);
-                double exact = 0, ab = 0;
-                for (int i = 0; i < n; i++) {
-                    const double term = (double)dw[i] * qa[i / 32].d * qa[i / 32].qs[i % 32];
-                    exact += term, ab += fabs(term);
-                }
-                const float r = lv[0].dotq[type](w, qa, n);
-                CHECKF(fabs(r - exact) <= 1e-5 * ab + 1e-30, "%s scalar n %d mode %d: %g vs %g", iq_names[t], n, mode, r, exact);
-                CHECK(r == moe__dotq_ref(type, w, qa, n));
-                for (int li = 1; li < nl; li++) {
-                    const float s = lv[li].dotq[type](w, qa, n);
-                    CHECKF(fabs((double)r - s) <= 1e-5 * ab + 1e-30, "%s %s n %d mode %d: %g vs %g", lv[li].isa, iq_names[t], n, mode, s, r);
-                    checked += lv[li].dotq[type] != lv[0].dotq[type];
-                }
-                for (int li = 0; li < nl; li++) {
-                    if (!lv[li].dotq4[type]) continue;
-                    float o[4];
-                    lv[li].dotq4[type](w, qa, 1, n, o);
-                    for (int k = 0; k < 4; k++) CHECKF(o[k] == lv[li].dotq[type](w, qa + k, n), "%s %s x4 row %d", lv[li].isa, iq_names[t], k);
-                }
+                checked += check_row_dotq(lv, nl, type, iq_names[t], w, qa, n, mode, 1, dw);
             }
     /* every SIMD level has its own kernels for them (none left to the scalar one) */
     CHECKF(nl == 1 || checked == (nl - 1) * N_IQ * 4 * 6, "%d of %d SIMD calls were the level's own", checked, (nl - 1) * N_IQ * 4 * 6);
