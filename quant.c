@@ -1009,6 +1009,31 @@ static const uint8_t signs_of7[128] = {
     160, 33,  34,  163, 36,  165, 166, 39,  40,  169, 170, 43,  172, 45,  46,  175, 48,  177, 178, 51,  180, 53,  54,  183, 184, 57,  58,  187, 60,  189, 190, 63,
     192, 65,  66,  195, 68,  197, 198, 71,  72,  201, 202, 75,  204, 77,  78,  207, 80,  209, 210, 83,  212, 85,  86,  215, 216, 89,  90,  219, 92,  221, 222, 95,
     96,  225, 226, 99,  228, 101, 102, 231, 232, 105, 106, 235, 108, 237, 238, 111, 240, 113, 114, 243, 116, 245, 246, 119, 120, 249, 250, 123, 252, 125, 126, 255};
+/* the same as byte masks: byte k 0xff where value k is negative */
+static const uint64_t sign_masks7[128] = {
+    0x0000000000000000, 0xff000000000000ff, 0xff0000000000ff00, 0x000000000000ffff, 0xff00000000ff0000, 0x0000000000ff00ff,
+    0x0000000000ffff00, 0xff00000000ffffff, 0xff000000ff000000, 0x00000000ff0000ff, 0x00000000ff00ff00, 0xff000000ff00ffff,
+    0x00000000ffff0000, 0xff000000ffff00ff, 0xff000000ffffff00, 0x00000000ffffffff, 0xff0000ff00000000, 0x000000ff000000ff,
+    0x000000ff0000ff00, 0xff0000ff0000ffff, 0x000000ff00ff0000, 0xff0000ff00ff00ff, 0xff0000ff00ffff00, 0x000000ff00ffffff,
+    0x000000ffff000000, 0xff0000ffff0000ff, 0xff0000ffff00ff00, 0x000000ffff00ffff, 0xff0000ffffff0000, 0x000000ffffff00ff,
+    0x000000ffffffff00, 0xff0000ffffffffff, 0xff00ff0000000000, 0x0000ff00000000ff, 0x0000ff000000ff00, 0xff00ff000000ffff,
+    0x0000ff0000ff0000, 0xff00ff0000ff00ff, 0xff00ff0000ffff00, 0x0000ff0000ffffff, 0x0000ff00ff000000, 0xff00ff00ff0000ff,
+    0xff00ff00ff00ff00, 0x0000ff00ff00ffff, 0xff00ff00ffff0000, 0x0000ff00ffff00ff, 0x0000ff00ffffff00, 0xff00ff00ffffffff,
+    0x0000ffff00000000, 0xff00ffff000000ff, 0xff00ffff0000ff00, 0x0000ffff0000ffff, 0xff00ffff00ff0000, 0x0000ffff00ff00ff,
+    0x0000ffff00ffff00, 0xff00ffff00ffffff, 0xff00ffffff000000, 0x0000ffffff0000ff, 0x0000ffffff00ff00, 0xff00ffffff00ffff,
+    0x0000ffffffff0000, 0xff00ffffffff00ff, 0xff00ffffffffff00, 0x0000ffffffffffff, 0xffff000000000000, 0x00ff0000000000ff,
+    0x00ff00000000ff00, 0xffff00000000ffff, 0x00ff000000ff0000, 0xffff000000ff00ff, 0xffff000000ffff00, 0x00ff000000ffffff,
+    0x00ff0000ff000000, 0xffff0000ff0000ff, 0xffff0000ff00ff00, 0x00ff0000ff00ffff, 0xffff0000ffff0000, 0x00ff0000ffff00ff,
+    0x00ff0000ffffff00, 0xffff0000ffffffff, 0x00ff00ff00000000, 0xffff00ff000000ff, 0xffff00ff0000ff00, 0x00ff00ff0000ffff,
+    0xffff00ff00ff0000, 0x00ff00ff00ff00ff, 0x00ff00ff00ffff00, 0xffff00ff00ffffff, 0xffff00ffff000000, 0x00ff00ffff0000ff,
+    0x00ff00ffff00ff00, 0xffff00ffff00ffff, 0x00ff00ffffff0000, 0xffff00ffffff00ff, 0xffff00ffffffff00, 0x00ff00ffffffffff,
+    0x00ffff0000000000, 0xffffff00000000ff, 0xffffff000000ff00, 0x00ffff000000ffff, 0xffffff0000ff0000, 0x00ffff0000ff00ff,
+    0x00ffff0000ffff00, 0xffffff0000ffffff, 0xffffff00ff000000, 0x00ffff00ff0000ff, 0x00ffff00ff00ff00, 0xffffff00ff00ffff,
+    0x00ffff00ffff0000, 0xffffff00ffff00ff, 0xffffff00ffffff00, 0x00ffff00ffffffff, 0xffffffff00000000, 0x00ffffff000000ff,
+    0x00ffffff0000ff00, 0xffffffff0000ffff, 0x00ffffff00ff0000, 0xffffffff00ff00ff, 0xffffffff00ffff00, 0x00ffffff00ffffff,
+    0x00ffffffff000000, 0xffffffffff0000ff, 0xffffffffff00ff00, 0x00ffffffff00ffff, 0xffffffffffff0000, 0x00ffffffffff00ff,
+    0x00ffffffffffff00, 0xffffffffffffffff,
+};
 
 static inline uint32_t le32_of(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
@@ -2743,29 +2768,30 @@ MOE_TARGET("avx2,fma,f16c") static void dotq4_q6_k_avx2(const void *w, const moe
  * minimums: per sub-block m0 sum(x first 16) + m1 sum(x last 16) (maddubs of the minimums'
  * bytes with x), and x.d (d S - dmin Sm). NT (1 or 4) activation rows x + t xs blocks, each
  * row's float steps the same whatever NT. */
-/* The grid formats' 256-value block i as 8 vectors of signed bytes (value = d sw[g] v, g = the
- * 16 within the block: sw[j] for the first 16 of sub-block j, sw[8 + j] for its second), as
- * iq_sub decodes them: grid entries gathered by scalar loads, signs spread from their bytes by a
+/* The grid formats' 256-value block i as 8 vectors of bytes, value = d sw[g] v sign (g the 16
+ * within the block: sw[j] for the first 16 of sub-block j, sw[8 + j] for its second), as iq_sub
+ * decodes them: IQ2/IQ3 as the grid's positive bytes in v and their signs as -1/+1 bytes in sg
+ * (the dot takes the signs onto the activations); IQ1 as the signed values in v. Grid entries
+ * are gathered by scalar loads; 7-bit sign indices by a table of byte masks, sign bytes by a
  * shuffle and a compare. Returns d. */
-MOE_TARGET("avx2,fma,f16c") static inline __m256i iq_signed_avx2(__m256i g, uint32_t signs) {
+MOE_TARGET("avx2,fma,f16c") static inline __m256i iq_sign_bytes_avx2(uint32_t signs) {
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
     const __m256i m = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)signs), spread), bit), bit);
-    return _mm256_sub_epi8(_mm256_xor_si256(g, m), m);
+    return _mm256_or_si256(m, _mm256_set1_epi8(1));
 }
 #define GRID4(t, a, b, c, d) _mm256_set_epi64x((long long)(t)[d], (long long)(t)[c], (long long)(t)[b], (long long)(t)[a])
 #define GRID8(t, i0, i1, i2, i3, i4, i5, i6, i7) \
     _mm256_set_epi32((int)(t)[i7], (int)(t)[i6], (int)(t)[i5], (int)(t)[i4], (int)(t)[i3], (int)(t)[i2], (int)(t)[i1], (int)(t)[i0])
+#define SIGNS7(a) _mm256_or_si256(GRID4(sign_masks7, (a) & 127, ((a) >> 7) & 127, ((a) >> 14) & 127, ((a) >> 21) & 127), _mm256_set1_epi8(1))
 MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) float iq_block_avx2(const int type, const void *w, int64_t i, __m256i v[8],
-                                                                                               int16_t sw[16]) {
+                                                                                               __m256i sg[8], int16_t sw[16]) {
     switch (type) {
     case MOE_T_IQ2_XXS: {
         const moe__block_iq2_xxs *b = (const moe__block_iq2_xxs *)w + i;
         for (int j = 0; j < 8; j++) {
             const uint32_t x = b->qs[4 * j] | (uint32_t)b->qs[4 * j + 1] << 16, a = b->qs[4 * j + 2] | (uint32_t)b->qs[4 * j + 3] << 16;
-            const uint32_t sg = signs_of7[a & 127] | (uint32_t)signs_of7[(a >> 7) & 127] << 8 | (uint32_t)signs_of7[(a >> 14) & 127] << 16 |
-                                (uint32_t)signs_of7[(a >> 21) & 127] << 24;
-            v[j] = iq_signed_avx2(GRID4(iq2xxs_grid, x & 255, (x >> 8) & 255, (x >> 16) & 255, x >> 24), sg);
+            v[j] = GRID4(iq2xxs_grid, x & 255, (x >> 8) & 255, (x >> 16) & 255, x >> 24), sg[j] = SIGNS7(a);
             sw[j] = sw[8 + j] = (int16_t)(2 * (a >> 28) + 1);
         }
         return f16_avx(b->d) * 0.125f;
@@ -2774,9 +2800,8 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) float i
         const moe__block_iq2_xs *b = (const moe__block_iq2_xs *)w + i;
         for (int j = 0; j < 8; j++) {
             const uint16_t *q = b->qs + 4 * j;
-            const uint32_t sg = signs_of7[q[0] >> 9] | (uint32_t)signs_of7[q[1] >> 9] << 8 | (uint32_t)signs_of7[q[2] >> 9] << 16 |
-                                (uint32_t)signs_of7[q[3] >> 9] << 24;
-            v[j] = iq_signed_avx2(GRID4(iq2xs_grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511), sg);
+            v[j] = GRID4(iq2xs_grid, q[0] & 511, q[1] & 511, q[2] & 511, q[3] & 511);
+            sg[j] = _mm256_or_si256(GRID4(sign_masks7, q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9), _mm256_set1_epi8(1));
             sw[j] = (int16_t)(2 * (b->scales[j] & 15) + 1), sw[8 + j] = (int16_t)(2 * (b->scales[j] >> 4) + 1);
         }
         return f16_avx(b->d) * 0.125f;
@@ -2786,8 +2811,8 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) float i
         for (int j = 0; j < 8; j++) {
             const uint8_t *q = b->qs + 4 * j;
             const unsigned h = b->qh[j];
-            v[j] = iq_signed_avx2(GRID4(iq2s_grid, q[0] | (h << 8 & 0x300), q[1] | (h << 6 & 0x300), q[2] | (h << 4 & 0x300), q[3] | (h << 2 & 0x300)),
-                                  le32_of(b->qs + 32 + 4 * j));
+            v[j] = GRID4(iq2s_grid, q[0] | (h << 8 & 0x300), q[1] | (h << 6 & 0x300), q[2] | (h << 4 & 0x300), q[3] | (h << 2 & 0x300));
+            sg[j] = iq_sign_bytes_avx2(le32_of(b->qs + 32 + 4 * j));
             sw[j] = (int16_t)(2 * (b->scales[j] & 15) + 1), sw[8 + j] = (int16_t)(2 * (b->scales[j] >> 4) + 1);
         }
         return f16_avx(b->d) * 0.125f;
@@ -2797,9 +2822,7 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) float i
         for (int j = 0; j < 8; j++) {
             const uint8_t *q = b->qs + 8 * j;
             const uint32_t a = le32_of(b->qs + 64 + 4 * j);
-            const uint32_t sg = signs_of7[a & 127] | (uint32_t)signs_of7[(a >> 7) & 127] << 8 | (uint32_t)signs_of7[(a >> 14) & 127] << 16 |
-                                (uint32_t)signs_of7[(a >> 21) & 127] << 24;
-            v[j] = iq_signed_avx2(GRID8(iq3xxs_grid, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]), sg);
+            v[j] = GRID8(iq3xxs_grid, q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]), sg[j] = SIGNS7(a);
             sw[j] = sw[8 + j] = (int16_t)(2 * (a >> 28) + 1);
         }
         return f16_avx(b->d) * 0.25f;
@@ -2809,9 +2832,9 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) float i
         for (int j = 0; j < 8; j++) {
             const uint8_t *q = b->qs + 8 * j;
             const unsigned h = b->qh[j];
-            v[j] = iq_signed_avx2(GRID8(iq3s_grid, q[0] | (h << 8 & 256), q[1] | (h << 7 & 256), q[2] | (h << 6 & 256), q[3] | (h << 5 & 256),
-                                        q[4] | (h << 4 & 256), q[5] | (h << 3 & 256), q[6] | (h << 2 & 256), q[7] | (h << 1 & 256)),
-                                  le32_of(b->signs + 4 * j));
+            v[j] = GRID8(iq3s_grid, q[0] | (h << 8 & 256), q[1] | (h << 7 & 256), q[2] | (h << 6 & 256), q[3] | (h << 5 & 256), q[4] | (h << 4 & 256),
+                         q[5] | (h << 3 & 256), q[6] | (h << 2 & 256), q[7] | (h << 1 & 256));
+            sg[j] = iq_sign_bytes_avx2(le32_of(b->signs + 4 * j));
             sw[j] = sw[8 + j] = (int16_t)(2 * ((b->scales[j / 2] >> (4 * (j % 2))) & 15) + 1);
         }
         return f16_avx(b->d);
@@ -2849,6 +2872,7 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) float i
     default: return 0;
     }
 }
+#undef SIGNS7
 #undef GRID4
 #undef GRID8
 
@@ -2859,11 +2883,13 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
     const __m256i kv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)moe__iq4nl_values));
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t i = 0; i < n / 256; i++) {
-        __m256i v[8], sc16, mb = _mm256_setzero_si256();
+        __m256i v[8], sg[8], sc16, mb = _mm256_setzero_si256();
         float d, dmin = 0;
+        /* the values' magnitudes in v and their signs apart in sg (IQ2, IQ3) */
+        const int apart = iq_type(type) && type != MOE_T_IQ1_S && type != MOE_T_IQ1_M;
         if (iq_type(type)) { /* the grid formats */
             int16_t sw[16];
-            d = iq_block_avx2(type, w, i, v, sw);
+            d = iq_block_avx2(type, w, i, v, sg, sw);
             sc16 = _mm256_loadu_si256((const __m256i *)(const void *)sw);
         } else if (type == MOE_T_IQ4_XS) {
             const moe__block_iq4_xs *b = (const moe__block_iq4_xs *)w + i;
@@ -2910,8 +2936,8 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
             const __m256i c0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)((2 * s) | (2 * s + 1) << 8)));
             const __m256i c1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)((2 * s + 2) | (2 * s + 3) << 8)));
             /* Q2_K: values 0..3 taken by maddubs as they are; the others' signs moved onto x */
-            const __m256i a0 = type == MOE_T_Q2_K ? v[s] : _mm256_sign_epi8(v[s], v[s]);
-            const __m256i a1 = type == MOE_T_Q2_K ? v[s + 1] : _mm256_sign_epi8(v[s + 1], v[s + 1]);
+            const __m256i a0 = type == MOE_T_Q2_K || apart ? v[s] : _mm256_sign_epi8(v[s], v[s]);
+            const __m256i a1 = type == MOE_T_Q2_K || apart ? v[s + 1] : _mm256_sign_epi8(v[s + 1], v[s + 1]);
             /* Q2_K: [minimum 2s as 16 bytes | minimum 2s + 1 as 16 bytes] */
             const __m256i m0 = _mm256_shuffle_epi8(mb, _mm256_setr_m128i(_mm_set1_epi8((char)(2 * s)), _mm_set1_epi8((char)(2 * s + 1))));
             const __m256i m1 = _mm256_shuffle_epi8(mb, _mm256_setr_m128i(_mm_set1_epi8((char)(2 * s + 2)), _mm_set1_epi8((char)(2 * s + 3))));
@@ -2920,8 +2946,8 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
                 const moe__block_q8a *xt = x + t * xs + 8 * i;
                 const __m256i x0 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s].qs);
                 const __m256i x1 = _mm256_loadu_si256((const __m256i *)(const void *)xt[s + 1].qs);
-                const __m256i y0 = type == MOE_T_Q2_K ? x0 : _mm256_sign_epi8(x0, v[s]);
-                const __m256i y1 = type == MOE_T_Q2_K ? x1 : _mm256_sign_epi8(x1, v[s + 1]);
+                const __m256i y0 = type == MOE_T_Q2_K ? x0 : _mm256_sign_epi8(x0, apart ? sg[s] : v[s]);
+                const __m256i y1 = type == MOE_T_Q2_K ? x1 : _mm256_sign_epi8(x1, apart ? sg[s + 1] : v[s + 1]);
                 h[t][s / 2] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(a0, y0), c0), _mm256_madd_epi16(_mm256_maddubs_epi16(a1, y1), c1));
                 if (type == MOE_T_Q2_K)
                     hm4[t][s / 2] = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(m0, x0), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(m1, x1), ones));
