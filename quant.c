@@ -1009,6 +1009,33 @@ static const uint8_t signs_of7[128] = {
     160, 33,  34,  163, 36,  165, 166, 39,  40,  169, 170, 43,  172, 45,  46,  175, 48,  177, 178, 51,  180, 53,  54,  183, 184, 57,  58,  187, 60,  189, 190, 63,
     192, 65,  66,  195, 68,  197, 198, 71,  72,  201, 202, 75,  204, 77,  78,  207, 80,  209, 210, 83,  212, 85,  86,  215, 216, 89,  90,  219, 92,  221, 222, 95,
     96,  225, 226, 99,  228, 101, 102, 231, 232, 105, 106, 235, 108, 237, 238, 111, 240, 113, 114, 243, 116, 245, 246, 119, 120, 249, 250, 123, 252, 125, 126, 255};
+#if defined(MOE_X86) || defined(MOE_NEON) /* (for the SIMD decoders) */
+/* signs_of7 as byte masks: byte k 0xff where value k is negative */
+static const uint64_t sign_masks7[128] = {
+    0x0000000000000000, 0xff000000000000ff, 0xff0000000000ff00, 0x000000000000ffff, 0xff00000000ff0000, 0x0000000000ff00ff,
+    0x0000000000ffff00, 0xff00000000ffffff, 0xff000000ff000000, 0x00000000ff0000ff, 0x00000000ff00ff00, 0xff000000ff00ffff,
+    0x00000000ffff0000, 0xff000000ffff00ff, 0xff000000ffffff00, 0x00000000ffffffff, 0xff0000ff00000000, 0x000000ff000000ff,
+    0x000000ff0000ff00, 0xff0000ff0000ffff, 0x000000ff00ff0000, 0xff0000ff00ff00ff, 0xff0000ff00ffff00, 0x000000ff00ffffff,
+    0x000000ffff000000, 0xff0000ffff0000ff, 0xff0000ffff00ff00, 0x000000ffff00ffff, 0xff0000ffffff0000, 0x000000ffffff00ff,
+    0x000000ffffffff00, 0xff0000ffffffffff, 0xff00ff0000000000, 0x0000ff00000000ff, 0x0000ff000000ff00, 0xff00ff000000ffff,
+    0x0000ff0000ff0000, 0xff00ff0000ff00ff, 0xff00ff0000ffff00, 0x0000ff0000ffffff, 0x0000ff00ff000000, 0xff00ff00ff0000ff,
+    0xff00ff00ff00ff00, 0x0000ff00ff00ffff, 0xff00ff00ffff0000, 0x0000ff00ffff00ff, 0x0000ff00ffffff00, 0xff00ff00ffffffff,
+    0x0000ffff00000000, 0xff00ffff000000ff, 0xff00ffff0000ff00, 0x0000ffff0000ffff, 0xff00ffff00ff0000, 0x0000ffff00ff00ff,
+    0x0000ffff00ffff00, 0xff00ffff00ffffff, 0xff00ffffff000000, 0x0000ffffff0000ff, 0x0000ffffff00ff00, 0xff00ffffff00ffff,
+    0x0000ffffffff0000, 0xff00ffffffff00ff, 0xff00ffffffffff00, 0x0000ffffffffffff, 0xffff000000000000, 0x00ff0000000000ff,
+    0x00ff00000000ff00, 0xffff00000000ffff, 0x00ff000000ff0000, 0xffff000000ff00ff, 0xffff000000ffff00, 0x00ff000000ffffff,
+    0x00ff0000ff000000, 0xffff0000ff0000ff, 0xffff0000ff00ff00, 0x00ff0000ff00ffff, 0xffff0000ffff0000, 0x00ff0000ffff00ff,
+    0x00ff0000ffffff00, 0xffff0000ffffffff, 0x00ff00ff00000000, 0xffff00ff000000ff, 0xffff00ff0000ff00, 0x00ff00ff0000ffff,
+    0xffff00ff00ff0000, 0x00ff00ff00ff00ff, 0x00ff00ff00ffff00, 0xffff00ff00ffffff, 0xffff00ffff000000, 0x00ff00ffff0000ff,
+    0x00ff00ffff00ff00, 0xffff00ffff00ffff, 0x00ff00ffffff0000, 0xffff00ffffff00ff, 0xffff00ffffffff00, 0x00ff00ffffffffff,
+    0x00ffff0000000000, 0xffffff00000000ff, 0xffffff000000ff00, 0x00ffff000000ffff, 0xffffff0000ff0000, 0x00ffff0000ff00ff,
+    0x00ffff0000ffff00, 0xffffff0000ffffff, 0xffffff00ff000000, 0x00ffff00ff0000ff, 0x00ffff00ff00ff00, 0xffffff00ff00ffff,
+    0x00ffff00ffff0000, 0xffffff00ffff00ff, 0xffffff00ffffff00, 0x00ffff00ffffffff, 0xffffffff00000000, 0x00ffffff000000ff,
+    0x00ffffff0000ff00, 0xffffffff0000ffff, 0x00ffffff00ff0000, 0xffffffff00ff00ff, 0xffffffff00ffff00, 0x00ffffff00ffffff,
+    0x00ffffffff000000, 0xffffffffff0000ff, 0xffffffffff00ff00, 0x00ffffffff00ffff, 0xffffffffffff0000, 0x00ffffffffff00ff,
+    0x00ffffffffffff00, 0xffffffffffffffff,
+};
+#endif
 
 static inline uint32_t le32_of(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
 
@@ -2736,38 +2763,6 @@ MOE_TARGET("avx2,fma,f16c") static void dotq4_q6_k_avx2(const void *w, const moe
     q6_k_rows_avx2(w, x, xs, n, out, 4);
 }
 
-/* Q2_K, Q3_K, IQ4_XS: a block's 8 sub-blocks of 32 values as bytes (signed but for Q2_K's), its
- * 16 scales (one per 16 values; IQ4_XS's in pairs) as 16-bit words, even-numbered in the low
- * half and odd in the high one, so one byte shuffle gives sub-block s its pair; then as Q6_K's
- * kernel: per sub-block sc0 acc0 + sc1 acc1 exactly in int32, x.d d times that in float. Q2_K's
- * minimums: per sub-block m0 sum(x first 16) + m1 sum(x last 16) (maddubs of the minimums'
- * bytes with x), and x.d (d S - dmin Sm). NT (1 or 4) activation rows x + t xs blocks, each
- * row's float steps the same whatever NT. */
-/* signs_of7 as byte masks: byte k 0xff where value k is negative */
-static const uint64_t sign_masks7[128] = {
-    0x0000000000000000, 0xff000000000000ff, 0xff0000000000ff00, 0x000000000000ffff, 0xff00000000ff0000, 0x0000000000ff00ff,
-    0x0000000000ffff00, 0xff00000000ffffff, 0xff000000ff000000, 0x00000000ff0000ff, 0x00000000ff00ff00, 0xff000000ff00ffff,
-    0x00000000ffff0000, 0xff000000ffff00ff, 0xff000000ffffff00, 0x00000000ffffffff, 0xff0000ff00000000, 0x000000ff000000ff,
-    0x000000ff0000ff00, 0xff0000ff0000ffff, 0x000000ff00ff0000, 0xff0000ff00ff00ff, 0xff0000ff00ffff00, 0x000000ff00ffffff,
-    0x000000ffff000000, 0xff0000ffff0000ff, 0xff0000ffff00ff00, 0x000000ffff00ffff, 0xff0000ffffff0000, 0x000000ffffff00ff,
-    0x000000ffffffff00, 0xff0000ffffffffff, 0xff00ff0000000000, 0x0000ff00000000ff, 0x0000ff000000ff00, 0xff00ff000000ffff,
-    0x0000ff0000ff0000, 0xff00ff0000ff00ff, 0xff00ff0000ffff00, 0x0000ff0000ffffff, 0x0000ff00ff000000, 0xff00ff00ff0000ff,
-    0xff00ff00ff00ff00, 0x0000ff00ff00ffff, 0xff00ff00ffff0000, 0x0000ff00ffff00ff, 0x0000ff00ffffff00, 0xff00ff00ffffffff,
-    0x0000ffff00000000, 0xff00ffff000000ff, 0xff00ffff0000ff00, 0x0000ffff0000ffff, 0xff00ffff00ff0000, 0x0000ffff00ff00ff,
-    0x0000ffff00ffff00, 0xff00ffff00ffffff, 0xff00ffffff000000, 0x0000ffffff0000ff, 0x0000ffffff00ff00, 0xff00ffffff00ffff,
-    0x0000ffffffff0000, 0xff00ffffffff00ff, 0xff00ffffffffff00, 0x0000ffffffffffff, 0xffff000000000000, 0x00ff0000000000ff,
-    0x00ff00000000ff00, 0xffff00000000ffff, 0x00ff000000ff0000, 0xffff000000ff00ff, 0xffff000000ffff00, 0x00ff000000ffffff,
-    0x00ff0000ff000000, 0xffff0000ff0000ff, 0xffff0000ff00ff00, 0x00ff0000ff00ffff, 0xffff0000ffff0000, 0x00ff0000ffff00ff,
-    0x00ff0000ffffff00, 0xffff0000ffffffff, 0x00ff00ff00000000, 0xffff00ff000000ff, 0xffff00ff0000ff00, 0x00ff00ff0000ffff,
-    0xffff00ff00ff0000, 0x00ff00ff00ff00ff, 0x00ff00ff00ffff00, 0xffff00ff00ffffff, 0xffff00ffff000000, 0x00ff00ffff0000ff,
-    0x00ff00ffff00ff00, 0xffff00ffff00ffff, 0x00ff00ffffff0000, 0xffff00ffffff00ff, 0xffff00ffffffff00, 0x00ff00ffffffffff,
-    0x00ffff0000000000, 0xffffff00000000ff, 0xffffff000000ff00, 0x00ffff000000ffff, 0xffffff0000ff0000, 0x00ffff0000ff00ff,
-    0x00ffff0000ffff00, 0xffffff0000ffffff, 0xffffff00ff000000, 0x00ffff00ff0000ff, 0x00ffff00ff00ff00, 0xffffff00ff00ffff,
-    0x00ffff00ffff0000, 0xffffff00ffff00ff, 0xffffff00ffffff00, 0x00ffff00ffffffff, 0xffffffff00000000, 0x00ffffff000000ff,
-    0x00ffffff0000ff00, 0xffffffff0000ffff, 0x00ffffff00ff0000, 0xffffffff00ff00ff, 0xffffffff00ffff00, 0x00ffffff00ffffff,
-    0x00ffffffff000000, 0xffffffffff0000ff, 0xffffffffff00ff00, 0x00ffffffff00ffff, 0xffffffffffff0000, 0x00ffffffffff00ff,
-    0x00ffffffffffff00, 0xffffffffffffffff,
-};
 
 /* The grid formats' 256-value block i as 8 vectors of bytes, value = d sw[g] v sign (g the 16
  * within the block: sw[j] for the first 16 of sub-block j, sw[8 + j] for its second), as iq_sub
@@ -2877,6 +2872,13 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) float i
 #undef GRID4
 #undef GRID8
 
+/* Q2_K, Q3_K, IQ4_XS: a block's 8 sub-blocks of 32 values as bytes (signed but for Q2_K's), its
+ * 16 scales (one per 16 values; IQ4_XS's in pairs) as 16-bit words, even-numbered in the low
+ * half and odd in the high one, so one byte shuffle gives sub-block s its pair; then as Q6_K's
+ * kernel: per sub-block sc0 acc0 + sc1 acc1 exactly in int32, x.d d times that in float. Q2_K's
+ * minimums: per sub-block m0 sum(x first 16) + m1 sum(x last 16) (maddubs of the minimums'
+ * bytes with x), and x.d (d S - dmin Sm). NT (1 or 4) activation rows x + t xs blocks, each
+ * row's float steps the same whatever NT. */
 MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k16_rows_avx2(const int type, const void *w, const moe__block_q8a *x,
                                                                                               int64_t xs, int64_t n, float *out, const int NT) {
     const __m256i three = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4), ones = _mm256_set1_epi16(1);
@@ -4791,6 +4793,96 @@ KQ_NEON_BODY float q6_k_neon_body(const void *w, const moe__block_q8a *x, int64_
     return s;
 }
 
+/* The grid formats' sub-block s (32 values) as two vectors of signed bytes, value = dc sc[l / 16]
+ * v, as iq_sub decodes them: grid entries by scalar loads, signs by byte masks (7-bit indices
+ * through sign_masks7, sign bytes by a bit test), IQ1's 8 g +- 1 by a shift. Returns dc. */
+static inline int8x16_t iq_pair_neon(uint64_t a, uint64_t b) { return vreinterpretq_s8_u64(vcombine_u64(vcreate_u64(a), vcreate_u64(b))); }
+static inline int8x16_t iq_negate_neon(int8x16_t g, int8x16_t m) { return vsubq_s8(veorq_s8(g, m), m); }
+static inline int8x16_t iq_sign_bytes_neon(uint8_t s0, uint8_t s1) {
+    static const uint8_t bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    return vreinterpretq_s8_u8(vtstq_u8(vcombine_u8(vdup_n_u8(s0), vdup_n_u8(s1)), vld1q_u8(bit)));
+}
+KQ_NEON_BODY float iq_sub_neon(int type, const void *row, int64_t s, int8x16_t v[2], int sc[2]) {
+    const int j = (int)(s % 8);
+    switch (type) {
+    case MOE_T_IQ2_XXS: {
+        const moe__block_iq2_xxs *b = (const moe__block_iq2_xxs *)row + s / 8;
+        const uint32_t x = b->qs[4 * j] | (uint32_t)b->qs[4 * j + 1] << 16, a = b->qs[4 * j + 2] | (uint32_t)b->qs[4 * j + 3] << 16;
+        for (int h = 0; h < 2; h++)
+            v[h] = iq_negate_neon(iq_pair_neon(iq2xxs_grid[(x >> (16 * h)) & 255], iq2xxs_grid[(x >> (16 * h + 8)) & 255]),
+                                  iq_pair_neon(sign_masks7[(a >> (14 * h)) & 127], sign_masks7[(a >> (14 * h + 7)) & 127]));
+        sc[0] = sc[1] = 2 * (int)(a >> 28) + 1;
+        return moe__f16_to_f32(b->d) * 0.125f;
+    }
+    case MOE_T_IQ2_XS: {
+        const moe__block_iq2_xs *b = (const moe__block_iq2_xs *)row + s / 8;
+        const uint16_t *q = b->qs + 4 * j;
+        for (int h = 0; h < 2; h++)
+            v[h] = iq_negate_neon(iq_pair_neon(iq2xs_grid[q[2 * h] & 511], iq2xs_grid[q[2 * h + 1] & 511]),
+                                  iq_pair_neon(sign_masks7[q[2 * h] >> 9], sign_masks7[q[2 * h + 1] >> 9]));
+        sc[0] = 2 * (b->scales[j] & 15) + 1, sc[1] = 2 * (b->scales[j] >> 4) + 1;
+        return moe__f16_to_f32(b->d) * 0.125f;
+    }
+    case MOE_T_IQ2_S: {
+        const moe__block_iq2_s *b = (const moe__block_iq2_s *)row + s / 8;
+        const uint8_t *q = b->qs + 4 * j, *sg = b->qs + 32 + 4 * j;
+        const unsigned hb = b->qh[j];
+        for (int h = 0; h < 2; h++)
+            v[h] = iq_negate_neon(iq_pair_neon(iq2s_grid[q[2 * h] | (hb << (8 - 4 * h) & 0x300)], iq2s_grid[q[2 * h + 1] | (hb << (6 - 4 * h) & 0x300)]),
+                                  iq_sign_bytes_neon(sg[2 * h], sg[2 * h + 1]));
+        sc[0] = 2 * (b->scales[j] & 15) + 1, sc[1] = 2 * (b->scales[j] >> 4) + 1;
+        return moe__f16_to_f32(b->d) * 0.125f;
+    }
+    case MOE_T_IQ3_XXS: {
+        const moe__block_iq3_xxs *b = (const moe__block_iq3_xxs *)row + s / 8;
+        const uint8_t *q = b->qs + 8 * j;
+        const uint32_t a = le32_of(b->qs + 64 + 4 * j);
+        for (int h = 0; h < 2; h++)
+            v[h] = iq_negate_neon(iq_pair_neon(iq3xxs_grid[q[4 * h]] | (uint64_t)iq3xxs_grid[q[4 * h + 1]] << 32,
+                                               iq3xxs_grid[q[4 * h + 2]] | (uint64_t)iq3xxs_grid[q[4 * h + 3]] << 32),
+                                  iq_pair_neon(sign_masks7[(a >> (14 * h)) & 127], sign_masks7[(a >> (14 * h + 7)) & 127]));
+        sc[0] = sc[1] = 2 * (int)(a >> 28) + 1;
+        return moe__f16_to_f32(b->d) * 0.25f;
+    }
+    case MOE_T_IQ3_S: {
+        const moe__block_iq3_s *b = (const moe__block_iq3_s *)row + s / 8;
+        const uint8_t *q = b->qs + 8 * j, *sg = b->signs + 4 * j;
+        const unsigned hb = b->qh[j];
+        uint64_t g[4];
+        for (int k = 0; k < 4; k++)
+            g[k] = iq3s_grid[q[2 * k] | (hb << (8 - 2 * k) & 256)] | (uint64_t)iq3s_grid[q[2 * k + 1] | (hb << (7 - 2 * k) & 256)] << 32;
+        for (int h = 0; h < 2; h++) v[h] = iq_negate_neon(iq_pair_neon(g[2 * h], g[2 * h + 1]), iq_sign_bytes_neon(sg[2 * h], sg[2 * h + 1]));
+        sc[0] = sc[1] = 2 * ((b->scales[j / 2] >> (4 * (j % 2))) & 15) + 1;
+        return moe__f16_to_f32(b->d);
+    }
+    case MOE_T_IQ1_S: {
+        const moe__block_iq1_s *b = (const moe__block_iq1_s *)row + s / 8;
+        const uint8_t *q = b->qs + 4 * j;
+        const unsigned hb = b->qh[j];
+        const int8x16_t e = vdupq_n_s8(hb & 0x8000 ? -1 : 1);
+        for (int h = 0; h < 2; h++)
+            v[h] = vaddq_s8(vshlq_n_s8(iq_pair_neon(iq1s_grid[q[2 * h] | (hb >> (6 * h) & 7) << 8], iq1s_grid[q[2 * h + 1] | (hb >> (6 * h + 3) & 7) << 8]), 3), e);
+        sc[0] = sc[1] = 2 * (int)((hb >> 12) & 7) + 1;
+        return moe__f16_to_f32(b->d) * 0.125f;
+    }
+    case MOE_T_IQ1_M: {
+        const moe__block_iq1_m *b = (const moe__block_iq1_m *)row + s / 8;
+        const uint8_t *q = b->qs + 4 * j;
+        unsigned wd[4];
+        for (int k = 0; k < 4; k++) wd[k] = b->scales[2 * k] | (unsigned)b->scales[2 * k + 1] << 8;
+        for (int h = 0; h < 2; h++) {
+            const unsigned hb = b->qh[2 * j + h]; /* this pair of 8s' index bits and shift signs, a nibble each */
+            const int8x16_t e = vcombine_s8(vdup_n_s8(hb & 0x08 ? -1 : 1), vdup_n_s8(hb & 0x80 ? -1 : 1));
+            v[h] = vaddq_s8(vshlq_n_s8(iq_pair_neon(iq1s_grid[q[2 * h] | (hb & 7) << 8], iq1s_grid[q[2 * h + 1] | (hb >> 4 & 7) << 8]), 3), e);
+        }
+        const unsigned sk = wd[j / 2] >> (6 * (j % 2));
+        sc[0] = 2 * (int)(sk & 7) + 1, sc[1] = 2 * (int)((sk >> 3) & 7) + 1;
+        return moe__f16_to_f32((uint16_t)((wd[0] >> 12) | ((wd[1] >> 8) & 0xf0) | ((wd[2] >> 4) & 0xf00) | (wd[3] & 0xf000))) * 0.125f;
+    }
+    default: return 0;
+    }
+}
+
 /* Q2_K, Q3_K, IQ4_NL, IQ4_XS: each sub-block's values decoded to signed bytes (IQ4 by one table
  * lookup), its two 16s' products summed exactly, then d (sc0 a0 + sc1 a1) in float (Q2_K: minus
  * dmin (m0 sum(x first 16) + m1 sum(x last 16))) */
@@ -4812,11 +4904,10 @@ KQ_NEON_BODY float k16_neon_body(int type, const void *w, const moe__block_q8a *
             int8x16_t v[2];
             int sc0, sc1, m0 = 0, m1 = 0;
             float d, dmin = 0;
-            if (iq_type(type)) { /* the grid formats: decoded by iq_sub */
-                int8_t qb[32];
+            if (iq_type(type)) { /* the grid formats */
                 int sc[2];
-                d = iq_sub(type, w, 8 * i + j, qb, sc);
-                v[0] = vld1q_s8(qb), v[1] = vld1q_s8(qb + 16), sc0 = sc[0], sc1 = sc[1];
+                d = iq_sub_neon(type, w, 8 * i + j, v, sc);
+                sc0 = sc[0], sc1 = sc[1];
             } else if (type == MOE_T_IQ4_XS) {
                 const moe__block_iq4_xs *b = (const moe__block_iq4_xs *)w + i;
                 const uint8x16_t r = vld1q_u8(b->qs + 16 * j);
