@@ -482,10 +482,11 @@ typedef struct { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } m
  * (IQ2, IQ3) or a shift of +-1/8 per 8 or 32 values (IQ1). Per 32 values j: IQ2_XXS: 4 grid
  * bytes, then a word of four 7-bit sign indices (the 8th sign is their parity) and the scale
  * (top 4 bits), x = d (ls + 1/2) / 4 g. IQ2_XS: 4 words of a 9-bit grid index and a 7-bit sign
- * index; a nibble scale per 16 values. IQ2_S: 8-bit grid indices, 2 more bits each in qh[j],
- * sign bytes after the 64 index bytes, nibble scales. IQ3_XXS: 8 one-byte indices into a table of
- * 4-byte entries, then per 32 a word as IQ2_XXS's, x = d (ls + 1/2) / 2 g. IQ3_S: 9-bit indices
- * (bit 8 in qh[j]), sign bytes, x = d (1 + 2 s) g with s a nibble per 32. IQ1_S: 11-bit indices of
+ * index; a nibble scale per 16 values. IQ2_S: qs holds 32 bytes of 8-bit grid indices (2 more
+ * bits each in qh[j]), then 32 sign bytes; nibble scales. IQ3_XXS: qs holds 64 one-byte indices
+ * (8 per 32 values) into a table of 4-byte entries, then a word per 32 as IQ2_XXS's second,
+ * x = d (ls + 1/2) / 2 g. IQ3_S: 9-bit indices (bit 8 in qh[j]), sign bytes, x = d (1 + 2 s) g
+ * with s a nibble per 32. IQ1_S: 11-bit indices of
  * entries in {-1, 0, 1} (3 high bits per index in qh[j]), x = d (2 s + 1) (g +- 1/8), s and the
  * shift's sign in qh[j]'s top 4 bits. IQ1_M: the same entries, 3-bit scales per 16, the shift's
  * sign per 8, the half-precision d spread over the scales' top nibbles. See quant.c, iq_sub. */
