@@ -486,9 +486,8 @@ typedef struct { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; } m
  * bits each in qh[j]), then 32 sign bytes; nibble scales. IQ3_XXS: qs holds 64 one-byte indices
  * (8 per 32 values) into a table of 4-byte entries, then a word per 32 as IQ2_XXS's second,
  * x = d (ls + 1/2) / 2 g. IQ3_S: 9-bit indices (bit 8 in qh[j]), sign bytes, x = d (1 + 2 s) g
- * with s a nibble per 32. IQ1_S: 11-bit indices of
- * entries in {-1, 0, 1} (3 high bits per index in qh[j]), x = d (2 s + 1) (g +- 1/8), s and the
- * shift's sign in qh[j]'s top 4 bits. IQ1_M: the same entries, 3-bit scales per 16, the shift's
+ * with s a nibble per 32. IQ1_S: 11-bit indices of entries in {-1, 0, 1} (3 high bits per index
+ * in qh[j]), x = d (2 s + 1) (g +- 1/8), s and the shift's sign in qh[j]'s top 4 bits. IQ1_M: the same entries, 3-bit scales per 16, the shift's
  * sign per 8, the half-precision d spread over the scales' top nibbles. See quant.c, iq_sub. */
 typedef struct { uint16_t d; uint16_t qs[32]; } moe__block_iq2_xxs;
 typedef struct { uint16_t d; uint16_t qs[32]; uint8_t scales[8]; } moe__block_iq2_xs;

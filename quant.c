@@ -2763,7 +2763,6 @@ MOE_TARGET("avx2,fma,f16c") static void dotq4_q6_k_avx2(const void *w, const moe
     q6_k_rows_avx2(w, x, xs, n, out, 4);
 }
 
-
 /* The grid formats' 256-value block i as 8 vectors of bytes, value = d sw[g] v sign (g the 16
  * within the block: sw[j] for the first 16 of sub-block j, sw[8 + j] for its second), as iq_sub
  * decodes them: IQ2/IQ3 as the grid's positive bytes in v and their signs as -1/+1 bytes in sg
@@ -2872,8 +2871,9 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) float i
 #undef GRID4
 #undef GRID8
 
-/* Q2_K, Q3_K, IQ4_XS: a block's 8 sub-blocks of 32 values as bytes (signed but for Q2_K's), its
- * 16 scales (one per 16 values; IQ4_XS's in pairs) as 16-bit words, even-numbered in the low
+/* Q2_K, Q3_K, IQ4_XS and the grid formats: a block's 8 sub-blocks of 32 values as bytes (signed
+ * but for Q2_K's; IQ2/IQ3's magnitudes, their signs apart), its 16 scales (one per 16 values;
+ * IQ4_XS's in pairs) as 16-bit words, even-numbered in the low
  * half and odd in the high one, so one byte shuffle gives sub-block s its pair; then as Q6_K's
  * kernel: per sub-block sc0 acc0 + sc1 acc1 exactly in int32, x.d d times that in float. Q2_K's
  * minimums: per sub-block m0 sum(x first 16) + m1 sum(x last 16) (maddubs of the minimums'
@@ -2938,7 +2938,7 @@ MOE_TARGET("avx2,fma,f16c") static inline __attribute__((always_inline)) void k1
             /* [scale 2s as 8 words | scale 2s + 1 as 8 words] */
             const __m256i c0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)((2 * s) | (2 * s + 1) << 8)));
             const __m256i c1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)((2 * s + 2) | (2 * s + 3) << 8)));
-            /* Q2_K: values 0..3 taken by maddubs as they are; the others' signs moved onto x */
+            /* Q2_K's values 0..3 and IQ2/IQ3's magnitudes taken by maddubs as they are; the signs moved onto x */
             const __m256i a0 = type == MOE_T_Q2_K || apart ? v[s] : _mm256_sign_epi8(v[s], v[s]);
             const __m256i a1 = type == MOE_T_Q2_K || apart ? v[s + 1] : _mm256_sign_epi8(v[s + 1], v[s + 1]);
             /* Q2_K: [minimum 2s as 16 bytes | minimum 2s + 1 as 16 bytes] */

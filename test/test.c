@@ -4228,6 +4228,19 @@ static void test_gguf_kquants(void) {
 }
 
 
+/* a random-model shape for moe-convert --random: 3 layers (one MLA), hidden size 256, 8 experts
+ * of n_ff_exp; returns whether it was written */
+static int write_small_shape(const char *path, int n_ff_exp) {
+    char js[600];
+    snprintf(js, sizeof js,
+             "{\"n_vocab\": 512, \"n_embd\": 256, \"n_layer\": 3, \"layer_types\": {\"mla_layers\": [2]},"
+             " \"kda\": {\"n_head\": 2, \"head_dim\": 128}, \"mla\": {\"n_head\": 2, \"kv_lora_rank\": 128,"
+             " \"qk_nope_head_dim\": 64, \"qk_rope_head_dim\": 32, \"v_head_dim\": 64}, \"ffn\": {\"n_layer_dense_lead\": 1,"
+             " \"dense_n_ff\": 512, \"n_expert\": 8, \"n_expert_used\": 2, \"n_expert_shared\": 1, \"n_ff_exp\": %d}}",
+             n_ff_exp);
+    return write_all(path, js, strlen(js));
+}
+
 /* Routed experts in the k-quant formats and IQ4_XS read into the expert cache are interleaved as
  * they are read (where the kernel level has the interleaved kernels; all but Q2_K and Q6_K take
  * a little more room so, each matrix of the unit moving along), and give the mapping's logits bit
@@ -4237,11 +4250,7 @@ static void test_cache_kquants(void) {
     char shape[600], out[600], err[300];
     tmp_path(shape, sizeof shape, "kq-shape.json");
     tmp_path(out, sizeof out, "kq-random.gguf");
-    const char *js = "{\"n_vocab\": 512, \"n_embd\": 256, \"n_layer\": 3, \"layer_types\": {\"mla_layers\": [2]},"
-                     " \"kda\": {\"n_head\": 2, \"head_dim\": 128}, \"mla\": {\"n_head\": 2, \"kv_lora_rank\": 128,"
-                     " \"qk_nope_head_dim\": 64, \"qk_rope_head_dim\": 32, \"v_head_dim\": 64}, \"ffn\": {\"n_layer_dense_lead\": 1,"
-                     " \"dense_n_ff\": 512, \"n_expert\": 8, \"n_expert_used\": 2, \"n_expert_shared\": 1, \"n_ff_exp\": 384}}";
-    CHECK(write_all(shape, js, strlen(js)));
+    CHECK(write_small_shape(shape, 384));
     const char *types[5] = {"q4_k", "q3_k", "iq4_xs", "q2_k", "q6_k"}; /* (Q5_K's layout is Q4_K's, with high bits) */
     const int ttype[5] = {MOE_T_Q4_K, MOE_T_Q3_K, MOE_T_IQ4_XS, MOE_T_Q2_K, MOE_T_Q6_K};
     moe__kernels kn;
@@ -4292,11 +4301,7 @@ static void test_gguf_iq(void) {
     char shape[600], out[600], err[300];
     tmp_path(shape, sizeof shape, "iq-shape.json");
     tmp_path(out, sizeof out, "iq-random.gguf");
-    const char *js = "{\"n_vocab\": 512, \"n_embd\": 256, \"n_layer\": 3, \"layer_types\": {\"mla_layers\": [2]},"
-                     " \"kda\": {\"n_head\": 2, \"head_dim\": 128}, \"mla\": {\"n_head\": 2, \"kv_lora_rank\": 128,"
-                     " \"qk_nope_head_dim\": 64, \"qk_rope_head_dim\": 32, \"v_head_dim\": 64}, \"ffn\": {\"n_layer_dense_lead\": 1,"
-                     " \"dense_n_ff\": 512, \"n_expert\": 8, \"n_expert_used\": 2, \"n_expert_shared\": 1, \"n_ff_exp\": 512}}";
-    CHECK(write_all(shape, js, strlen(js)));
+    CHECK(write_small_shape(shape, 512));
     int32_t ids[20];
     for (int i = 0; i < 20; i++) ids[i] = (int32_t)(urand() * 512);
     const int pieces[] = {12, 1, 1, 1, 1, 1, 1, 1, 1, 0};
