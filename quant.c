@@ -17,6 +17,10 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #define MOE_TARGET(s) __attribute__((target(s)))
+/* AMX kernels: Linux x86-64 (the tile state is asked for by a system call), GCC 11 or clang 12 on */
+#if defined(__linux__) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define MOE_AMX_BUILD 1
+#endif
 #endif
 
 /* full unrolling of the k-quant kernels' loops over tokens and chunks (fixed, small counts), so
@@ -4381,6 +4385,25 @@ static int cpu_has_avxvnni(void) {
 }
 
 
+#ifdef MOE_AMX_BUILD
+/* AMX-TILE and AMX-INT8 (CPUID.(EAX=7,ECX=0):EDX bits 24, 25), their state enabled by the OS in
+ * XCR0 (bits 17, 18: the tile configuration and data), and this process allowed to use it: Linux
+ * gives the tile data (8 KB of state a thread) only on request, by arch_prctl(ARCH_REQ_XCOMP_PERM,
+ * XFEATURE_XTILEDATA) (0x1023, 18; system call 158), which every thread of the process then has.
+ * The request is a raw system call so that no feature macro is needed for syscall(). */
+static int cpu_has_amx(void) {
+    unsigned a, b, c, d, lo, hi;
+    if (!cpu_has_vnni() || !__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25))) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE: xgetbv may run */
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    (void)hi;
+    if ((lo & (3u << 17)) != (3u << 17)) return 0;
+    long ret;
+    __asm__ volatile("syscall" : "=a"(ret) : "0"(158L), "D"(0x1023L), "S"(18L) : "rcx", "r11", "memory");
+    return ret == 0;
+}
+#endif
+
 /* e^x at 16 lanes; scalef applies 2^n in one step, subnormal results included */
 MOE_TARGET(MOE_AVX512) static inline __m512 exp_avx512(__m512 x) {
     const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
@@ -5409,7 +5432,7 @@ void moe__mla_qt8(const int8_t *q, int H, int cw, int8_t *qt) {
 
 /* the largest p_j d_j (at least 0), and each p_j d_j * inv rounded into bytes, in groups of 8
  * statements (as EACH8) so that they vectorize */
-static float max_prod(const float *restrict p, const float *restrict d, int n) {
+static MOE_ALWAYS_INLINE float max_prod(const float *restrict p, const float *restrict d, int n) {
     float m[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int j = 0;
     for (; j + 8 <= n; j += 8)
@@ -5430,8 +5453,11 @@ static void round_u8(const float *restrict p, const float *restrict d, float inv
 #if defined(MOE_X86) || defined(MOE_NEON)
 /* the steps of moe__mla_weights8 from key j0 on, which the SIMD versions leave to it: the
  * largest product (m: the largest before j0), and the rounding of keys j0 .. jn-1 with zeros up
- * to lw (a maximum is exact in any order, so the bytes are the reference's) */
-static float weights8_max_tail(const float *p, const float *d, int j0, int jn, float m) {
+ * to lw (a maximum is exact in any order, so the bytes are the reference's). Inlined, so that it
+ * is compiled for the caller's level: called from AVX-512 code with the upper halves of the
+ * registers in use, its SSE instructions cost about 180 cycles a call on an Intel Xeon (Granite
+ * Rapids class, 2026-12: the AVX-512 weights took 5.5 us per 16 heads x 256 keys, the scalar 4.0) */
+static MOE_ALWAYS_INLINE float weights8_max_tail(const float *p, const float *d, int j0, int jn, float m) {
     const float t = max_prod(p + j0, d + j0, jn - j0);
     return t > m ? t : m;
 }
@@ -6124,6 +6150,209 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_ctx8_vnni(const moe__mla_block8 *b, i
         }
 }
 
+/* AMX (Intel's tile unit, from Sapphire Rapids on): TDPBSSD / TDPBUSD multiply a tile of 16 rows x
+ * 64 bytes by one of 16 rows x 16 four-byte groups (B's row k holds 4 consecutive k of 16
+ * columns) into 16 x 16 int32 sums, 16384 multiply-adds an instruction. The sums are exact, so
+ * the float steps after them are the reference's and the results the same bits. GCC 11 and
+ * clang 12 know the instructions; Linux hands a process the tile state on request (cpu_has_amx). */
+#ifdef MOE_AMX_BUILD
+#define MOE_AMX MOE_AVX512VNNI ",amx-tile,amx-int8"
+/* GCC's tileloadd is an asm without a memory operand: a barrier first where the tile's bytes were
+ * written just before, so that the writes are not moved past it */
+#define AMX_BARRIER() __asm__ volatile("" ::: "memory")
+
+/* the tile configuration (palette 1): all eight tiles 16 rows of 64 bytes */
+typedef struct {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+MOE_TARGET(MOE_AMX) static void amx_config_16x64(void) {
+    _Alignas(64) amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    _tile_loadconfig(&c);
+}
+
+/* r[0..15] (16 rows of 16 floats) transposed in place */
+MOE_TARGET(MOE_AMX) static inline void transpose16_ps(__m512 r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    /* u[4i + m], 128-bit lane L: column 4L + m of rows 4i .. 4i+3 */
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44), u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+        u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44), u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+    }
+    for (int m = 0; m < 4; m++) {
+        const __m512 a = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x88), b = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xdd);
+        const __m512 c = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x88), d = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xdd);
+        r[m] = _mm512_shuffle_f32x4(a, c, 0x88), r[8 + m] = _mm512_shuffle_f32x4(a, c, 0xdd);
+        r[4 + m] = _mm512_shuffle_f32x4(b, d, 0x88), r[12 + m] = _mm512_shuffle_f32x4(b, d, 0xdd);
+    }
+}
+
+/* scores: 64 keys x 16 heads a pass, keys as A (16 rows of a key's 64 bytes, read in place at the
+ * row stride) and the transposed queries as B (moe__mla_qt8's layout is AMX's B layout), signed by
+ * signed: the latent part into tiles 0-3, then the kr part into the same; a 16 x 16 transpose puts
+ * the scores back in head rows. Widths that are not whole 64s, and the last keys short of 64,
+ * go to the AVX-512 kernel. */
+/* keys ahead whose rows each step prefetches into L2, a 9th of a 64-key pass a step: the next
+ * pass (cold rows of a depth-16384 cache: 2.2-2.5 ms a token per thread without it, 1.9 with it;
+ * 128 ahead 2.0-2.1, 512 ahead 2.5; devtmp harness, bench/RESULTS.md) */
+#define SCORES8_AMX_AHEAD 64
+MOE_TARGET(MOE_AMX) static void mla_scores8_amx(const moe__mla_block8 *b) {
+    const int r = b->r, cw = b->cw, nq = cw / 4, ng = (b->H + 15) / 16;
+    if (r % 64 || cw % 64 || b->j1 - b->j0 < 64) { mla_scores8_vnni(b); return; }
+    const __m512 k = _mm512_set1_ps(b->scale);
+    _Alignas(64) int32_t dc[64][16], dr[64][16];
+    amx_config_16x64();
+    int j = b->j0;
+    for (; j + 64 <= b->j1; j += 64) {
+        const int8_t *c = b->cache + (size_t)j * cw;
+        const moe__kv8_meta *mt = b->meta + j;
+        for (int g = 0; g < ng; g++) {
+            const int8_t *qt = b->qt + (size_t)g * nq * 64;
+            float qc[16], qr[16];
+            for (int l = 0; l < 16; l++) {
+                const int h = g * 16 + l < b->H ? g * 16 + l : b->H - 1;
+                qc[l] = b->qd[2 * h], qr[l] = b->qd[2 * h + 1];
+            }
+            const __m512 vqc = _mm512_loadu_ps(qc), vqr = _mm512_loadu_ps(qr);
+            for (int part = 0; part < 2; part++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+/* 64 values of the 64 keys from i on; the queries' tile alternates (6, 7), so that its next load
+ * need not wait for the last product reading it (tiles are not renamed) */
+#define SCORES8_AMX_STEP(BT, i)                                                                         \
+    do {                                                                                                \
+        if (g == 0) prefetch_row_l2(bytes_past(c, (size_t)SCORES8_AMX_AHEAD * cw + (size_t)(i) * 64), 4096); \
+        _tile_loadd(BT, qt + (size_t)(i) * 16, 64);          \
+        _tile_loadd(4, c + (i), cw);                         \
+        _tile_dpbssd(0, 4, BT);                              \
+        _tile_loadd(5, c + (size_t)16 * cw + (i), cw);       \
+        _tile_dpbssd(1, 5, BT);                              \
+        _tile_loadd(4, c + (size_t)32 * cw + (i), cw);       \
+        _tile_dpbssd(2, 4, BT);                              \
+        _tile_loadd(5, c + (size_t)48 * cw + (i), cw);       \
+        _tile_dpbssd(3, 5, BT);                              \
+    } while (0)
+                const int i1 = part ? cw : r;
+                int i = part ? r : 0;
+                for (; i + 128 <= i1; i += 128) {
+                    SCORES8_AMX_STEP(6, i);
+                    SCORES8_AMX_STEP(7, i + 64);
+                }
+                if (i < i1) SCORES8_AMX_STEP(6, i);
+#undef SCORES8_AMX_STEP
+                int32_t(*d)[16] = part ? dr : dc;
+                _tile_stored(0, d[0], 64);
+                _tile_stored(1, d[16], 64);
+                _tile_stored(2, d[32], 64);
+                _tile_stored(3, d[48], 64);
+            }
+            for (int kb = 0; kb < 64; kb += 16) {
+                __m512 f[16];
+                for (int n = 0; n < 16; n++) {
+                    const moe__kv8_meta *m = mt + kb + n;
+                    const __m512 fc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dc[kb + n])), _mm512_mul_ps(vqc, _mm512_set1_ps(m->dc)));
+                    const __m512 fr = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dr[kb + n])), _mm512_mul_ps(vqr, _mm512_set1_ps(m->dr)));
+                    f[n] = _mm512_mul_ps(_mm512_add_ps(fc, fr), k);
+                }
+                transpose16_ps(f); /* f[l]: head g*16 + l, 16 keys */
+                for (int l = 0; l < 16 && g * 16 + l < b->H; l++) _mm512_storeu_ps(b->sc + (size_t)(g * 16 + l) * b->ld + j + kb, f[l]);
+            }
+        }
+    }
+    _tile_release();
+    if (j < b->j1) {
+        moe__mla_block8 t = *b;
+        t.j0 = j;
+        mla_scores8_vnni(&t);
+    }
+}
+
+/* ctx: the softmax weights as A (16 heads x 64 keys, unsigned, read in place) and the keys'
+ * bytes as B, unsigned by signed. B wants 4 keys' bytes of a latent value in each 4-byte group:
+ * mla_ctx8_vnni's unpacks of 4 rows make exactly those rows, for 4 sets of 16 latent values of a
+ * slice of 64 (set s, lane L: values 16L + 4s .. +3), once per slice for every head group. Slices of
+ * 64 values outside; blocks of more than 256 keys (the B rows would not fit the 16 KB buffer) and
+ * widths that are not whole 64s go to the AVX-512 kernel. */
+MOE_TARGET(MOE_AMX) static void mla_ctx8_amx(const moe__mla_block8 *b, int h0, int h1) {
+    const int r = b->r, cw = b->cw, jn = b->jn, lw = b->lw, nc = (jn + 63) / 64;
+    if (r % 64 || jn > 256 || jn < 1) { mla_ctx8_vnni(b, h0, h1); return; }
+    _Alignas(64) int8_t kb[4][4][16][64]; /* [set][64 keys][4 keys][16 values x 4 keys] */
+    _Alignas(64) int32_t acc[4][16][16];
+    _Alignas(64) uint8_t pad[16][64];
+    const __m512i zero = _mm512_setzero_si512();
+    amx_config_16x64();
+    for (int i = 0; i < r; i += 64) {
+        for (int q = 0; q < nc * 16; q++) {
+            const int j = 4 * q;
+            const int8_t *c = b->cache + (size_t)j * cw + i;
+            const __m512i x0 = j < jn ? _mm512_loadu_si512(c) : zero;
+            const __m512i x1 = j + 1 < jn ? _mm512_loadu_si512(c + cw) : zero;
+            const __m512i x2 = j + 2 < jn ? _mm512_loadu_si512(c + 2 * (size_t)cw) : zero;
+            const __m512i x3 = j + 3 < jn ? _mm512_loadu_si512(c + 3 * (size_t)cw) : zero;
+            const __m512i l01 = _mm512_unpacklo_epi8(x0, x1), h01 = _mm512_unpackhi_epi8(x0, x1);
+            const __m512i l23 = _mm512_unpacklo_epi8(x2, x3), h23 = _mm512_unpackhi_epi8(x2, x3);
+            _mm512_store_si512(kb[0][q / 16][q % 16], _mm512_unpacklo_epi16(l01, l23));
+            _mm512_store_si512(kb[1][q / 16][q % 16], _mm512_unpackhi_epi16(l01, l23));
+            _mm512_store_si512(kb[2][q / 16][q % 16], _mm512_unpacklo_epi16(h01, h23));
+            _mm512_store_si512(kb[3][q / 16][q % 16], _mm512_unpackhi_epi16(h01, h23));
+        }
+        AMX_BARRIER();
+        for (int h = h0; h < h1; h += 16) {
+            const int nh = h1 - h < 16 ? h1 - h : 16;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int ci = 0; ci < nc; ci++) {
+                const uint8_t *a = b->w + (size_t)h * lw + 64 * ci;
+                size_t stride = (size_t)lw;
+                if (nh < 16 || 64 * ci + 64 > lw) { /* rows or bytes past w's end: a zero-padded copy */
+                    const int n = lw - 64 * ci < 64 ? lw - 64 * ci : 64;
+                    memset(pad, 0, sizeof pad);
+                    for (int l = 0; l < nh; l++) memcpy(pad[l], a + (size_t)l * lw, (size_t)n);
+                    AMX_BARRIER();
+                    a = pad[0], stride = 64;
+                }
+                _tile_loadd(4, a, stride);
+                _tile_loadd(5, kb[0][ci][0], 64);
+                _tile_dpbusd(0, 4, 5);
+                _tile_loadd(6, kb[1][ci][0], 64);
+                _tile_dpbusd(1, 4, 6);
+                _tile_loadd(5, kb[2][ci][0], 64);
+                _tile_dpbusd(2, 4, 5);
+                _tile_loadd(6, kb[3][ci][0], 64);
+                _tile_dpbusd(3, 4, 6);
+            }
+            _tile_stored(0, acc[0], 64);
+            _tile_stored(1, acc[1], 64);
+            _tile_stored(2, acc[2], 64);
+            _tile_stored(3, acc[3], 64);
+            /* set s's column 4L + m is latent value 16L + 4s + m: a 4x4 transpose of 128-bit lanes */
+            for (int l = 0; l < nh; l++) {
+                float *o = b->ctx + (size_t)(h + l) * r + i;
+                const __m512 s = _mm512_set1_ps(b->ws[h + l]);
+                const __m512i x0 = _mm512_load_si512(acc[0][l]), x1 = _mm512_load_si512(acc[1][l]);
+                const __m512i x2 = _mm512_load_si512(acc[2][l]), x3 = _mm512_load_si512(acc[3][l]);
+                const __m512i t0 = _mm512_shuffle_i32x4(x0, x1, 0x44), t1 = _mm512_shuffle_i32x4(x0, x1, 0xee);
+                const __m512i t2 = _mm512_shuffle_i32x4(x2, x3, 0x44), t3 = _mm512_shuffle_i32x4(x2, x3, 0xee);
+                const __m512i y[4] = {_mm512_shuffle_i32x4(t0, t2, 0x88), _mm512_shuffle_i32x4(t0, t2, 0xdd), _mm512_shuffle_i32x4(t1, t3, 0x88),
+                                      _mm512_shuffle_i32x4(t1, t3, 0xdd)};
+                for (int n = 0; n < 4; n++) _mm512_storeu_ps(o + 16 * n, _mm512_add_ps(_mm512_loadu_ps(o + 16 * n), _mm512_mul_ps(s, _mm512_cvtepi32_ps(y[n]))));
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* AVX2: the same orders at 8 heads a register, without VNNI: the queries' signs moved onto the
  * keys' bytes (maddubs multiplies unsigned by signed bytes: |q| x sign(q) c, pairs within int16),
  * pairs summed into int32 by madd. 8 keys x 8 heads in named accumulators (in an array indexed
@@ -6792,6 +7021,15 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->mla_scores16 = mla_scores16_avx512bf16;
                 v->mla_ctx16 = mla_ctx16_avx512bf16;
             }
+#ifdef MOE_AMX_BUILD
+            if (n < max && v->dot8 && cpu_has_amx()) { /* the AVX-512 VNNI level, with tile kernels where they are faster */
+                moe__kernels *a = &out[n++];
+                *a = *v;
+                a->mla_scores8 = mla_scores8_amx;
+                a->mla_ctx8 = mla_ctx8_amx;
+                a->isa = "amx";
+            }
+#endif
         }
     }
 #endif

@@ -466,7 +466,9 @@ static void test_quant_blocks(void) {
         moe__row_to_f32(MOE_T_Q4_0, q4, NULL, back, 256);
         for (int i = 0; i < 256; i++) {
             float d = fabsf(moe__f16_to_f32(q4[i / 32].d));
-            CHECKF(fabsf(back[i] - v[i]) <= 1.001f * d + 1e-30f, "q4_0 %d: %g vs %g", i, back[i], v[i]);
+            /* a value at the top, 8 d' with d' the exact scale, comes back as 7 d with d = d' in
+             * half precision (within 2^-11 of it): off by up to d + 8 2^-11 d' */
+            CHECKF(fabsf(back[i] - v[i]) <= 1.005f * d + 1e-30f, "q4_0 %d: %g vs %g", i, back[i], v[i]);
         }
     }
     moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
@@ -1647,7 +1649,7 @@ static void test_mla8_kernels(void) {
                 }
             }
     }
-    const int shapes[][4] = {{16, 512, 64, 256}, {16, 512, 64, 37}, {20, 512, 64, 13}, {33, 128, 16, 9}, {5, 64, 16, 37},
+    const int shapes[][4] = {{16, 512, 64, 256}, {16, 512, 64, 37}, {20, 512, 64, 13}, {20, 512, 64, 200}, {96, 512, 64, 160}, {33, 128, 16, 9}, {5, 64, 16, 37},
                              {3, 96, 32, 20}, {4, 40, 8, 3}, {1, 32, 0, 1}, {6, 64, 7, 4}}; /* H, r, d_r, keys */
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes; si++) {
         const int H = shapes[si][0], r = shapes[si][1], dr = shapes[si][2], jn = shapes[si][3], cw = r + dr, ld = jn + 3, lw = (jn + 3) / 4 * 4;
