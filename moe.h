@@ -203,7 +203,7 @@ typedef struct {
                                  mapped as stored, as they did not fit in repack_budget */
     const char *kernels;      /* the kernel set chosen for this CPU at load: "scalar" (also under
                                  MOE_FLAG_FORCE_SCALAR or a MOE_NO_SIMD build), "avx2", "avxvnni",
-                                 "avx512", "avx512vnni", "neon" or "neon-dotprod" */
+                                 "avx512", "avx512vnni", "amx", "neon" or "neon-dotprod" */
     int n_batch;              /* rows per forward chunk in use (moe_options.n_batch, or its default) */
 } moe_model_info;
 
@@ -643,7 +643,7 @@ extern const float moe__e2m1[16];
 void moe__gemm_ref(int type, const void *w, int64_t ldw, int nr, const float *x, int64_t ldx, int nt, int64_t K, float *y, int64_t ldy);
 float moe__dot_ref(int type, const void *w, const uint8_t *scale, const float *x, int64_t n);
 /* Every kernel level this CPU can run (scalar first, the best last); returns how many were written.
- * x86: scalar, avx2, avxvnni, avx512, avx512vnni; aarch64: scalar, neon, neon-dotprod. */
+ * x86: scalar, avx2, avxvnni, avx512, avx512vnni, amx (Linux); aarch64: scalar, neon, neon-dotprod. */
 #define MOE_KERNEL_LEVELS_MAX 6
 int moe__kernel_levels(moe__kernels *out, int max);
 /* The level's 1-row x8 kernels with software prefetch of the weights into L1 (mode 1) or into L2

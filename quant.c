@@ -70,6 +70,7 @@ static inline void prefetch_ahead(const void *p, int bytes) { prefetch_row(bytes
 static inline void prefetch_ahead_l2(const void *p, int bytes) { prefetch_row_l2(bytes_past(p, PREFETCH_AHEAD), bytes); }
 #endif
 
+#if defined(MOE_X86) || defined(MOE_NEON)
 /* Activation rows per pass over a call's weight rows: about 256 KB of them, so that they stay in
  * L2 while each group of 4 weight rows meets them (all T rows at once ran from L3/memory: 4x
  * slower); a multiple of 4 */
@@ -77,6 +78,7 @@ static inline int gemm_token_block(int64_t K) {
     const int64_t t = 65536 / K / 4 * 4;
     return t > 4 ? (int)t : 4;
 }
+#endif
 
 /* ---- number formats -------------------------------------------------------------------- */
 
@@ -230,6 +232,7 @@ static void k4_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     else *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4, *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
 }
 
+#if defined(MOE_X86) || defined(MOE_NEON)
 /* Q4_K/Q5_K's 12 scale bytes -> the 8 scales (bytes 0..7) and 8 minimums (8..15) */
 static inline void k4_unpack_scales(const uint8_t *s, uint8_t out[16]) {
     uint32_t a, b, c, v[4];
@@ -240,6 +243,7 @@ static inline void k4_unpack_scales(const uint8_t *s, uint8_t out[16]) {
     v[3] = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 6) & 0x03030303u) << 4; /* minimums 4..7 */
     memcpy(out, v, 16);
 }
+#endif
 
 /* a Q4_1 / Q5_0 / Q5_1 block's fields (block i of a row): half-precision scale and minimum (0 for
  * Q5_0), the fifth bits (0 for Q4_1), the nibbles */
@@ -1158,6 +1162,7 @@ static void iq4xs_put_scale(moe__block_iq4_xs *b, int j, int ls) {
     b->scales_h |= (uint16_t)((ls >> 4) << (2 * j));
 }
 
+#if defined(MOE_X86)
 /* all 8 of them in the bytes of a 64-bit word (the nibbles and 2-bit fields spread by shifts) */
 static inline uint64_t iq4xs_scales8(const moe__block_iq4_xs *b) {
     uint32_t l32;
@@ -1167,6 +1172,7 @@ static inline uint64_t iq4xs_scales8(const moe__block_iq4_xs *b) {
     hi = (hi | hi << 24) & 0x000000ff000000ffULL, hi = (hi | hi << 12) & 0x000f000f000f000fULL, hi = (hi | hi << 6) & 0x0303030303030303ULL;
     return lo | hi << 4;
 }
+#endif
 
 /* 32 values of Q4_1 .. IQ4_XS as integers: value l = D[l / 16] q[l] + M[l / 16] (M = 0: a
  * symmetric format; M[0] = M[1] but for Q2_K, whose minimums are per 16 values) */
@@ -2210,6 +2216,7 @@ void moe__dwconv_ref(float *y, const float *const *rows, const float *w, int64_t
     }
 }
 
+#if defined(MOE_X86) || defined(MOE_NEON)
 /* the SIMD levels' channels i0 .. n-1 past their last whole vector, as their lanes take them */
 static inline void dwconv_tail(float *y, const float *const *rows, const float *w, int64_t ldw, int taps, int64_t i0, int64_t n) {
     for (int64_t i = i0; i < n; i++) {
@@ -2218,6 +2225,7 @@ static inline void dwconv_tail(float *y, const float *const *rows, const float *
         y[i] = acc;
     }
 }
+#endif
 
 float moe__exp_sum_ref(float *y, const float *x, float shift, int64_t n) {
     float sum = 0;

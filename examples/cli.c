@@ -76,7 +76,7 @@ static int usage(const char *msg) {
             "  --scalar        the scalar reference kernels instead of the CPU's SIMD ones (the kernel set\n"
             "                  in use is printed after loading)\n"
             "  --kernels NAME  a kernel set this CPU runs by name (scalar, avx2, avxvnni, avx512, avx512vnni,\n"
-            "                  neon, neon-dotprod) instead of its best\n"
+            "                  amx, neon, neon-dotprod) instead of its best\n"
             "  -h, --help      this text\n");
     return msg ? 2 : 0;
 }
