@@ -2590,7 +2590,12 @@ static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
         const int64_t gb = 8 * moe__row_bytes(W->type, K);
         const int64_t per = mm_task_rows(m, j), ng = (N - r0 < per ? N - r0 : per) / 8; /* groups in this task */
         int t = 0;
-        if (ng == 2) { /* a two-group kernel's task (mm_task_rows): 4 rows per pass, then the rows left (decode's one) */
+        if (ng == 2) { /* a two-group kernel's task (mm_task_rows): 16 rows per pass where the level has
+                        * the kernel (AMX), 4, then the rows left (decode's one) */
+            if (m->k.dotq8x16x2[W->type] && T >= 16) {
+                m->k.dotq8x16x2[W->type](base + r0 / 8 * gb, j->xq, nb, K, T / 16 * 16, j->y + r0, N);
+                t = T / 16 * 16;
+            }
             for (; t + 4 <= T; t += 4) {
                 float o64[64];
                 m->k.dotq8x4x2[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, nb, K, o64);

@@ -587,6 +587,9 @@ typedef struct {
     void (*dotq8x4[MOE_T_COUNT])(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out);
     /* the same for two adjacent groups (16 rows) -> out[t * 16 + i] (NULL where a level has none) */
     void (*dotq8x4x2[MOE_T_COUNT])(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out);
+    /* the same for nt activation rows (a multiple of 16) -> y[t * ldy + i], each bit for bit the
+     * level's dotq8 (the AMX level's Q4_0X8 / Q8_0X8 / MXFP4X8; NULL elsewhere) */
+    void (*dotq8x16x2[MOE_T_COUNT])(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, int nt, float *y, int64_t ldy);
     void (*axpy)(float *y, float a, const float *x, int64_t n); /* y += a x */
     void (*kda_recurrent)(const struct moe__kda_head_s *a);    /* see moe__kda_recurrent */
     void (*mla_scores)(const struct moe__mla_block_s *b);      /* see moe__mla_scores_ref */
