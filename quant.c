@@ -5950,6 +5950,17 @@ MOE_TARGET(MOE_AVX512BF16) static void mla_ctx16_avx512bf16(const moe__mla_block
         }                                                                                                    \
     }
 
+/* head group g's two query scales (latent part, kr part) in 16 lanes; lanes past the last head
+ * repeat its scales (their scores are not stored) */
+MOE_TARGET(MOE_AVX512) static inline void query_scales16(const moe__mla_block8 *b, int g, __m512 *qc, __m512 *qr) {
+    float c[16], r[16];
+    for (int l = 0; l < 16; l++) {
+        const int h = g * 16 + l < b->H ? g * 16 + l : b->H - 1;
+        c[l] = b->qd[2 * h], r[l] = b->qd[2 * h + 1];
+    }
+    *qc = _mm512_loadu_ps(c), *qr = _mm512_loadu_ps(r);
+}
+
 /* heads in lanes: each step loads 4 query values of 16 heads (moe__mla_qt8's layout, + 128 as
  * unsigned bytes by one xor) and meets 4 bytes of each of 8 keys, broadcast; one accumulator per
  * key, no horizontal sums (a 4 heads x 4 keys tile spent half its time in them). The offset's
@@ -5972,12 +5983,8 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
         const moe__kv8_meta *mt = b->meta + j;
         for (int g = 0; g < ng; g++) {
             const int8_t *qt = b->qt + (size_t)g * nq * 64;
-            float qc[16], qr[16];
-            for (int l = 0; l < 16; l++) {
-                const int h = g * 16 + l < b->H ? g * 16 + l : b->H - 1;
-                qc[l] = b->qd[2 * h], qr[l] = b->qd[2 * h + 1];
-            }
-            const __m512 vqc = _mm512_loadu_ps(qc), vqr = _mm512_loadu_ps(qr);
+            __m512 vqc, vqr;
+            query_scales16(b, g, &vqc, &vqr);
             __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
 #define BC(n, i) _mm512_set1_epi32(*(const int32_t *)(const void *)(c + (size_t)(n) * cw + (i)))
 #define STEP8(i)                                                                                            \
@@ -6058,11 +6065,9 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
         const moe__kv8_meta *mt = b->meta + j;
         for (int g = 0; g < ng; g++) {
             const int8_t *qt = b->qt + (size_t)g * nq * 64;
-            float qc[16], qr[16], out[16];
-            for (int l = 0; l < 16; l++) {
-                const int h = g * 16 + l < b->H ? g * 16 + l : b->H - 1;
-                qc[l] = b->qd[2 * h], qr[l] = b->qd[2 * h + 1];
-            }
+            float out[16];
+            __m512 vqc, vqr;
+            query_scales16(b, g, &vqc, &vqr);
             __m512i a0 = _mm512_setzero_si512(), a1 = a0;
             for (int i = 0; i < cw; i += 4) {
                 const __m512i q = _mm512_xor_si512(_mm512_loadu_si512(qt + (size_t)i * 16), x80);
@@ -6070,8 +6075,8 @@ MOE_TARGET(MOE_AVX512VNNI) static void mla_scores8_vnni(const moe__mla_block8 *b
                 if (i < r) DPBUSD512(a0, q, x);
                 else DPBUSD512(a1, q, x);
             }
-            const __m512 fc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0, _mm512_set1_epi32(mt->sc * 128))), _mm512_mul_ps(_mm512_loadu_ps(qc), _mm512_set1_ps(mt->dc)));
-            const __m512 fr = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1, _mm512_set1_epi32(mt->sr * 128))), _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_set1_ps(mt->dr)));
+            const __m512 fc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0, _mm512_set1_epi32(mt->sc * 128))), _mm512_mul_ps(vqc, _mm512_set1_ps(mt->dc)));
+            const __m512 fr = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1, _mm512_set1_epi32(mt->sr * 128))), _mm512_mul_ps(vqr, _mm512_set1_ps(mt->dr)));
             _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_add_ps(fc, fr), k));
             for (int l = 0; l < 16 && g * 16 + l < b->H; l++) b->sc[(size_t)(g * 16 + l) * b->ld + j] = out[l];
         }
@@ -6222,12 +6227,8 @@ MOE_TARGET(MOE_AMX) static void mla_scores8_amx(const moe__mla_block8 *b) {
         const moe__kv8_meta *mt = b->meta + j;
         for (int g = 0; g < ng; g++) {
             const int8_t *qt = b->qt + (size_t)g * nq * 64;
-            float qc[16], qr[16];
-            for (int l = 0; l < 16; l++) {
-                const int h = g * 16 + l < b->H ? g * 16 + l : b->H - 1;
-                qc[l] = b->qd[2 * h], qr[l] = b->qd[2 * h + 1];
-            }
-            const __m512 vqc = _mm512_loadu_ps(qc), vqr = _mm512_loadu_ps(qr);
+            __m512 vqc, vqr;
+            query_scales16(b, g, &vqc, &vqr);
             for (int part = 0; part < 2; part++) {
                 _tile_zero(0);
                 _tile_zero(1);
