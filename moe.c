@@ -2580,6 +2580,35 @@ static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, i
         y[i] = scale * m->k.dot[W->type](base + (row0 + i) * rb, W->scale ? W->scale + (row0 + i) * sb : NULL, x, K);
 }
 
+/* MOE_FLAG_ACT16: the T rows of x (row stride ldx, K values) quantized in xq, then their
+ * rounding errors x - d q quantized the same way, into xr[2T] (e: K floats of work) */
+static void act16_rows(const moe_model *m, const float *x, int64_t ldx, const moe__block_q8a *xq, int T, int64_t K,
+                       moe__block_q8a *xr, float *e) {
+    const int64_t nb = K / 32;
+    memcpy(xr, xq, sizeof *xq * (size_t)(nb * T));
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + t * ldx;
+        const moe__block_q8a *q = xq + t * nb;
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < 32; i++) e[b * 32 + i] = xt[b * 32 + i] - q[b].d * (float)q[b].qs[i];
+        m->k.quant_q8a(e, xr + (T + t) * nb, K);
+    }
+}
+
+/* rows_times, and under MOE_FLAG_ACT16 for an integer-format W plus the same rows times x's
+ * rounding error in xq (act16_rows), as mm_run_act16 sums them; work: 2 K + n floats */
+static void rows_times_q(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
+                         float *y, float scale, float *work) {
+    rows_times(m, W, row0, n, x, xq, y, scale);
+    if (!(m->opt.flags & MOE_FLAG_ACT16) || !mm_quantized(m, W)) return;
+    const int64_t K = W->cols;
+    float *e = work, *lo = e + K;
+    moe__block_q8a *xr = (moe__block_q8a *)(void *)(lo + n); /* 2 K / 32 blocks of 40 bytes: within K floats */
+    act16_rows(m, x, K, xq, 1, K, xr, e);
+    rows_times(m, W, row0, n, x, xr + K / 32, lo, scale);
+    for (int64_t i = 0; i < n; i++) y[i] += lo[i];
+}
+
 /* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of job j, for every token. */
 static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
     const moe__weight *W = j->W;
@@ -2690,7 +2719,7 @@ static void mm_static_share(void *arg, const par_ctx *p) {
 /* n products in one parallel loop: the threads split the row tasks of all of them (with stealing
  * where available), so that a step pays one fork and join for them instead of one each. Each
  * output is the same kernel call on the same data whatever the grouping and thread count. */
-static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
+static moe_status mm_run_jobs(const moe_model *m, const mm_job *j, int n, int nt) {
     int64_t start_small[17], *start = n < 17 ? start_small : malloc(sizeof(int64_t) * ((size_t)n + 1)), work = 0, bytes = 0;
     if (!start) return MOE_ERR_NOMEM;
     start[0] = 0;
@@ -2718,6 +2747,69 @@ static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
     }
     if (start != start_small) free(start);
     return MOE_OK;
+}
+
+/* whether job j's product takes its input in two parts (MOE_FLAG_ACT16: an integer format) */
+static int act16_job(const moe_model *m, const mm_job *j) { return (m->opt.flags & MOE_FLAG_ACT16) && j->xq && mm_quantized(m, j->W); }
+
+/* activation rows a pass of mm_run_act16: bounds its buffers (the quantized rows and products
+ * twice over) whatever the batch */
+#define ACT16_ROWS 256
+
+/* rows t0 .. t0 + ACT16_ROWS - 1 of the jobs j[0..n) under MOE_FLAG_ACT16: each quantized job
+ * runs on twice its rows (act16_rows) into a buffer of its own, in one parallel loop with the
+ * others (a task reads its weights once for both parts), then y = first part + second */
+static moe_status mm_run_act16(const moe_model *m, const mm_job *j, int n, int nt, int t0) {
+    mm_job *c = malloc(sizeof *c * (size_t)n);
+    size_t nq = 0, ny = 0, ne = 0;
+    for (int i = 0; i < n; i++) {
+        const int T = j[i].T - t0 < ACT16_ROWS ? j[i].T - t0 : ACT16_ROWS;
+        if (T <= 0 || !act16_job(m, &j[i])) continue;
+        nq += 2 * (size_t)T * (size_t)(j[i].W->cols / 32), ny += 2 * (size_t)T * (size_t)j[i].W->rows;
+        ne = (size_t)j[i].W->cols > ne ? (size_t)j[i].W->cols : ne;
+    }
+    moe__block_q8a *qb = malloc(sizeof *qb * nq + 1);
+    float *yb = malloc(sizeof(float) * (ny + ne) + 1);
+    if (!c || !qb || !yb) { free(c), free(qb), free(yb); return MOE_ERR_NOMEM; }
+    int k = 0;
+    size_t oq = 0, oy = 0;
+    for (int i = 0; i < n; i++) {
+        const int T = j[i].T - t0 < ACT16_ROWS ? j[i].T - t0 : ACT16_ROWS;
+        if (T <= 0) continue;
+        const int64_t K = j[i].W->cols, N = j[i].W->rows;
+        const float *x = j[i].x + (int64_t)t0 * j[i].ldx;
+        if (!act16_job(m, &j[i])) {
+            c[k++] = (mm_job){j[i].y + (int64_t)t0 * N, j[i].W, x, j[i].ldx, j[i].xq ? j[i].xq + (int64_t)t0 * (K / 32) : NULL, T};
+            continue;
+        }
+        act16_rows(m, x, j[i].ldx, j[i].xq + (int64_t)t0 * (K / 32), T, K, qb + oq, yb + ny);
+        c[k++] = (mm_job){yb + oy, j[i].W, x, j[i].ldx, qb + oq, 2 * T};
+        oq += 2 * (size_t)T * (size_t)(K / 32), oy += 2 * (size_t)T * (size_t)N;
+    }
+    moe_status st = mm_run_jobs(m, c, k, nt);
+    oy = 0;
+    for (int i = 0; i < n && !st; i++) {
+        const int T = j[i].T - t0 < ACT16_ROWS ? j[i].T - t0 : ACT16_ROWS;
+        if (T <= 0 || !act16_job(m, &j[i])) continue;
+        const int64_t N = j[i].W->rows;
+        const float *lo = yb + oy + (size_t)T * (size_t)N;
+        float *y = j[i].y + (int64_t)t0 * N;
+        for (int64_t u = 0; u < T * N; u++) y[u] = yb[oy + (size_t)u] + lo[u];
+        oy += 2 * (size_t)T * (size_t)N;
+    }
+    free(c), free(qb), free(yb);
+    return st;
+}
+
+/* the products of jobs j[0..n) in one parallel loop (mm_run_jobs), under MOE_FLAG_ACT16 with
+ * the integer formats' input in two parts, ACT16_ROWS rows at a time */
+static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
+    int act16 = 0, T = 0;
+    for (int i = 0; i < n; i++) act16 |= act16_job(m, &j[i]), T = j[i].T > T ? j[i].T : T;
+    if (!act16) return mm_run_jobs(m, j, n, nt);
+    moe_status st = MOE_OK;
+    for (int t0 = 0; t0 < T && !st; t0 += ACT16_ROWS) st = mm_run_act16(m, j, n, nt, t0);
+    return st;
 }
 
 /* quantized_rows' arguments, shared by the threads that split its rows */
@@ -3057,14 +3149,20 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
  * transposed copy and their scales [H, 2]), then per thread SC [H, KB], CTX [H, r], M [H],
  * LS [H], one row [r], room for r quantized values [r] and, with a bf16 cache, the bf16 kernels'
  * work area (moe__mla_work16); with an int8 one the weights in bytes [H, KB], their scales [H] and
- * moe__mla_weights8's work [KB]. */
+ * moe__mla_weights8's work [KB]; under MOE_FLAG_ACT16 rows_times_q's work [3 w] (w: mla_act16_width). */
+/* the longest input or output of the absorbed products (k_b: d_n in, r out; v_b: r in, d_v out) */
+static size_t mla_act16_width(const moe_config *c) {
+    const int a = c->kv_lora_rank > c->qk_nope_dim ? c->kv_lora_rank : c->qk_nope_dim;
+    return (size_t)(a > c->v_head_dim ? a : c->v_head_dim);
+}
+
 static size_t mla_absorbed_part(const moe_model *m) {
     const moe_config *c = &m->cfg;
     const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank, cw = r + (size_t)c->qk_rope_dim;
     const size_t kv = m->opt.kv_type == MOE_KV_BF16 ? moe__mla_work16((int)H, (int)cw, MLA_KEY_BLOCK)
                       : m->opt.kv_type == MOE_KV_Q8 ? H * MLA_KEY_BLOCK / 4 + H + MLA_KEY_BLOCK
                                                     : 0;
-    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + kv;
+    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + kv + (m->opt.flags & MOE_FLAG_ACT16 ? 3 * mla_act16_width(c) : 0);
 }
 
 /* the shared part (QA, and the queries in the cache's element), then each thread's */
@@ -3134,11 +3232,12 @@ static void mla_token_share(void *arg, const par_ctx *p) {
     float *wide = row + 2 * (size_t)r;
     uint8_t *W8 = (uint8_t *)wide; /* an int8 cache: the block's weights in bytes [H, KB], their scales [H], work */
     float *WS8 = wide + (size_t)H * KB / 4;
+    float *A16 = SC + per - (m->opt.flags & MOE_FLAG_ACT16 ? 3 * mla_act16_width(c) : 0); /* rows_times_q's work */
     /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
      * h*(d_n+d_v) .. +d_n taken as columns */
     for (int h = h0; h < h1 && split; h++) {
         if (mm_quantized(m, &L->k_b)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
-        rows_times(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f);
+        rows_times_q(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f, A16);
     }
     for (int h = h0; h < h1 && !split; h++) {
         float *qa = QA + (size_t)h * r;
@@ -3214,7 +3313,7 @@ static void mla_token_share(void *arg, const par_ctx *p) {
 #undef PART
         const moe__weight *uv = split ? &L->v_b : &L->kv_b; /* W_UV,h: v_b rows h*d_v.., or kv_b rows h*(d_n+d_v)+d_n.. */
         if (mm_quantized(m, uv)) m->k.quant_q8a(row, xq, r);
-        rows_times(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls);
+        rows_times_q(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls, A16);
     }
 }
 

@@ -68,10 +68,17 @@ enum {
                                          the other block formats mapped instead of copied there */
     MOE_FLAG_NO_DIRECT_IO = 1u << 6,  /* CACHE mode: read experts through the page cache instead of
                                          with O_DIRECT (used where the file system allows it) */
-    MOE_FLAG_MXFP4_INT8 = 1u << 7     /* MXFP4 matrices meet their input quantized to 8-bit blocks
+    MOE_FLAG_MXFP4_INT8 = 1u << 7,    /* MXFP4 matrices meet their input quantized to 8-bit blocks
                                          (2 E2M1 is an exact int8: integer dot products, as for
                                          Q8_0), instead of f32 input (exact, the default); they
                                          are interleaved like Q4_0 (unless MOE_FLAG_NO_REPACK) */
+    MOE_FLAG_ACT16 = 1u << 8          /* integer-format matrices meet their input as two 8-bit
+                                         parts: the blocks as quantized, plus their rounding error
+                                         quantized the same way (its scale ~1/254 of the first),
+                                         through the same kernels, the two products summed: about
+                                         16-bit input for twice the arithmetic (decode still reads
+                                         each weight once). On the shipped model it halves Q8_0's
+                                         KL divergence (README) */
 };
 
 /* How routed experts reach memory. MMAP: through the files' mapping (the page cache caches).

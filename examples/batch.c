@@ -52,7 +52,8 @@ static int usage(const char *msg) {
             "  --max-tokens N   for requests without max_tokens (default 256)\n"
             "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
             "  --load-mode M, --expert-budget SIZE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
-            "  --kv-type f32|bf16|q8, --mxfp4 f32|int8, --kernels NAME   as in moe-cli\n");
+            "  --kv-type f32|bf16|q8, --mxfp4 f32|int8, --act 8|16,\n"
+            "  --kernels NAME   as in moe-cli\n");
     return msg ? 2 : 0;
 }
 

@@ -50,7 +50,7 @@ static double now(void) {
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-bench: %s\n", msg);
     fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
-                    "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--mxfp4 f32|int8] [--batch ROWS]\n"
+                    "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--mxfp4 f32|int8] [--act 8|16] [--batch ROWS]\n"
                     "                 [--kernels NAME]\n"
                     "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
                     "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--batch ROWS]\n"
@@ -489,7 +489,11 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--mxfp4") && more) {
             const int int8 = parse_mxfp4(argv[++i]);
             if (int8 < 0) return usage("--mxfp4 is f32 or int8");
-            flags = int8 ? MOE_FLAG_MXFP4_INT8 : 0;
+            flags = int8 ? flags | MOE_FLAG_MXFP4_INT8 : flags & ~(unsigned)MOE_FLAG_MXFP4_INT8;
+        } else if (!strcmp(a, "--act") && more) {
+            const int act16 = parse_act(argv[++i]);
+            if (act16 < 0) return usage("--act is 8 or 16");
+            flags = act16 ? flags | MOE_FLAG_ACT16 : flags & ~(unsigned)MOE_FLAG_ACT16;
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }

@@ -1,7 +1,7 @@
 /* cache_flags.h - the expert-store and latent-cache flags every program takes, parsed one way
  * (included by the examples; not part of the runtime):
  *   --load-mode mmap|cache   --expert-budget SIZE   --dense-budget SIZE   --io-threads N
- *   --prefetch on|off   --kv-type f32|bf16|q8   --mxfp4 f32|int8   --kernels NAME */
+ *   --prefetch on|off   --kv-type f32|bf16|q8   --mxfp4 f32|int8   --act 8|16   --kernels NAME */
 #ifndef MOE_EXAMPLES_CACHE_FLAGS_H
 #define MOE_EXAMPLES_CACHE_FLAGS_H
 #include <stdlib.h>
@@ -28,12 +28,17 @@ static inline int parse_kv_type(const char *s) {
  * (MOE_FLAG_MXFP4_INT8); -1 otherwise */
 static inline int parse_mxfp4(const char *s) { return !strcmp(s, "int8") ? 1 : !strcmp(s, "f32") ? 0 : -1; }
 
+/* --act "8" / "16": 0 or 1, whether the integer formats meet their input as two 8-bit parts
+ * (MOE_FLAG_ACT16); -1 otherwise */
+static inline int parse_act(const char *s) { return !strcmp(s, "16") ? 1 : !strcmp(s, "8") ? 0 : -1; }
+
 /* If argv[*i] is one of the flags, consumes it (and its value) into o and returns 1; returns -1
  * with *why set when its value is bad; 0 when it is not one of them. */
 static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--dense-budget") && strcmp(a, "--io-threads") &&
-        strcmp(a, "--prefetch") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4") && strcmp(a, "--kernels"))
+        strcmp(a, "--prefetch") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4") && strcmp(a, "--act") &&
+        strcmp(a, "--kernels"))
         return 0;
     if (!v) return *why = "a flag needs a value", -1;
     ++*i;
@@ -58,6 +63,10 @@ static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, cons
         const int int8 = parse_mxfp4(v);
         if (int8 < 0) return *why = "--mxfp4 is f32 or int8", -1;
         o->flags = int8 ? o->flags | MOE_FLAG_MXFP4_INT8 : o->flags & ~(unsigned)MOE_FLAG_MXFP4_INT8;
+    } else if (!strcmp(a, "--act")) {
+        const int act16 = parse_act(v);
+        if (act16 < 0) return *why = "--act is 8 or 16", -1;
+        o->flags = act16 ? o->flags | MOE_FLAG_ACT16 : o->flags & ~(unsigned)MOE_FLAG_ACT16;
     } else {
         if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
         o->prefetch = !strcmp(v, "on");

@@ -33,7 +33,8 @@ static int usage(const char *msg) {
             "  --expert-budget SIZE bytes (e.g. 512M); --io-threads N reading threads (default 4);\n"
             "  --prefetch on|off (cache mode, default on)\n"
             "  --kv-type f32|bf16|q8  MLA latent cache element (default f32)\n"
-            "  --mxfp4 f32|int8  MXFP4 matrices times f32 input (default) or int8-quantized input\n");
+            "  --mxfp4 f32|int8  MXFP4 matrices times f32 input (default) or int8-quantized input\n"
+            "  --act 8|16        integer formats' input in 8 bits (default) or two 8-bit parts (moe-cli --help)\n");
     return 2;
 }
 

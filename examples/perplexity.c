@@ -1,7 +1,7 @@
 /* moe-perplexity: how much a quantized model departs from its original on the same tokens.
  *
  *   moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE] [--ref MODEL2]
- *                  [--kv-type f32|bf16|q8] [--mxfp4 int8] [-t THREADS] [--json] [--ref-routing]
+ *                  [--kv-type f32|bf16|q8] [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json] [--ref-routing]
  *
  * Runs the tokens through the reference (MODEL as stored, or MODEL2) and through the test model
  * (MODEL with its matrices converted at load to TYPE: f32, bf16, q8_0, q4_0), then reports the
@@ -25,7 +25,8 @@
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-perplexity: %s\n", msg);
     fprintf(stderr, "usage: moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE]\n"
-                    "                      [--ref MODEL2] [--kv-type f32|bf16|q8] [--mxfp4 int8] [-t THREADS] [--json] [--ref-routing]\n"
+                    "                      [--ref MODEL2] [--kv-type f32|bf16|q8] [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json]\n"
+                    "                      [--ref-routing]\n"
                     "                      [--kernels NAME]\n"
                     "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n"
                     "  --kernels NAME: the model under test on that kernel set (avx2, scalar, ...); the reference\n"
@@ -110,6 +111,10 @@ int main(int argc, char **argv) {
             const int int8 = parse_mxfp4(argv[++i]);
             if (int8 < 0) return usage("--mxfp4 is f32 or int8");
             if (int8) opt.flags |= MOE_FLAG_MXFP4_INT8;
+        } else if (!strcmp(a, "--act") && more) { /* the test model's integer formats meet two-part input */
+            const int act16 = parse_act(argv[++i]);
+            if (act16 < 0) return usage("--act is 8 or 16");
+            if (act16) opt.flags |= MOE_FLAG_ACT16;
         } else if (!strcmp(a, "--kernels") && more) opt.kernels = argv[++i];
         else if (!strcmp(a, "--json")) json = 1;
         else if (!strcmp(a, "--ref-routing")) fixed = 1;
@@ -128,7 +133,7 @@ int main(int argc, char **argv) {
     moe_options ro = opt;
     ro.dense_type = ro.expert_type = MOE_WTYPE_ASIS;
     ro.kv_type = MOE_KV_F32;
-    ro.flags &= ~(unsigned)MOE_FLAG_MXFP4_INT8;
+    ro.flags &= ~(unsigned)(MOE_FLAG_MXFP4_INT8 | MOE_FLAG_ACT16);
     ro.kernels = NULL;
     int V = 0, V2 = 0, V3 = 0;
     int32_t *routes = NULL;

@@ -1593,6 +1593,90 @@ static void test_matmul_threads(void) {
     free(v);
 }
 
+/* MOE_FLAG_ACT16 through the runtime's product: each integer matrix's outputs lie within the
+ * bound of the second part's rounding (sum over blocks of |w| times half its step, recomputed
+ * here from the reference quantizer) of the exact product of the dequantized weights, where the
+ * 8-bit input alone is off by ~250x that; a float matrix in the same call gives its plain
+ * outputs bit for bit; 300 rows (two passes of the runtime's 256) and 1 row; 1 and 3 threads
+ * alike. Inputs with an outlier per row (coarse blocks, large rounding errors). */
+static void test_matmul_act16(void) {
+    enum { NW = 5, K = 256 };
+    const int types[NW] = {MOE_T_F32, MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_Q8_0X8, MOE_T_Q4_0X8};
+    const int64_t rows[NW] = {19, 53, 21, 8 * 7, 8 * 5};
+    moe__weight w[NW];
+    const moe__weight *wp[NW];
+    void *data[NW];
+    float *deq[NW];
+    for (int i = 0; i < NW; i++) {
+        const int t = types[i], x8 = t == MOE_T_Q4_0X8 || t == MOE_T_Q8_0X8, base = t == MOE_T_Q4_0X8 ? MOE_T_Q4_0 : t == MOE_T_Q8_0X8 ? MOE_T_Q8_0 : t;
+        const int64_t rb = moe__row_bytes(base, K);
+        unsigned char *d = malloc((size_t)(rb * rows[i]));
+        deq[i] = malloc(sizeof(float) * (size_t)(K * rows[i]));
+        for (int64_t r = 0; r < rows[i]; r++) {
+            float *v = deq[i] + r * K;
+            for (int k = 0; k < K; k++) v[k] = nrand() * 0.1f;
+            if (t != MOE_T_F32) moe__quantize_row(base, v, d + r * rb, K), moe__row_to_f32(base, d + r * rb, NULL, v, K);
+            else memcpy(d + r * rb, v, sizeof(float) * K);
+        }
+        if (x8) {
+            unsigned char *p = malloc((size_t)(rb * rows[i]));
+            for (int64_t g = 0; g < rows[i] / 8; g++) moe__repack_x8(base, d + g * 8 * rb, rb, NULL, p + g * 8 * rb, K);
+            free(d), d = p;
+        }
+        data[i] = d;
+        w[i] = (moe__weight){t, rows[i], K, d, NULL};
+        wp[i] = &w[i];
+    }
+    const int Ts[] = {1, 300};
+    for (int ti = 0; ti < 2; ti++) {
+        const int T = Ts[ti];
+        float *x = malloc(sizeof(float) * T * K), *bnd = malloc(sizeof(float) * T * K), *e = malloc(sizeof(float) * K);
+        moe__block_q8a *q = malloc(sizeof *q * (K / 32)), *q2 = malloc(sizeof *q2 * (K / 32));
+        for (int t = 0; t < T; t++) {
+            for (int k = 0; k < K; k++) x[t * K + k] = nrand();
+            x[t * K + (t * 37) % K] = 40.0f;
+            /* the second part's half step at each input value */
+            moe__quant_q8a_ref(x + t * K, q, K);
+            for (int k = 0; k < K; k++) e[k] = x[t * K + k] - q[k / 32].d * (float)q[k / 32].qs[k % 32];
+            moe__quant_q8a_ref(e, q2, K);
+            for (int k = 0; k < K; k++) bnd[t * K + k] = q2[k / 32].d * 0.5f;
+        }
+        float *y16[NW], *y16b[NW], *y8[NW];
+        for (int i = 0; i < NW; i++) {
+            y16[i] = malloc(sizeof(float) * (size_t)(T * rows[i])), y16b[i] = malloc(sizeof(float) * (size_t)(T * rows[i]));
+            y8[i] = malloc(sizeof(float) * (size_t)(T * rows[i]));
+            for (int64_t k = 0; k < T * rows[i]; k++) y16[i][k] = y16b[i][k] = NAN;
+        }
+        CHECK(moe__matmul(wp, y16, NW, x, T, 1, MOE_FLAG_ACT16) == MOE_OK);
+        CHECK(moe__matmul(wp, y16b, NW, x, T, 3, MOE_FLAG_ACT16) == MOE_OK);
+        CHECK(moe__matmul(wp, y8, NW, x, T, 1, 0) == MOE_OK);
+        for (int i = 0; i < NW; i++) {
+            double worst16 = 0, worst8 = 0; /* error over its bound */
+            int64_t unequal = 0;
+            for (int t = 0; t < T; t++)
+                for (int64_t r = 0; r < rows[i]; r++) {
+                    const float *wr = deq[i] + r * K, *xt = x + t * K;
+                    double exact = 0, b = 0, mag = 0;
+                    for (int k = 0; k < K; k++) exact += (double)wr[k] * xt[k], b += fabs(wr[k]) * bnd[t * K + k], mag += fabs(wr[k] * xt[k]);
+                    b += 2e-6 * mag; /* the float sums' rounding */
+                    worst16 = fmax(worst16, fabs(y16[i][t * rows[i] + r] - exact) / b);
+                    worst8 = fmax(worst8, fabs(y8[i][t * rows[i] + r] - exact) / b);
+                    unequal += memcmp(&y16[i][t * rows[i] + r], &y16b[i][t * rows[i] + r], sizeof(float)) != 0;
+                }
+            if (getenv("MOE_TEST_VERBOSE")) printf("  act16 type %d T %d: error / bound %.3g, 8-bit %.3g\n", types[i], T, worst16, worst8);
+            if (types[i] == MOE_T_F32) {
+                CHECKF(max_abs_diff(y16[i], y8[i], (size_t)(T * rows[i])) == 0, "act16: the float matrix's outputs changed (T %d)", T);
+            } else {
+                CHECKF(worst16 <= 1 && worst8 > 20, "act16 type %d T %d: error / bound %.3g (8-bit input: %.3g)", types[i], T, worst16, worst8);
+            }
+            CHECKF(unequal == 0, "act16 type %d T %d: 3 threads change %lld outputs", types[i], T, (long long)unequal);
+            free(y16[i]), free(y16b[i]), free(y8[i]);
+        }
+        free(x), free(bnd), free(e), free(q), free(q2);
+    }
+    for (int i = 0; i < NW; i++) free(data[i]), free(deq[i]);
+}
+
 /* the bf16-cache MLA kernels of every level against their scalar references: queries, rows and
  * weights in bf16 (rows of every width: the AVX512_BF16 kernel's masked tail), a block's keys
  * scored in two halves and its heads summed in two groups, as two threads would */
@@ -3745,6 +3829,64 @@ static void test_shipped_mxfp4_int8(void) {
     moe_model_close(f), moe_model_close(q), moe_model_close(qc), moe_model_close(qd);
 }
 
+/* MOE_FLAG_ACT16 on the shipped model converted to GGUF with Q8_0 dense matrices (MLA's k_b and
+ * v_b among them, which absorbed decode multiplies one head at a time): with the routing pinned
+ * to the model as stored, on the reference tokens, in a prefill and single-token steps with
+ * absorbed attention, the two-part input takes the mean KL well below the 8-bit input's
+ * (measured 7.4e-5 against 2.0e-4 on 8,192 tokens of text, the rest being the weights'
+ * rounding); and absorbed decode (k_b and v_b as Q8_0, one head at a time) gives the logits of
+ * expanded decode (kv_b rebuilt in f32: exact input) within 1% of the 8-bit input's departure
+ * (measured 0.3%; 3% with the single-token products' second part left out) */
+static void test_shipped_act16(void) {
+    char out[600], cmd[2400], buf[4096], err[300];
+    tmp_path(out, sizeof out, "shipped-q8.gguf");
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-convert %s %s --dense q8_0 2>&1", exe_dir, shipped_dir(), out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s", buf);
+    size_t li = 0;
+    int32_t *ids = (int32_t *)(void *)read_all("test/shipped/ref_ids.bin", &li);
+    moe_options o = moe_default_options();
+    o.n_threads = 2, o.flags = MOE_FLAG_MLA_ABSORBED;
+    moe_model *f = NULL, *q8 = NULL, *q16 = NULL, *e8 = NULL, *e16 = NULL;
+    CHECK(moe_model_open(&f, shipped_dir(), &o, err, sizeof err) == MOE_OK);
+    CHECKF(moe_model_open(&q8, out, &o, err, sizeof err) == MOE_OK, "%s", err);
+    o.flags |= MOE_FLAG_ACT16;
+    CHECKF(moe_model_open(&q16, out, &o, err, sizeof err) == MOE_OK, "%s", err);
+    /* expanded attention multiplies the latents by kv_b rebuilt in f32 from k_b and v_b */
+    o.flags = MOE_FLAG_MLA_EXPANDED | MOE_FLAG_ACT16;
+    CHECKF(moe_model_open(&e16, out, &o, err, sizeof err) == MOE_OK, "%s", err);
+    o.flags = MOE_FLAG_MLA_EXPANDED;
+    CHECKF(moe_model_open(&e8, out, &o, err, sizeof err) == MOE_OK, "%s", err);
+    if (ids && f && q8 && q16 && e8 && e16) {
+        const moe_config *c = moe_model_config(f);
+        const int V = c->vocab_size, n = (int)(li / 4);
+        int32_t *routes = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
+        const int pieces[] = {n - 8, 1, 1, 1, 1, 1, 1, 1, 1, 0};
+        float *xf = logits_routed(f, ids, n, pieces, routes, NULL), *x8 = logits_routed(q8, ids, n, pieces, NULL, routes);
+        float *x16 = logits_routed(q16, ids, n, pieces, NULL, routes);
+        CHECK(xf && x8 && x16);
+        if (xf && x8 && x16) {
+            const double kl8 = mean_kl(xf, x8, n, V), kl16 = mean_kl(xf, x16, n, V);
+            const double d8 = mean_kl(xf + (size_t)(n - 8) * V, x8 + (size_t)(n - 8) * V, 8, V);
+            const double d16 = mean_kl(xf + (size_t)(n - 8) * V, x16 + (size_t)(n - 8) * V, 8, V);
+            if (getenv("MOE_TEST_VERBOSE"))
+                printf("  Q8_0 GGUF, routing pinned: mean KL %.3g with 8-bit input, %.3g with two parts (decode steps %.3g, %.3g)\n", kl8,
+                       kl16, d8, d16);
+            CHECKF(kl16 > 0 && kl16 < 0.6 * kl8 && d16 < 0.6 * d8, "act16: mean KL %.3g against 8-bit %.3g (decode %.3g, %.3g)", kl16, kl8, d16, d8);
+            float *y8 = logits_routed(e8, ids, n, pieces, NULL, routes), *y16 = logits_routed(e16, ids, n, pieces, NULL, routes);
+            const size_t off = (size_t)(n - 8) * V;
+            const double a8 = y8 ? max_abs_diff(x8 + off, y8 + off, (size_t)8 * V) : -1, a16 = y16 ? max_abs_diff(x16 + off, y16 + off, (size_t)8 * V) : -1;
+            if (getenv("MOE_TEST_VERBOSE")) printf("  decode, absorbed against expanded: max |dlogit| %.3g with 8-bit input, %.3g with two parts\n", a8, a16);
+            CHECKF(a16 >= 0 && a16 < 0.01 * a8, "act16: absorbed decode off expanded by %.3g (8-bit input: %.3g)", a16, a8);
+            free(y8), free(y16);
+        }
+        free(xf), free(x8), free(x16), free(routes);
+    }
+    free(ids);
+    moe_model_close(f), moe_model_close(q8), moe_model_close(q16), moe_model_close(e8), moe_model_close(e16);
+    remove(out);
+}
+
 /* our logits against the PyTorch reference of the exported checkpoint (bf16 dense, MXFP4
  * experts), written by scripts/train.py into test/shipped */
 static void test_shipped_reference(void) {
@@ -5218,6 +5360,7 @@ static const struct {
     {"batch_faults", test_batch_faults},
     {"shipped_reference", test_shipped_reference},
     {"shipped_mxfp4_int8", test_shipped_mxfp4_int8},
+    {"shipped_act16", test_shipped_act16},
     {"shipped_cli", test_shipped_cli},
     {"shipped_bench", test_shipped_bench},
     {"shipped_batch", test_shipped_batch},
@@ -5231,6 +5374,7 @@ static const struct {
     {"mla16_kernels", test_mla16_kernels},
     {"mla8_kernels", test_mla8_kernels},
     {"matmul_threads", test_matmul_threads},
+    {"matmul_act16", test_matmul_act16},
     {"dwconv_levels", test_dwconv_levels},
     {"expert_paths", test_expert_paths},
     {"gemm_kernels", test_gemm_kernels},
