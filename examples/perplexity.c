@@ -1,17 +1,23 @@
 /* moe-perplexity: how much a quantized model departs from its original on the same tokens.
  *
- *   moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE] [--ref MODEL2]
- *                  [--kv-type f32|bf16|q8] [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json] [--ref-routing]
+ *   moe-perplexity -m MODEL (--tokens IDS_FILE | -f TEXT_FILE) [--dense TYPE] [--experts TYPE]
+ *                  [--ref MODEL2] [-c CTX] [--chunks N] [--kv-type f32|bf16|q8] [--mxfp4 int8]
+ *                  [--act 8|16] [-t THREADS] [--json] [--ref-routing] [expert-cache flags]
  *
  * Runs the tokens through the reference (MODEL as stored, or MODEL2) and through the test model
  * (MODEL with its matrices converted at load to TYPE: f32, bf16, q8_0, q4_0), then reports the
  * mean KL divergence KL(ref || test) per token in nats, top-1 agreement, and the perplexity of
- * each on the token stream (position t predicting token t+1). --ref-routing also reports the KL
- * with the test model forced onto the reference's experts: on small random models a tiny
- * numeric change flips near-tie routing decisions, and this separates the two effects.
- * --kv-type gives the test model that MLA latent cache (the reference keeps f32) and runs it one
- * token at a time, as generation does, so that decode's attention over the cache is measured.
- * Exit 0, 1 on errors, 2 on usage. */
+ * each (position t predicting token t+1). Without -c the whole stream is one sequence and every
+ * position counts; with -c CTX it is cut into windows of CTX tokens, each a fresh sequence, and
+ * as llama-perplexity does only the second half of each window counts (the first half is its
+ * context). Both models are open at once and a window's logits are compared as they come, so
+ * memory holds one window's logits per model, whatever the stream's length.
+ * --ref-routing also reports the KL with the test model forced onto the reference's experts: on
+ * small random models a tiny numeric change flips near-tie routing decisions, and this separates
+ * the two effects. --kv-type gives the test model that MLA latent cache (the reference keeps f32)
+ * and runs it one token at a time, as generation does, so that decode's attention over the cache
+ * is measured. -f tokenizes a text file with the test model's tokenizer (no special tokens, no
+ * BOS). Exit 0, 1 on errors, 2 on usage. */
 #include "../moe.h"
 #include "cache_flags.h"
 #include "files.h"
@@ -24,13 +30,16 @@
 
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-perplexity: %s\n", msg);
-    fprintf(stderr, "usage: moe-perplexity -m MODEL --tokens IDS_FILE [--dense TYPE] [--experts TYPE]\n"
-                    "                      [--ref MODEL2] [--kv-type f32|bf16|q8] [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json]\n"
-                    "                      [--ref-routing]\n"
-                    "                      [--kernels NAME]\n"
+    fprintf(stderr, "usage: moe-perplexity -m MODEL (--tokens IDS_FILE | -f TEXT_FILE) [--dense TYPE] [--experts TYPE]\n"
+                    "                      [--ref MODEL2] [-c CTX] [--chunks N] [--kv-type f32|bf16|q8] [--mxfp4 int8]\n"
+                    "                      [--act 8|16] [-t THREADS] [--json] [--ref-routing] [--kernels NAME]\n"
+                    "                      [--load-mode mmap|cache] [--expert-budget SIZE] [--dense-budget SIZE]\n"
+                    "                      [--io-threads N] [--prefetch on|off]\n"
                     "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n"
-                    "  --kernels NAME: the model under test on that kernel set (avx2, scalar, ...); the reference\n"
-                    "  keeps the CPU's best\n");
+                    "  -c CTX: windows of CTX tokens, each a fresh sequence, the second half of each scored\n"
+                    "  (default: the whole stream as one sequence, every position scored); --chunks N: the first N\n"
+                    "  --kv-type, --mxfp4, --act, --kernels: the model under test only (the reference keeps f32\n"
+                    "  caches and input and the CPU's best kernels); the expert-cache flags apply to both\n");
     return 2;
 }
 
@@ -41,7 +50,6 @@ static int parse_type(const char *s) {
     return -1;
 }
 
-
 /* log-softmax in double */
 static void log_softmax(const float *x, double *out, int n) {
     double mx = x[0], s = 0;
@@ -51,105 +59,45 @@ static void log_softmax(const float *x, double *out, int n) {
     for (int i = 0; i < n; i++) out[i] = x[i] - l;
 }
 
-/* logits of every position; routes_out receives the routing (if non-NULL, allocated here),
- * routes_in forces it */
-static float *run(const char *path, const moe_options *o, const int32_t *ids, int n, int stepwise, int *V,
-                  int32_t **routes_out, const int32_t *routes_in) {
+static moe_model *open_model(const char *path, const moe_options *o) {
     char err[512];
-    moe_model *m;
-    moe_session *s;
+    moe_model *m = NULL;
     moe_status st = moe_model_open(&m, path, o, err, sizeof err);
-    if (st) { fprintf(stderr, "moe-perplexity: %s: %s\n", moe_status_str(st), err); return NULL; }
-    *V = moe_model_config(m)->vocab_size;
-    float *lg = malloc(sizeof(float) * (size_t)*V * (size_t)n);
-    if (!lg || moe_session_new(&s, m, n, err, sizeof err)) {
-        fprintf(stderr, "moe-perplexity: out of memory\n");
-        free(lg);
-        moe_model_close(m);
-        return NULL;
-    }
-    const moe_config *c = moe_model_config(m);
-    int32_t *routes = NULL;
-    if (routes_out && c->n_experts) routes = *routes_out = malloc(sizeof(int32_t) * (size_t)n * c->n_layers * c->n_active);
-    const size_t rw = (size_t)c->n_layers * c->n_active; /* routing entries per token */
-    for (int t = 0; t < n && !st; t += stepwise ? 1 : n) {
-        moe_seq q = {.s = s, .tokens = ids + t, .n = stepwise ? 1 : n, .logits = lg + (size_t)t * *V, .logits_all = 1,
-                     .routes = routes ? routes + t * rw : NULL, .force_routes = routes_in ? routes_in + t * rw : NULL};
-        st = moe_step(m, &q, 1, NULL, err, sizeof err);
-    }
-    if (st) {
-        fprintf(stderr, "moe-perplexity: %s: %s\n", moe_status_str(st), err);
-        free(lg);
-        lg = NULL;
-    }
-    moe_session_free(s);
-    moe_model_close(m);
-    return lg;
+    if (st) fprintf(stderr, "moe-perplexity: %s: %s: %s\n", path, moe_status_str(st), err);
+    return st ? NULL : m;
 }
 
-int main(int argc, char **argv) {
-    const char *model = NULL, *ref = NULL, *tokens = NULL;
-    int json = 0, fixed = 0, stepwise = 0;
-    moe_options opt = moe_default_options();
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int more = i + 1 < argc;
-        if (!strcmp(a, "-m") && more) model = argv[++i];
-        else if (!strcmp(a, "--ref") && more) ref = argv[++i];
-        else if (!strcmp(a, "--tokens") && more) tokens = argv[++i];
-        else if (!strcmp(a, "--dense") && more) {
-            if ((opt.dense_type = parse_type(argv[++i])) < 0) return usage("unknown --dense type");
-        } else if (!strcmp(a, "--experts") && more) {
-            if ((opt.expert_type = parse_type(argv[++i])) < 0) return usage("unknown --experts type");
-        } else if (!strcmp(a, "-t") && more) {
-            opt.n_threads = atoi(argv[++i]);
-            if (opt.n_threads < 1) return usage("-t needs a thread count >= 1");
-        } else if (!strcmp(a, "--kv-type") && more) {
-            if ((opt.kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
-            stepwise = 1;
-        } else if (!strcmp(a, "--mxfp4") && more) { /* the test model's MXFP4 matrices meet int8 input */
-            const int int8 = parse_mxfp4(argv[++i]);
-            if (int8 < 0) return usage("--mxfp4 is f32 or int8");
-            if (int8) opt.flags |= MOE_FLAG_MXFP4_INT8;
-        } else if (!strcmp(a, "--act") && more) { /* the test model's integer formats meet two-part input */
-            const int act16 = parse_act(argv[++i]);
-            if (act16 < 0) return usage("--act is 8 or 16");
-            if (act16) opt.flags |= MOE_FLAG_ACT16;
-        } else if (!strcmp(a, "--kernels") && more) opt.kernels = argv[++i];
-        else if (!strcmp(a, "--json")) json = 1;
-        else if (!strcmp(a, "--ref-routing")) fixed = 1;
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
-        else return usage("unknown or incomplete argument");
+/* the logits of every position of ids[0..n) as a fresh sequence of m into lg[n, V], one token a
+ * step when stepwise; routes_out receives the routing (if non-NULL), routes_in forces it */
+static int window_logits(moe_model *m, const int32_t *ids, int n, int stepwise, float *lg, int32_t *routes_out,
+                         const int32_t *routes_in) {
+    char err[512];
+    moe_session *s = NULL;
+    moe_status st = moe_session_new(&s, m, n, err, sizeof err);
+    const moe_config *c = moe_model_config(m);
+    const size_t V = (size_t)c->vocab_size, rw = (size_t)c->n_layers * c->n_active; /* routing entries per token */
+    for (int t = 0; t < n && !st; t += stepwise ? 1 : n) {
+        moe_seq q = {.s = s, .tokens = ids + t, .n = stepwise ? 1 : n, .logits = lg + (size_t)t * V, .logits_all = 1,
+                     .routes = routes_out ? routes_out + t * rw : NULL, .force_routes = routes_in ? routes_in + t * rw : NULL};
+        st = moe_step(m, &q, 1, NULL, err, sizeof err);
     }
-    if (!model || !tokens) return usage("-m and --tokens are required");
-    int32_t *ids;
-    const char *why;
-    int n = read_ids(tokens, &ids, &why);
-    if (n < 2) {
-        fprintf(stderr, "moe-perplexity: %s: %s\n", tokens, n < 0 ? why : "need at least two token ids");
-        free(ids);
-        return 1;
-    }
-    moe_options ro = opt;
-    ro.dense_type = ro.expert_type = MOE_WTYPE_ASIS;
-    ro.kv_type = MOE_KV_F32;
-    ro.flags &= ~(unsigned)(MOE_FLAG_MXFP4_INT8 | MOE_FLAG_ACT16);
-    ro.kernels = NULL;
-    int V = 0, V2 = 0, V3 = 0;
-    int32_t *routes = NULL;
-    float *a = run(ref ? ref : model, &ro, ids, n, 0, &V, fixed ? &routes : NULL, NULL);
-    float *b = a ? run(model, &opt, ids, n, stepwise, &V2, NULL, NULL) : NULL;
-    float *bf = b && routes ? run(model, &opt, ids, n, stepwise, &V3, NULL, routes) : NULL;
-    if (!a || !b || V != V2 || (routes && !bf)) {
-        if (a && b && V != V2) fprintf(stderr, "moe-perplexity: the models have different vocabularies\n");
-        free(a), free(b), free(bf), free(routes), free(ids);
-        return 1;
-    }
-    double *la = malloc(sizeof(double) * (size_t)V), *lb = malloc(sizeof(double) * (size_t)V);
-    double kl = 0, kl_max = 0, nll_a = 0, nll_b = 0, kl_fixed = 0;
-    int agree = 0;
-    for (int t = 0; t < n; t++) {
-        const float *ra = a + (size_t)t * V, *rb = b + (size_t)t * V;
+    if (st) fprintf(stderr, "moe-perplexity: %s: %s\n", moe_status_str(st), err);
+    moe_session_free(s);
+    return st ? -1 : 0;
+}
+
+/* running sums over the scored positions */
+typedef struct {
+    double kl, kl_max, nll_ref, nll, kl_fixed;
+    long scored, predicted, agree;
+} tally;
+
+/* adds positions s0 .. n-1 of one window (ref and test logits [n, V], fixed: the test model on
+ * the reference's routing or NULL); position t predicts ids[t + 1] when t + 1 < n */
+static void score_window(tally *y, const float *ref, const float *test, const float *fixed, const int32_t *ids, int n, int s0, int V,
+                         double *la, double *lb) {
+    for (int t = s0; t < n; t++) {
+        const float *ra = ref + (size_t)t * V, *rb = test + (size_t)t * V;
         log_softmax(ra, la, V);
         log_softmax(rb, lb, V);
         double k = 0;
@@ -159,26 +107,132 @@ int main(int argc, char **argv) {
             if (ra[i] > ra[ta]) ta = i;
             if (rb[i] > rb[tb]) tb = i;
         }
-        kl += k;
-        kl_max = k > kl_max ? k : kl_max;
-        agree += ta == tb;
-        if (t + 1 < n) nll_a -= la[ids[t + 1]], nll_b -= lb[ids[t + 1]];
-        if (bf) { /* same position, test model forced onto the reference's experts */
-            log_softmax(bf + (size_t)t * V, lb, V);
-            for (int i = 0; i < V; i++) kl_fixed += exp(la[i]) * (la[i] - lb[i]);
+        y->kl += k;
+        y->kl_max = k > y->kl_max ? k : y->kl_max;
+        y->agree += ta == tb;
+        y->scored++;
+        if (t + 1 < n) y->nll_ref -= la[ids[t + 1]], y->nll -= lb[ids[t + 1]], y->predicted++;
+        if (fixed) { /* same position, test model forced onto the reference's experts */
+            log_softmax(fixed + (size_t)t * V, lb, V);
+            for (int i = 0; i < V; i++) y->kl_fixed += exp(la[i]) * (la[i] - lb[i]);
         }
     }
-    const double mkl = kl / n, top1 = (double)agree / n, ppl_a = exp(nll_a / (n - 1)), ppl_b = exp(nll_b / (n - 1));
-    if (json) {
-        printf("{\"tokens\": %d, \"kl_mean\": %.6g, \"kl_max\": %.6g, \"top1_agree\": %.6f, \"ppl_ref\": %.6f, \"ppl\": %.6f",
-               n, mkl, kl_max, top1, ppl_a, ppl_b);
-        if (bf) printf(", \"kl_mean_ref_routing\": %.6g", kl_fixed / n);
-        printf("}\n");
-    } else {
-        printf("tokens %d\nmean KL(ref||test) %.6g nats/token (max %.6g)\ntop-1 agreement %.4f\n"
-               "perplexity ref %.4f, test %.4f\n", n, mkl, kl_max, top1, ppl_a, ppl_b);
-        if (bf) printf("mean KL with the reference's routing %.6g nats/token\n", kl_fixed / n);
+}
+
+/* the ids of a text file by m's tokenizer (caller frees), their count in *n; NULL on errors */
+static int32_t *tokenize_file(const moe_model *m, const char *path, int *n) {
+    char err[512];
+    size_t len = 0, got = 0;
+    char *text = slurp(path, &len);
+    if (!text) {
+        fprintf(stderr, "moe-perplexity: %s: %s\n", path, errno ? strerror(errno) : "read error");
+        return NULL;
     }
-    free(la), free(lb), free(a), free(b), free(bf), free(routes), free(ids);
-    return 0;
+    moe_tokenizer *tk = NULL;
+    int32_t *ids = malloc(sizeof *ids * (len + 1));
+    moe_status st = ids ? moe_tokenizer_for_model(&tk, m, err, sizeof err) : MOE_ERR_NOMEM;
+    if (!st) st = moe_tokenize(tk, text, len, 0, ids, len + 1, &got, err, sizeof err);
+    if (!st && got > 0x7fffffff) st = MOE_ERR_RANGE, snprintf(err, sizeof err, "more than 2^31 tokens");
+    if (st) fprintf(stderr, "moe-perplexity: %s: %s: %s\n", path, moe_status_str(st), st == MOE_ERR_NOMEM ? "out of memory" : err);
+    moe_tokenizer_free(tk);
+    free(text);
+    if (st) { free(ids); return NULL; }
+    *n = (int)got;
+    return ids;
+}
+
+int main(int argc, char **argv) {
+    const char *model = NULL, *ref = NULL, *tokens = NULL, *text = NULL;
+    int json = 0, fixed = 0, stepwise = 0, ctx = 0, chunks = 0;
+    moe_options opt = moe_default_options();
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *why = NULL;
+        int more = i + 1 < argc, ck;
+        if (!strcmp(a, "-m") && more) model = argv[++i];
+        else if (!strcmp(a, "--ref") && more) ref = argv[++i];
+        else if (!strcmp(a, "--tokens") && more) tokens = argv[++i];
+        else if (!strcmp(a, "-f") && more) text = argv[++i];
+        else if (!strcmp(a, "--dense") && more) {
+            if ((opt.dense_type = parse_type(argv[++i])) < 0) return usage("unknown --dense type");
+        } else if (!strcmp(a, "--experts") && more) {
+            if ((opt.expert_type = parse_type(argv[++i])) < 0) return usage("unknown --experts type");
+        } else if (!strcmp(a, "-t") && more) {
+            opt.n_threads = atoi(argv[++i]);
+            if (opt.n_threads < 1) return usage("-t needs a thread count >= 1");
+        } else if (!strcmp(a, "-c") && more) {
+            if ((ctx = atoi(argv[++i])) < 2) return usage("-c needs a window of at least 2 tokens");
+        } else if (!strcmp(a, "--chunks") && more) {
+            if ((chunks = atoi(argv[++i])) < 1) return usage("--chunks needs a count >= 1");
+        } else if (!strcmp(a, "--kv-type") && more) {
+            if ((opt.kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
+            stepwise = 1;
+        } else if (!strcmp(a, "--json")) json = 1;
+        else if (!strcmp(a, "--ref-routing")) fixed = 1;
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
+        else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) { if (ck < 0) return usage(why); }
+        else return usage("unknown or incomplete argument");
+    }
+    if (!model || !tokens == !text) return usage("-m and one of --tokens and -f are required");
+    if (chunks && !ctx) return usage("--chunks needs -c");
+    moe_options ro = opt; /* the reference: as stored, f32 cache and input, the CPU's best kernels */
+    ro.dense_type = ro.expert_type = MOE_WTYPE_ASIS;
+    ro.kv_type = MOE_KV_F32;
+    ro.flags &= ~(unsigned)(MOE_FLAG_MXFP4_INT8 | MOE_FLAG_ACT16);
+    ro.kernels = NULL;
+    moe_model *mt = open_model(model, &opt), *mr = mt ? open_model(ref ? ref : model, &ro) : NULL;
+    int32_t *ids = NULL;
+    int n = 0, rc = 1;
+    if (mt && mr && tokens) {
+        const char *why;
+        if ((n = read_ids(tokens, &ids, &why)) < 0) fprintf(stderr, "moe-perplexity: %s: %s\n", tokens, why), n = 0;
+    } else if (mt && mr) {
+        ids = tokenize_file(mt, text, &n);
+    }
+    const moe_config *ct = mt ? moe_model_config(mt) : NULL, *cr = mr ? moe_model_config(mr) : NULL;
+    const int V = ct ? ct->vocab_size : 0;
+    if (!ids || !mt || !mr) goto out;
+    if (cr->vocab_size != V) { fprintf(stderr, "moe-perplexity: the models have different vocabularies\n"); goto out; }
+    for (int t = 0; t < n; t++)
+        if (ids[t] >= V) { fprintf(stderr, "moe-perplexity: token id %d at %d is past the vocabulary (%d)\n", ids[t], t, V); goto out; }
+    const int win = ctx ? ctx : n, nwin = chunks && chunks < n / win ? chunks : n / win;
+    if (n < 2 || nwin < 1) { fprintf(stderr, "moe-perplexity: need at least %d token ids, got %d\n", ctx ? ctx : 2, n); goto out; }
+    const int routed = fixed && cr->n_experts && ct->n_experts;
+    const size_t per = (size_t)win * V, rw = (size_t)win * cr->n_layers * cr->n_active;
+    float *a = malloc(sizeof(float) * per), *b = malloc(sizeof(float) * per), *bf = routed ? malloc(sizeof(float) * per) : NULL;
+    int32_t *routes = routed ? malloc(sizeof(int32_t) * rw) : NULL;
+    double *la = malloc(sizeof(double) * (size_t)V), *lb = malloc(sizeof(double) * (size_t)V);
+    tally y = {0};
+    int bad = !a || !b || !la || !lb || (routed && (!bf || !routes));
+    if (bad) fprintf(stderr, "moe-perplexity: out of memory for a window's logits (%d tokens x %d)\n", win, V);
+    for (int w = 0; w < nwin && !bad; w++) {
+        const int32_t *wi = ids + (size_t)w * win;
+        bad = window_logits(mr, wi, win, 0, a, routes, NULL) || window_logits(mt, wi, win, stepwise, b, NULL, NULL) ||
+              (routed && window_logits(mt, wi, win, stepwise, bf, NULL, routes));
+        if (!bad) score_window(&y, a, b, routed ? bf : NULL, wi, win, ctx ? win / 2 : 0, V, la, lb);
+        if (!bad && !json && nwin > 1) fprintf(stderr, "\rwindow %d/%d: perplexity ref %.4f, test %.4f", w + 1, nwin,
+                                               exp(y.nll_ref / (double)y.predicted), exp(y.nll / (double)y.predicted));
+    }
+    if (!json && nwin > 1) fprintf(stderr, "\n");
+    if (!bad) {
+        const double mkl = y.kl / (double)y.scored, top1 = (double)y.agree / (double)y.scored;
+        const double ppl_a = exp(y.nll_ref / (double)y.predicted), ppl_b = exp(y.nll / (double)y.predicted);
+        if (json) {
+            printf("{\"tokens\": %d, \"windows\": %d, \"ctx\": %d, \"scored\": %ld, \"kl_mean\": %.6g, \"kl_max\": %.6g, \"top1_agree\": %.6f, "
+                   "\"ppl_ref\": %.6f, \"ppl\": %.6f",
+                   nwin * win, nwin, win, y.scored, mkl, y.kl_max, top1, ppl_a, ppl_b);
+            if (routed) printf(", \"kl_mean_ref_routing\": %.6g", y.kl_fixed / (double)y.scored);
+            printf("}\n");
+        } else {
+            printf("tokens %d (%d window%s of %d, %ld positions scored)\nmean KL(ref||test) %.6g nats/token (max %.6g)\n"
+                   "top-1 agreement %.4f\nperplexity ref %.4f, test %.4f\n",
+                   nwin * win, nwin, nwin == 1 ? "" : "s", win, y.scored, mkl, y.kl_max, top1, ppl_a, ppl_b);
+            if (routed) printf("mean KL with the reference's routing %.6g nats/token\n", y.kl_fixed / (double)y.scored);
+        }
+        rc = fflush(stdout) ? 1 : 0;
+    }
+    free(a), free(b), free(bf), free(routes), free(la), free(lb);
+out:
+    free(ids);
+    moe_model_close(mt), moe_model_close(mr);
+    return rc;
 }

@@ -3961,6 +3961,110 @@ static void test_shipped_cli(void) {
     CHECK(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "--chat-template") && strstr(a, "--stop"));
 }
 
+/* moe-perplexity on the shipped model against the same figures computed here through the
+ * library: windows of 32 of the reference ids (-c 32: fresh sequences, the second halves
+ * scored), Q8_0 at load against the model as stored, with the routing pinned too; the whole
+ * stream as one window; text through the model's tokenizer (-f); bad input refused */
+static void test_shipped_perplexity(void) {
+    char cmd[2400], out[4096], idsf[600], txt[600];
+    size_t li = 0;
+    int32_t *ids = (int32_t *)(void *)read_all("test/shipped/ref_ids.bin", &li);
+    const int n = (int)(li / 4), W = 32;
+    tmp_path(idsf, sizeof idsf, "ppl-ids.txt");
+    FILE *fp = fopen(idsf, "w");
+    for (int i = 0; ids && fp && i < n; i++) fprintf(fp, "%d ", (int)ids[i]);
+    if (fp) fclose(fp);
+    moe_options o = moe_default_options();
+    o.n_threads = 2;
+    moe_model *f = NULL, *q = NULL;
+    CHECK(moe_model_open(&f, shipped_dir(), &o, NULL, 0) == MOE_OK);
+    o.dense_type = MOE_WTYPE_Q8_0;
+    CHECK(moe_model_open(&q, shipped_dir(), &o, NULL, 0) == MOE_OK);
+    if (!ids || !f || !q || n != 2 * W) {
+        CHECKF(0, "shipped model or ids (%d) missing", n);
+        free(ids), moe_model_close(f), moe_model_close(q);
+        return;
+    }
+    const moe_config *c = moe_model_config(f);
+    const int V = c->vocab_size;
+    double kl = 0, klf = 0, nll_r = 0, nll_t = 0, *la = malloc(sizeof(double) * V), *lb = malloc(sizeof(double) * V);
+    int agree = 0, scored = 0, predicted = 0;
+    int32_t *routes = malloc(sizeof(int32_t) * (size_t)W * c->n_layers * c->n_active);
+    for (int w = 0; w < n / W; w++) {
+        const int32_t *wi = ids + w * W;
+        float *xr = logits_routed(f, wi, W, NULL, routes, NULL), *xt = logits_routed(q, wi, W, NULL, NULL, NULL);
+        float *xp = logits_routed(q, wi, W, NULL, NULL, routes);
+        for (int t = W / 2; xr && xt && xp && t < W; t++) {
+            const float *a = xr + (size_t)t * V, *b = xt + (size_t)t * V, *p = xp + (size_t)t * V;
+            double ma = a[0], mb = b[0], mp = p[0], za = 0, zb = 0, zp = 0;
+            int ta = 0, tb = 0;
+            for (int i = 1; i < V; i++) ma = fmax(ma, a[i]), mb = fmax(mb, b[i]), mp = fmax(mp, p[i]), ta = a[i] > a[ta] ? i : ta, tb = b[i] > b[tb] ? i : tb;
+            for (int i = 0; i < V; i++) za += exp(a[i] - ma), zb += exp(b[i] - mb), zp += exp(p[i] - mp);
+            for (int i = 0; i < V; i++) {
+                la[i] = a[i] - ma - log(za), lb[i] = b[i] - mb - log(zb);
+                kl += exp(la[i]) * (la[i] - lb[i]), klf += exp(la[i]) * (la[i] - (p[i] - mp - log(zp)));
+            }
+            agree += ta == tb, scored++;
+            if (t + 1 < W) nll_r -= la[wi[t + 1]], nll_t -= lb[wi[t + 1]], predicted++;
+        }
+        free(xr), free(xt), free(xp);
+    }
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s --dense q8_0 -c %d --ref-routing --json -t 2 2>&1", exe_dir, shipped_dir(),
+             idsf, W);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    moe__json *j = NULL;
+    CHECKF(moe__json_parse(out, strlen(out), &j, NULL, 0) == MOE_OK, "%s", out);
+    const moe__json *jk = moe__json_get(j, "kl_mean"), *jf = moe__json_get(j, "kl_mean_ref_routing"), *jt = moe__json_get(j, "top1_agree");
+    const moe__json *jr = moe__json_get(j, "ppl_ref"), *jp = moe__json_get(j, "ppl"), *js = moe__json_get(j, "scored"), *jw = moe__json_get(j, "windows");
+    const double want_r = exp(nll_r / predicted), want_p = exp(nll_t / predicted);
+    if (getenv("MOE_TEST_VERBOSE")) printf("  perplexity -c %d: %s  here: KL %.6g pinned %.6g top-1 %.6f ppl %.6f / %.6f\n", W, out, kl / scored,
+                                           klf / scored, (double)agree / scored, want_r, want_p);
+    CHECKF(jk && jf && jt && jr && jp && js && jw && (int)js->num == scored && (int)jw->num == 2 && kl > 0 &&
+               fabs(jk->num - kl / scored) <= 1e-5 * kl / scored && fabs(jf->num - klf / scored) <= 1e-5 * klf / scored + 1e-12 &&
+               fabs(jt->num - (double)agree / scored) < 1e-6 && fabs(jr->num - want_r) < 1e-5 * want_r && fabs(jp->num - want_p) < 1e-5 * want_p,
+           "moe-perplexity %s against KL %.6g pinned %.6g top-1 %.6f ppl %.6f / %.6f over %d", out, kl / scored, klf / scored,
+           (double)agree / scored, want_r, want_p, scored);
+    moe__json_free(j), j = NULL;
+    /* the whole stream: one window, every position */
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s --dense q8_0 --json 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0 && moe__json_parse(out, strlen(out), &j, NULL, 0) == MOE_OK, "%s", out);
+    js = moe__json_get(j, "scored"), jw = moe__json_get(j, "windows");
+    CHECKF(js && jw && (int)js->num == n && (int)jw->num == 1, "%s", out);
+    moe__json_free(j), j = NULL;
+    /* text through the test model's tokenizer */
+    tmp_path(txt, sizeof txt, "ppl.txt");
+    const char *text = "In the beginning God created the heaven and the earth. And the earth was without form, and void.";
+    write_all(txt, text, strlen(text));
+    moe_tokenizer *tk = NULL;
+    size_t nt = 0;
+    int32_t tids[256];
+    CHECK(moe_tokenizer_for_model(&tk, f, NULL, 0) == MOE_OK && moe_tokenize(tk, text, strlen(text), 0, tids, 256, &nt, NULL, 0) == MOE_OK);
+    moe_tokenizer_free(tk);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s -f %s --dense q4_0 --json 2>&1", exe_dir, shipped_dir(), txt);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0 && moe__json_parse(out, strlen(out), &j, NULL, 0) == MOE_OK, "%s", out);
+    js = moe__json_get(j, "tokens"), jk = moe__json_get(j, "kl_mean");
+    CHECKF(js && jk && (size_t)js->num == nt && jk->num > 0, "%s (%zu ids)", out, nt);
+    moe__json_free(j), j = NULL;
+    /* bad input: an id past the vocabulary, too few ids for the window, no such file, both inputs */
+    fp = fopen(idsf, "w");
+    if (fp) fprintf(fp, "1 2 3 %d 5\n", V), fclose(fp);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "past the vocabulary"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -c 6 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "past the vocabulary"), "%s", out);
+    fp = fopen(idsf, "w");
+    if (fp) fprintf(fp, "1 2 3 4 5\n"), fclose(fp);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -c 6 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "need at least 6"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s.missing 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "missing"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -f %s 2>&1", exe_dir, shipped_dir(), idsf, txt);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 2, "%s", out);
+    free(ids), free(la), free(lb), free(routes);
+    moe_model_close(f), moe_model_close(q);
+    remove(idsf), remove(txt);
+}
+
 /* moe-bench on the shipped model: one JSON line per depth with every field the README lists, the
  * bandwidth it divides by within its probes' range, a deeper context reading more bytes a token */
 static void test_shipped_bench(void) {
@@ -5361,6 +5465,7 @@ static const struct {
     {"shipped_reference", test_shipped_reference},
     {"shipped_mxfp4_int8", test_shipped_mxfp4_int8},
     {"shipped_act16", test_shipped_act16},
+    {"shipped_perplexity", test_shipped_perplexity},
     {"shipped_cli", test_shipped_cli},
     {"shipped_bench", test_shipped_bench},
     {"shipped_batch", test_shipped_batch},
