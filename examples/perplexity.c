@@ -1,8 +1,9 @@
 /* moe-perplexity: how much a quantized model departs from its original on the same tokens.
  *
  *   moe-perplexity -m MODEL (--tokens IDS_FILE | -f TEXT_FILE) [--dense TYPE] [--experts TYPE]
- *                  [--ref MODEL2] [-c CTX] [--chunks N] [--kv-type f32|bf16|q8] [--mxfp4 int8]
- *                  [--act 8|16] [-t THREADS] [--json] [--ref-routing] [expert-cache flags]
+ *                  [--ref MODEL2] [-c CTX] [--chunks N] [--save-ref FILE] [--kv-type f32|bf16|q8]
+ *                  [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json] [--ref-routing] [expert-cache flags]
+ *   moe-perplexity -m MODEL --ref-logits FILE [the same options but the input's]
  *
  * Runs the tokens through the reference (MODEL as stored, or MODEL2) and through the test model
  * (MODEL with its matrices converted at load to TYPE: f32, bf16, q8_0, q4_0), then reports the
@@ -17,7 +18,10 @@
  * the two effects. --kv-type gives the test model that MLA latent cache (the reference keeps f32)
  * and runs it one token at a time, as generation does, so that decode's attention over the cache
  * is measured. -f tokenizes a text file with the test model's tokenizer (no special tokens, no
- * BOS). Exit 0, 1 on errors, 2 on usage. */
+ * BOS). --save-ref FILE also writes the reference's ids, windows and scored logits (and routing,
+ * with --ref-routing) to FILE; --ref-logits FILE then stands in for the reference model, so a
+ * large original runs once for many quantized files (as llama-perplexity's
+ * --kl-divergence-base). Exit 0, 1 on errors, 2 on usage. */
 #include "../moe.h"
 #include "cache_flags.h"
 #include "files.h"
@@ -31,13 +35,16 @@
 static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-perplexity: %s\n", msg);
     fprintf(stderr, "usage: moe-perplexity -m MODEL (--tokens IDS_FILE | -f TEXT_FILE) [--dense TYPE] [--experts TYPE]\n"
-                    "                      [--ref MODEL2] [-c CTX] [--chunks N] [--kv-type f32|bf16|q8] [--mxfp4 int8]\n"
-                    "                      [--act 8|16] [-t THREADS] [--json] [--ref-routing] [--kernels NAME]\n"
+                    "                      [--ref MODEL2] [-c CTX] [--chunks N] [--save-ref FILE] [--kv-type f32|bf16|q8]\n"
+                    "                      [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json] [--ref-routing] [--kernels NAME]\n"
                     "                      [--load-mode mmap|cache] [--expert-budget SIZE] [--dense-budget SIZE]\n"
                     "                      [--io-threads N] [--prefetch on|off]\n"
+                    "       moe-perplexity -m MODEL --ref-logits FILE [the same options but the input's and the reference's]\n"
                     "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n"
                     "  -c CTX: windows of CTX tokens, each a fresh sequence, the second half of each scored\n"
                     "  (default: the whole stream as one sequence, every position scored); --chunks N: the first N\n"
+                    "  --save-ref FILE: also write the reference's ids, windows and scored logits (and routing, with\n"
+                    "  --ref-routing); --ref-logits FILE: take them from such a file instead of running the reference\n"
                     "  --kv-type, --mxfp4, --act, --kernels: the model under test only (the reference keeps f32\n"
                     "  caches and input and the CPU's best kernels); the expert-cache flags apply to both\n");
     return 2;
@@ -141,8 +148,94 @@ static int32_t *tokenize_file(const moe_model *m, const char *path, int *n) {
     return ids;
 }
 
+/* ---- the reference's logits in a file (--save-ref / --ref-logits) ----
+ * "MOEREF01", then int32s: 0x01020304 (the writer's byte order), vocab, window, windows, the
+ * first scored position of a window, routing entries per token (0: none); the ids [windows x
+ * window]; then for each window the logits of its scored positions [window - first, vocab] (f32)
+ * and its routing [window, entries] (int32). Written to FILE.tmp and renamed when complete. */
+typedef struct {
+    int32_t vocab, win, nwin, first, rpt;
+} ref_header;
+
+static const char REF_MAGIC[8] = {'M', 'O', 'E', 'R', 'E', 'F', '0', '1'};
+
+static int write_ref_header(FILE *f, const ref_header *h, const int32_t *ids) {
+    const int32_t v[6] = {0x01020304, h->vocab, h->win, h->nwin, h->first, h->rpt};
+    return fwrite(REF_MAGIC, 8, 1, f) == 1 && fwrite(v, sizeof v, 1, f) == 1 &&
+           fwrite(ids, sizeof *ids, (size_t)h->win * h->nwin, f) == (size_t)h->win * h->nwin;
+}
+
+/* opens a reference file, checks its header against its size (a truncated or foreign file is
+ * refused), reads its ids (caller frees); NULL with a message on errors */
+static FILE *open_ref(const char *path, ref_header *h, int32_t **ids) {
+    FILE *f = fopen(path, "rb");
+    int32_t v[6];
+    char magic[8];
+    const char *why = NULL;
+    if (!f) { fprintf(stderr, "moe-perplexity: %s: %s\n", path, strerror(errno)); return NULL; }
+    if (fread(magic, 8, 1, f) != 1 || memcmp(magic, REF_MAGIC, 8) || fread(v, sizeof v, 1, f) != 1) why = "not a moe-perplexity reference file";
+    else if (v[0] != 0x01020304) why = "written on a machine of the other byte order";
+    *h = (ref_header){v[1], v[2], v[3], v[4], v[5]};
+    if (!why && (h->vocab < 1 || h->win < 2 || h->nwin < 1 || h->first < 0 || h->first >= h->win || h->rpt < 0 || h->rpt > (1 << 20) ||
+                 h->vocab > (1 << 26) || (int64_t)h->win * h->nwin > (1 << 30)))
+        why = "bad header";
+    const uint64_t rows = (uint64_t)(h->win - h->first), body = (rows * (uint64_t)h->vocab * 4 + (uint64_t)h->win * (uint64_t)h->rpt * 4);
+    const uint64_t want = 32 + 4 * (uint64_t)h->win * (uint64_t)h->nwin + body * (uint64_t)h->nwin;
+    if (!why && (fseek(f, 0, SEEK_END) || (uint64_t)ftell(f) != want || fseek(f, 32, SEEK_SET))) why = "truncated, or longer than its header says";
+    *ids = why ? NULL : malloc(sizeof **ids * (size_t)h->win * (size_t)h->nwin);
+    if (!why && !*ids) why = "out of memory";
+    if (!why && fread(*ids, sizeof **ids, (size_t)h->win * h->nwin, f) != (size_t)h->win * h->nwin) why = "read error";
+    if (why) {
+        fprintf(stderr, "moe-perplexity: %s: %s\n", path, why);
+        free(*ids), *ids = NULL;
+        fclose(f);
+        return NULL;
+    }
+    return f;
+}
+
+/* one window's scored logits (into lg at position first) and routing from a reference file */
+static int read_ref_window(FILE *f, const ref_header *h, float *lg, int32_t *routes) {
+    const size_t nl = (size_t)(h->win - h->first) * h->vocab, nr = (size_t)h->win * h->rpt;
+    if (fread(lg + (size_t)h->first * h->vocab, sizeof *lg, nl, f) != nl) return -1;
+    if (nr && routes && fread(routes, sizeof *routes, nr, f) != nr) return -1;
+    if (nr && !routes && fseek(f, (long)(nr * sizeof *routes), SEEK_CUR)) return -1;
+    return 0;
+}
+
+static int write_ref_window(FILE *f, const ref_header *h, const float *lg, const int32_t *routes) {
+    const size_t nl = (size_t)(h->win - h->first) * h->vocab, nr = (size_t)h->win * h->rpt;
+    return fwrite(lg + (size_t)h->first * h->vocab, sizeof *lg, nl, f) == nl && (!nr || fwrite(routes, sizeof *routes, nr, f) == nr) ? 0 : -1;
+}
+
+/* the ids to score: a file of ids, or a text file by mt's tokenizer; their count in *n */
+static int32_t *input_ids(moe_model *mt, const char *tokens, const char *text, int *n) {
+    int32_t *ids = NULL;
+    if (text) return tokenize_file(mt, text, n);
+    const char *why;
+    if ((*n = read_ids(tokens, &ids, &why)) < 0) fprintf(stderr, "moe-perplexity: %s: %s\n", tokens, why), *n = 0;
+    return ids;
+}
+
+static void report(const tally *y, int json, int nwin, int win, int routed) {
+    const double mkl = y->kl / (double)y->scored, top1 = (double)y->agree / (double)y->scored;
+    const double ppl_a = exp(y->nll_ref / (double)y->predicted), ppl_b = exp(y->nll / (double)y->predicted);
+    if (json) {
+        printf("{\"tokens\": %d, \"windows\": %d, \"ctx\": %d, \"scored\": %ld, \"kl_mean\": %.6g, \"kl_max\": %.6g, \"top1_agree\": %.6f, "
+               "\"ppl_ref\": %.6f, \"ppl\": %.6f",
+               nwin * win, nwin, win, y->scored, mkl, y->kl_max, top1, ppl_a, ppl_b);
+        if (routed) printf(", \"kl_mean_ref_routing\": %.6g", y->kl_fixed / (double)y->scored);
+        printf("}\n");
+    } else {
+        printf("tokens %d (%d window%s of %d, %ld positions scored)\nmean KL(ref||test) %.6g nats/token (max %.6g)\n"
+               "top-1 agreement %.4f\nperplexity ref %.4f, test %.4f\n",
+               nwin * win, nwin, nwin == 1 ? "" : "s", win, y->scored, mkl, y->kl_max, top1, ppl_a, ppl_b);
+        if (routed) printf("mean KL with the reference's routing %.6g nats/token\n", y->kl_fixed / (double)y->scored);
+    }
+}
+
 int main(int argc, char **argv) {
-    const char *model = NULL, *ref = NULL, *tokens = NULL, *text = NULL;
+    const char *model = NULL, *ref = NULL, *tokens = NULL, *text = NULL, *save = NULL, *load = NULL;
     int json = 0, fixed = 0, stepwise = 0, ctx = 0, chunks = 0;
     moe_options opt = moe_default_options();
     for (int i = 1; i < argc; i++) {
@@ -152,6 +245,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--ref") && more) ref = argv[++i];
         else if (!strcmp(a, "--tokens") && more) tokens = argv[++i];
         else if (!strcmp(a, "-f") && more) text = argv[++i];
+        else if (!strcmp(a, "--save-ref") && more) save = argv[++i];
+        else if (!strcmp(a, "--ref-logits") && more) load = argv[++i];
         else if (!strcmp(a, "--dense") && more) {
             if ((opt.dense_type = parse_type(argv[++i])) < 0) return usage("unknown --dense type");
         } else if (!strcmp(a, "--experts") && more) {
@@ -172,67 +267,81 @@ int main(int argc, char **argv) {
         else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) { if (ck < 0) return usage(why); }
         else return usage("unknown or incomplete argument");
     }
-    if (!model || !tokens == !text) return usage("-m and one of --tokens and -f are required");
+    if (!model) return usage("-m is required");
+    if (load && (tokens || text || ref || save || ctx || chunks)) return usage("--ref-logits brings its own ids and windows: no --tokens, -f, --ref, --save-ref, -c or --chunks");
+    if (!load && !tokens == !text) return usage("one of --tokens, -f and --ref-logits is required");
     if (chunks && !ctx) return usage("--chunks needs -c");
     moe_options ro = opt; /* the reference: as stored, f32 cache and input, the CPU's best kernels */
     ro.dense_type = ro.expert_type = MOE_WTYPE_ASIS;
     ro.kv_type = MOE_KV_F32;
     ro.flags &= ~(unsigned)(MOE_FLAG_MXFP4_INT8 | MOE_FLAG_ACT16);
     ro.kernels = NULL;
-    moe_model *mt = open_model(model, &opt), *mr = mt ? open_model(ref ? ref : model, &ro) : NULL;
-    int32_t *ids = NULL;
+    moe_model *mt = open_model(model, &opt), *mr = NULL;
+    FILE *rf = NULL, *sf = NULL; /* the reference file read, the one written */
+    char tmp[4200];
+    int32_t *ids = NULL, *routes = NULL;
+    float *a = NULL, *b = NULL, *bf = NULL;
+    double *la = NULL, *lb = NULL;
     int n = 0, rc = 1;
-    if (mt && mr && tokens) {
-        const char *why;
-        if ((n = read_ids(tokens, &ids, &why)) < 0) fprintf(stderr, "moe-perplexity: %s: %s\n", tokens, why), n = 0;
-    } else if (mt && mr) {
-        ids = tokenize_file(mt, text, &n);
+    ref_header h = {0};
+    if (!mt) goto out;
+    const moe_config *ct = moe_model_config(mt);
+    const int V = ct->vocab_size, rpt = ct->n_experts ? ct->n_layers * ct->n_active : 0;
+    if (load) { /* the ids, windows and reference logits from the file */
+        if (!(rf = open_ref(load, &h, &ids))) goto out;
+        n = h.win * h.nwin;
+        if (h.vocab != V) { fprintf(stderr, "moe-perplexity: %s: vocabulary %d, the model's %d\n", load, h.vocab, V); goto out; }
+        if (fixed && (!h.rpt || h.rpt != rpt)) { fprintf(stderr, "moe-perplexity: %s: no routing of this model's shape (saved without --ref-routing?)\n", load); goto out; }
+    } else {
+        if (!(mr = open_model(ref ? ref : model, &ro)) || !(ids = input_ids(mt, tokens, text, &n))) goto out;
+        const moe_config *cr = moe_model_config(mr);
+        if (cr->vocab_size != V) { fprintf(stderr, "moe-perplexity: the models have different vocabularies\n"); goto out; }
+        const int win = ctx ? ctx : n, nwin = n >= 2 && n >= win ? (chunks && chunks < n / win ? chunks : n / win) : 0;
+        if (nwin < 1) { fprintf(stderr, "moe-perplexity: need at least %d token ids, got %d\n", ctx ? ctx : 2, n); goto out; }
+        if (fixed && cr->n_experts && (cr->n_layers * cr->n_active != rpt)) { fprintf(stderr, "moe-perplexity: the models route differently\n"); goto out; }
+        h = (ref_header){V, win, nwin, ctx ? win / 2 : 0, fixed && cr->n_experts ? rpt : 0};
     }
-    const moe_config *ct = mt ? moe_model_config(mt) : NULL, *cr = mr ? moe_model_config(mr) : NULL;
-    const int V = ct ? ct->vocab_size : 0;
-    if (!ids || !mt || !mr) goto out;
-    if (cr->vocab_size != V) { fprintf(stderr, "moe-perplexity: the models have different vocabularies\n"); goto out; }
-    for (int t = 0; t < n; t++)
-        if (ids[t] >= V) { fprintf(stderr, "moe-perplexity: token id %d at %d is past the vocabulary (%d)\n", ids[t], t, V); goto out; }
-    const int win = ctx ? ctx : n, nwin = chunks && chunks < n / win ? chunks : n / win;
-    if (n < 2 || nwin < 1) { fprintf(stderr, "moe-perplexity: need at least %d token ids, got %d\n", ctx ? ctx : 2, n); goto out; }
-    const int routed = fixed && cr->n_experts && ct->n_experts;
-    const size_t per = (size_t)win * V, rw = (size_t)win * cr->n_layers * cr->n_active;
-    float *a = malloc(sizeof(float) * per), *b = malloc(sizeof(float) * per), *bf = routed ? malloc(sizeof(float) * per) : NULL;
-    int32_t *routes = routed ? malloc(sizeof(int32_t) * rw) : NULL;
-    double *la = malloc(sizeof(double) * (size_t)V), *lb = malloc(sizeof(double) * (size_t)V);
+    for (int t = 0; t < h.win * h.nwin; t++)
+        if (ids[t] < 0 || ids[t] >= V) { fprintf(stderr, "moe-perplexity: token id %d at %d is past the vocabulary (%d)\n", ids[t], t, V); goto out; }
+    const int routed = fixed && h.rpt && rpt;
+    const size_t per = (size_t)h.win * V;
+    a = malloc(sizeof(float) * per), b = malloc(sizeof(float) * per), bf = routed ? malloc(sizeof(float) * per) : NULL;
+    routes = h.rpt ? malloc(sizeof(int32_t) * (size_t)h.win * h.rpt) : NULL;
+    la = malloc(sizeof(double) * (size_t)V), lb = malloc(sizeof(double) * (size_t)V);
+    if (!a || !b || !la || !lb || (routed && !bf) || (h.rpt && !routes)) {
+        fprintf(stderr, "moe-perplexity: out of memory for a window's logits (%d tokens x %d)\n", h.win, V);
+        goto out;
+    }
+    if (save) {
+        snprintf(tmp, sizeof tmp, "%s.tmp", save);
+        if (!(sf = fopen(tmp, "wb")) || !write_ref_header(sf, &h, ids)) { fprintf(stderr, "moe-perplexity: %s: %s\n", tmp, strerror(errno)); goto out; }
+    }
     tally y = {0};
-    int bad = !a || !b || !la || !lb || (routed && (!bf || !routes));
-    if (bad) fprintf(stderr, "moe-perplexity: out of memory for a window's logits (%d tokens x %d)\n", win, V);
-    for (int w = 0; w < nwin && !bad; w++) {
-        const int32_t *wi = ids + (size_t)w * win;
-        bad = window_logits(mr, wi, win, 0, a, routes, NULL) || window_logits(mt, wi, win, stepwise, b, NULL, NULL) ||
-              (routed && window_logits(mt, wi, win, stepwise, bf, NULL, routes));
-        if (!bad) score_window(&y, a, b, routed ? bf : NULL, wi, win, ctx ? win / 2 : 0, V, la, lb);
-        if (!bad && !json && nwin > 1) fprintf(stderr, "\rwindow %d/%d: perplexity ref %.4f, test %.4f", w + 1, nwin,
-                                               exp(y.nll_ref / (double)y.predicted), exp(y.nll / (double)y.predicted));
-    }
-    if (!json && nwin > 1) fprintf(stderr, "\n");
-    if (!bad) {
-        const double mkl = y.kl / (double)y.scored, top1 = (double)y.agree / (double)y.scored;
-        const double ppl_a = exp(y.nll_ref / (double)y.predicted), ppl_b = exp(y.nll / (double)y.predicted);
-        if (json) {
-            printf("{\"tokens\": %d, \"windows\": %d, \"ctx\": %d, \"scored\": %ld, \"kl_mean\": %.6g, \"kl_max\": %.6g, \"top1_agree\": %.6f, "
-                   "\"ppl_ref\": %.6f, \"ppl\": %.6f",
-                   nwin * win, nwin, win, y.scored, mkl, y.kl_max, top1, ppl_a, ppl_b);
-            if (routed) printf(", \"kl_mean_ref_routing\": %.6g", y.kl_fixed / (double)y.scored);
-            printf("}\n");
-        } else {
-            printf("tokens %d (%d window%s of %d, %ld positions scored)\nmean KL(ref||test) %.6g nats/token (max %.6g)\n"
-                   "top-1 agreement %.4f\nperplexity ref %.4f, test %.4f\n",
-                   nwin * win, nwin, nwin == 1 ? "" : "s", win, y.scored, mkl, y.kl_max, top1, ppl_a, ppl_b);
-            if (routed) printf("mean KL with the reference's routing %.6g nats/token\n", y.kl_fixed / (double)y.scored);
+    for (int w = 0; w < h.nwin; w++) {
+        const int32_t *wi = ids + (size_t)w * h.win;
+        if (rf ? read_ref_window(rf, &h, a, routed ? routes : NULL) : window_logits(mr, wi, h.win, 0, a, routes, NULL)) {
+            if (rf) fprintf(stderr, "moe-perplexity: %s: read error\n", load);
+            goto out;
         }
-        rc = fflush(stdout) ? 1 : 0;
+        if (sf && write_ref_window(sf, &h, a, routes)) { fprintf(stderr, "moe-perplexity: %s: %s\n", tmp, strerror(errno)); goto out; }
+        if (window_logits(mt, wi, h.win, stepwise, b, NULL, NULL) || (routed && window_logits(mt, wi, h.win, stepwise, bf, NULL, routes))) goto out;
+        score_window(&y, a, b, routed ? bf : NULL, wi, h.win, h.first, V, la, lb);
+        if (!json && h.nwin > 1)
+            fprintf(stderr, "\rwindow %d/%d: perplexity ref %.4f, test %.4f", w + 1, h.nwin, exp(y.nll_ref / (double)y.predicted),
+                    exp(y.nll / (double)y.predicted));
     }
-    free(a), free(b), free(bf), free(routes), free(la), free(lb);
+    if (!json && h.nwin > 1) fprintf(stderr, "\n");
+    if (sf) {
+        const int bad = fclose(sf) != 0 || rename(tmp, save) != 0;
+        sf = NULL;
+        if (bad) { fprintf(stderr, "moe-perplexity: %s: %s\n", save, strerror(errno)); goto out; }
+    }
+    report(&y, json, h.nwin, h.win, routed);
+    rc = fflush(stdout) ? 1 : 0;
 out:
-    free(ids);
+    if (sf) fclose(sf), remove(tmp);
+    if (rf) fclose(rf);
+    free(a), free(b), free(bf), free(routes), free(la), free(lb), free(ids);
     moe_model_close(mt), moe_model_close(mr);
     return rc;
 }

@@ -3963,8 +3963,9 @@ static void test_shipped_cli(void) {
 
 /* moe-perplexity on the shipped model against the same figures computed here through the
  * library: windows of 32 of the reference ids (-c 32: fresh sequences, the second halves
- * scored), Q8_0 at load against the model as stored, with the routing pinned too; the whole
- * stream as one window; text through the model's tokenizer (-f); bad input refused */
+ * scored), Q8_0 at load against the model as stored, with the routing pinned too; the same
+ * through a saved reference (--save-ref, --ref-logits); the whole stream as one window; text
+ * through the model's tokenizer (-f); bad input and bad reference files refused */
 static void test_shipped_perplexity(void) {
     char cmd[2400], out[4096], idsf[600], txt[600];
     size_t li = 0;
@@ -4025,6 +4026,28 @@ static void test_shipped_perplexity(void) {
            "moe-perplexity %s against KL %.6g pinned %.6g top-1 %.6f ppl %.6f / %.6f over %d", out, kl / scored, klf / scored,
            (double)agree / scored, want_r, want_p, scored);
     moe__json_free(j), j = NULL;
+    /* the reference saved, then standing in for the model: the same figures to the digit */
+    char reff[600], first[4096];
+    tmp_path(reff, sizeof reff, "ppl-ref.bin");
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s --dense q8_0 -c %d --ref-routing --json -t 2 --save-ref %s 2>&1", exe_dir,
+             shipped_dir(), idsf, W, reff);
+    CHECKF(run_cmd(cmd, first, sizeof first) == 0, "%s", first);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --ref-logits %s --dense q8_0 --ref-routing --json -t 2 2>&1", exe_dir, shipped_dir(), reff);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0 && !strcmp(out, first), "saved reference: %s against %s", out, first);
+    /* refused: a truncated file, one without routing for --ref-routing, another model's vocabulary */
+    size_t rl = 0;
+    char *rb = read_all(reff, &rl), bad[600];
+    tmp_path(bad, sizeof bad, "ppl-bad.bin");
+    if (rb) write_all(bad, rb, rl - 5);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --ref-logits %s 2>&1", exe_dir, shipped_dir(), bad);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "truncated"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -c %d --save-ref %s 2>&1", exe_dir, shipped_dir(), idsf, W, bad);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --ref-logits %s --ref-routing 2>&1", exe_dir, shipped_dir(), bad);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "no routing"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s/kimi --ref-logits %s 2>&1", exe_dir, golden_dir(), reff);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "vocabulary"), "%s", out);
+    free(rb), remove(bad), remove(reff);
     /* the whole stream: one window, every position */
     snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s --dense q8_0 --json 2>&1", exe_dir, shipped_dir(), idsf);
     CHECKF(run_cmd(cmd, out, sizeof out) == 0 && moe__json_parse(out, strlen(out), &j, NULL, 0) == MOE_OK, "%s", out);
@@ -4050,7 +4073,7 @@ static void test_shipped_perplexity(void) {
     if (fp) fprintf(fp, "1 2 3 %d 5\n", V), fclose(fp);
     snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s 2>&1", exe_dir, shipped_dir(), idsf);
     CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "past the vocabulary"), "%s", out);
-    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -c 6 2>&1", exe_dir, shipped_dir(), idsf);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -c 4 2>&1", exe_dir, shipped_dir(), idsf);
     CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "past the vocabulary"), "%s", out);
     fp = fopen(idsf, "w");
     if (fp) fprintf(fp, "1 2 3 4 5\n"), fclose(fp);
