@@ -1597,8 +1597,9 @@ static void test_matmul_threads(void) {
  * bound of the second part's rounding (sum over blocks of |w| times half its step, recomputed
  * here from the reference quantizer) of the exact product of the dequantized weights, where the
  * 8-bit input alone is off by ~250x that; a float matrix in the same call gives its plain
- * outputs bit for bit; 300 rows (two passes of the runtime's 256) and 1 row; 1 and 3 threads
- * alike. Inputs with an outlier per row (coarse blocks, large rounding errors). */
+ * outputs bit for bit; 300 rows (two passes of the runtime's 256) on the CPU's kernels and 1 row
+ * on the scalar ones; 1 and 3 threads alike. Inputs with an outlier per row (coarse blocks, large
+ * rounding errors). */
 static void test_matmul_act16(void) {
     enum { NW = 5, K = 256 };
     const int types[NW] = {MOE_T_F32, MOE_T_Q8_0, MOE_T_Q4_0, MOE_T_Q8_0X8, MOE_T_Q4_0X8};
@@ -1647,9 +1648,10 @@ static void test_matmul_act16(void) {
             y8[i] = malloc(sizeof(float) * (size_t)(T * rows[i]));
             for (int64_t k = 0; k < T * rows[i]; k++) y16[i][k] = y16b[i][k] = NAN;
         }
-        CHECK(moe__matmul(wp, y16, NW, x, T, 1, MOE_FLAG_ACT16) == MOE_OK);
-        CHECK(moe__matmul(wp, y16b, NW, x, T, 3, MOE_FLAG_ACT16) == MOE_OK);
-        CHECK(moe__matmul(wp, y8, NW, x, T, 1, 0) == MOE_OK);
+        const unsigned kset = ti ? 0 : MOE_FLAG_FORCE_SCALAR; /* one row on the scalar kernels, 300 on the CPU's best */
+        CHECK(moe__matmul(wp, y16, NW, x, T, 1, MOE_FLAG_ACT16 | kset) == MOE_OK);
+        CHECK(moe__matmul(wp, y16b, NW, x, T, 3, MOE_FLAG_ACT16 | kset) == MOE_OK);
+        CHECK(moe__matmul(wp, y8, NW, x, T, 1, kset) == MOE_OK);
         for (int i = 0; i < NW; i++) {
             double worst16 = 0, worst8 = 0; /* error over its bound */
             int64_t unequal = 0;
