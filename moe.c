@@ -2756,6 +2756,9 @@ static int act16_job(const moe_model *m, const mm_job *j) { return (m->opt.flags
  * twice over) whatever the batch */
 #define ACT16_ROWS 256
 
+/* how many of job j's rows from t0 on one pass of mm_run_act16 takes (0 or less: none left) */
+static int act16_pass_rows(const mm_job *j, int t0) { return j->T - t0 < ACT16_ROWS ? j->T - t0 : ACT16_ROWS; }
+
 /* rows t0 .. t0 + ACT16_ROWS - 1 of the jobs j[0..n) under MOE_FLAG_ACT16: each quantized job
  * runs on twice its rows (act16_rows) into a buffer of its own, in one parallel loop with the
  * others (a task reads its weights once for both parts), then y = first part + second */
@@ -2763,7 +2766,7 @@ static moe_status mm_run_act16(const moe_model *m, const mm_job *j, int n, int n
     mm_job *c = malloc(sizeof *c * (size_t)n);
     size_t nq = 0, ny = 0, ne = 0;
     for (int i = 0; i < n; i++) {
-        const int T = j[i].T - t0 < ACT16_ROWS ? j[i].T - t0 : ACT16_ROWS;
+        const int T = act16_pass_rows(&j[i], t0);
         if (T <= 0 || !act16_job(m, &j[i])) continue;
         nq += 2 * (size_t)T * (size_t)(j[i].W->cols / 32), ny += 2 * (size_t)T * (size_t)j[i].W->rows;
         ne = (size_t)j[i].W->cols > ne ? (size_t)j[i].W->cols : ne;
@@ -2774,7 +2777,7 @@ static moe_status mm_run_act16(const moe_model *m, const mm_job *j, int n, int n
     int k = 0;
     size_t oq = 0, oy = 0;
     for (int i = 0; i < n; i++) {
-        const int T = j[i].T - t0 < ACT16_ROWS ? j[i].T - t0 : ACT16_ROWS;
+        const int T = act16_pass_rows(&j[i], t0);
         if (T <= 0) continue;
         const int64_t K = j[i].W->cols, N = j[i].W->rows;
         const float *x = j[i].x + (int64_t)t0 * j[i].ldx;
@@ -2789,7 +2792,7 @@ static moe_status mm_run_act16(const moe_model *m, const mm_job *j, int n, int n
     moe_status st = mm_run_jobs(m, c, k, nt);
     oy = 0;
     for (int i = 0; i < n && !st; i++) {
-        const int T = j[i].T - t0 < ACT16_ROWS ? j[i].T - t0 : ACT16_ROWS;
+        const int T = act16_pass_rows(&j[i], t0);
         if (T <= 0 || !act16_job(m, &j[i])) continue;
         const int64_t N = j[i].W->rows;
         const float *lo = yb + oy + (size_t)T * (size_t)N;
