@@ -3133,6 +3133,15 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
 #define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
 #define MLA_EXPANDED_BLOCK_BYTES (256.0 * 1024 * 1024) /* one key block's keys and values (all heads), at most */
 
+/* rows_times_q's work in a thread's part of the absorbed attention's work area: under
+ * MOE_FLAG_ACT16 three times the longest input or output of the absorbed products (k_b: d_n in,
+ * r out; v_b: r in, d_v out), else none */
+static size_t mla_act16_work(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const int a = c->kv_lora_rank > c->qk_nope_dim ? c->kv_lora_rank : c->qk_nope_dim;
+    return m->opt.flags & MOE_FLAG_ACT16 ? 3 * (size_t)(a > c->v_head_dim ? a : c->v_head_dim) : 0;
+}
+
 /* Absorbed attention of one query token over `len` cached latents, all heads at once (the heads
  * share the latent, as in MQA). The keys are split across the threads (split-K, as in flash
  * decoding): each thread streams its contiguous share of the cache once, in blocks of
@@ -3152,20 +3161,14 @@ static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
  * transposed copy and their scales [H, 2]), then per thread SC [H, KB], CTX [H, r], M [H],
  * LS [H], one row [r], room for r quantized values [r] and, with a bf16 cache, the bf16 kernels'
  * work area (moe__mla_work16); with an int8 one the weights in bytes [H, KB], their scales [H] and
- * moe__mla_weights8's work [KB]; under MOE_FLAG_ACT16 rows_times_q's work [3 w] (w: mla_act16_width). */
-/* the longest input or output of the absorbed products (k_b: d_n in, r out; v_b: r in, d_v out) */
-static size_t mla_act16_width(const moe_config *c) {
-    const int a = c->kv_lora_rank > c->qk_nope_dim ? c->kv_lora_rank : c->qk_nope_dim;
-    return (size_t)(a > c->v_head_dim ? a : c->v_head_dim);
-}
-
+ * moe__mla_weights8's work [KB]; then rows_times_q's work (mla_act16_work). */
 static size_t mla_absorbed_part(const moe_model *m) {
     const moe_config *c = &m->cfg;
     const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank, cw = r + (size_t)c->qk_rope_dim;
     const size_t kv = m->opt.kv_type == MOE_KV_BF16 ? moe__mla_work16((int)H, (int)cw, MLA_KEY_BLOCK)
                       : m->opt.kv_type == MOE_KV_Q8 ? H * MLA_KEY_BLOCK / 4 + H + MLA_KEY_BLOCK
                                                     : 0;
-    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + kv + (m->opt.flags & MOE_FLAG_ACT16 ? 3 * mla_act16_width(c) : 0);
+    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + kv + mla_act16_work(m);
 }
 
 /* the shared part (QA, and the queries in the cache's element), then each thread's */
@@ -3235,7 +3238,7 @@ static void mla_token_share(void *arg, const par_ctx *p) {
     float *wide = row + 2 * (size_t)r;
     uint8_t *W8 = (uint8_t *)wide; /* an int8 cache: the block's weights in bytes [H, KB], their scales [H], work */
     float *WS8 = wide + (size_t)H * KB / 4;
-    float *A16 = SC + per - (m->opt.flags & MOE_FLAG_ACT16 ? 3 * mla_act16_width(c) : 0); /* rows_times_q's work */
+    float *A16 = SC + per - mla_act16_work(m); /* rows_times_q's work */
     /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
      * h*(d_n+d_v) .. +d_n taken as columns */
     for (int h = h0; h < h1 && split; h++) {

@@ -130,6 +130,7 @@ static void score_window(tally *y, const float *ref, const float *test, const fl
 static int32_t *tokenize_file(const moe_model *m, const char *path, int *n) {
     char err[512];
     size_t len = 0, got = 0;
+    errno = 0; /* slurp sets it only when the open fails */
     char *text = slurp(path, &len);
     if (!text) {
         fprintf(stderr, "moe-perplexity: %s: %s\n", path, errno ? strerror(errno) : "read error");
