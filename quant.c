@@ -2638,6 +2638,7 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
         __m256 acc[8];                                                                                                    \
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();                                                         \
         for (int64_t i = 0; i < n / 256; i++, o++, x += 8) {                                                              \
+            prefetch_ahead_l2(o, sizeof *o);                                                                              \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->d));                      \
             const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->dmin));                  \
             for (int p = 0; p < 4; p++) {                                                                                 \
@@ -3260,6 +3261,7 @@ K4X8X4_KERNEL(dotq8x4_q5_k_avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, SUMS32, moe__bloc
         for (int t = 0; t < 4; t++)                                                                                       \
             for (int j = 0; j < 8; j++) acc[t][j] = _mm256_setzero_ps();                                                  \
         for (int64_t i = 0; i < n / 256; i++, o++) {                                                                      \
+            if (NT == 1) prefetch_ahead_l2(o, sizeof *o);                                                                 \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)o->d));                      \
             for (int p = 0; p < 4; p++) {                                                                                 \
                 __m256i s[4][2];                                                                                          \
@@ -3672,6 +3674,16 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     VNNI_X4X2_STORE();
 }
 
+/* a two-group kernel's entry points from name##_rows: 4 activation rows (prefill) and 1 (decode,
+ * where one group a call streams these formats below the memory's speed: name##_rows prefetches
+ * each group 8 KB ahead into L2 then) */
+#define X4X2_FORMS(name, name1)                                                                                    \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+        name##_rows(w, x, xs, n, out, 4);                                                                          \
+    }                                                                                                              \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name1(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
+        name##_rows(w, x, 0, n, out, 1);                                                                           \
+    }
 /* Q4_KX8 and Q5_KX8, two adjacent groups (16 rows) times 4 activation rows in 512-bit registers,
  * group A in the low half and B in the high half: each lane takes the 4-row kernel's steps
  * (K4X8X4_KERNEL: the same integer sums, scales, float operations and final order of sums), so
@@ -3684,20 +3696,21 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
 #define SUM8_HSUM_ORDER_512(a)                                                                                     \
     _mm512_add_ps(_mm512_add_ps(_mm512_add_ps((a)[0], (a)[4]), _mm512_add_ps((a)[2], (a)[6])),                      \
                   _mm512_add_ps(_mm512_add_ps((a)[1], (a)[5]), _mm512_add_ps((a)[3], (a)[7])))
-#define K4X8X4X2_KERNEL(name, BLK, FIVE)                                                                           \
-    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
+#define K4X8X4X2_KERNEL(name, name1, BLK, FIVE)                                                                           \
+    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static inline __attribute__((always_inline)) void name##_rows(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out, const int NT) { \
         const BLK *oa = w, *ob = oa + n / 256;                                                                     \
         const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);                                        \
         (void)one;                                                                                                 \
         __m512 acc[4][8];                                                                                          \
-        for (int t = 0; t < 4; t++)                                                                                \
+        for (int t = 0; t < NT; t++)                                                                               \
             for (int j = 0; j < 8; j++) acc[t][j] = _mm512_setzero_ps();                                           \
         for (int64_t i = 0; i < n / 256; i++) {                                                                    \
             const BLK *a = oa + i, *b = ob + i;                                                                    \
             const __m512 d = PAIR_F16(a->d, b->d), dm = PAIR_F16(a->dmin, b->dmin);                                \
-            for (int p = 0; p < 4; p++) {                                                                          \
+            if (NT == 1) prefetch_ahead_l2(a, sizeof *a), prefetch_ahead_l2(b, sizeof *b);                                \
+            MOE_UNROLL4 for (int p = 0; p < 4; p++) {                                                              \
                 __m512i s[4][2];                                                                                   \
-                MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();                \
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();                \
                 MOE_UNROLL8 for (int c = 0; c < 8; c++) {                                                          \
                     const __m512i v = PAIR256(a->qs + p * 256 + 32 * c, b->qs + p * 256 + 32 * c);                 \
                     __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);      \
@@ -3707,7 +3720,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
                         lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * p), one), 4)); \
                         hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, 2 * p + 1), one), 4)); \
                     }                                                                                              \
-                    MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                      \
+                    MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                     \
                         const moe__block_q8a *xt = x + t * xs + 8 * i;                                             \
                         VNNI_DPB_512(s[t][0], lo, xt[2 * p].qs + 4 * c);                                           \
                         VNNI_DPB_512(s[t][1], hi, xt[2 * p + 1].qs + 4 * c);                                       \
@@ -3717,7 +3730,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
                     const int j = 2 * p + h;                                                                       \
                     const __m512 sc = _mm512_mul_ps(PAIR_U8(a->sc[j], b->sc[j]), d);                               \
                     const __m512 mn = _mm512_mul_ps(PAIR_U8(a->m[j], b->m[j]), dm);                                \
-                    MOE_UNROLL4 for (int t = 0; t < 4; t++) {                                                      \
+                    MOE_UNROLL4 for (int t = 0; t < NT; t++) {                                                     \
                         const moe__block_q8a *xj = x + t * xs + 8 * i + j;                                         \
                         const __m512 tt = _mm512_fmsub_ps(sc, _mm512_cvtepi32_ps(s[t][h]), _mm512_mul_ps(mn, _mm512_set1_ps((float)xj->sum))); \
                         acc[t][j] = _mm512_fmadd_ps(_mm512_set1_ps(xj->d), tt, acc[t][j]);                         \
@@ -3725,31 +3738,33 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
-        for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));                  \
-    }
-K4X8X4X2_KERNEL(dotq8x4x2_q4_k_vnni, moe__block_q4_kx8, 0)
-K4X8X4X2_KERNEL(dotq8x4x2_q5_k_vnni, moe__block_q5_kx8, 1)
+        for (int t = 0; t < NT; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));                 \
+    }                                                                                                              \
+    X4X2_FORMS(name, name1)
+K4X8X4X2_KERNEL(dotq8x4x2_q4_k_vnni, dotq8x2_q4_k_vnni, moe__block_q4_kx8, 0)
+K4X8X4X2_KERNEL(dotq8x4x2_q5_k_vnni, dotq8x2_q5_k_vnni, moe__block_q5_kx8, 1)
 /* IQ4_XSX8 likewise, each lane the steps of IQ4X8_KERNEL's 4-row form (levels + 128 as unsigned
  * bytes, 128 sum(x) taken off, times ls - 32 by mullo, then the float steps) */
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_iq4_xs_vnni(const void *w, const moe__block_q8a *x, int64_t xs,
-                                                                                                   int64_t n, float *out) {
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static inline __attribute__((always_inline)) void dotq8x4x2_iq4_xs_vnni_rows(const void *w, const moe__block_q8a *x, int64_t xs,
+                                                                                                   int64_t n, float *out, const int NT) {
     const moe__block_iq4_xsx8 *oa = w, *ob = oa + n / 256;
     const __m512i m4 = _mm512_set1_epi8(15);
     const __m512i kv = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)moe__iq4nl_values)), _mm512_set1_epi8((char)128));
     __m512 acc[4][8];
-    for (int t = 0; t < 4; t++)
+    for (int t = 0; t < NT; t++)
         for (int j = 0; j < 8; j++) acc[t][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
         const moe__block_iq4_xsx8 *a = oa + i, *b = ob + i;
+        if (NT == 1) prefetch_ahead_l2(a, sizeof *a), prefetch_ahead_l2(b, sizeof *b);
         const __m512 d = PAIR_F16(a->d, b->d);
-        for (int p = 0; p < 4; p++) {
+        MOE_UNROLL4 for (int p = 0; p < 4; p++) {
             __m512i s[4][2];
-            MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
+            MOE_UNROLL4 for (int t = 0; t < NT; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
             MOE_UNROLL8 for (int c = 0; c < 8; c++) {
                 const __m512i v = PAIR256(a->qs + p * 256 + 32 * c, b->qs + p * 256 + 32 * c);
                 const __m512i lo = _mm512_shuffle_epi8(kv, _mm512_and_si512(v, m4));
                 const __m512i hi = _mm512_shuffle_epi8(kv, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-                MOE_UNROLL4 for (int t = 0; t < 4; t++) {
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) {
                     VNNI_DPB_512(s[t][0], lo, x[t * xs + 8 * i + 2 * p].qs + 4 * c);
                     VNNI_DPB_512(s[t][1], hi, x[t * xs + 8 * i + 2 * p + 1].qs + 4 * c);
                 }
@@ -3757,7 +3772,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
             MOE_UNROLL4 for (int h = 0; h < 2; h++) {
                 const int j = 2 * p + h;
                 const __m512i sc = _mm512_cvtepi8_epi32(PAIR64(a->sc[j], b->sc[j]));
-                MOE_UNROLL4 for (int t = 0; t < 4; t++) {
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) {
                     const moe__block_q8a *xb = &x[t * xs + 8 * i + j];
                     const __m512i dot = _mm512_sub_epi32(s[t][h], _mm512_set1_epi32(128 * xb->sum));
                     acc[t][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(xb->d), d), _mm512_cvtepi32_ps(_mm512_mullo_epi32(dot, sc)), acc[t][j]);
@@ -3765,18 +3780,9 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
             }
         }
     }
-    for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
 }
-/* a two-group kernel's entry points from name##_rows: 4 activation rows (prefill) and 1 (decode,
- * where one group a call streams these formats below the memory's speed: name##_rows prefetches
- * each group 8 KB ahead into L2 then) */
-#define X4X2_FORMS(name, name1)                                                                                    \
-    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out) { \
-        name##_rows(w, x, xs, n, out, 4);                                                                          \
-    }                                                                                                              \
-    MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name1(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
-        name##_rows(w, x, 0, n, out, 1);                                                                           \
-    }
+X4X2_FORMS(dotq8x4x2_iq4_xs_vnni, dotq8x2_iq4_xs_vnni)
 /* Q2_KX8 and Q3_KX8 likewise, each lane the steps of K2X8_KERNEL's 4-row form */
 #define K2X8X4X2_KERNEL(name, name1, THREE)                                                                        \
     MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static inline __attribute__((always_inline)) void name##_rows(const void *w, const moe__block_q8a *x, int64_t xs, int64_t n, float *out, const int NT) { \
@@ -3841,32 +3847,33 @@ K2X8X4X2_KERNEL(dotq8x4x2_q3_k_vnni, dotq8x2_q3_k_vnni, 1)
 /* Q6_KX8 likewise, each lane the steps of K6X8_KERNEL's 4-row form (one sub-block a pass; 6-bit
  * values as unsigned bytes, 32 sum(x) over each 16 taken off, times the 16s' scales by mullo, then
  * the float steps) */
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_q6_k_vnni(const void *w, const moe__block_q8a *x, int64_t xs,
-                                                                                                 int64_t n, float *out) {
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static inline __attribute__((always_inline)) void dotq8x4x2_q6_k_vnni_rows(const void *w, const moe__block_q8a *x, int64_t xs,
+                                                                                                 int64_t n, float *out, const int NT) {
     const moe__block_q6_kx8 *oa = w, *ob = oa + n / 256;
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     __m512 acc[4][8];
-    for (int t = 0; t < 4; t++)
+    for (int t = 0; t < NT; t++)
         for (int j = 0; j < 8; j++) acc[t][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
         const moe__block_q6_kx8 *a = oa + i, *b = ob + i;
+        if (NT == 1) prefetch_ahead_l2(a, sizeof *a), prefetch_ahead_l2(b, sizeof *b);
         const __m512 d = PAIR_F16(a->d, b->d);
         MOE_UNROLL4 for (int h = 0; h < 2; h++)
             MOE_UNROLL4 for (int k = 0; k < 4; k++) {
                 const int j = 4 * h + k;
                 __m512i s[4][2];
-                MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
                 MOE_UNROLL8 for (int c = 0; c < 8; c++) {
                     const __m512i qh = PAIR256(a->qh + 256 * h + 32 * c, b->qh + 256 * h + 32 * c);
                     const __m512i l = PAIR256(a->ql + 512 * h + 256 * (k & 1) + 32 * c, b->ql + 512 * h + 256 * (k & 1) + 32 * c);
                     const __m512i lo = _mm512_and_si512(k < 2 ? l : _mm512_srli_epi16(l, 4), m4);
                     const __m512i hi = k == 0 ? _mm512_slli_epi16(qh, 4) : k == 1 ? _mm512_slli_epi16(qh, 2) : k == 2 ? qh : _mm512_srli_epi16(qh, 2);
                     const __m512i v = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
-                    MOE_UNROLL4 for (int t = 0; t < 4; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c);
+                    MOE_UNROLL4 for (int t = 0; t < NT; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c);
                 }
                 const __m512i sc0 = _mm512_cvtepi8_epi32(PAIR64(a->sc[2 * j], b->sc[2 * j]));
                 const __m512i sc1 = _mm512_cvtepi8_epi32(PAIR64(a->sc[2 * j + 1], b->sc[2 * j + 1]));
-                MOE_UNROLL4 for (int t = 0; t < 4; t++) {
+                MOE_UNROLL4 for (int t = 0; t < NT; t++) {
                     const moe__block_q8a *xb = &x[t * xs + 8 * i + j];
                     const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;
                     const __m512i a0 = _mm512_sub_epi32(s[t][0], _mm512_set1_epi32(32 * h0));
@@ -3876,8 +3883,9 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
                 }
             }
     }
-    for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
 }
+X4X2_FORMS(dotq8x4x2_q6_k_vnni, dotq8x2_q6_k_vnni)
 #undef K4X8X4X2_KERNEL
 #undef SUM8_HSUM_ORDER_512
 #undef PAIR_U8
@@ -7116,10 +7124,13 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q5_KX8] = dotq8_q5_k_vnni;
                 v->dotq8x4[MOE_T_Q5_KX8] = dotq8x4_q5_k_vnni;
                 v->dotq8x4x2[MOE_T_Q4_KX8] = dotq8x4x2_q4_k_vnni;
+                v->dotq8x2[MOE_T_Q4_KX8] = dotq8x2_q4_k_vnni;
                 v->dotq8x4x2[MOE_T_Q5_KX8] = dotq8x4x2_q5_k_vnni;
+                v->dotq8x2[MOE_T_Q5_KX8] = dotq8x2_q5_k_vnni;
                 v->dotq8[MOE_T_IQ4_XSX8] = dotq8_iq4_xs_vnni;
                 v->dotq8x4[MOE_T_IQ4_XSX8] = dotq8x4_iq4_xs_vnni;
                 v->dotq8x4x2[MOE_T_IQ4_XSX8] = dotq8x4x2_iq4_xs_vnni;
+                v->dotq8x2[MOE_T_IQ4_XSX8] = dotq8x2_iq4_xs_vnni;
                 v->dotq8[MOE_T_Q2_KX8] = dotq8_q2_k_vnni;
                 v->dotq8x4[MOE_T_Q2_KX8] = dotq8x4_q2_k_vnni;
                 v->dotq8x4x2[MOE_T_Q2_KX8] = dotq8x4x2_q2_k_vnni;
@@ -7131,6 +7142,7 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q6_KX8] = dotq8_q6_k_vnni;
                 v->dotq8x4[MOE_T_Q6_KX8] = dotq8x4_q6_k_vnni;
                 v->dotq8x4x2[MOE_T_Q6_KX8] = dotq8x4x2_q6_k_vnni;
+                v->dotq8x2[MOE_T_Q6_KX8] = dotq8x2_q6_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
