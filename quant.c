@@ -3847,33 +3847,32 @@ K2X8X4X2_KERNEL(dotq8x4x2_q3_k_vnni, dotq8x2_q3_k_vnni, 1)
 /* Q6_KX8 likewise, each lane the steps of K6X8_KERNEL's 4-row form (one sub-block a pass; 6-bit
  * values as unsigned bytes, 32 sum(x) over each 16 taken off, times the 16s' scales by mullo, then
  * the float steps) */
-MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static inline __attribute__((always_inline)) void dotq8x4x2_q6_k_vnni_rows(const void *w, const moe__block_q8a *x, int64_t xs,
-                                                                                                 int64_t n, float *out, const int NT) {
+MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dotq8x4x2_q6_k_vnni(const void *w, const moe__block_q8a *x, int64_t xs,
+                                                                                                 int64_t n, float *out) {
     const moe__block_q6_kx8 *oa = w, *ob = oa + n / 256;
     const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
     __m512 acc[4][8];
-    for (int t = 0; t < NT; t++)
+    for (int t = 0; t < 4; t++)
         for (int j = 0; j < 8; j++) acc[t][j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n / 256; i++) {
         const moe__block_q6_kx8 *a = oa + i, *b = ob + i;
-        if (NT == 1) prefetch_ahead_l2(a, sizeof *a), prefetch_ahead_l2(b, sizeof *b);
         const __m512 d = PAIR_F16(a->d, b->d);
         MOE_UNROLL4 for (int h = 0; h < 2; h++)
             MOE_UNROLL4 for (int k = 0; k < 4; k++) {
                 const int j = 4 * h + k;
                 __m512i s[4][2];
-                MOE_UNROLL4 for (int t = 0; t < NT; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
                 MOE_UNROLL8 for (int c = 0; c < 8; c++) {
                     const __m512i qh = PAIR256(a->qh + 256 * h + 32 * c, b->qh + 256 * h + 32 * c);
                     const __m512i l = PAIR256(a->ql + 512 * h + 256 * (k & 1) + 32 * c, b->ql + 512 * h + 256 * (k & 1) + 32 * c);
                     const __m512i lo = _mm512_and_si512(k < 2 ? l : _mm512_srli_epi16(l, 4), m4);
                     const __m512i hi = k == 0 ? _mm512_slli_epi16(qh, 4) : k == 1 ? _mm512_slli_epi16(qh, 2) : k == 2 ? qh : _mm512_srli_epi16(qh, 2);
                     const __m512i v = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
-                    MOE_UNROLL4 for (int t = 0; t < NT; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c);
+                    MOE_UNROLL4 for (int t = 0; t < 4; t++) VNNI_DPB_512(s[t][c / 4], v, x[t * xs + 8 * i + j].qs + 4 * c);
                 }
                 const __m512i sc0 = _mm512_cvtepi8_epi32(PAIR64(a->sc[2 * j], b->sc[2 * j]));
                 const __m512i sc1 = _mm512_cvtepi8_epi32(PAIR64(a->sc[2 * j + 1], b->sc[2 * j + 1]));
-                MOE_UNROLL4 for (int t = 0; t < NT; t++) {
+                MOE_UNROLL4 for (int t = 0; t < 4; t++) {
                     const moe__block_q8a *xb = &x[t * xs + 8 * i + j];
                     const int h0 = sum16_i8(xb->qs), h1 = xb->sum - h0;
                     const __m512i a0 = _mm512_sub_epi32(s[t][0], _mm512_set1_epi32(32 * h0));
@@ -3883,9 +3882,8 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static inline _
                 }
             }
     }
-    for (int t = 0; t < NT; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
+    for (int t = 0; t < 4; t++) _mm512_storeu_ps(out + 16 * t, SUM8_HSUM_ORDER_512(acc[t]));
 }
-X4X2_FORMS(dotq8x4x2_q6_k_vnni, dotq8x2_q6_k_vnni)
 #undef K4X8X4X2_KERNEL
 #undef SUM8_HSUM_ORDER_512
 #undef PAIR_U8
@@ -7142,7 +7140,6 @@ int moe__kernel_levels(moe__kernels *out, int max) {
                 v->dotq8[MOE_T_Q6_KX8] = dotq8_q6_k_vnni;
                 v->dotq8x4[MOE_T_Q6_KX8] = dotq8x4_q6_k_vnni;
                 v->dotq8x4x2[MOE_T_Q6_KX8] = dotq8x4x2_q6_k_vnni;
-                v->dotq8x2[MOE_T_Q6_KX8] = dotq8x2_q6_k_vnni;
                 v->dotq8[MOE_T_Q4_0X8] = dotq8_q4_0_vnni;
                 v->dotq8[MOE_T_Q8_0X8] = dotq8_q8_0_vnni;
                 v->dotq8[MOE_T_MXFP4X8] = dotq8_mxfp4_vnni;
