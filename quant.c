@@ -3684,7 +3684,7 @@ MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void dot
     MOE_TARGET("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni") static void name1(const void *w, const moe__block_q8a *x, int64_t n, float *out) { \
         name##_rows(w, x, 0, n, out, 1);                                                                           \
     }
-/* Q4_KX8 and Q5_KX8, two adjacent groups (16 rows) times 4 activation rows in 512-bit registers,
+/* Q4_KX8 and Q5_KX8, two adjacent groups (16 rows) times NT (4 or 1) activation rows in 512-bit registers,
  * group A in the low half and B in the high half: each lane takes the 4-row kernel's steps
  * (K4X8X4_KERNEL: the same integer sums, scales, float operations and final order of sums), so
  * out[t * 16 + i] is bit for bit the level's dotq8 for row i of A (i < 8) or B */
