@@ -3909,7 +3909,7 @@ static void test_shipped_quality(void) {
     o.n_threads = 2;
     moe_model *f = NULL;
     CHECK(n == 2048 && moe_model_open(&f, shipped_dir(), &o, NULL, 0) == MOE_OK);
-    float *ref = ids && f && n == 2048 ? logits_routed(f, ids, n, NULL, NULL, NULL) : NULL;
+    float *ref = f ? logits_routed(f, ids, n, NULL, NULL, NULL) : NULL; /* (opened only with the 2,048 ids) */
     moe_model_close(f);
     CHECK(ref != NULL);
     for (size_t r = 0; ref && r < sizeof runs / sizeof *runs; r++) {
