@@ -1,12 +1,28 @@
-/* moe.c - the moe runtime: loading Hugging Face checkpoints (safetensors, validated), the
- * forward pass of the Kimi Linear / Kimi K3 family (spec/MODEL.md), sessions, the batched step
- * and sampling. Kernels and number formats live in quant.c; this file owns model logic only.
- * The tokenizer (tiktoken rank BPE, Kimi/o200k/cl100k pre-tokenizers) and chat formats are
- * near the end.
+/* moe.c - the moe runtime: loading checkpoints (safetensors, GGUF), keeping their weights in
+ * memory or streaming them from disk, the forward pass of the Kimi Linear / Kimi K3 family
+ * (spec/MODEL.md), sessions, and text (tokenizer, chat formats, sampling). Kernels and number
+ * formats live in quant.c; this file owns model logic only and calls the kernels through the
+ * model's kernel table (m->k). It prints nothing and never exits: every failure is a moe_status
+ * with a message in the caller's buffer.
  *
- * Sections in data-flow order: utilities, JSON, safetensors, config, model binding, matmul,
- * norms and activations, KDA, MLA, FFN and MoE, attention residuals, step, sessions, tokenizer,
- * chat formats, sampling. */
+ * The file reads front to back in the order data flows. Each part opens with a banner; grep
+ * for its exact string:
+ *
+ *   "PART 1: LOADING"           JSON, safetensors, GGUF, config, tensor names, binding, opening
+ *   "PART 2: WEIGHT RESIDENCY"  mapped files, load-time conversion, streamed dense layers, the
+ *                               expert cache and its I/O threads
+ *   "PART 3: THREADS AND MATMUL" the step's thread team, y = x W^T over every weight format
+ *   "PART 4: THE FORWARD PASS"  norms, KDA, MLA, FFN and MoE, attention residuals, the step
+ *   "PART 5: SESSIONS"          one sequence's state: create, reset, snapshot, fork
+ *   "PART 6: TEXT"              tokenizer, chat formats, sampling
+ *
+ * Within a part, sections open with "/" "* ==== NAME" banners (utilities come first, before
+ * PART 1). Where to start reading:
+ *   one token's forward pass   moe_step -> forward -> forward_layers (PART 4, section "step")
+ *   an expert read from disk   moe_ffn_forward -> expert_get -> cache_get -> unit_fill ->
+ *                              span_read (PART 2, section "expert cache")
+ *   a new weight format        quant.c's opening comment; here only st_dtypes / gguf types
+ *                              (PART 1) and count_dense_bytes' names */
 #define _POSIX_C_SOURCE 200809L
 #define _DEFAULT_SOURCE /* madvise */
 #define _GNU_SOURCE /* O_DIRECT (glibc declares it only then; other libcs ignore this) */
@@ -81,6 +97,19 @@ static int thread_id(void) {
 }
 
 static void *xcalloc(size_t n, size_t sz) { return n && sz ? calloc(n, sz) : calloc(1, 1); }
+
+/* =================================================================================================
+ * PART 1: LOADING
+ * =================================================================================================
+ * From files to a bound model. A checkpoint is a directory of safetensors shards (config.json,
+ * model.safetensors.index.json) or one or more GGUF files; every file is mapped read-only whole
+ * and every header is parsed through bounded reads (JSON, safetensors, GGUF), so a hostile file
+ * gives an error and never a read out of bounds. The config is read and range-checked once
+ * (moe__config_check), so later parts rely on its dimensions. Binding looks up each tensor the
+ * model needs by its Hugging Face name (GGUF names are mapped to those), checks type, shape and
+ * alignment, and keeps a pointer into the mapping (matrices) or an f32 copy (small vectors).
+ * moe_model_open ties it together, then hands the weights to PART 2 (choose_streamed,
+ * convert_weights, repack_weights, cache_open) to decide where each one lives. */
 
 /* ==== JSON ===================================================================================
  * A strict RFC 8259 parser for config.json, safetensors headers and the shard index. The whole
@@ -801,6 +830,19 @@ struct moe_session {
     moe__kv8_meta **mla_meta; /* per layer with an int8 cache: [cap] the rows' scales and sums */
     int *mla_cap;
 };
+
+
+/* where a layer keeps the dense matrices it can stream (kv_b only while it is still as stored:
+ * absorbed MLA needs it in a float format and converts it at load otherwise) */
+static const size_t dense_fields[] = {
+    offsetof(layer, q), offsetof(layer, k), offsetof(layer, v), offsetof(layer, f_a), offsetof(layer, f_b),
+    offsetof(layer, b), offsetof(layer, g_a), offsetof(layer, g_b), offsetof(layer, g), offsetof(layer, o),
+    offsetof(layer, q_a), offsetof(layer, q_b), offsetof(layer, kv_a), offsetof(layer, kv_b), offsetof(layer, gate),
+    offsetof(layer, up), offsetof(layer, down), offsetof(layer, lat_down), offsetof(layer, lat_up)};
+
+/* a layer's matrix number i of dense_fields */
+static moe__weight *layer_matrix(layer *L, size_t i) { return (moe__weight *)(void *)((char *)L + dense_fields[i]); }
+#define N_DENSE_FIELDS (sizeof dense_fields / sizeof *dense_fields)
 
 /* ==== config ==================================================================================
  * Moonshot's field names (spec/MODEL.md section 1), with transformers' aliases as fallbacks.
@@ -1604,6 +1646,394 @@ static void count_params(moe_model *m) {
     m->info.format = m->gguf ? "gguf" : "safetensors";
 }
 
+/* PART 2 decides where the bound weights live (binding calls these last) */
+static void choose_streamed(moe_model *m);
+static moe_status convert_weight(moe_model *m, moe__weight *w, int to);
+static moe_status convert_weights(moe_model *m);
+static moe_status repack_weights(moe_model *m);
+
+static void count_dense_bytes(moe_model *m) {
+    static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
+                                             "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k",
+                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq4_xs", "q2_k", "q3_k", "q6_k",
+                                             "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"};
+    _Static_assert(MOE_T_COUNT == 35, "a name for each weight type");
+    uint64_t per_type[MOE_T_COUNT] = {0};
+    uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
+    per_type[m->lm_head.type] += weight_bytes(&m->lm_head);
+    for (int i = 0; i < m->cfg.n_layers; i++) {
+        layer *L = &m->layers[i];
+        b += weight_bytes(&L->router), per_type[L->router.type] += weight_bytes(&L->router);
+        for (size_t k = 0; k < N_DENSE_FIELDS; k++) {
+            const moe__weight *w = layer_matrix(L, k);
+            b += weight_bytes(w), per_type[w->type] += weight_bytes(w);
+        }
+        if (L->k_b.data) /* decode reads these in place of kv_b (absorbed MLA) */
+            b += weight_bytes(&L->k_b) + weight_bytes(&L->v_b) - weight_bytes(&L->kv_b);
+        for (int e = 0; L->experts && e < m->cfg.n_experts; e++) per_type[L->experts[e].w1.type] += expert_bytes(&L->experts[e]);
+    }
+    int best = 0;
+    for (int t = 1; t < MOE_T_COUNT; t++)
+        if (per_type[t] > per_type[best]) best = t;
+    m->info.dense_bytes_per_token = b;
+    m->info.weight_type = names[best];
+}
+
+static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
+    const moe_config *c = &m->cfg;
+    binder b = {m, err, errlen, MOE_OK};
+    const int d = c->hidden_size;
+    bind_mat(&b, &m->embed, c->vocab_size, d, "model.embed_tokens");
+    if (c->tie_embeddings && !bfind(&b, "lm_head.weight")) m->lm_head = m->embed;
+    else bind_mat(&b, &m->lm_head, c->vocab_size, d, "lm_head");
+    m->final_norm = bind_vec(&b, d, 0, "model.norm.weight");
+    if (c->attn_res_block) m->out_res_w = bind_res(&b, d, "model.output_attn_res");
+    if (!b.st && !(m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers))) b.st = MOE_ERR_NOMEM;
+    for (int i = 0; i < c->n_layers && !b.st; i++) bind_layer(&b, i);
+    for (int i = 0; i < c->n_layers && !b.st; i++) /* absorbed MLA decodes kv_b rows as floats */
+        if (m->layers[i].kind == MOE_LAYER_MLA && !m->k.dot[m->layers[i].kv_b.type]) b.st = convert_weight(m, &m->layers[i].kv_b, MOE_WTYPE_F32);
+    if (!b.st && (m->embed.type == MOE_T_MXFP4 || m->embed.type == MOE_T_MXFP4_GGML))
+        b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
+    if (!b.st) count_params(m);
+    if (!b.st) choose_streamed(m);
+    if (!b.st && (b.st = convert_weights(m))) fail(err, errlen, b.st, "out of memory converting weights at load");
+    if (!b.st && !(m->opt.flags & MOE_FLAG_NO_REPACK) && (b.st = repack_weights(m)))
+        fail(err, errlen, b.st, "out of memory interleaving weights at load (MOE_FLAG_NO_REPACK keeps them mapped)");
+    if (!b.st) count_dense_bytes(m);
+    return b.st;
+}
+
+/* ==== opening ================================================================================ */
+
+static moe_status read_file(const char *path, char **out, size_t *len, size_t max, char *err,
+                            size_t errlen) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    char *buf = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (n == cap) {
+            if (cap >= max) {
+                fclose(f);
+                free(buf);
+                return fail(err, errlen, MOE_ERR_FORMAT, "%s: larger than %zu bytes", path, max);
+            }
+            cap = cap ? cap * 2 : 65536;
+            char *nb = realloc(buf, cap + 1);
+            if (!nb) { fclose(f); free(buf); return MOE_ERR_NOMEM; }
+            buf = nb;
+        }
+        size_t r = fread(buf + n, 1, cap - n, f);
+        n += r;
+        if (r == 0) break;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) { free(buf); return fail(err, errlen, MOE_ERR_IO, "%s: read error", path); }
+    buf[n] = 0;
+    *out = buf;
+    *len = n;
+    return MOE_OK;
+}
+
+static moe_status parse_json_file(const char *path, moe__json **root, char *err, size_t errlen) {
+    char *text = NULL;
+    size_t len = 0;
+    moe_status st = read_file(path, &text, &len, 256u << 20, err, errlen);
+    if (st) return st;
+    char e2[200];
+    st = moe__json_parse(text, len, root, e2, sizeof e2);
+    free(text);
+    if (st) return fail(err, errlen, st, "%s: %s", path, e2);
+    return MOE_OK;
+}
+
+static int is_dir(const char *path) {
+    struct stat sb;
+    return !stat(path, &sb) && S_ISDIR(sb.st_mode);
+}
+
+static int file_exists(const char *path) {
+    struct stat sb;
+    return !stat(path, &sb);
+}
+
+/* The shard list from model.safetensors.index.json: distinct plain file names in first-seen
+ * order. A name with a path separator is refused (the index must not reach outside the dir). */
+static moe_status index_shards(const char *dir, const char *index_path, char ***names, int *n,
+                               moe__json **idx, char *err, size_t errlen) {
+    moe_status st = parse_json_file(index_path, idx, err, errlen);
+    if (st) return st;
+    const moe__json *wm = moe__json_get(*idx, "weight_map");
+    if (!wm || wm->type != MOE_JSON_OBJ || wm->n == 0)
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: no weight_map", index_path);
+    char **list = xcalloc((size_t)wm->n, sizeof *list);
+    if (!list) return MOE_ERR_NOMEM;
+    int cnt = 0;
+    for (const moe__json *e = wm->child; e; e = e->next) {
+        if (e->type != MOE_JSON_STR || !*e->str || strchr(e->str, '/') || !strcmp(e->str, "..") ||
+            strlen(e->str) > 255) {
+            free(list);
+            return fail(err, errlen, MOE_ERR_FORMAT, "%s: bad shard name for tensor %s", index_path, e->key);
+        }
+        int seen = 0;
+        for (int i = 0; i < cnt && !seen; i++) seen = !strcmp(list[i], e->str);
+        if (!seen) list[cnt++] = (char *)e->str;
+    }
+    (void)dir;
+    *names = list;
+    *n = cnt;
+    return MOE_OK;
+}
+
+static moe_status cache_open(moe_model *m, char *err, size_t errlen); /* PART 2, section "expert cache" */
+static void cache_free(moe_model *m);
+
+moe_options moe_default_options(void) {
+    moe_options o;
+    memset(&o, 0, sizeof o);
+    o.n_threads = 1;
+    o.n_batch = 0; /* by the expert mode, at open */
+    o.expert_mode = MOE_EXPERTS_MMAP;
+    o.io_threads = 4;
+    o.prefetch = 1;
+    return o;
+}
+
+/* by magic, or by name (so a damaged .gguf gets a GGUF error rather than a config.json one) */
+static int is_gguf_file(const char *path) {
+    size_t l = strlen(path);
+    if (l > 5 && !strcmp(path + l - 5, ".gguf")) return 1;
+    FILE *f = fopen(path, "rb");
+    char magic[4] = {0};
+    if (!f) return 0;
+    size_t r = fread(magic, 1, 4, f);
+    fclose(f);
+    return r == 4 && !memcmp(magic, "GGUF", 4);
+}
+
+/* PREFIX-NNNNN-of-MMMMM.gguf, the names of a split GGUF's parts (llama.cpp's gguf-split and
+ * converter): 1 with the prefix's length, the part's number and the count */
+static int split_name(const char *path, size_t *prefix_len, int *no, int *count) {
+    static const char tail[] = "-00000-of-00000.gguf";
+    const size_t l = strlen(path), k = sizeof tail - 1;
+    if (l < k) return 0;
+    const char *t = path + l - k;
+    for (size_t i = 0; i < k; i++)
+        if (tail[i] == '0' ? (t[i] < '0' || t[i] > '9') : t[i] != tail[i]) return 0;
+    *prefix_len = l - k, *no = atoi(t + 1), *count = atoi(t + 10);
+    return 1;
+}
+
+/* the split keys of a GGUF part (no: 0-based; a file that is not split: part 0 of 1) */
+static moe_status split_keys(const moe__st_file *f, int64_t *no, int64_t *count, char *err, size_t errlen) {
+    *count = gguf_int(f, "split.count", 1), *no = gguf_int(f, "split.no", 0);
+    if (*count < 1 || *count > 99999 || *no < 0 || *no >= *count)
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.no %lld and split.count %lld do not name a part", f->path, (long long)*no,
+                    (long long)*count);
+    return MOE_OK;
+}
+
+/* A GGUF holds the config (as metadata) and every tensor: in one file, or split into parts
+ * PREFIX-00001-of-0000N.gguf .. -0000N-of-0000N.gguf as llama.cpp writes them, each a GGUF with
+ * its own tensors and the keys split.no (0-based), split.count and split.tensors.count (the
+ * whole model's), the metadata in the first. The path of any part opens them all. */
+static moe_status open_gguf(moe_model *m, const char *path, char *err, size_t errlen) {
+    m->gguf = 1;
+    if (!(m->files = xcalloc(1, sizeof *m->files))) return MOE_ERR_NOMEM;
+    moe_status st = moe__gguf_open(&m->files[0], path, err, errlen);
+    if (st) return st;
+    m->n_files = 1;
+    int64_t no, count;
+    if ((st = split_keys(&m->files[0], &no, &count, err, errlen))) return st;
+    if (count > 1) {
+        char part[4200];
+        size_t plen;
+        int nno, ncount;
+        if (!split_name(path, &plen, &nno, &ncount) || nno != no + 1 || ncount != count)
+            return fail(err, errlen, MOE_ERR_FORMAT, "%s: part %lld of a %lld-part GGUF, but not named PREFIX-%05lld-of-%05lld.gguf",
+                        path, (long long)no + 1, (long long)count, (long long)no + 1, (long long)count);
+        moe__st_file *fs = xcalloc((size_t)count, sizeof *fs);
+        if (!fs) return MOE_ERR_NOMEM;
+        fs[no] = m->files[0];
+        free(m->files);
+        m->files = fs, m->n_files = (int)count;
+        uint64_t tensors = 0;
+        for (int i = 0; i < count; i++) {
+            if (i != no) {
+                snprintf(part, sizeof part, "%.*s-%05d-of-%05lld.gguf", (int)plen, path, i + 1, (long long)count);
+                if ((st = moe__gguf_open(&m->files[i], part, err, errlen))) return st;
+            }
+            int64_t pno, pcount;
+            if ((st = split_keys(&m->files[i], &pno, &pcount, err, errlen))) return st;
+            if (pno != i || pcount != count)
+                return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.no %lld of %lld, but named part %d of %lld", m->files[i].path,
+                            (long long)pno, (long long)pcount, i + 1, (long long)count);
+            tensors += (uint64_t)m->files[i].n_tensors;
+        }
+        const int64_t want = gguf_int(&m->files[0], "split.tensors.count", (int64_t)tensors);
+        if (want != (int64_t)tensors)
+            return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.tensors.count says %lld tensors, the %lld parts hold %llu", m->files[0].path,
+                        (long long)want, (long long)count, (unsigned long long)tensors);
+    }
+    moe__json *cfg = NULL;
+    if ((st = gguf_config_json(m->files, m->n_files, &cfg, err, errlen))) return st;
+    char e2[400];
+    st = parse_config(m, cfg, e2, sizeof e2);
+    moe__json_free(cfg);
+    if (st) return fail(err, errlen, st, "%s: %s", m->files[0].path, e2);
+    return build_table(m, err, errlen);
+}
+
+static moe_status open_files(moe_model *m, const char *path, char *err, size_t errlen) {
+    char dir[4096], buf[4400];
+    moe_status st;
+    if (strlen(path) >= sizeof dir - 1) return fail(err, errlen, MOE_ERR_ARG, "path too long");
+    if (!is_dir(path) && is_gguf_file(path)) return open_gguf(m, path, err, errlen);
+    moe__json *cfg = NULL, *idx = NULL;
+    char **shards = NULL, *single[1];
+    int n_shards = 0;
+    if (is_dir(path)) {
+        snprintf(dir, sizeof dir, "%s", path);
+        snprintf(buf, sizeof buf, "%s/model.safetensors.index.json", dir);
+        if (file_exists(buf)) {
+            if ((st = index_shards(dir, buf, &shards, &n_shards, &idx, err, errlen))) goto out;
+        } else {
+            single[0] = "model.safetensors";
+            shards = single, n_shards = 1;
+        }
+    } else {
+        /* a single .safetensors file: config.json beside it */
+        const char *slash = strrchr(path, '/');
+        if (slash) snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
+        else strcpy(dir, ".");
+        single[0] = (char *)(slash ? slash + 1 : path);
+        shards = single, n_shards = 1;
+    }
+    snprintf(buf, sizeof buf, "%s/config.json", dir);
+    if ((st = parse_json_file(buf, &cfg, err, errlen))) goto out;
+    if (cfg->type != MOE_JSON_OBJ) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: not an object", buf); goto out; }
+    if ((st = parse_config(m, cfg, err, errlen))) goto out;
+    if (!(m->files = xcalloc((size_t)n_shards, sizeof *m->files))) { st = MOE_ERR_NOMEM; goto out; }
+    for (int i = 0; i < n_shards; i++) {
+        snprintf(buf, sizeof buf, "%s/%s", dir, shards[i]);
+        if ((st = moe__st_open(&m->files[i], buf, err, errlen))) goto out;
+        m->n_files++;
+    }
+    if ((st = build_table(m, err, errlen))) goto out;
+    if (idx) { /* every tensor the index names must be in the shard it names */
+        const moe__json *wm = moe__json_get(idx, "weight_map");
+        for (const moe__json *e = wm->child; e; e = e->next) {
+            const tensor_ref *r = lookup(m, e->key);
+            const char *base = r ? strrchr(m->files[r->file].path, '/') + 1 : NULL;
+            if (!r || strcmp(base, e->str)) {
+                st = fail(err, errlen, MOE_ERR_FORMAT, "index lists tensor %s in %s, but it is not there",
+                          e->key, e->str);
+                goto out;
+            }
+        }
+    }
+out:
+    if (shards != single) free(shards);
+    moe__json_free(cfg);
+    moe__json_free(idx);
+    return st;
+}
+
+moe_status moe_model_open(moe_model **out, const char *path, const moe_options *opt, char *err,
+                          size_t errlen) {
+    if (err && errlen) err[0] = 0;
+    if (!out) return fail(err, errlen, MOE_ERR_ARG, "moe_model_open: out is NULL");
+    *out = NULL;
+    if (!path) return fail(err, errlen, MOE_ERR_ARG, "moe_model_open: path is NULL");
+    moe_model *m = xcalloc(1, sizeof *m);
+    if (!m) return MOE_ERR_NOMEM;
+    m->opt = opt ? *opt : moe_default_options();
+    if (m->opt.n_threads < 1) m->opt.n_threads = 1;
+    /* long chunks rebuild MLA's expanded keys less often and serve more rows per weight read (a
+     * 16384-token prompt 1.34x faster at 2048 rows than at 512), but their working memory (about
+     * 0.2 GB more on the benchmark shape) sits beside the cache mode's expert budget */
+    if (m->opt.n_batch < 1) m->opt.n_batch = m->opt.expert_mode == MOE_EXPERTS_CACHE ? 512 : 2048;
+    char levels[160];
+    moe_status st = MOE_OK;
+    if (moe__kernels_pick(&m->k, m->opt.flags, m->opt.kernels, levels, sizeof levels))
+        st = fail(err, errlen, MOE_ERR_ARG, "kernels \"%s\": this CPU runs %s", m->opt.kernels, levels);
+    m->info.kernels = m->k.isa;
+    m->info.n_batch = m->opt.n_batch;
+    m->opt.kernels = NULL; /* the caller's string: used only here */
+    if (!st && !(m->path = strdup(path))) st = MOE_ERR_NOMEM;
+    if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)
+        st = fail(err, errlen, MOE_ERR_ARG, "unknown expert_mode %d", m->opt.expert_mode);
+    if (!st && m->opt.kv_type != MOE_KV_F32 && m->opt.kv_type != MOE_KV_BF16 && m->opt.kv_type != MOE_KV_Q8)
+        st = fail(err, errlen, MOE_ERR_ARG, "unknown kv_type %d", m->opt.kv_type);
+    if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && m->opt.expert_type != MOE_WTYPE_ASIS)
+        st = fail(err, errlen, MOE_ERR_ARG, "expert_type conversion makes experts resident: it needs the mmap expert mode");
+    if (!st) st = open_files(m, path, err, errlen);
+    if (!st) st = bind_model(m, err, errlen);
+    int streams = 0;
+    for (int i = 0; !st && i < m->cfg.n_layers; i++) streams |= m->layers[i].stream;
+    if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && (m->cfg.n_experts || streams)) st = cache_open(m, err, errlen);
+    if (st) {
+        if (st == MOE_ERR_NOMEM && err && errlen && !err[0]) fail(err, errlen, st, "out of memory loading %s", path);
+        moe_model_close(m);
+        return st;
+    }
+    *out = m;
+    return MOE_OK;
+}
+
+void moe_model_close(moe_model *m) {
+    if (!m) return;
+    cache_free(m);
+    if (m->layers)
+        for (int i = 0; i < m->cfg.n_layers; i++) {
+            layer *L = &m->layers[i];
+            float *vecs[] = {L->attn_norm, L->ffn_norm, L->attn_res_w, L->mlp_res_w, L->q_conv,
+                             L->k_conv, L->v_conv, L->A_log, L->dt_bias, L->o_norm, L->q_a_norm,
+                             L->kv_a_norm, L->router_bias, L->lat_norm};
+            for (size_t k = 0; k < sizeof vecs / sizeof *vecs; k++) free(vecs[k]);
+            free(L->experts);
+        }
+    for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
+    free(m->owned);
+    free(m->layers);
+    free(m->final_norm);
+    free(m->out_res_w);
+    free(m->table);
+    for (int i = 0; i < m->n_files; i++) moe__st_close(&m->files[i]);
+    free(m->files);
+    free(m->layer_kind);
+    free(m->layer_moe);
+    free(m->path);
+    free(m);
+}
+
+const moe__st_tensor *moe__model_tensor(const moe_model *m, const char *name) {
+    const tensor_ref *r = m ? lookup(m, name) : NULL;
+    return r ? r->t : NULL;
+}
+
+const char *moe__model_prefix(const moe_model *m) { return m ? m->prefix : ""; }
+
+const moe_config *moe_model_config(const moe_model *m) { return m ? &m->cfg : NULL; }
+
+moe_model_info moe_model_get_info(const moe_model *m) {
+    moe_model_info z;
+    memset(&z, 0, sizeof z);
+    return m ? m->info : z;
+}
+
+/* =================================================================================================
+ * PART 2: WEIGHT RESIDENCY
+ * =================================================================================================
+ * Where each weight lives while the model runs: in the file mapping (MOE_EXPERTS_MMAP, the
+ * default, with paging hints), converted or interleaved into RAM at load (dense_type,
+ * repack_weights), or read on demand from disk into the expert cache (MOE_EXPERTS_CACHE): routed
+ * experts, and with a dense budget whole layers' dense matrices (streamed layers). The forward
+ * pass asks for weights only through expert_get/expert_put and dense_get/dense_put, so it does
+ * not know which of these holds them. Relies on PART 1's bound model (every matrix's file and
+ * offset) and on pread/O_DIRECT and pthreads; nothing here computes. */
+
 /* the 4 KB pages wholly inside [p, p + n): [*a, *e); 0 if there are none */
 static int whole_pages(const void *p, size_t n, uintptr_t *a, uintptr_t *e) {
     *a = ((uintptr_t)p + 4095) & ~(uintptr_t)4095, *e = ((uintptr_t)p + n) & ~(uintptr_t)4095;
@@ -1652,17 +2082,6 @@ static uint64_t weight_scale_bytes(const moe__weight *w) { return w->scale ? (ui
 
 #define UNIT_MAX 20 /* matrices in one cache unit: an expert's 3, or a layer's dense ones */
 
-/* where a layer keeps the dense matrices it can stream (kv_b only while it is still as stored:
- * absorbed MLA needs it in a float format and converts it at load otherwise) */
-static const size_t dense_fields[] = {
-    offsetof(layer, q), offsetof(layer, k), offsetof(layer, v), offsetof(layer, f_a), offsetof(layer, f_b),
-    offsetof(layer, b), offsetof(layer, g_a), offsetof(layer, g_b), offsetof(layer, g), offsetof(layer, o),
-    offsetof(layer, q_a), offsetof(layer, q_b), offsetof(layer, kv_a), offsetof(layer, kv_b), offsetof(layer, gate),
-    offsetof(layer, up), offsetof(layer, down), offsetof(layer, lat_down), offsetof(layer, lat_up)};
-
-/* a layer's matrix number i of dense_fields */
-static moe__weight *layer_matrix(layer *L, size_t i) { return (moe__weight *)(void *)((char *)L + dense_fields[i]); }
-#define N_DENSE_FIELDS (sizeof dense_fields / sizeof *dense_fields)
 
 /* The matrices of cache unit e of layer li: expert e's w1, w2, w3, or (e == n_experts) the
  * layer's dense matrices still in the files' mapping; field[i] (if asked) gets where the layer
@@ -1922,1641 +2341,6 @@ static moe_status convert_weights(moe_model *m) {
             if (!st) st = convert_weight(m, &L->experts[e].w3, et);
         }
     }
-    return st;
-}
-
-static void count_dense_bytes(moe_model *m) {
-    static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
-                                             "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k",
-                                             "q2_k", "q3_k", "iq4_nl", "iq4_xs", "iq4_xs", "q2_k", "q3_k", "q6_k",
-                                             "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"};
-    _Static_assert(MOE_T_COUNT == 35, "a name for each weight type");
-    uint64_t per_type[MOE_T_COUNT] = {0};
-    uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
-    per_type[m->lm_head.type] += weight_bytes(&m->lm_head);
-    for (int i = 0; i < m->cfg.n_layers; i++) {
-        layer *L = &m->layers[i];
-        b += weight_bytes(&L->router), per_type[L->router.type] += weight_bytes(&L->router);
-        for (size_t k = 0; k < N_DENSE_FIELDS; k++) {
-            const moe__weight *w = layer_matrix(L, k);
-            b += weight_bytes(w), per_type[w->type] += weight_bytes(w);
-        }
-        if (L->k_b.data) /* decode reads these in place of kv_b (absorbed MLA) */
-            b += weight_bytes(&L->k_b) + weight_bytes(&L->v_b) - weight_bytes(&L->kv_b);
-        for (int e = 0; L->experts && e < m->cfg.n_experts; e++) per_type[L->experts[e].w1.type] += expert_bytes(&L->experts[e]);
-    }
-    int best = 0;
-    for (int t = 1; t < MOE_T_COUNT; t++)
-        if (per_type[t] > per_type[best]) best = t;
-    m->info.dense_bytes_per_token = b;
-    m->info.weight_type = names[best];
-}
-
-static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
-    const moe_config *c = &m->cfg;
-    binder b = {m, err, errlen, MOE_OK};
-    const int d = c->hidden_size;
-    bind_mat(&b, &m->embed, c->vocab_size, d, "model.embed_tokens");
-    if (c->tie_embeddings && !bfind(&b, "lm_head.weight")) m->lm_head = m->embed;
-    else bind_mat(&b, &m->lm_head, c->vocab_size, d, "lm_head");
-    m->final_norm = bind_vec(&b, d, 0, "model.norm.weight");
-    if (c->attn_res_block) m->out_res_w = bind_res(&b, d, "model.output_attn_res");
-    if (!b.st && !(m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers))) b.st = MOE_ERR_NOMEM;
-    for (int i = 0; i < c->n_layers && !b.st; i++) bind_layer(&b, i);
-    for (int i = 0; i < c->n_layers && !b.st; i++) /* absorbed MLA decodes kv_b rows as floats */
-        if (m->layers[i].kind == MOE_LAYER_MLA && !m->k.dot[m->layers[i].kv_b.type]) b.st = convert_weight(m, &m->layers[i].kv_b, MOE_WTYPE_F32);
-    if (!b.st && (m->embed.type == MOE_T_MXFP4 || m->embed.type == MOE_T_MXFP4_GGML))
-        b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
-    if (!b.st) count_params(m);
-    if (!b.st) choose_streamed(m);
-    if (!b.st && (b.st = convert_weights(m))) fail(err, errlen, b.st, "out of memory converting weights at load");
-    if (!b.st && !(m->opt.flags & MOE_FLAG_NO_REPACK) && (b.st = repack_weights(m)))
-        fail(err, errlen, b.st, "out of memory interleaving weights at load (MOE_FLAG_NO_REPACK keeps them mapped)");
-    if (!b.st) count_dense_bytes(m);
-    return b.st;
-}
-
-/* ==== opening ================================================================================ */
-
-static moe_status read_file(const char *path, char **out, size_t *len, size_t max, char *err,
-                            size_t errlen) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno));
-    char *buf = NULL;
-    size_t n = 0, cap = 0;
-    for (;;) {
-        if (n == cap) {
-            if (cap >= max) {
-                fclose(f);
-                free(buf);
-                return fail(err, errlen, MOE_ERR_FORMAT, "%s: larger than %zu bytes", path, max);
-            }
-            cap = cap ? cap * 2 : 65536;
-            char *nb = realloc(buf, cap + 1);
-            if (!nb) { fclose(f); free(buf); return MOE_ERR_NOMEM; }
-            buf = nb;
-        }
-        size_t r = fread(buf + n, 1, cap - n, f);
-        n += r;
-        if (r == 0) break;
-    }
-    int bad = ferror(f);
-    fclose(f);
-    if (bad) { free(buf); return fail(err, errlen, MOE_ERR_IO, "%s: read error", path); }
-    buf[n] = 0;
-    *out = buf;
-    *len = n;
-    return MOE_OK;
-}
-
-static moe_status parse_json_file(const char *path, moe__json **root, char *err, size_t errlen) {
-    char *text = NULL;
-    size_t len = 0;
-    moe_status st = read_file(path, &text, &len, 256u << 20, err, errlen);
-    if (st) return st;
-    char e2[200];
-    st = moe__json_parse(text, len, root, e2, sizeof e2);
-    free(text);
-    if (st) return fail(err, errlen, st, "%s: %s", path, e2);
-    return MOE_OK;
-}
-
-static int is_dir(const char *path) {
-    struct stat sb;
-    return !stat(path, &sb) && S_ISDIR(sb.st_mode);
-}
-
-static int file_exists(const char *path) {
-    struct stat sb;
-    return !stat(path, &sb);
-}
-
-/* The shard list from model.safetensors.index.json: distinct plain file names in first-seen
- * order. A name with a path separator is refused (the index must not reach outside the dir). */
-static moe_status index_shards(const char *dir, const char *index_path, char ***names, int *n,
-                               moe__json **idx, char *err, size_t errlen) {
-    moe_status st = parse_json_file(index_path, idx, err, errlen);
-    if (st) return st;
-    const moe__json *wm = moe__json_get(*idx, "weight_map");
-    if (!wm || wm->type != MOE_JSON_OBJ || wm->n == 0)
-        return fail(err, errlen, MOE_ERR_FORMAT, "%s: no weight_map", index_path);
-    char **list = xcalloc((size_t)wm->n, sizeof *list);
-    if (!list) return MOE_ERR_NOMEM;
-    int cnt = 0;
-    for (const moe__json *e = wm->child; e; e = e->next) {
-        if (e->type != MOE_JSON_STR || !*e->str || strchr(e->str, '/') || !strcmp(e->str, "..") ||
-            strlen(e->str) > 255) {
-            free(list);
-            return fail(err, errlen, MOE_ERR_FORMAT, "%s: bad shard name for tensor %s", index_path, e->key);
-        }
-        int seen = 0;
-        for (int i = 0; i < cnt && !seen; i++) seen = !strcmp(list[i], e->str);
-        if (!seen) list[cnt++] = (char *)e->str;
-    }
-    (void)dir;
-    *names = list;
-    *n = cnt;
-    return MOE_OK;
-}
-
-static moe_status cache_open(moe_model *m, char *err, size_t errlen); /* expert cache section */
-static void cache_free(moe_model *m);
-
-moe_options moe_default_options(void) {
-    moe_options o;
-    memset(&o, 0, sizeof o);
-    o.n_threads = 1;
-    o.n_batch = 0; /* by the expert mode, at open */
-    o.expert_mode = MOE_EXPERTS_MMAP;
-    o.io_threads = 4;
-    o.prefetch = 1;
-    return o;
-}
-
-/* by magic, or by name (so a damaged .gguf gets a GGUF error rather than a config.json one) */
-static int is_gguf_file(const char *path) {
-    size_t l = strlen(path);
-    if (l > 5 && !strcmp(path + l - 5, ".gguf")) return 1;
-    FILE *f = fopen(path, "rb");
-    char magic[4] = {0};
-    if (!f) return 0;
-    size_t r = fread(magic, 1, 4, f);
-    fclose(f);
-    return r == 4 && !memcmp(magic, "GGUF", 4);
-}
-
-/* PREFIX-NNNNN-of-MMMMM.gguf, the names of a split GGUF's parts (llama.cpp's gguf-split and
- * converter): 1 with the prefix's length, the part's number and the count */
-static int split_name(const char *path, size_t *prefix_len, int *no, int *count) {
-    static const char tail[] = "-00000-of-00000.gguf";
-    const size_t l = strlen(path), k = sizeof tail - 1;
-    if (l < k) return 0;
-    const char *t = path + l - k;
-    for (size_t i = 0; i < k; i++)
-        if (tail[i] == '0' ? (t[i] < '0' || t[i] > '9') : t[i] != tail[i]) return 0;
-    *prefix_len = l - k, *no = atoi(t + 1), *count = atoi(t + 10);
-    return 1;
-}
-
-/* the split keys of a GGUF part (no: 0-based; a file that is not split: part 0 of 1) */
-static moe_status split_keys(const moe__st_file *f, int64_t *no, int64_t *count, char *err, size_t errlen) {
-    *count = gguf_int(f, "split.count", 1), *no = gguf_int(f, "split.no", 0);
-    if (*count < 1 || *count > 99999 || *no < 0 || *no >= *count)
-        return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.no %lld and split.count %lld do not name a part", f->path, (long long)*no,
-                    (long long)*count);
-    return MOE_OK;
-}
-
-/* A GGUF holds the config (as metadata) and every tensor: in one file, or split into parts
- * PREFIX-00001-of-0000N.gguf .. -0000N-of-0000N.gguf as llama.cpp writes them, each a GGUF with
- * its own tensors and the keys split.no (0-based), split.count and split.tensors.count (the
- * whole model's), the metadata in the first. The path of any part opens them all. */
-static moe_status open_gguf(moe_model *m, const char *path, char *err, size_t errlen) {
-    m->gguf = 1;
-    if (!(m->files = xcalloc(1, sizeof *m->files))) return MOE_ERR_NOMEM;
-    moe_status st = moe__gguf_open(&m->files[0], path, err, errlen);
-    if (st) return st;
-    m->n_files = 1;
-    int64_t no, count;
-    if ((st = split_keys(&m->files[0], &no, &count, err, errlen))) return st;
-    if (count > 1) {
-        char part[4200];
-        size_t plen;
-        int nno, ncount;
-        if (!split_name(path, &plen, &nno, &ncount) || nno != no + 1 || ncount != count)
-            return fail(err, errlen, MOE_ERR_FORMAT, "%s: part %lld of a %lld-part GGUF, but not named PREFIX-%05lld-of-%05lld.gguf",
-                        path, (long long)no + 1, (long long)count, (long long)no + 1, (long long)count);
-        moe__st_file *fs = xcalloc((size_t)count, sizeof *fs);
-        if (!fs) return MOE_ERR_NOMEM;
-        fs[no] = m->files[0];
-        free(m->files);
-        m->files = fs, m->n_files = (int)count;
-        uint64_t tensors = 0;
-        for (int i = 0; i < count; i++) {
-            if (i != no) {
-                snprintf(part, sizeof part, "%.*s-%05d-of-%05lld.gguf", (int)plen, path, i + 1, (long long)count);
-                if ((st = moe__gguf_open(&m->files[i], part, err, errlen))) return st;
-            }
-            int64_t pno, pcount;
-            if ((st = split_keys(&m->files[i], &pno, &pcount, err, errlen))) return st;
-            if (pno != i || pcount != count)
-                return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.no %lld of %lld, but named part %d of %lld", m->files[i].path,
-                            (long long)pno, (long long)pcount, i + 1, (long long)count);
-            tensors += (uint64_t)m->files[i].n_tensors;
-        }
-        const int64_t want = gguf_int(&m->files[0], "split.tensors.count", (int64_t)tensors);
-        if (want != (int64_t)tensors)
-            return fail(err, errlen, MOE_ERR_FORMAT, "%s: split.tensors.count says %lld tensors, the %lld parts hold %llu", m->files[0].path,
-                        (long long)want, (long long)count, (unsigned long long)tensors);
-    }
-    moe__json *cfg = NULL;
-    if ((st = gguf_config_json(m->files, m->n_files, &cfg, err, errlen))) return st;
-    char e2[400];
-    st = parse_config(m, cfg, e2, sizeof e2);
-    moe__json_free(cfg);
-    if (st) return fail(err, errlen, st, "%s: %s", m->files[0].path, e2);
-    return build_table(m, err, errlen);
-}
-
-static moe_status open_files(moe_model *m, const char *path, char *err, size_t errlen) {
-    char dir[4096], buf[4400];
-    moe_status st;
-    if (strlen(path) >= sizeof dir - 1) return fail(err, errlen, MOE_ERR_ARG, "path too long");
-    if (!is_dir(path) && is_gguf_file(path)) return open_gguf(m, path, err, errlen);
-    moe__json *cfg = NULL, *idx = NULL;
-    char **shards = NULL, *single[1];
-    int n_shards = 0;
-    if (is_dir(path)) {
-        snprintf(dir, sizeof dir, "%s", path);
-        snprintf(buf, sizeof buf, "%s/model.safetensors.index.json", dir);
-        if (file_exists(buf)) {
-            if ((st = index_shards(dir, buf, &shards, &n_shards, &idx, err, errlen))) goto out;
-        } else {
-            single[0] = "model.safetensors";
-            shards = single, n_shards = 1;
-        }
-    } else {
-        /* a single .safetensors file: config.json beside it */
-        const char *slash = strrchr(path, '/');
-        if (slash) snprintf(dir, sizeof dir, "%.*s", (int)(slash - path), path);
-        else strcpy(dir, ".");
-        single[0] = (char *)(slash ? slash + 1 : path);
-        shards = single, n_shards = 1;
-    }
-    snprintf(buf, sizeof buf, "%s/config.json", dir);
-    if ((st = parse_json_file(buf, &cfg, err, errlen))) goto out;
-    if (cfg->type != MOE_JSON_OBJ) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: not an object", buf); goto out; }
-    if ((st = parse_config(m, cfg, err, errlen))) goto out;
-    if (!(m->files = xcalloc((size_t)n_shards, sizeof *m->files))) { st = MOE_ERR_NOMEM; goto out; }
-    for (int i = 0; i < n_shards; i++) {
-        snprintf(buf, sizeof buf, "%s/%s", dir, shards[i]);
-        if ((st = moe__st_open(&m->files[i], buf, err, errlen))) goto out;
-        m->n_files++;
-    }
-    if ((st = build_table(m, err, errlen))) goto out;
-    if (idx) { /* every tensor the index names must be in the shard it names */
-        const moe__json *wm = moe__json_get(idx, "weight_map");
-        for (const moe__json *e = wm->child; e; e = e->next) {
-            const tensor_ref *r = lookup(m, e->key);
-            const char *base = r ? strrchr(m->files[r->file].path, '/') + 1 : NULL;
-            if (!r || strcmp(base, e->str)) {
-                st = fail(err, errlen, MOE_ERR_FORMAT, "index lists tensor %s in %s, but it is not there",
-                          e->key, e->str);
-                goto out;
-            }
-        }
-    }
-out:
-    if (shards != single) free(shards);
-    moe__json_free(cfg);
-    moe__json_free(idx);
-    return st;
-}
-
-moe_status moe_model_open(moe_model **out, const char *path, const moe_options *opt, char *err,
-                          size_t errlen) {
-    if (err && errlen) err[0] = 0;
-    if (!out) return fail(err, errlen, MOE_ERR_ARG, "moe_model_open: out is NULL");
-    *out = NULL;
-    if (!path) return fail(err, errlen, MOE_ERR_ARG, "moe_model_open: path is NULL");
-    moe_model *m = xcalloc(1, sizeof *m);
-    if (!m) return MOE_ERR_NOMEM;
-    m->opt = opt ? *opt : moe_default_options();
-    if (m->opt.n_threads < 1) m->opt.n_threads = 1;
-    /* long chunks rebuild MLA's expanded keys less often and serve more rows per weight read (a
-     * 16384-token prompt 1.34x faster at 2048 rows than at 512), but their working memory (about
-     * 0.2 GB more on the benchmark shape) sits beside the cache mode's expert budget */
-    if (m->opt.n_batch < 1) m->opt.n_batch = m->opt.expert_mode == MOE_EXPERTS_CACHE ? 512 : 2048;
-    char levels[160];
-    moe_status st = MOE_OK;
-    if (moe__kernels_pick(&m->k, m->opt.flags, m->opt.kernels, levels, sizeof levels))
-        st = fail(err, errlen, MOE_ERR_ARG, "kernels \"%s\": this CPU runs %s", m->opt.kernels, levels);
-    m->info.kernels = m->k.isa;
-    m->info.n_batch = m->opt.n_batch;
-    m->opt.kernels = NULL; /* the caller's string: used only here */
-    if (!st && !(m->path = strdup(path))) st = MOE_ERR_NOMEM;
-    if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)
-        st = fail(err, errlen, MOE_ERR_ARG, "unknown expert_mode %d", m->opt.expert_mode);
-    if (!st && m->opt.kv_type != MOE_KV_F32 && m->opt.kv_type != MOE_KV_BF16 && m->opt.kv_type != MOE_KV_Q8)
-        st = fail(err, errlen, MOE_ERR_ARG, "unknown kv_type %d", m->opt.kv_type);
-    if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && m->opt.expert_type != MOE_WTYPE_ASIS)
-        st = fail(err, errlen, MOE_ERR_ARG, "expert_type conversion makes experts resident: it needs the mmap expert mode");
-    if (!st) st = open_files(m, path, err, errlen);
-    if (!st) st = bind_model(m, err, errlen);
-    int streams = 0;
-    for (int i = 0; !st && i < m->cfg.n_layers; i++) streams |= m->layers[i].stream;
-    if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && (m->cfg.n_experts || streams)) st = cache_open(m, err, errlen);
-    if (st) {
-        if (st == MOE_ERR_NOMEM && err && errlen && !err[0]) fail(err, errlen, st, "out of memory loading %s", path);
-        moe_model_close(m);
-        return st;
-    }
-    *out = m;
-    return MOE_OK;
-}
-
-void moe_model_close(moe_model *m) {
-    if (!m) return;
-    cache_free(m);
-    if (m->layers)
-        for (int i = 0; i < m->cfg.n_layers; i++) {
-            layer *L = &m->layers[i];
-            float *vecs[] = {L->attn_norm, L->ffn_norm, L->attn_res_w, L->mlp_res_w, L->q_conv,
-                             L->k_conv, L->v_conv, L->A_log, L->dt_bias, L->o_norm, L->q_a_norm,
-                             L->kv_a_norm, L->router_bias, L->lat_norm};
-            for (size_t k = 0; k < sizeof vecs / sizeof *vecs; k++) free(vecs[k]);
-            free(L->experts);
-        }
-    for (int i = 0; i < m->n_owned; i++) free(m->owned[i]);
-    free(m->owned);
-    free(m->layers);
-    free(m->final_norm);
-    free(m->out_res_w);
-    free(m->table);
-    for (int i = 0; i < m->n_files; i++) moe__st_close(&m->files[i]);
-    free(m->files);
-    free(m->layer_kind);
-    free(m->layer_moe);
-    free(m->path);
-    free(m);
-}
-
-const moe__st_tensor *moe__model_tensor(const moe_model *m, const char *name) {
-    const tensor_ref *r = m ? lookup(m, name) : NULL;
-    return r ? r->t : NULL;
-}
-
-const char *moe__model_prefix(const moe_model *m) { return m ? m->prefix : ""; }
-
-const moe_config *moe_model_config(const moe_model *m) { return m ? &m->cfg : NULL; }
-
-moe_model_info moe_model_get_info(const moe_model *m) {
-    moe_model_info z;
-    memset(&z, 0, sizeof z);
-    return m ? m->info : z;
-}
-
-/* ==== the step's threads ========================================================================
- * Work is split across threads by par_run(nt, fn, arg): fn(arg, p) runs once on each of the
- * threads, p giving its number (p->me) and their count (p->nth), and par_barrier(p) waits for
- * all of them. A decode step runs ~270 such loops a token (products, KDA heads, MLA), each tens
- * of microseconds long, and opening and closing an OpenMP region costs 0.6 us with 2 threads and
- * 5 us with 16 (libgomp on this project's machines, bench/RESULTS.md). So forward() opens one
- * region for the whole step (step_team): thread 0 runs the step and posts each loop to the
- * others, which poll for it (as libgomp's own threads do between regions) and report when their
- * share is done: 0.1-0.3 us with 2 threads, 2-3 us with 16. Decode tokens were 3-4% faster with
- * 16 threads, 2% with 8, about 1% with 2 (in-process A/B, same logits). Without a team (the
- * expert cache's steps, more threads than processors, no OpenMP or no C11 atomics) each par_run
- * is an OpenMP region of its own, or a plain call. A par_run inside another's fn runs on its
- * calling thread alone, as a nested OpenMP region did. Which thread runs which share never
- * changes a result. */
-
-typedef struct step_team step_team;
-typedef struct {
-    int me, nth;     /* this thread's number and the number of threads sharing the work */
-    step_team *team; /* the step's team running it, else NULL */
-} par_ctx;
-typedef void (*par_fn)(void *arg, const par_ctx *p);
-
-#if defined(_OPENMP) && !defined(__STDC_NO_ATOMICS__)
-#include <stdatomic.h>
-#define STEP_TEAM 1
-#define STEP_TEAM_MAX 64 /* the most threads a step's team (and the task stealer) serves */
-
-struct step_team {
-    _Alignas(64) _Atomic unsigned posted;   /* loops posted so far; each helper runs each once */
-    _Alignas(64) _Atomic unsigned finished; /* helpers' runs of them finished so far */
-    _Alignas(64) _Atomic unsigned arrived, passed; /* par_barrier: threads arrived, barriers passed */
-    par_fn fn;
-    void *arg;
-    int nth;  /* threads in the team, thread 0 included */
-    int stop; /* posted last: the helpers leave */
-};
-
-static _Thread_local step_team *team_led; /* the team this thread leads (thread 0 of a step) */
-static _Thread_local int par_depth;       /* > 0 while this thread runs a par_run's fn */
-
-/* A waiting thread of the team spins TEAM_SPINS times, then gives its core away between looks
- * (sched_yield): another thread of the team, or of another program, may be waiting for that
- * core. With 3 threads on 2 cores (forced; forward() does not start a team larger than the
- * processors) pure spinning took decode tokens from 34 ms to 1 s, and 2^14 spins before
- * yielding to 141 ms; 2^8 spins ran as fast as OpenMP regions (32 ms, Zen 4 VM), and a yield
- * between looks costs a system call of well under a microsecond when no one else wants the
- * core. */
-#define TEAM_SPINS (1 << 8)
-static void team_pause(int *spins) {
-    if (*spins < TEAM_SPINS) {
-        ++*spins;
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-        __builtin_ia32_pause();
-#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
-        __asm__ __volatile__("yield");
-#endif
-    } else {
-        sched_yield();
-    }
-}
-
-/* posts fn to the helpers, runs thread 0's share, waits for theirs */
-static void team_run(step_team *t, par_fn fn, void *arg) {
-    t->fn = fn, t->arg = arg;
-    const unsigned target = atomic_load_explicit(&t->finished, memory_order_relaxed) + (unsigned)t->nth - 1;
-    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
-    const par_ctx p = {0, t->nth, t};
-    par_depth++;
-    fn(arg, &p);
-    par_depth--;
-    for (int sp = 0; atomic_load_explicit(&t->finished, memory_order_acquire) != target;) team_pause(&sp);
-}
-
-/* a helper: runs every posted loop until the step ends */
-static void team_serve(step_team *t, int me) {
-    for (unsigned seen = 0;; seen++) {
-        for (int sp = 0; atomic_load_explicit(&t->posted, memory_order_acquire) == seen;) team_pause(&sp);
-        if (t->stop) return;
-        const par_ctx p = {me, t->nth, t};
-        par_depth++;
-        t->fn(t->arg, &p);
-        par_depth--;
-        atomic_fetch_add_explicit(&t->finished, 1, memory_order_release);
-    }
-}
-
-static void team_barrier(step_team *t) {
-    const unsigned g = atomic_load_explicit(&t->passed, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == (unsigned)t->nth - 1) {
-        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&t->passed, 1, memory_order_release);
-    } else {
-        for (int sp = 0; atomic_load_explicit(&t->passed, memory_order_acquire) == g;) team_pause(&sp);
-    }
-}
-#endif
-
-static void par_run(int nt, par_fn fn, void *arg) {
-#ifdef STEP_TEAM
-    if (par_depth) nt = 1;
-    step_team *t = team_led;
-    if (nt > 1 && t && t->nth > 1) {
-        team_run(t, fn, arg);
-        return;
-    }
-#endif
-#ifdef _OPENMP
-    if (nt > 1) {
-#pragma omp parallel num_threads(nt)
-        {
-            const par_ctx p = {omp_get_thread_num(), omp_get_num_threads(), NULL};
-#ifdef STEP_TEAM
-            par_depth++;
-            fn(arg, &p);
-            par_depth--;
-#else
-            fn(arg, &p);
-#endif
-        }
-        return;
-    }
-#endif
-    (void)nt;
-    const par_ctx p = {0, 1, NULL};
-    fn(arg, &p);
-}
-
-/* waits until every thread of p's loop has reached this point */
-static void par_barrier(const par_ctx *p) {
-    if (p->nth < 2) return;
-#ifdef STEP_TEAM
-    if (p->team) {
-        team_barrier(p->team);
-        return;
-    }
-#endif
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-}
-
-/* items [i0, i1) of n that thread p takes in a static split */
-static void par_share(const par_ctx *p, int64_t n, int64_t *i0, int64_t *i1) {
-    *i0 = n * p->me / p->nth;
-    *i1 = n * (p->me + 1) / p->nth;
-}
-
-/* ==== matmul ==================================================================================
- * y[t, n] = sum_k x[t, k] W[n, k]: threads split the weight rows; each output element is one
- * kernel dot, so results do not depend on the thread count. */
-
-#define MM_ROW_TILE 16 /* weight rows per task: they stay in cache while every token passes */
-
-/* Tasks split with stealing. Each thread owns a contiguous range of a loop's tasks and takes them
- * from its front, a quarter of what is left at a time (at least OWN_TASKS), so that its weight
- * stream stays sequential for the prefetchers and it pays few atomic operations (each drains
- * the core's pending loads: taking 4 tasks at a time, they were 5% of a 2-thread decode); a
- * thread done with its own range takes tasks from the back of the range with the most left.
- * The threads of a step then finish together even when one is slowed (the other core's memory
- * traffic, an interrupt): with a static split the master spent ~9% of a decode step's samples
- * waiting at closing barriers for the other thread. Which thread runs a task does not change
- * its result. Needs C11 atomics; without them (or OpenMP) loops split statically. */
-#ifdef STEP_TEAM
-#define TASK_STEALING 1
-#define OWN_TASKS 4 /* the fewest tasks a thread takes from its own range at a time */
-
-typedef struct {
-    _Alignas(64) _Atomic uint64_t fb; /* front << 32 | back: tasks front .. back-1 are left */
-} task_range;
-
-/* ranges[0..nr-1]: n tasks in nr contiguous ranges */
-static void task_ranges_init(task_range *rg, int nr, int64_t n) {
-    for (int i = 0; i < nr; i++) {
-        const uint64_t f = (uint64_t)(n * i / nr), b = (uint64_t)(n * (i + 1) / nr);
-        atomic_init(&rg[i].fb, f << 32 | b);
-    }
-}
-
-/* up to want tasks from the back of r, or from its front the larger of want and a quarter of
- * what is left: how many, the first in *first */
-static int range_take(task_range *r, int from_back, uint32_t want, int64_t *first) {
-    uint64_t v = atomic_load_explicit(&r->fb, memory_order_relaxed);
-    for (;;) {
-        const uint32_t f = (uint32_t)(v >> 32), b = (uint32_t)v, w = from_back || (b - f) / 4 < want ? want : (b - f) / 4;
-        const uint32_t n = b - f < w ? b - f : w;
-        if (f >= b) return 0;
-        const uint64_t nv = from_back ? v - n : v + ((uint64_t)n << 32);
-        if (atomic_compare_exchange_weak_explicit(&r->fb, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
-            *first = from_back ? (int64_t)(b - n) : (int64_t)f;
-            return (int)n;
-        }
-    }
-}
-
-/* thread me's next tasks: from its own range, else stolen; 0 when every range is empty */
-static int task_next(task_range *rg, int nr, int me, int64_t *first) {
-    int n = me < nr ? range_take(&rg[me], 0, OWN_TASKS, first) : 0;
-    while (!n) {
-        int victim = -1;
-        uint32_t most = 0;
-        for (int i = 0; i < nr; i++) {
-            const uint64_t v = atomic_load_explicit(&rg[i].fb, memory_order_relaxed);
-            const uint32_t left = (uint32_t)v > (uint32_t)(v >> 32) ? (uint32_t)v - (uint32_t)(v >> 32) : 0;
-            if (left > most) most = left, victim = i;
-        }
-        if (victim < 0) return 0;
-        n = range_take(&rg[victim], 1, most > 2 * OWN_TASKS ? OWN_TASKS : (most + 1) / 2, first);
-    }
-    return n;
-}
-#endif
-
-/* One product of a group: y[T, W->rows] = x[T, K] W^T. */
-typedef struct {
-    float *y;
-    const moe__weight *W;
-} mm_out;
-
-/* One product with its own input: y[T, W->rows] = x[T, K] W^T, x with row stride ldx, and xq:
- * x quantized by quant_q8a (needed when W is an integer format) */
-typedef struct {
-    float *y;
-    const moe__weight *W;
-    const float *x;
-    int64_t ldx;
-    const moe__block_q8a *xq;
-    int T;
-} mm_job;
-
-/* rows per task: an interleaved row group, or a tile */
-static int mm_per(const moe__weight *W) {
-    return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 || W->type == MOE_T_MXFP4X8 || is_kx8(W->type) ? 8 : MM_ROW_TILE;
-}
-
-/* weight rows per task of job j: an interleaved row group (two where the level has the two-group
- * kernel for the job's rows: 4 activation rows a pass for prefill, one for decode), or a tile */
-static int mm_task_rows(const moe_model *m, const mm_job *j) {
-    if (mm_per(j->W) != 8) return MM_ROW_TILE;
-    return (j->T >= 4 ? m->k.dotq8x4x2[j->W->type] != NULL : m->k.dotq8x2[j->W->type] != NULL) ? 16 : 8;
-}
-
-/* whether W is MXFP4 to be multiplied with quantized activations (MOE_FLAG_MXFP4_INT8) */
-static int mm_mxfp4_int8(const moe_model *m, const moe__weight *W) {
-    return (m->opt.flags & MOE_FLAG_MXFP4_INT8) && (W->type == MOE_T_MXFP4 || W->type == MOE_T_MXFP4_GGML);
-}
-
-/* whether W's kernels read the activations quantized to 8-bit blocks */
-static int mm_quantized(const moe_model *m, const moe__weight *W) { return mm_per(W) == 8 || moe__is_quant(W->type) || mm_mxfp4_int8(m, W); }
-
-/* the x8 groups g0 .. g1-1 of interleaved W times one activation row xq (x quantized by
- * quant_q8a), one kernel call each: group g's 8 outputs at y[8 (g - g0)] */
-static void x8_groups(const moe_model *m, const moe__weight *W, int64_t g0, int64_t g1, const moe__block_q8a *xq, float *y) {
-    const int64_t gb = 8 * moe__row_bytes(W->type, W->cols);
-    const unsigned char *base = W->data;
-    const moe__dotq8_fn two = m->k.dotq8x2[W->type]; /* two groups a call where the level has it */
-    int64_t g = g0;
-    for (; two && g + 2 <= g1; g += 2) two(base + g * gb, xq, W->cols, y + 8 * (g - g0));
-    for (; g < g1; g++) m->k.dotq8[W->type](base + g * gb, xq, W->cols, y + 8 * (g - g0));
-}
-
-/* y[i] = scale * (row row0 + i of W) . x for n rows: x as f32 for the float formats, as xq (x
- * quantized by quant_q8a) for Q8_0/Q4_0, interleaved or not (and MXFP4 under
- * MOE_FLAG_MXFP4_INT8); for an interleaved W, row0 and n are multiples of 8 */
-static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
-                       float *y, float scale) {
-    const int64_t K = W->cols, rb = moe__row_bytes(W->type, K), sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
-    const unsigned char *base = W->data;
-    if (mm_per(W) == 8) { /* interleaved (row0 and n whole groups): 8 rows a call */
-        x8_groups(m, W, row0 / 8, (row0 + n) / 8, xq, y);
-        for (int64_t i = 0; scale != 1.0f && i < n; i++) y[i] *= scale;
-        return;
-    }
-    if (moe__is_quant(W->type) || (W->type == MOE_T_MXFP4_GGML && mm_mxfp4_int8(m, W))) {
-        for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq[W->type](base + (row0 + i) * rb, xq, K);
-        return;
-    }
-    if (W->type == MOE_T_MXFP4 && mm_mxfp4_int8(m, W)) {
-        for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq_mxfp4(base + (row0 + i) * rb, W->scale + (row0 + i) * sb, xq, K);
-        return;
-    }
-    for (int64_t i = 0; i < n; i++)
-        y[i] = scale * m->k.dot[W->type](base + (row0 + i) * rb, W->scale ? W->scale + (row0 + i) * sb : NULL, x, K);
-}
-
-/* MOE_FLAG_ACT16: the T rows of x (row stride ldx, K values) quantized in xq, then their
- * rounding errors x - d q quantized the same way, into xr[2T] (e: K floats of work) */
-static void act16_rows(const moe_model *m, const float *x, int64_t ldx, const moe__block_q8a *xq, int T, int64_t K,
-                       moe__block_q8a *xr, float *e) {
-    const int64_t nb = K / 32;
-    memcpy(xr, xq, sizeof *xq * (size_t)(nb * T));
-    for (int t = 0; t < T; t++) {
-        const float *xt = x + t * ldx;
-        const moe__block_q8a *q = xq + t * nb;
-        for (int64_t b = 0; b < nb; b++)
-            for (int i = 0; i < 32; i++) e[b * 32 + i] = xt[b * 32 + i] - q[b].d * (float)q[b].qs[i];
-        m->k.quant_q8a(e, xr + (T + t) * nb, K);
-    }
-}
-
-/* rows_times, and under MOE_FLAG_ACT16 for an integer-format W plus the same rows times x's
- * rounding error in xq (act16_rows), as mm_run_act16 sums them; work: 2 K + n floats */
-static void rows_times_q(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
-                         float *y, float scale, float *work) {
-    rows_times(m, W, row0, n, x, xq, y, scale);
-    if (!(m->opt.flags & MOE_FLAG_ACT16) || !mm_quantized(m, W)) return;
-    const int64_t K = W->cols;
-    float *e = work, *lo = e + K;
-    moe__block_q8a *xr = (moe__block_q8a *)(void *)(lo + n); /* 2 K / 32 blocks of 40 bytes: within K floats */
-    act16_rows(m, x, K, xq, 1, K, xr, e);
-    rows_times(m, W, row0, n, x, xr + K / 32, lo, scale);
-    for (int64_t i = 0; i < n; i++) y[i] += lo[i];
-}
-
-/* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of job j, for every token. */
-static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
-    const moe__weight *W = j->W;
-    const int64_t N = W->rows, K = W->cols, nb = K / 32;
-    const unsigned char *base = W->data;
-    const int T = j->T;
-    if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs per group */
-        const int64_t gb = 8 * moe__row_bytes(W->type, K);
-        const int64_t per = mm_task_rows(m, j), ng = (N - r0 < per ? N - r0 : per) / 8; /* groups in this task */
-        int t = 0;
-        if (ng == 2) { /* a two-group kernel's task (mm_task_rows): 16 rows per pass where the level has
-                        * the kernel (AMX), 4, then the rows left (decode's one) */
-            if (m->k.dotq8x16x2[W->type] && T >= 16) {
-                m->k.dotq8x16x2[W->type](base + r0 / 8 * gb, j->xq, nb, K, T / 16 * 16, j->y + r0, N);
-                t = T / 16 * 16;
-            }
-            for (; t + 4 <= T; t += 4) {
-                float o64[64];
-                m->k.dotq8x4x2[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, nb, K, o64);
-                for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(t + i) * N + r0, o64 + 16 * i, sizeof(float) * 16);
-            }
-            for (; t < T; t++) x8_groups(m, W, r0 / 8, r0 / 8 + 2, j->xq + (int64_t)t * nb, j->y + (int64_t)t * N + r0);
-        }
-        for (int64_t g = 0; g < ng; g++) {
-            const int64_t rg = r0 + 8 * g;
-            int tg = t;
-            if (m->k.dotq8x4[W->type]) /* prefill: 4 rows per pass over the group's weights */
-                for (; tg + 4 <= T; tg += 4) {
-                    float o32[32];
-                    m->k.dotq8x4[W->type](base + rg / 8 * gb, j->xq + (int64_t)tg * nb, nb, K, o32);
-                    for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(tg + i) * N + rg, o32 + 8 * i, sizeof(float) * 8);
-                }
-            for (; tg < T; tg++) /* decode: the 8 outputs straight into y */
-                x8_groups(m, W, rg / 8, rg / 8 + 1, j->xq + (int64_t)tg * nb, j->y + (int64_t)tg * N + rg);
-        }
-        return;
-    }
-    const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
-    if (T >= 4 && m->k.gemm[W->type]) { /* prefill, float weights: the kernel's register tiles */
-        m->k.gemm[W->type](base + r0 * moe__row_bytes(W->type, K), K, (int)(r1 - r0), j->x, j->ldx, T, K, j->y + r0, N);
-        return;
-    }
-    int t = 0;
-    if (T >= 4 && m->k.dotq4[W->type]) { /* prefill, a format without an interleaved form: each weight row meets 4 activation rows a pass */
-        const int64_t rb = moe__row_bytes(W->type, K);
-        for (; t + 4 <= T; t += 4)
-            for (int64_t r = r0; r < r1; r++) {
-                float o[4];
-                m->k.dotq4[W->type](base + r * rb, j->xq + (int64_t)t * nb, nb, K, o);
-                for (int i = 0; i < 4; i++) j->y[(int64_t)(t + i) * N + r] = o[i];
-            }
-    }
-    for (; t < T; t++)
-        rows_times(m, W, r0, r1 - r0, j->x + (int64_t)t * j->ldx, j->xq ? j->xq + (int64_t)t * nb : NULL, j->y + (int64_t)t * N + r0, 1.0f);
-}
-
-/* tasks u0 .. u0+n-1 of the jobs whose tasks start at start[0..] (job i: start[i] .. start[i+1]-1) */
-static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, int64_t u0, int64_t n) {
-    int i = 0;
-    for (int64_t u = u0; u < u0 + n;) {
-        while (u >= start[i + 1]) i++;
-        const moe__weight *W = j[i].W;
-        if (j[i].T == 1 && mm_per(W) == 8) { /* decode over an interleaved matrix: this job's groups in one loop (the calls mm_task makes) */
-            const int64_t end = start[i + 1] < u0 + n ? start[i + 1] : u0 + n, per = mm_task_rows(m, &j[i]) / 8; /* groups a task */
-            const int64_t g0 = (u - start[i]) * per, g1 = (end - start[i]) * per < W->rows / 8 ? (end - start[i]) * per : W->rows / 8;
-            x8_groups(m, W, g0, g1, j[i].xq, j[i].y + 8 * g0);
-            u = end;
-        } else
-            mm_task(m, &j[i], (u - start[i]) * mm_task_rows(m, &j[i])), u++;
-    }
-}
-
-/* Whether products of `macs` multiply-adds over `bytes` of weights are worth a fork and join:
- * by arithmetic (prefill), or by the weights' bytes (decode: a thread alone streams only part of
- * the machine's bandwidth; one core of a 16-core Xeon read a 512 KB f32 router at ~11 GB/s, 47 us,
- * against a few us to start and join the team). */
-#define MM_PAR_MACS (1 << 18)
-#define MM_PAR_BYTES (128 << 10)
-static int mm_parallel(int nt, int64_t macs, int64_t bytes) { return nt > 1 && (macs > MM_PAR_MACS || bytes > MM_PAR_BYTES); }
-
-/* one parallel loop's products: the jobs, where each one's tasks start, their number */
-typedef struct {
-    const moe_model *m;
-    const mm_job *j;
-    const int64_t *start;
-    int64_t tasks;
-#ifdef TASK_STEALING
-    task_range *rg;
-    int nr;
-#endif
-} mm_loop;
-
-#ifdef TASK_STEALING
-static void mm_steal_share(void *arg, const par_ctx *p) {
-    const mm_loop *l = arg;
-    int64_t u0;
-    for (int got; (got = task_next(l->rg, l->nr, p->me, &u0));) mm_tasks(l->m, l->j, l->start, u0, got);
-}
-#endif
-
-static void mm_static_share(void *arg, const par_ctx *p) {
-    const mm_loop *l = arg;
-    int64_t u0, u1;
-    par_share(p, l->tasks, &u0, &u1);
-    if (u1 > u0) mm_tasks(l->m, l->j, l->start, u0, u1 - u0);
-}
-
-/* n products in one parallel loop: the threads split the row tasks of all of them (with stealing
- * where available), so that a step pays one fork and join for them instead of one each. Each
- * output is the same kernel call on the same data whatever the grouping and thread count. */
-static moe_status mm_run_jobs(const moe_model *m, const mm_job *j, int n, int nt) {
-    int64_t start_small[17], *start = n < 17 ? start_small : malloc(sizeof(int64_t) * ((size_t)n + 1)), work = 0, bytes = 0;
-    if (!start) return MOE_ERR_NOMEM;
-    start[0] = 0;
-    for (int i = 0; i < n; i++) {
-        start[i + 1] = start[i] + (j[i].W->rows + mm_task_rows(m, &j[i]) - 1) / mm_task_rows(m, &j[i]);
-        work += j[i].W->rows * (int64_t)j[i].T * j[i].W->cols;
-        bytes += (int64_t)weight_bytes(j[i].W);
-    }
-    mm_loop l = {m, j, start, start[n]
-#ifdef TASK_STEALING
-                 , NULL, 0
-#endif
-    };
-    if (!mm_parallel(nt, work, bytes)) {
-        mm_tasks(m, j, start, 0, l.tasks);
-#ifdef TASK_STEALING
-    } else if (nt <= STEP_TEAM_MAX && l.tasks < UINT32_MAX) {
-        task_range rg[STEP_TEAM_MAX];
-        task_ranges_init(rg, nt, l.tasks);
-        l.rg = rg, l.nr = nt;
-        par_run(nt, mm_steal_share, &l);
-#endif
-    } else {
-        par_run(nt, mm_static_share, &l);
-    }
-    if (start != start_small) free(start);
-    return MOE_OK;
-}
-
-/* whether job j's product takes its input in two parts (MOE_FLAG_ACT16: an integer format) */
-static int act16_job(const moe_model *m, const mm_job *j) { return (m->opt.flags & MOE_FLAG_ACT16) && j->xq && mm_quantized(m, j->W); }
-
-/* activation rows a pass of mm_run_act16: bounds its buffers (the quantized rows and products
- * twice over) whatever the batch */
-#define ACT16_ROWS 256
-
-/* how many of job j's rows from t0 on one pass of mm_run_act16 takes (0 or less: none left) */
-static int act16_pass_rows(const mm_job *j, int t0) { return j->T - t0 < ACT16_ROWS ? j->T - t0 : ACT16_ROWS; }
-
-/* rows t0 .. t0 + ACT16_ROWS - 1 of the jobs j[0..n) under MOE_FLAG_ACT16: each quantized job
- * runs on twice its rows (act16_rows) into a buffer of its own, in one parallel loop with the
- * others (a task reads its weights once for both parts), then y = first part + second */
-static moe_status mm_run_act16(const moe_model *m, const mm_job *j, int n, int nt, int t0) {
-    mm_job *c = malloc(sizeof *c * (size_t)n);
-    size_t nq = 0, ny = 0, ne = 0;
-    for (int i = 0; i < n; i++) {
-        const int T = act16_pass_rows(&j[i], t0);
-        if (T <= 0 || !act16_job(m, &j[i])) continue;
-        nq += 2 * (size_t)T * (size_t)(j[i].W->cols / 32), ny += 2 * (size_t)T * (size_t)j[i].W->rows;
-        ne = (size_t)j[i].W->cols > ne ? (size_t)j[i].W->cols : ne;
-    }
-    moe__block_q8a *qb = malloc(sizeof *qb * nq + 1);
-    float *yb = malloc(sizeof(float) * (ny + ne) + 1);
-    if (!c || !qb || !yb) { free(c), free(qb), free(yb); return MOE_ERR_NOMEM; }
-    int k = 0;
-    size_t oq = 0, oy = 0;
-    for (int i = 0; i < n; i++) {
-        const int T = act16_pass_rows(&j[i], t0);
-        if (T <= 0) continue;
-        const int64_t K = j[i].W->cols, N = j[i].W->rows;
-        const float *x = j[i].x + (int64_t)t0 * j[i].ldx;
-        if (!act16_job(m, &j[i])) {
-            c[k++] = (mm_job){j[i].y + (int64_t)t0 * N, j[i].W, x, j[i].ldx, j[i].xq ? j[i].xq + (int64_t)t0 * (K / 32) : NULL, T};
-            continue;
-        }
-        act16_rows(m, x, j[i].ldx, j[i].xq + (int64_t)t0 * (K / 32), T, K, qb + oq, yb + ny);
-        c[k++] = (mm_job){yb + oy, j[i].W, x, j[i].ldx, qb + oq, 2 * T};
-        oq += 2 * (size_t)T * (size_t)(K / 32), oy += 2 * (size_t)T * (size_t)N;
-    }
-    moe_status st = mm_run_jobs(m, c, k, nt);
-    oy = 0;
-    for (int i = 0; i < n && !st; i++) {
-        const int T = act16_pass_rows(&j[i], t0);
-        if (T <= 0 || !act16_job(m, &j[i])) continue;
-        const int64_t N = j[i].W->rows;
-        const float *lo = yb + oy + (size_t)T * (size_t)N;
-        float *y = j[i].y + (int64_t)t0 * N;
-        for (int64_t u = 0; u < T * N; u++) y[u] = yb[oy + (size_t)u] + lo[u];
-        oy += 2 * (size_t)T * (size_t)N;
-    }
-    free(c), free(qb), free(yb);
-    return st;
-}
-
-/* the products of jobs j[0..n) in one parallel loop (mm_run_jobs), under MOE_FLAG_ACT16 with
- * the integer formats' input in two parts, ACT16_ROWS rows at a time */
-static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
-    int act16 = 0, T = 0;
-    for (int i = 0; i < n; i++) act16 |= act16_job(m, &j[i]), T = j[i].T > T ? j[i].T : T;
-    if (!act16) return mm_run_jobs(m, j, n, nt);
-    moe_status st = MOE_OK;
-    for (int t0 = 0; t0 < T && !st; t0 += ACT16_ROWS) st = mm_run_act16(m, j, n, nt, t0);
-    return st;
-}
-
-/* quantized_rows' arguments, shared by the threads that split its rows */
-typedef struct {
-    const moe_model *m;
-    const float *x;
-    int64_t ldx, K;
-    int T;
-    moe__block_q8a *xq;
-} quant_loop;
-
-static void quant_share(void *arg, const par_ctx *p) {
-    const quant_loop *l = arg;
-    const int64_t nb = l->K / 32;
-    int64_t t0, t1;
-    par_share(p, l->T, &t0, &t1);
-    for (int64_t t = t0; t < t1; t++) l->m->k.quant_q8a(l->x + t * l->ldx, l->xq + t * nb, l->K);
-}
-
-/* x[T, K] (row stride ldx) quantized by quant_q8a into a new array (NULL: out of memory) */
-static moe__block_q8a *quantized_rows(const moe_model *m, const float *x, int64_t ldx, int T, int64_t K, int nt) {
-    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(K / 32 * T) + 1);
-    if (!xq) return NULL;
-    quant_loop l = {m, x, ldx, K, T, xq};
-    par_run(T > 1 && (int64_t)T * K > MM_PAR_MACS / 64 ? nt : 1, quant_share, &l);
-    return xq;
-}
-
-/* Several products of one input x[T, K] (row stride ldx) in one parallel loop (mm_run), the
- * activations quantized to 8-bit blocks once if any matrix is an integer format. */
-static moe_status matmul_multi(const moe_model *m, const float *x, int64_t ldx, int T, const mm_out *o, int n, int nt) {
-    mm_job j[8];
-    int quant = 0;
-    if (n < 1 || n > 8) return MOE_ERR_ARG;
-    const int64_t K = o[0].W->cols;
-    for (int i = 0; i < n; i++) {
-        if (o[i].W->cols != K) return MOE_ERR_ARG;
-        quant |= mm_quantized(m, o[i].W);
-    }
-    moe__block_q8a *xq = NULL;
-    if (quant && !(xq = quantized_rows(m, x, ldx, T, K, nt))) return MOE_ERR_NOMEM;
-    for (int i = 0; i < n; i++) j[i] = (mm_job){o[i].y, o[i].W, x, ldx, xq, T};
-    const moe_status st = mm_run(m, j, n, nt);
-    free(xq);
-    return st;
-}
-
-/* Products with inputs of their own (j[i].x, j[i].T; xq filled here where a matrix needs it) in
- * one parallel loop: the small second factors of KDA's gates, each too small to split alone. */
-static moe_status matmul_each(const moe_model *m, mm_job *j, int n, int nt) {
-    moe_status st = MOE_OK;
-    for (int i = 0; i < n && !st; i++)
-        if (mm_quantized(m, j[i].W) && !(j[i].xq = quantized_rows(m, j[i].x, j[i].ldx, j[i].T, j[i].W->cols, nt))) st = MOE_ERR_NOMEM;
-    if (!st) st = mm_run(m, j, n, nt);
-    for (int i = 0; i < n; i++) free((void *)j[i].xq), j[i].xq = NULL;
-    return st;
-}
-
-static moe_status matmul_nt(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
-                            const moe__weight *W, int nt) {
-    const mm_out o = {y, W};
-    return matmul_multi(m, x, ldx, T, &o, 1, nt);
-}
-
-static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_t ldx, int T, const moe__weight *W) {
-    return matmul_nt(m, y, x, ldx, T, W, m->opt.n_threads);
-}
-
-static moe_status matmul(const moe_model *m, float *y, const float *x, int T, const moe__weight *W) {
-    return matmul_ld(m, y, x, W->cols, T, W);
-}
-#define MM(y, x, T, W) (st = st ? st : matmul(m, (y), (x), (T), (W)))
-
-/* ==== norms and activations ==================================================================== */
-
-/* sum of squares in double, in four interleaved partial sums (one chain of dependent adds was
- * ~1% of a decode step) */
-static double sum_squares(const float *x, int n) {
-    double s[4] = {0, 0, 0, 0};
-    int i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int k = 0; k < 4; k++) s[k] += (double)x[i + k] * x[i + k];
-    for (; i < n; i++) s[0] += (double)x[i] * x[i];
-    return (s[0] + s[1]) + (s[2] + s[3]);
-}
-
-static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
-    const double ss = sum_squares(x, n);
-    float inv = (float)(1.0 / sqrt(ss / n + eps));
-    for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
-}
-
-static void rmsnorm_rows(float *y, const float *x, const float *w, int rows, int n, float eps) {
-    for (int t = 0; t < rows; t++) rmsnorm(y + (size_t)t * n, x + (size_t)t * n, w, n, eps);
-}
-
-static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
-
-/* gate a, up b -> phi(a, b) into a (SwiGLU or SiTU-GLU, spec section 3) */
-static void glu(const moe_model *m, float *a, const float *b, int64_t n) {
-    const moe_config *c = &m->cfg;
-    if (c->hidden_act == MOE_ACT_SILU) {
-        m->k.act(a, a, n, MOE__ACT_SILU);
-        for (int64_t i = 0; i < n; i++) a[i] *= b[i];
-        return;
-    }
-    const float be = c->situ_beta, bl = c->situ_linear_beta;
-    for (int64_t i = 0; i < n; i++) {
-        float up = bl > 0 ? bl * tanhf(b[i] / bl) : b[i];
-        a[i] = be * tanhf(a[i] / be) * sigmoidf(a[i]) * up;
-    }
-}
-
-/* ==== KDA layer (spec section 6) ===============================================================
- * One sequence segment of n rows. The session keeps the last W-1 pre-convolution rows of q, k, v
- * and the per-head state S; both are updated here. */
-
-#define KDA_CHUNK_MIN 16 /* below this many tokens the recurrence is used */
-
-/* Work memory of one step that each layer's attention and MoE take in turn: a prefill chunk's
- * per-layer buffers are tens of MB (KDA: 42 MB for 512 rows on the benchmark shape), and a fresh
- * allocation that size came as new zeroed pages from the kernel in every layer (page faults and
- * clearing were ~7% of a 512-token prefill). The routed experts' buffers of a decode step have
- * their own (160 KB on the benchmark shape: allocated and freed per layer, glibc gave the heap's
- * top back and took it again each time, 23 times a token). Freed when the step ends. */
-typedef struct {
-    void *p;
-    size_t cap;
-} work_buf;
-
-typedef struct {
-    work_buf layer, experts;
-} step_work;
-
-/* at least `bytes` of w's memory (contents not kept); NULL if out of memory */
-static void *work_get(work_buf *w, size_t bytes) {
-    if (bytes > w->cap) {
-        free(w->p);
-        w->p = malloc(bytes);
-        w->cap = w->p ? bytes : 0;
-    }
-    return w->p;
-}
-
-/* one KDA layer's per-head work (steps 2-7 of kda_forward) for n rows: the arrays and the
- * session's tail and state of kda_forward, shared by the heads */
-typedef struct {
-    const moe_model *m;
-    const layer *L;
-    int n, chunked, bounded;
-    float qscale;
-    float *tail, *state, *work;
-    float *pre[3], *outs[3];
-    const float *convw[3];
-    float *q, *k, *v, *g, *o, *beta, *gate;
-} kda_heads;
-
-/* head h: everything from the convolution to the output gate touches only its channels */
-static void kda_head(const kda_heads *kw, int h) {
-    const moe_model *m = kw->m;
-    const layer *L = kw->L;
-    const moe_config *c = &m->cfg;
-    const int H = c->kda_heads, D = c->kda_head_dim, HD = H * D, W = c->conv_kernel, Wm = W - 1, n = kw->n;
-    const int chunked = kw->chunked, bounded = kw->bounded;
-    const float qscale = kw->qscale;
-    const size_t wsz = moe__kda_chunk_work(D);
-    float *tail = kw->tail, *work = kw->work, *const *pre = kw->pre, *const *outs = kw->outs;
-    const float *const *convw = kw->convw;
-    float *q = kw->q, *k = kw->k, *v = kw->v, *g = kw->g, *o = kw->o, *beta = kw->beta, *gate = kw->gate;
-    const size_t c0 = (size_t)h * D;
-    /* 2. the causal depthwise convolution over the window [tail | new rows], this head's
-     * channels: window row r < Wm is the session's tail row r, row Wm + t the new row t */
-    float *th = tail + (size_t)h * Wm * 3 * D; /* this head's tail: [row][q, k, v][D] */
-    for (int a = 0; a < 3; a++) {
-        const float *nw = pre[a] + c0;
-#define WINDOW_ROW(r) ((r) < Wm ? th + ((size_t)(r) * 3 + a) * D : nw + (size_t)((r) - Wm) * HD)
-        for (int t = 0; t < n; t++) {
-            const float *rows[KDA_CONV_MAX];
-            for (int j = 0; j < W; j++) rows[j] = WINDOW_ROW(t + j);
-            float *o = outs[a] + (size_t)t * HD + c0;
-            m->k.dwconv(o, rows, convw[a] + c0, HD, W, D);
-            m->k.act(o, o, D, MOE__ACT_SILU);
-        }
-        /* the window's last Wm rows become the tail (rows move up: row n + r > r is read
-         * before it is overwritten) */
-        for (int r = 0; r < Wm; r++) memmove(th + ((size_t)r * 3 + a) * D, WINDOW_ROW(n + r), sizeof(float) * D);
-#undef WINDOW_ROW
-    }
-    const float ga = expf(L->A_log[h]);
-    for (int t = 0; t < n; t++) {
-        /* 3. L2 norm of q and k; q also scaled by D^-1/2 */
-        float *qh = q + (size_t)t * HD + c0, *kh = k + (size_t)t * HD + c0;
-        const double sq = sum_squares(qh, D), sk = sum_squares(kh, D);
-        const float iq = (float)(1.0 / sqrt(sq + 1e-6)) * qscale, ik = (float)(1.0 / sqrt(sk + 1e-6));
-        for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
-        /* 4. decay gate from z = (x f_a^T) f_b^T + dt_bias; 5. beta */
-        float *gh = g + (size_t)t * HD + c0;
-        const int bgate = c->kda_gate_bounded;
-        for (int i = 0; i < D; i++) gh[i] = (gh[i] + L->dt_bias[c0 + (size_t)i]) * (bgate ? ga : 1.0f);
-        m->k.act(gh, gh, D, bgate ? MOE__ACT_SIGMOID : MOE__ACT_SOFTPLUS);
-        const float gs = bgate ? c->kda_gate_lower_bound : -ga; /* lb sigmoid(a z), or -a softplus(z) */
-        for (int i = 0; i < D; i++) gh[i] *= gs;
-        beta[(size_t)t * H + h] = sigmoidf(beta[(size_t)t * H + h]);
-    }
-    /* 6. the core: chunked for prefill, the recurrence for short steps */
-    moe__kda_head a = {n, D, HD, H, q + c0, k + c0, v + c0, g + c0, beta + h, o + c0, kw->state + c0 * D};
-    if (chunked) moe__kda_chunked(&a, bounded, work + wsz * (size_t)h, &m->k);
-    else m->k.kda_recurrent(&a);
-    /* 7. per-head RMSNorm and the output gate */
-    for (int t = 0; t < n; t++) {
-        float *oh = o + (size_t)t * HD + c0;
-        float *gt = gate + (size_t)t * HD + c0;
-        rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
-        m->k.act(gt, gt, D, MOE__ACT_SIGMOID);
-        for (int i = 0; i < D; i++) oh[i] *= gt[i];
-    }
-}
-
-static void kda_heads_share(void *arg, const par_ctx *p) {
-    int64_t h0, h1;
-    par_share(p, ((const kda_heads *)arg)->m->cfg.kda_heads, &h0, &h1);
-    for (int64_t h = h0; h < h1; h++) kda_head(arg, (int)h);
-}
-
-static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s, int li,
-                              const float *x, int n, float *out, step_work *wk) {
-    const moe_config *c = &m->cfg;
-    const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
-    const unsigned fl = m->opt.flags;
-    const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
-    const size_t wsz = moe__kda_chunk_work(D), nbuf = 10 * (size_t)n * HD + (size_t)n * H + (size_t)n * D;
-    float *buf = work_get(&wk->layer, sizeof(float) * (nbuf + (chunked ? wsz * (size_t)H : 0)));
-    if (!buf) return MOE_ERR_NOMEM;
-    float *work = chunked ? buf + nbuf : NULL;
-    /* qp, kp, vp: the new rows of q, k, v before the convolution; q, k, v after it */
-    float *qp = buf, *kp = qp + (size_t)n * HD, *vp = kp + (size_t)n * HD, *q = vp + (size_t)n * HD, *k = q + (size_t)n * HD;
-    float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD, *og = o + (size_t)n * HD;
-    float *gl = og + (size_t)n * HD, *beta = gl + (size_t)n * HD, *tmp = beta + (size_t)n * H;
-    float *tail = s->conv_tail[li];
-    moe_status st = MOE_OK;
-    /* 1, 4, 5, 7. every projection of x in one pass: q, k, v, the decay gate's first factor,
-     * beta, and the output gate (full rank, or its first factor) */
-    {
-        const mm_out proj[6] = {{qp, &L->q}, {kp, &L->k}, {vp, &L->v},
-                                {tmp, &L->f_a}, {beta, &L->b}, {og, c->kda_full_rank_gate ? &L->g : &L->g_a}};
-        st = matmul_multi(m, x, d, n, proj, 6, m->opt.n_threads);
-    }
-    /* 4, 7. the second factors of the decay gate and of a low-rank output gate */
-    float *gate = c->kda_full_rank_gate ? og : gl; /* turned into the sigmoid gate in place */
-    if (!st) {
-        mm_job second[2] = {{g, &L->f_b, tmp, L->f_b.cols, NULL, n}, {gl, &L->g_b, og, L->g_b.cols, NULL, n}};
-        st = matmul_each(m, second, c->kda_full_rank_gate ? 1 : 2, m->opt.n_threads);
-    }
-    if (st) return st;
-    const int bounded = c->kda_gate_bounded && c->kda_gate_lower_bound >= -5.0f;
-    const float qscale = 1.0f / sqrtf((float)D);
-    /* 2-7 per head, the heads in parallel (a decode step has no serial part left) */
-    kda_heads kh = {m, L, n, chunked, bounded, qscale, tail, s->kda_state[li], work, {qp, kp, vp}, {q, k, v},
-                    {L->q_conv, L->k_conv, L->v_conv}, q, k, v, g, o, beta, gate};
-    par_run(H > 1 ? m->opt.n_threads : 1, kda_heads_share, &kh);
-    /* 8. output projection */
-    MM(out, o, n, &L->o);
-    return st;
-}
-
-/* ==== MLA layer (spec section 7) ===============================================================
- * The session caches, per token, the normalised latent c (r) and the shared key slice kr (d_r).
- * Attention runs either absorbed (queries mapped into the latent space: cheap when few queries
- * meet a long cache, i.e. decode) or expanded (keys/values rebuilt from the cache: cheaper when
- * many queries share the keys, i.e. prefill); the cost model below picks per call. */
-
-/* bytes of one latent cache element (an int8 cache adds a moe__kv8_meta per row) */
-static size_t kv_elem(const moe_model *m) { return m->opt.kv_type == MOE_KV_Q8 ? 1 : m->opt.kv_type == MOE_KV_BF16 ? 2 : 4; }
-
-/* rows [j0, j0 + n) of a latent cache as f32 into out (a bf16 cache is widened: exact; an int8
- * one dequantized, c_i = dc q_i and kr_i = dr q_i) */
-static const float *kv_rows_f32(const moe_model *m, const void *cache, const moe__kv8_meta *meta, int64_t j0, int64_t n, int64_t cw,
-                                float *out) {
-    if (m->opt.kv_type == MOE_KV_F32) return (const float *)cache + j0 * cw;
-    if (m->opt.kv_type == MOE_KV_BF16) {
-        m->k.widen_bf16(out, (const uint16_t *)cache + j0 * cw, n * cw);
-        return out;
-    }
-    const int64_t r = m->cfg.kv_lora_rank;
-    for (int64_t j = 0; j < n; j++) {
-        const int8_t *q = (const int8_t *)cache + (j0 + j) * cw;
-        const moe__kv8_meta *mt = meta + j0 + j;
-        for (int64_t i = 0; i < cw; i++) out[j * cw + i] = (float)q[i] * (i < r ? mt->dc : mt->dr);
-    }
-    return out;
-}
-
-static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
-    const moe_config *c = &s->m->cfg;
-    if (rows <= s->mla_cap[li]) return MOE_OK;
-    int cap = s->mla_cap[li] ? s->mla_cap[li] : 64;
-    while (cap < rows) cap = cap > s->n_ctx / 2 ? s->n_ctx : cap * 2;
-    if (cap < rows) cap = rows;
-    size_t w = (size_t)c->kv_lora_rank + c->qk_rope_dim;
-    const size_t bytes = kv_elem(s->m) * w * (size_t)cap;
-    void *p = realloc(s->mla_cache[li], bytes);
-    if (!p) return MOE_ERR_NOMEM;
-    s->mla_cache[li] = p;
-    /* huge pages for the rows not yet written: a decode step reads the whole cache from memory,
-     * and with 4 KB pages the int8 scores of 6 layers x 8192 keys took 3.8 ms, with THP 3.1
-     * (Zen 4, one thread; bench/RESULTS.md) */
-    advise_huge(p, bytes);
-    if (s->m->opt.kv_type == MOE_KV_Q8) {
-        moe__kv8_meta *mp = realloc(s->mla_meta[li], sizeof *mp * (size_t)cap);
-        if (!mp) return MOE_ERR_NOMEM; /* the larger cache is kept; its capacity is not raised */
-        s->mla_meta[li] = mp;
-    }
-    s->mla_cap[li] = cap;
-    return MOE_OK;
-}
-
-#define MLA_KEY_BLOCK 256 /* keys scored at once: per-head online softmax across blocks */
-#define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
-#define MLA_EXPANDED_BLOCK_BYTES (256.0 * 1024 * 1024) /* one key block's keys and values (all heads), at most */
-
-/* rows_times_q's work in a thread's part of the absorbed attention's work area: under
- * MOE_FLAG_ACT16 three times the longest input or output of the absorbed products (k_b: d_n in,
- * r out; v_b: r in, d_v out), else none */
-static size_t mla_act16_work(const moe_model *m) {
-    const moe_config *c = &m->cfg;
-    const int a = c->kv_lora_rank > c->qk_nope_dim ? c->kv_lora_rank : c->qk_nope_dim;
-    return m->opt.flags & MOE_FLAG_ACT16 ? 3 * (size_t)(a > c->v_head_dim ? a : c->v_head_dim) : 0;
-}
-
-/* Absorbed attention of one query token over `len` cached latents, all heads at once (the heads
- * share the latent, as in MQA). The keys are split across the threads (split-K, as in flash
- * decoding): each thread streams its contiguous share of the cache once, in blocks of
- * MLA_KEY_BLOCK rows that stay in its own cache while every head is scored against them and
- * added to the thread's context sums, under the thread's own online softmax (running max and
- * sum per head, rescaled when the max grows). The threads' partial results are then merged
- * per head at the common max. Two barriers per token whatever the length; memory does not grow
- * with the context. The head's query is mapped into the latent space, and its latent context
- * back out, with a split GGUF's k_b / v_b as stored (integer kernels for Q8_0/Q4_0, activations
- * quantized like any matmul's) where the layer has them, else with kv_b's rows in floats.
- * With a bf16 cache the queries are rounded to bf16 and the block kernels take bf16 products
- * (moe__mla_block16: AVX512_BF16's dot product where the CPU has it), summed in f32. With an
- * int8 cache the queries are quantized per head like the rows (the latent part and the kr part
- * each with its scale) and the block's softmax weights per head to bytes (moe__mla_block8).
- * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r] (and with a bf16
- * cache the bf16 queries [H, r + d_r]; with an int8 one the int8 queries [H, r + d_r], their
- * transposed copy and their scales [H, 2]), then per thread SC [H, KB], CTX [H, r], M [H],
- * LS [H], one row [r], room for r quantized values [r] and, with a bf16 cache, the bf16 kernels'
- * work area (moe__mla_work16); with an int8 one the weights in bytes [H, KB], their scales [H] and
- * moe__mla_weights8's work [KB]; then rows_times_q's work (mla_act16_work). */
-static size_t mla_absorbed_part(const moe_model *m) {
-    const moe_config *c = &m->cfg;
-    const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank, cw = r + (size_t)c->qk_rope_dim;
-    const size_t kv = m->opt.kv_type == MOE_KV_BF16 ? moe__mla_work16((int)H, (int)cw, MLA_KEY_BLOCK)
-                      : m->opt.kv_type == MOE_KV_Q8 ? H * MLA_KEY_BLOCK / 4 + H + MLA_KEY_BLOCK
-                                                    : 0;
-    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + kv + mla_act16_work(m);
-}
-
-/* the shared part (QA, and the queries in the cache's element), then each thread's */
-static size_t mla_absorbed_shared(const moe_model *m) {
-    const moe_config *c = &m->cfg;
-    const size_t H = (size_t)c->mla_heads, cw = (size_t)c->kv_lora_rank + c->qk_rope_dim;
-    const size_t kv = m->opt.kv_type == MOE_KV_BF16 ? (H * cw + 1) / 2
-                      : m->opt.kv_type == MOE_KV_Q8 ? (H * cw + moe__mla_qt8_bytes((int)H, (int)cw) + 3) / 4 + 2 * H
-                                                    : 0;
-    return H * (size_t)c->kv_lora_rank + kv;
-}
-
-static size_t mla_absorbed_work(const moe_model *m, int nt) {
-    return mla_absorbed_shared(m) + (size_t)nt * mla_absorbed_part(m);
-}
-
-/* the largest of x[0..n-1] (-inf for none), in 8 independent chains: one chain of compares was
- * 1.7% of a decode step at depth 16384 (a block's 256 scores per head) */
-static float max_of(const float *x, int n) {
-    float m[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
-    int j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int k = 0; k < 8; k++) m[k] = x[j + k] > m[k] ? x[j + k] : m[k];
-    for (; j < n; j++) m[0] = x[j] > m[0] ? x[j] : m[0];
-    for (int k = 1; k < 8; k++) m[0] = m[k] > m[0] ? m[k] : m[0];
-    return m[0];
-}
-
-/* one token's absorbed attention (mla_absorbed_token's arguments) */
-typedef struct {
-    const moe_model *m;
-    const layer *L;
-    const void *cache;
-    const moe__kv8_meta *meta;
-    int len;
-    const float *q;
-    float *y, *w;
-} mla_token;
-
-/* thread p's share of mla_absorbed_token: its heads' queries, its keys, its heads' merge */
-static void mla_token_share(void *arg, const par_ctx *p) {
-    const mla_token *a = arg;
-    const moe_model *m = a->m;
-    const layer *L = a->L;
-    const void *cache = a->cache;
-    const moe__kv8_meta *meta = a->meta;
-    const int len = a->len;
-    const float *q = a->q;
-    float *y = a->y, *w = a->w;
-    const moe_config *c = &m->cfg;
-    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
-    const int dq = dn + dr, cw = r + dr, KB = MLA_KEY_BLOCK;
-    const float scale = 1.0f / sqrtf((float)dq);
-    const size_t per = mla_absorbed_part(m);
-    float *QA = w;
-    uint16_t *Q16 = (uint16_t *)(QA + (size_t)H * r); /* a bf16 cache: the queries in bf16 [H, cw] */
-    int8_t *Q8 = (int8_t *)(QA + (size_t)H * r), *QT8 = Q8 + (size_t)H * cw; /* an int8 cache: [H, cw], transposed */
-    float *QD = (float *)(void *)(QA + (size_t)H * r + ((size_t)H * cw + moe__mla_qt8_bytes(H, cw) + 3) / 4); /* their scales [H, 2] */
-    const int bf16 = m->opt.kv_type == MOE_KV_BF16, q8 = m->opt.kv_type == MOE_KV_Q8;
-    const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
-    const int split = L->k_b.data && !L->stream; /* a streamed layer reads only its cache unit */
-    const int tid = p->me, nth = p->nth;
-    const int h0 = H * tid / nth, h1 = H * (tid + 1) / nth; /* this thread's heads */
-    float *SC = w + mla_absorbed_shared(m) + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
-    float *row = LS + H;
-    moe__block_q8a *xq = (moe__block_q8a *)(void *)(row + r);
-    float *wide = row + 2 * (size_t)r;
-    uint8_t *W8 = (uint8_t *)wide; /* an int8 cache: the block's weights in bytes [H, KB], their scales [H], work */
-    float *WS8 = wide + (size_t)H * KB / 4;
-    float *A16 = SC + per - mla_act16_work(m); /* rows_times_q's work */
-    /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
-     * h*(d_n+d_v) .. +d_n taken as columns */
-    for (int h = h0; h < h1 && split; h++) {
-        if (mm_quantized(m, &L->k_b)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
-        rows_times_q(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f, A16);
-    }
-    for (int h = h0; h < h1 && !split; h++) {
-        float *qa = QA + (size_t)h * r;
-        memset(qa, 0, sizeof(float) * (size_t)r);
-        for (int i = 0; i < dn; i++) {
-            const int64_t wr = (int64_t)h * (dn + dv) + i;
-            const unsigned char *wp = (const unsigned char *)L->kv_b.data + wr * kvrow;
-            const float *rw = (const float *)wp;
-            if (L->kv_b.type != MOE_T_F32) {
-                moe__row_to_f32(L->kv_b.type, wp, L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
-                rw = row;
-            }
-            m->k.axpy(qa, q[(size_t)h * dq + i], rw, r);
-        }
-    }
-    for (int h = h0; h < h1 && bf16; h++) /* [q^_h | q_r,h] rounded to bf16 */
-        for (int i = 0; i < cw; i++) Q16[(size_t)h * cw + i] = moe__f32_to_bf16(i < r ? QA[(size_t)h * r + i] : q[(size_t)h * dq + dn + i - r]);
-    for (int h = h0; h < h1 && q8; h++) { /* q^_h and q_r,h in int8, each with its scale */
-        int32_t sum;
-        m->k.quant8_row(QA + (size_t)h * r, r, Q8 + (size_t)h * cw, &QD[2 * h], &sum);
-        m->k.quant8_row(q + (size_t)h * dq + dn, dr, Q8 + (size_t)h * cw + r, &QD[2 * h + 1], &sum);
-    }
-    memset(CTX, 0, sizeof(float) * (size_t)H * r);
-    for (int h = 0; h < H; h++) M[h] = -INFINITY, LS[h] = 0;
-    par_barrier(p);
-    if (q8 && tid == 0) moe__mla_qt8(Q8, H, cw, QT8); /* every head's int8 query, transposed */
-    par_barrier(p);
-    /* this thread's keys, every head */
-    const int jb = (int)((int64_t)len * tid / nth), je = (int)((int64_t)len * (tid + 1) / nth);
-    for (int j0 = jb; j0 < je; j0 += KB) {
-        const int jn = je - j0 < KB ? je - j0 : KB;
-        const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, bf16 ? NULL : (const float *)cache + (size_t)j0 * cw, SC, CTX};
-        const moe__mla_block16 b16 = {H, r, cw, jn, 0, jn, KB, scale, Q16, bf16 ? (const uint16_t *)cache + (size_t)j0 * cw : NULL, SC, CTX, wide};
-        const moe__mla_block8 b8 = {H, r, cw, jn, 0, jn, KB, KB, scale, Q8, QT8, QD, q8 ? (const int8_t *)cache + (size_t)j0 * cw : NULL,
-                                    q8 ? meta + j0 : NULL, SC, CTX, W8, WS8};
-        if (bf16) m->k.mla_scores16(&b16);
-        else if (q8) m->k.mla_scores8(&b8);
-        else m->k.mla_scores(&blk);
-        for (int h = 0; h < H; h++) {
-            float *sc = SC + (size_t)h * KB, mx = max_of(sc, jn);
-            mx = M[h] > mx ? M[h] : mx;
-            const float f = expf(M[h] - mx); /* 0 on the first block */
-            if (f != 1.0f) {
-                for (int i = 0; i < r; i++) CTX[(size_t)h * r + i] *= f;
-                LS[h] *= f;
-            }
-            LS[h] += m->k.exp_sum(sc, sc, mx, jn);
-            M[h] = mx;
-        }
-        if (bf16) m->k.mla_ctx16(&b16, 0, H);
-        else if (q8) {
-            m->k.mla_weights8(SC, KB, b8.meta, jn, 0, H, W8, KB, WS8, WS8 + H);
-            m->k.mla_ctx8(&b8, 0, H);
-        } else
-            m->k.mla_ctx(&blk, 0, H);
-    }
-    par_barrier(p);
-    /* merge the threads' partial sums at the common max, this thread's heads; then
-     * y_h = W_UV,h ctx_h / sum */
-    for (int h = h0; h < h1; h++) {
-        /* thread t's CTX, M and LS, at the offsets of this thread's own */
-#define PART(t, p) (w + mla_absorbed_shared(m) + (size_t)(t) * per + ((p) - SC))
-        float mx = -INFINITY, ls = 0;
-        for (int t = 0; t < nth; t++) mx = PART(t, M)[h] > mx ? PART(t, M)[h] : mx;
-        memset(row, 0, sizeof(float) * (size_t)r);
-        for (int t = 0; t < nth; t++) {
-            const float mt = PART(t, M)[h];
-            if (mt == -INFINITY) continue; /* a thread without keys (len < threads) */
-            const float f = expf(mt - mx);
-            ls += f * PART(t, LS)[h];
-            m->k.axpy(row, f, PART(t, CTX) + (size_t)h * r, r);
-        }
-#undef PART
-        const moe__weight *uv = split ? &L->v_b : &L->kv_b; /* W_UV,h: v_b rows h*d_v.., or kv_b rows h*(d_n+d_v)+d_n.. */
-        if (mm_quantized(m, uv)) m->k.quant_q8a(row, xq, r);
-        rows_times_q(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls, A16);
-    }
-}
-
-static void mla_absorbed_token(const moe_model *m, const layer *L, const void *cache, const moe__kv8_meta *meta, int len,
-                               const float *q, float *y, float *w, int nt) {
-    mla_token a = {m, L, cache, meta, len, q, y, w};
-    par_run(nt, mla_token_share, &a);
-}
-
-moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, const float *x, int T, int nt, unsigned flags) {
-    if (n < 1 || n > 8 || nt < 1 || T < 1) return MOE_ERR_ARG;
-    moe_model *m = calloc(1, sizeof *m);
-    if (!m) return MOE_ERR_NOMEM;
-    moe__kernels_init(&m->k, flags);
-    m->opt.flags = flags; /* MOE_FLAG_MXFP4_INT8 */
-    mm_out o[8];
-    for (int i = 0; i < n; i++) o[i] = (mm_out){y[i], W[i]};
-    const moe_status st = matmul_multi(m, x, W[0]->cols, T, o, n, nt);
-    free(m);
-    return st;
-}
-
-void moe__set_mla_key_block(moe_model *m, int keys) {
-    if (m) m->mla_key_block = keys > 0 ? keys : 0;
-}
-
-void moe__set_step_team(moe_model *m, int mode) {
-    if (m) m->step_team = mode;
-}
-
-/* one key block of mla_expanded, shared by the heads: the block's keys k0 .. k0+kn-1 (latents in
- * rows, keys and values through kv_b in kv), the query rows, outputs and running softmax state */
-typedef struct {
-    const moe_model *m;
-    const float *q, *rows, *kv;
-    float *y, *scr, *MX;
-    double *LS;
-    size_t scratch, kvw;
-    int pos, n, k0, kn, KB;
-    float scale;
-} mla_key_block;
-
-/* head h of the block, in thread me's scratch */
-static void mla_expanded_head(const mla_key_block *b, int h, int me) {
-    const moe_model *m = b->m;
-    const moe_config *c = &m->cfg;
-    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
-    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, QB = MLA_QUERY_BLOCK;
-    const int pos = b->pos, n = b->n, k0 = b->k0, kn = b->kn, KB = b->KB;
-    const size_t scratch = b->scratch, kvw = b->kvw;
-    const float scale = b->scale, *q = b->q, *rows = b->rows, *kv = b->kv;
-    float *y = b->y, *scr = b->scr, *MX = b->MX;
-    double *LS = b->LS;
-    float *K = scr + scratch * (size_t)me, *V = K + (size_t)KB * dq, *QN = V + (size_t)KB * dv;
-    float *QR = QN + (size_t)n * dn, *SC = QR + (size_t)n * dr, *CT = SC + (size_t)QB * KB, *F = CT + (size_t)QB * dv;
-    for (int j = 0; j < kn; j++) {
-        const float *src = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
-        memcpy(K + (size_t)j * dq, src, sizeof(float) * dn);
-        memcpy(K + (size_t)j * dq + dn, rows + (size_t)j * cw + r, sizeof(float) * dr);
-        memcpy(V + (size_t)j * dv, src + dn, sizeof(float) * dv);
-    }
-    for (int t = 0; t < n; t++) {
-        memcpy(QN + (size_t)t * dn, q + (size_t)t * H * dq + (size_t)h * dq, sizeof(float) * dn);
-        memcpy(QR + (size_t)t * dr, q + (size_t)t * H * dq + (size_t)h * dq + dn, sizeof(float) * dr);
-    }
-    for (int t0 = 0; t0 < n; t0 += QB) {
-        const int nq = n - t0 < QB ? n - t0 : QB, last = pos + t0 + nq - 1; /* the query block's last position */
-        if (k0 > last) continue;                                            /* it sees no key of this block */
-        const int keys = last + 1 - k0 < kn ? last + 1 - k0 : kn;
-        moe__mla_block b = {nq, dn, dr, dq, keys, 0, keys, KB, dr, scale, QN + (size_t)t0 * dn, QR + (size_t)t0 * dr, K, SC, CT};
-        m->k.mla_scores(&b);
-        for (int i = 0; i < nq; i++) { /* row t0 + i sees keys up to position pos + t0 + i */
-            float *sc = SC + (size_t)i * KB, mx = -INFINITY;
-            const int vis = pos + t0 + i + 1 - k0 < keys ? pos + t0 + i + 1 - k0 : keys;
-            const size_t at = (size_t)(t0 + i) * H + h;
-            mx = max_of(sc, vis);
-            const float mnew = mx > MX[at] ? mx : MX[at];
-            F[i] = vis > 0 && MX[at] != -INFINITY ? expf(MX[at] - mnew) : 1.0f; /* the old sums' rescale */
-            if (vis > 0) {
-                LS[at] = LS[at] * F[i] + m->k.exp_sum(sc, sc, mnew, vis);
-                MX[at] = mnew;
-            }
-            for (int j = vis > 0 ? vis : 0; j < keys; j++) sc[j] = 0;
-        }
-        memset(CT, 0, sizeof(float) * (size_t)nq * dv);
-        moe__mla_block bv = {nq, dv, 0, dv, keys, 0, keys, KB, 0, 1.0f, NULL, NULL, V, SC, CT};
-        m->k.mla_ctx(&bv, 0, nq);
-        for (int i = 0; i < nq; i++) {
-            float *yo = y + (size_t)(t0 + i) * H * dv + (size_t)h * dv;
-            for (int d = 0; d < dv; d++) yo[d] = yo[d] * F[i] + CT[(size_t)i * dv + d];
-        }
-    }
-}
-
-static void mla_expanded_share(void *arg, const par_ctx *p) {
-    int64_t h0, h1;
-    par_share(p, ((const mla_key_block *)arg)->m->cfg.mla_heads, &h0, &h1);
-    for (int64_t h = h0; h < h1; h++) mla_expanded_head(arg, (int)h, p->me);
-}
-
-/* Expanded attention of the n query rows at positions pos .. pos+n-1 over the pos+n cached
- * latents, in blocks of keys: each block's keys and values are rebuilt from its latents through
- * kv_b for all heads (at most MLA_EXPANDED_BLOCK_BYTES of them), then the heads in parallel: the
- * head's keys and values of the block made contiguous, its query rows scored against them in
- * blocks of MLA_QUERY_BLOCK through the absorbed form's register-tiled kernels (the rows standing
- * in for its heads), keys after a row's position masked out, and the row's context sums updated
- * under an online softmax (running max and sum, rescaled when the max grows), as the absorbed
- * form does across its key blocks. Memory does not grow with the context.
- * q: [n, H, d_n + d_r]; y: [n, H, d_v]. */
-static moe_status mla_expanded(const moe_model *m, const layer *L, const void *cache, const moe__kv8_meta *meta, int pos, int n,
-                               const float *q, float *y, int nt) {
-    const moe_config *c = &m->cfg;
-    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
-    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, S = pos + n, QB = MLA_QUERY_BLOCK;
-    const size_t kvw = (size_t)H * (dn + dv);
-    const float scale = 1.0f / sqrtf((float)dq);
-    int KB = m->mla_key_block ? m->mla_key_block : (int)(MLA_EXPANDED_BLOCK_BYTES / (kvw * sizeof(float)));
-    KB = KB < 16 ? 16 : KB > S ? S : KB;
-    /* the block's latents in f32 [KB, cw] (copied from a bf16 cache) and keys/values [KB, H(d_n +
-     * d_v)]; per query row and head the running max and sum [n, H]; per thread one head's block
-     * keys [KB, d_q] and values [KB, d_v], its query rows [n, d_n] and [n, d_r], one query block's
-     * scores [QB, KB], context [QB, d_v] and rescale factors [QB] */
-    const size_t scratch = (size_t)KB * (dq + dv) + (size_t)n * dq + (size_t)QB * ((size_t)KB + dv + 1) + 16;
-    float *buf = malloc(sizeof(float) * ((size_t)KB * cw + (size_t)KB * kvw + (size_t)n * H + scratch * (size_t)nt));
-    double *LS = malloc(sizeof(double) * (size_t)n * H);
-    if (!buf || !LS) {
-        free(buf), free(LS);
-        return MOE_ERR_NOMEM;
-    }
-    float *wide = buf, *kv = wide + (size_t)KB * cw, *MX = kv + (size_t)KB * kvw, *scr = MX + (size_t)n * H;
-    for (size_t i = 0; i < (size_t)n * H; i++) MX[i] = -INFINITY, LS[i] = 0;
-    memset(y, 0, sizeof(float) * (size_t)n * H * dv);
-    moe_status st = MOE_OK;
-    for (int k0 = 0; k0 < S && !st; k0 += KB) {
-        const int kn = S - k0 < KB ? S - k0 : KB;
-        const float *rows = kv_rows_f32(m, cache, meta, k0, kn, cw, wide);
-        if ((st = matmul_ld(m, kv, rows, cw, kn, &L->kv_b))) break; /* [kn, H (d_n + d_v)] */
-        mla_key_block b = {m, q, rows, kv, y, scr, MX, LS, scratch, kvw, pos, n, k0, kn, KB, scale};
-        par_run(H > 1 ? nt : 1, mla_expanded_share, &b);
-    }
-    for (int t = 0; t < n && !st; t++) /* every row saw at least its own key */
-        for (int h = 0; h < H; h++) {
-            const float inv = (float)(1.0 / LS[(size_t)t * H + h]);
-            float *yo = y + (size_t)t * H * dv + (size_t)h * dv;
-            for (int d = 0; d < dv; d++) yo[d] *= inv;
-        }
-    free(buf), free(LS);
-    return st;
-}
-
-static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s, int li,
-                              const float *x, int n, float *out, step_work *wk) {
-    const moe_config *c = &m->cfg;
-    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
-    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, pos = s->pos;
-    const int S = pos + n; /* keys after this step */
-    moe_status st = mla_cache_reserve(s, li, S);
-    if (st) return st;
-    /* cost of the two attention forms (multiply-adds), averaged over the causal triangle */
-    const double savg = pos + (n + 1) / 2.0;
-    double absorbed = (double)n * H * (savg * (2.0 * r + dr) + (double)(dn + dv) * r);
-    const double expanded = (double)S * H * (dn + dv) * r + (double)n * H * savg * (dq + dv);
-    /* with an int8 cache the absorbed products are integer ones: one dpbusd or SDOT does 4x the
-     * multiply-adds of an f32 FMA of the same width, the AVX2 and plain NEON forms (2-3
-     * instructions) about 2x. Filling 8192 tokens of the benchmark shape (Zen 4, AVX-512 VNNI, 2
-     * threads): in 512-row chunks 62.0 s absorbed against 72.2 expanded; in 2048-row chunks, where
-     * a factor of 2 picked the expanded form for the later chunks, 66.9 s absorbed against 76.4 */
-    if (m->opt.kv_type == MOE_KV_Q8) absorbed /= m->k.dot8 ? 4 : 2;
-    int use_expanded = expanded < absorbed;
-    if (m->opt.flags & MOE_FLAG_MLA_ABSORBED) use_expanded = 0;
-    if (m->opt.flags & MOE_FLAG_MLA_EXPANDED) use_expanded = 1;
-#ifdef _OPENMP
-    const int nt = m->opt.n_threads;
-#else
-    const int nt = 1;
-#endif
-    size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
-    size_t work = use_expanded ? 0 : mla_absorbed_work(m, nt); /* the expanded form allocates its own */
-    const int bf16 = m->opt.kv_type == MOE_KV_BF16;
-    size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
-    size_t gn = c->mla_output_gate ? yn : 0;
-    float *buf = work_get(&wk->layer, sizeof(float) * (qn + yn + gn + qa + (size_t)n * cw + work));
-    if (!buf) return MOE_ERR_NOMEM;
-    float *q = buf, *y = q + qn, *gate = y + yn, *qa_buf = gate + gn;
-    float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
-    /* 1, 2, 5. the projections of x in one pass: queries (or their LoRA's first factor), the
-     * latents, the output gate */
-    {
-        const mm_out proj[3] = {{c->q_lora_rank ? qa_buf : q, c->q_lora_rank ? &L->q_a : &L->q}, {lat, &L->kv_a}, {gate, &L->g}};
-        st = matmul_multi(m, x, c->hidden_size, n, proj, c->mla_output_gate ? 3 : 2, m->opt.n_threads);
-    }
-    if (c->q_lora_rank) {
-        rmsnorm_rows(qa_buf, qa_buf, L->q_a_norm, n, c->q_lora_rank, 1e-6f);
-        MM(q, qa_buf, n, &L->q_b);
-    }
-    /* 2. latents into the cache (normalised c, then kr), rounded to bf16 for a bf16 cache,
-     * quantized (each part with its scale) for an int8 one */
-    void *cache = s->mla_cache[li];
-    moe__kv8_meta *meta = s->mla_meta[li];
-    for (int t = 0; t < n; t++) {
-        float *l = lat + (size_t)t * cw;
-        rmsnorm(l, l, L->kv_a_norm, r, 1e-6f);
-        if (m->opt.kv_type == MOE_KV_Q8) {
-            int8_t *row = (int8_t *)cache + (size_t)(pos + t) * cw;
-            moe__kv8_meta *mt = meta + pos + t;
-            m->k.quant8_row(l, r, row, &mt->dc, &mt->sc);
-            m->k.quant8_row(l + r, dr, row + r, &mt->dr, &mt->sr);
-        } else if (bf16)
-            for (int i = 0; i < cw; i++) ((uint16_t *)cache)[(size_t)(pos + t) * cw + i] = moe__f32_to_bf16(l[i]);
-        else
-            memcpy((float *)cache + (size_t)(pos + t) * cw, l, sizeof(float) * cw);
-    }
-    if (!st && use_expanded) st = mla_expanded(m, L, cache, meta, pos, n, q, y, nt);
-    for (int t = 0; t < n && !st && !use_expanded; t++)
-        mla_absorbed_token(m, L, cache, meta, pos + t + 1, q + (size_t)t * H * dq, y + (size_t)t * H * dv, scr, nt);
-    /* 5. output gate; 6. output projection */
-    if (c->mla_output_gate) {
-        m->k.act(gate, gate, (int64_t)yn, MOE__ACT_SIGMOID);
-        for (size_t i = 0; i < yn; i++) y[i] *= gate[i];
-    }
-    MM(out, y, n, &L->o);
-    return st;
-}
-
-/* ==== FFN and MoE (spec section 8) ============================================================= */
-
-static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const moe__weight *up,
-                              const moe__weight *down, const float *x, int n, float *out) {
-    const int64_t I = gate->rows;
-    float *a = malloc(sizeof(float) * 2 * (size_t)n * (size_t)I);
-    if (!a) return MOE_ERR_NOMEM;
-    float *b = a + (size_t)n * I;
-    const mm_out proj[2] = {{a, gate}, {b, up}};
-    moe_status st = matmul_multi(m, x, gate->cols, n, proj, 2, m->opt.n_threads);
-    glu(m, a, b, (int64_t)n * I);
-    MM(out, a, n, down);
-    free(a);
     return st;
 }
 
@@ -4467,6 +3251,1288 @@ static void dense_put(const moe_model *m, int li) {
     if (m->cache && m->layers[li].stream) cache_put(m, li, m->cfg.n_experts);
 }
 
+/* =================================================================================================
+ * PART 3: THREADS AND MATMUL
+ * =================================================================================================
+ * The step's team of threads (par_run, par_barrier) and the matrix products every layer uses:
+ * y[t, n] = sum_k x[t, k] W[n, k] for a weight in any format, the input quantized once per call
+ * for the integer formats, threads splitting weight rows so that results do not depend on the
+ * thread count. Relies on the kernel table (m->k, chosen in quant.c's moe__kernels_init). */
+
+/* ==== the step's threads ========================================================================
+ * Work is split across threads by par_run(nt, fn, arg): fn(arg, p) runs once on each of the
+ * threads, p giving its number (p->me) and their count (p->nth), and par_barrier(p) waits for
+ * all of them. A decode step runs ~270 such loops a token (products, KDA heads, MLA), each tens
+ * of microseconds long, and opening and closing an OpenMP region costs 0.6 us with 2 threads and
+ * 5 us with 16 (libgomp on this project's machines, bench/RESULTS.md). So forward() opens one
+ * region for the whole step (step_team): thread 0 runs the step and posts each loop to the
+ * others, which poll for it (as libgomp's own threads do between regions) and report when their
+ * share is done: 0.1-0.3 us with 2 threads, 2-3 us with 16. Decode tokens were 3-4% faster with
+ * 16 threads, 2% with 8, about 1% with 2 (in-process A/B, same logits). Without a team (the
+ * expert cache's steps, more threads than processors, no OpenMP or no C11 atomics) each par_run
+ * is an OpenMP region of its own, or a plain call. A par_run inside another's fn runs on its
+ * calling thread alone, as a nested OpenMP region did. Which thread runs which share never
+ * changes a result. */
+
+typedef struct step_team step_team;
+typedef struct {
+    int me, nth;     /* this thread's number and the number of threads sharing the work */
+    step_team *team; /* the step's team running it, else NULL */
+} par_ctx;
+typedef void (*par_fn)(void *arg, const par_ctx *p);
+
+#if defined(_OPENMP) && !defined(__STDC_NO_ATOMICS__)
+#include <stdatomic.h>
+#define STEP_TEAM 1
+#define STEP_TEAM_MAX 64 /* the most threads a step's team (and the task stealer) serves */
+
+struct step_team {
+    _Alignas(64) _Atomic unsigned posted;   /* loops posted so far; each helper runs each once */
+    _Alignas(64) _Atomic unsigned finished; /* helpers' runs of them finished so far */
+    _Alignas(64) _Atomic unsigned arrived, passed; /* par_barrier: threads arrived, barriers passed */
+    par_fn fn;
+    void *arg;
+    int nth;  /* threads in the team, thread 0 included */
+    int stop; /* posted last: the helpers leave */
+};
+
+static _Thread_local step_team *team_led; /* the team this thread leads (thread 0 of a step) */
+static _Thread_local int par_depth;       /* > 0 while this thread runs a par_run's fn */
+
+/* A waiting thread of the team spins TEAM_SPINS times, then gives its core away between looks
+ * (sched_yield): another thread of the team, or of another program, may be waiting for that
+ * core. With 3 threads on 2 cores (forced; forward() does not start a team larger than the
+ * processors) pure spinning took decode tokens from 34 ms to 1 s, and 2^14 spins before
+ * yielding to 141 ms; 2^8 spins ran as fast as OpenMP regions (32 ms, Zen 4 VM), and a yield
+ * between looks costs a system call of well under a microsecond when no one else wants the
+ * core. */
+#define TEAM_SPINS (1 << 8)
+static void team_pause(int *spins) {
+    if (*spins < TEAM_SPINS) {
+        ++*spins;
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+        __builtin_ia32_pause();
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+        __asm__ __volatile__("yield");
+#endif
+    } else {
+        sched_yield();
+    }
+}
+
+/* posts fn to the helpers, runs thread 0's share, waits for theirs */
+static void team_run(step_team *t, par_fn fn, void *arg) {
+    t->fn = fn, t->arg = arg;
+    const unsigned target = atomic_load_explicit(&t->finished, memory_order_relaxed) + (unsigned)t->nth - 1;
+    atomic_fetch_add_explicit(&t->posted, 1, memory_order_release);
+    const par_ctx p = {0, t->nth, t};
+    par_depth++;
+    fn(arg, &p);
+    par_depth--;
+    for (int sp = 0; atomic_load_explicit(&t->finished, memory_order_acquire) != target;) team_pause(&sp);
+}
+
+/* a helper: runs every posted loop until the step ends */
+static void team_serve(step_team *t, int me) {
+    for (unsigned seen = 0;; seen++) {
+        for (int sp = 0; atomic_load_explicit(&t->posted, memory_order_acquire) == seen;) team_pause(&sp);
+        if (t->stop) return;
+        const par_ctx p = {me, t->nth, t};
+        par_depth++;
+        t->fn(t->arg, &p);
+        par_depth--;
+        atomic_fetch_add_explicit(&t->finished, 1, memory_order_release);
+    }
+}
+
+static void team_barrier(step_team *t) {
+    const unsigned g = atomic_load_explicit(&t->passed, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == (unsigned)t->nth - 1) {
+        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&t->passed, 1, memory_order_release);
+    } else {
+        for (int sp = 0; atomic_load_explicit(&t->passed, memory_order_acquire) == g;) team_pause(&sp);
+    }
+}
+#endif
+
+static void par_run(int nt, par_fn fn, void *arg) {
+#ifdef STEP_TEAM
+    if (par_depth) nt = 1;
+    step_team *t = team_led;
+    if (nt > 1 && t && t->nth > 1) {
+        team_run(t, fn, arg);
+        return;
+    }
+#endif
+#ifdef _OPENMP
+    if (nt > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            const par_ctx p = {omp_get_thread_num(), omp_get_num_threads(), NULL};
+#ifdef STEP_TEAM
+            par_depth++;
+            fn(arg, &p);
+            par_depth--;
+#else
+            fn(arg, &p);
+#endif
+        }
+        return;
+    }
+#endif
+    (void)nt;
+    const par_ctx p = {0, 1, NULL};
+    fn(arg, &p);
+}
+
+/* waits until every thread of p's loop has reached this point */
+static void par_barrier(const par_ctx *p) {
+    if (p->nth < 2) return;
+#ifdef STEP_TEAM
+    if (p->team) {
+        team_barrier(p->team);
+        return;
+    }
+#endif
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+/* items [i0, i1) of n that thread p takes in a static split */
+static void par_share(const par_ctx *p, int64_t n, int64_t *i0, int64_t *i1) {
+    *i0 = n * p->me / p->nth;
+    *i1 = n * (p->me + 1) / p->nth;
+}
+
+/* ==== matmul ==================================================================================
+ * y[t, n] = sum_k x[t, k] W[n, k]: threads split the weight rows; each output element is one
+ * kernel dot, so results do not depend on the thread count. */
+
+#define MM_ROW_TILE 16 /* weight rows per task: they stay in cache while every token passes */
+
+/* Tasks split with stealing. Each thread owns a contiguous range of a loop's tasks and takes them
+ * from its front, a quarter of what is left at a time (at least OWN_TASKS), so that its weight
+ * stream stays sequential for the prefetchers and it pays few atomic operations (each drains
+ * the core's pending loads: taking 4 tasks at a time, they were 5% of a 2-thread decode); a
+ * thread done with its own range takes tasks from the back of the range with the most left.
+ * The threads of a step then finish together even when one is slowed (the other core's memory
+ * traffic, an interrupt): with a static split the master spent ~9% of a decode step's samples
+ * waiting at closing barriers for the other thread. Which thread runs a task does not change
+ * its result. Needs C11 atomics; without them (or OpenMP) loops split statically. */
+#ifdef STEP_TEAM
+#define TASK_STEALING 1
+#define OWN_TASKS 4 /* the fewest tasks a thread takes from its own range at a time */
+
+typedef struct {
+    _Alignas(64) _Atomic uint64_t fb; /* front << 32 | back: tasks front .. back-1 are left */
+} task_range;
+
+/* ranges[0..nr-1]: n tasks in nr contiguous ranges */
+static void task_ranges_init(task_range *rg, int nr, int64_t n) {
+    for (int i = 0; i < nr; i++) {
+        const uint64_t f = (uint64_t)(n * i / nr), b = (uint64_t)(n * (i + 1) / nr);
+        atomic_init(&rg[i].fb, f << 32 | b);
+    }
+}
+
+/* up to want tasks from the back of r, or from its front the larger of want and a quarter of
+ * what is left: how many, the first in *first */
+static int range_take(task_range *r, int from_back, uint32_t want, int64_t *first) {
+    uint64_t v = atomic_load_explicit(&r->fb, memory_order_relaxed);
+    for (;;) {
+        const uint32_t f = (uint32_t)(v >> 32), b = (uint32_t)v, w = from_back || (b - f) / 4 < want ? want : (b - f) / 4;
+        const uint32_t n = b - f < w ? b - f : w;
+        if (f >= b) return 0;
+        const uint64_t nv = from_back ? v - n : v + ((uint64_t)n << 32);
+        if (atomic_compare_exchange_weak_explicit(&r->fb, &v, nv, memory_order_relaxed, memory_order_relaxed)) {
+            *first = from_back ? (int64_t)(b - n) : (int64_t)f;
+            return (int)n;
+        }
+    }
+}
+
+/* thread me's next tasks: from its own range, else stolen; 0 when every range is empty */
+static int task_next(task_range *rg, int nr, int me, int64_t *first) {
+    int n = me < nr ? range_take(&rg[me], 0, OWN_TASKS, first) : 0;
+    while (!n) {
+        int victim = -1;
+        uint32_t most = 0;
+        for (int i = 0; i < nr; i++) {
+            const uint64_t v = atomic_load_explicit(&rg[i].fb, memory_order_relaxed);
+            const uint32_t left = (uint32_t)v > (uint32_t)(v >> 32) ? (uint32_t)v - (uint32_t)(v >> 32) : 0;
+            if (left > most) most = left, victim = i;
+        }
+        if (victim < 0) return 0;
+        n = range_take(&rg[victim], 1, most > 2 * OWN_TASKS ? OWN_TASKS : (most + 1) / 2, first);
+    }
+    return n;
+}
+#endif
+
+/* One product of a group: y[T, W->rows] = x[T, K] W^T. */
+typedef struct {
+    float *y;
+    const moe__weight *W;
+} mm_out;
+
+/* One product with its own input: y[T, W->rows] = x[T, K] W^T, x with row stride ldx, and xq:
+ * x quantized by quant_q8a (needed when W is an integer format) */
+typedef struct {
+    float *y;
+    const moe__weight *W;
+    const float *x;
+    int64_t ldx;
+    const moe__block_q8a *xq;
+    int T;
+} mm_job;
+
+/* rows per task: an interleaved row group, or a tile */
+static int mm_per(const moe__weight *W) {
+    return W->type == MOE_T_Q4_0X8 || W->type == MOE_T_Q8_0X8 || W->type == MOE_T_MXFP4X8 || is_kx8(W->type) ? 8 : MM_ROW_TILE;
+}
+
+/* weight rows per task of job j: an interleaved row group (two where the level has the two-group
+ * kernel for the job's rows: 4 activation rows a pass for prefill, one for decode), or a tile */
+static int mm_task_rows(const moe_model *m, const mm_job *j) {
+    if (mm_per(j->W) != 8) return MM_ROW_TILE;
+    return (j->T >= 4 ? m->k.dotq8x4x2[j->W->type] != NULL : m->k.dotq8x2[j->W->type] != NULL) ? 16 : 8;
+}
+
+/* whether W is MXFP4 to be multiplied with quantized activations (MOE_FLAG_MXFP4_INT8) */
+static int mm_mxfp4_int8(const moe_model *m, const moe__weight *W) {
+    return (m->opt.flags & MOE_FLAG_MXFP4_INT8) && (W->type == MOE_T_MXFP4 || W->type == MOE_T_MXFP4_GGML);
+}
+
+/* whether W's kernels read the activations quantized to 8-bit blocks */
+static int mm_quantized(const moe_model *m, const moe__weight *W) { return mm_per(W) == 8 || moe__is_quant(W->type) || mm_mxfp4_int8(m, W); }
+
+/* the x8 groups g0 .. g1-1 of interleaved W times one activation row xq (x quantized by
+ * quant_q8a), one kernel call each: group g's 8 outputs at y[8 (g - g0)] */
+static void x8_groups(const moe_model *m, const moe__weight *W, int64_t g0, int64_t g1, const moe__block_q8a *xq, float *y) {
+    const int64_t gb = 8 * moe__row_bytes(W->type, W->cols);
+    const unsigned char *base = W->data;
+    const moe__dotq8_fn two = m->k.dotq8x2[W->type]; /* two groups a call where the level has it */
+    int64_t g = g0;
+    for (; two && g + 2 <= g1; g += 2) two(base + g * gb, xq, W->cols, y + 8 * (g - g0));
+    for (; g < g1; g++) m->k.dotq8[W->type](base + g * gb, xq, W->cols, y + 8 * (g - g0));
+}
+
+/* y[i] = scale * (row row0 + i of W) . x for n rows: x as f32 for the float formats, as xq (x
+ * quantized by quant_q8a) for Q8_0/Q4_0, interleaved or not (and MXFP4 under
+ * MOE_FLAG_MXFP4_INT8); for an interleaved W, row0 and n are multiples of 8 */
+static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
+                       float *y, float scale) {
+    const int64_t K = W->cols, rb = moe__row_bytes(W->type, K), sb = W->type == MOE_T_MXFP4 ? K / 32 : 0;
+    const unsigned char *base = W->data;
+    if (mm_per(W) == 8) { /* interleaved (row0 and n whole groups): 8 rows a call */
+        x8_groups(m, W, row0 / 8, (row0 + n) / 8, xq, y);
+        for (int64_t i = 0; scale != 1.0f && i < n; i++) y[i] *= scale;
+        return;
+    }
+    if (moe__is_quant(W->type) || (W->type == MOE_T_MXFP4_GGML && mm_mxfp4_int8(m, W))) {
+        for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq[W->type](base + (row0 + i) * rb, xq, K);
+        return;
+    }
+    if (W->type == MOE_T_MXFP4 && mm_mxfp4_int8(m, W)) {
+        for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq_mxfp4(base + (row0 + i) * rb, W->scale + (row0 + i) * sb, xq, K);
+        return;
+    }
+    for (int64_t i = 0; i < n; i++)
+        y[i] = scale * m->k.dot[W->type](base + (row0 + i) * rb, W->scale ? W->scale + (row0 + i) * sb : NULL, x, K);
+}
+
+/* MOE_FLAG_ACT16: the T rows of x (row stride ldx, K values) quantized in xq, then their
+ * rounding errors x - d q quantized the same way, into xr[2T] (e: K floats of work) */
+static void act16_rows(const moe_model *m, const float *x, int64_t ldx, const moe__block_q8a *xq, int T, int64_t K,
+                       moe__block_q8a *xr, float *e) {
+    const int64_t nb = K / 32;
+    memcpy(xr, xq, sizeof *xq * (size_t)(nb * T));
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + t * ldx;
+        const moe__block_q8a *q = xq + t * nb;
+        for (int64_t b = 0; b < nb; b++)
+            for (int i = 0; i < 32; i++) e[b * 32 + i] = xt[b * 32 + i] - q[b].d * (float)q[b].qs[i];
+        m->k.quant_q8a(e, xr + (T + t) * nb, K);
+    }
+}
+
+/* rows_times, and under MOE_FLAG_ACT16 for an integer-format W plus the same rows times x's
+ * rounding error in xq (act16_rows), as mm_run_act16 sums them; work: 2 K + n floats */
+static void rows_times_q(const moe_model *m, const moe__weight *W, int64_t row0, int64_t n, const float *x, const moe__block_q8a *xq,
+                         float *y, float scale, float *work) {
+    rows_times(m, W, row0, n, x, xq, y, scale);
+    if (!(m->opt.flags & MOE_FLAG_ACT16) || !mm_quantized(m, W)) return;
+    const int64_t K = W->cols;
+    float *e = work, *lo = e + K;
+    moe__block_q8a *xr = (moe__block_q8a *)(void *)(lo + n); /* 2 K / 32 blocks of 40 bytes: within K floats */
+    act16_rows(m, x, K, xq, 1, K, xr, e);
+    rows_times(m, W, row0, n, x, xr + K / 32, lo, scale);
+    for (int64_t i = 0; i < n; i++) y[i] += lo[i];
+}
+
+/* The rows of one task (an x8 row group, or MM_ROW_TILE rows) of job j, for every token. */
+static void mm_task(const moe_model *m, const mm_job *j, int64_t r0) {
+    const moe__weight *W = j->W;
+    const int64_t N = W->rows, K = W->cols, nb = K / 32;
+    const unsigned char *base = W->data;
+    const int T = j->T;
+    if (mm_per(W) == 8) { /* interleaved: one call yields 8 outputs per group */
+        const int64_t gb = 8 * moe__row_bytes(W->type, K);
+        const int64_t per = mm_task_rows(m, j), ng = (N - r0 < per ? N - r0 : per) / 8; /* groups in this task */
+        int t = 0;
+        if (ng == 2) { /* a two-group kernel's task (mm_task_rows): 16 rows per pass where the level has
+                        * the kernel (AMX), 4, then the rows left (decode's one) */
+            if (m->k.dotq8x16x2[W->type] && T >= 16) {
+                m->k.dotq8x16x2[W->type](base + r0 / 8 * gb, j->xq, nb, K, T / 16 * 16, j->y + r0, N);
+                t = T / 16 * 16;
+            }
+            for (; t + 4 <= T; t += 4) {
+                float o64[64];
+                m->k.dotq8x4x2[W->type](base + r0 / 8 * gb, j->xq + (int64_t)t * nb, nb, K, o64);
+                for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(t + i) * N + r0, o64 + 16 * i, sizeof(float) * 16);
+            }
+            for (; t < T; t++) x8_groups(m, W, r0 / 8, r0 / 8 + 2, j->xq + (int64_t)t * nb, j->y + (int64_t)t * N + r0);
+        }
+        for (int64_t g = 0; g < ng; g++) {
+            const int64_t rg = r0 + 8 * g;
+            int tg = t;
+            if (m->k.dotq8x4[W->type]) /* prefill: 4 rows per pass over the group's weights */
+                for (; tg + 4 <= T; tg += 4) {
+                    float o32[32];
+                    m->k.dotq8x4[W->type](base + rg / 8 * gb, j->xq + (int64_t)tg * nb, nb, K, o32);
+                    for (int i = 0; i < 4; i++) memcpy(j->y + (int64_t)(tg + i) * N + rg, o32 + 8 * i, sizeof(float) * 8);
+                }
+            for (; tg < T; tg++) /* decode: the 8 outputs straight into y */
+                x8_groups(m, W, rg / 8, rg / 8 + 1, j->xq + (int64_t)tg * nb, j->y + (int64_t)tg * N + rg);
+        }
+        return;
+    }
+    const int64_t r1 = r0 + MM_ROW_TILE < N ? r0 + MM_ROW_TILE : N;
+    if (T >= 4 && m->k.gemm[W->type]) { /* prefill, float weights: the kernel's register tiles */
+        m->k.gemm[W->type](base + r0 * moe__row_bytes(W->type, K), K, (int)(r1 - r0), j->x, j->ldx, T, K, j->y + r0, N);
+        return;
+    }
+    int t = 0;
+    if (T >= 4 && m->k.dotq4[W->type]) { /* prefill, a format without an interleaved form: each weight row meets 4 activation rows a pass */
+        const int64_t rb = moe__row_bytes(W->type, K);
+        for (; t + 4 <= T; t += 4)
+            for (int64_t r = r0; r < r1; r++) {
+                float o[4];
+                m->k.dotq4[W->type](base + r * rb, j->xq + (int64_t)t * nb, nb, K, o);
+                for (int i = 0; i < 4; i++) j->y[(int64_t)(t + i) * N + r] = o[i];
+            }
+    }
+    for (; t < T; t++)
+        rows_times(m, W, r0, r1 - r0, j->x + (int64_t)t * j->ldx, j->xq ? j->xq + (int64_t)t * nb : NULL, j->y + (int64_t)t * N + r0, 1.0f);
+}
+
+/* tasks u0 .. u0+n-1 of the jobs whose tasks start at start[0..] (job i: start[i] .. start[i+1]-1) */
+static void mm_tasks(const moe_model *m, const mm_job *j, const int64_t *start, int64_t u0, int64_t n) {
+    int i = 0;
+    for (int64_t u = u0; u < u0 + n;) {
+        while (u >= start[i + 1]) i++;
+        const moe__weight *W = j[i].W;
+        if (j[i].T == 1 && mm_per(W) == 8) { /* decode over an interleaved matrix: this job's groups in one loop (the calls mm_task makes) */
+            const int64_t end = start[i + 1] < u0 + n ? start[i + 1] : u0 + n, per = mm_task_rows(m, &j[i]) / 8; /* groups a task */
+            const int64_t g0 = (u - start[i]) * per, g1 = (end - start[i]) * per < W->rows / 8 ? (end - start[i]) * per : W->rows / 8;
+            x8_groups(m, W, g0, g1, j[i].xq, j[i].y + 8 * g0);
+            u = end;
+        } else
+            mm_task(m, &j[i], (u - start[i]) * mm_task_rows(m, &j[i])), u++;
+    }
+}
+
+/* Whether products of `macs` multiply-adds over `bytes` of weights are worth a fork and join:
+ * by arithmetic (prefill), or by the weights' bytes (decode: a thread alone streams only part of
+ * the machine's bandwidth; one core of a 16-core Xeon read a 512 KB f32 router at ~11 GB/s, 47 us,
+ * against a few us to start and join the team). */
+#define MM_PAR_MACS (1 << 18)
+#define MM_PAR_BYTES (128 << 10)
+static int mm_parallel(int nt, int64_t macs, int64_t bytes) { return nt > 1 && (macs > MM_PAR_MACS || bytes > MM_PAR_BYTES); }
+
+/* one parallel loop's products: the jobs, where each one's tasks start, their number */
+typedef struct {
+    const moe_model *m;
+    const mm_job *j;
+    const int64_t *start;
+    int64_t tasks;
+#ifdef TASK_STEALING
+    task_range *rg;
+    int nr;
+#endif
+} mm_loop;
+
+#ifdef TASK_STEALING
+static void mm_steal_share(void *arg, const par_ctx *p) {
+    const mm_loop *l = arg;
+    int64_t u0;
+    for (int got; (got = task_next(l->rg, l->nr, p->me, &u0));) mm_tasks(l->m, l->j, l->start, u0, got);
+}
+#endif
+
+static void mm_static_share(void *arg, const par_ctx *p) {
+    const mm_loop *l = arg;
+    int64_t u0, u1;
+    par_share(p, l->tasks, &u0, &u1);
+    if (u1 > u0) mm_tasks(l->m, l->j, l->start, u0, u1 - u0);
+}
+
+/* n products in one parallel loop: the threads split the row tasks of all of them (with stealing
+ * where available), so that a step pays one fork and join for them instead of one each. Each
+ * output is the same kernel call on the same data whatever the grouping and thread count. */
+static moe_status mm_run_jobs(const moe_model *m, const mm_job *j, int n, int nt) {
+    int64_t start_small[17], *start = n < 17 ? start_small : malloc(sizeof(int64_t) * ((size_t)n + 1)), work = 0, bytes = 0;
+    if (!start) return MOE_ERR_NOMEM;
+    start[0] = 0;
+    for (int i = 0; i < n; i++) {
+        start[i + 1] = start[i] + (j[i].W->rows + mm_task_rows(m, &j[i]) - 1) / mm_task_rows(m, &j[i]);
+        work += j[i].W->rows * (int64_t)j[i].T * j[i].W->cols;
+        bytes += (int64_t)weight_bytes(j[i].W);
+    }
+    mm_loop l = {m, j, start, start[n]
+#ifdef TASK_STEALING
+                 , NULL, 0
+#endif
+    };
+    if (!mm_parallel(nt, work, bytes)) {
+        mm_tasks(m, j, start, 0, l.tasks);
+#ifdef TASK_STEALING
+    } else if (nt <= STEP_TEAM_MAX && l.tasks < UINT32_MAX) {
+        task_range rg[STEP_TEAM_MAX];
+        task_ranges_init(rg, nt, l.tasks);
+        l.rg = rg, l.nr = nt;
+        par_run(nt, mm_steal_share, &l);
+#endif
+    } else {
+        par_run(nt, mm_static_share, &l);
+    }
+    if (start != start_small) free(start);
+    return MOE_OK;
+}
+
+/* whether job j's product takes its input in two parts (MOE_FLAG_ACT16: an integer format) */
+static int act16_job(const moe_model *m, const mm_job *j) { return (m->opt.flags & MOE_FLAG_ACT16) && j->xq && mm_quantized(m, j->W); }
+
+/* activation rows a pass of mm_run_act16: bounds its buffers (the quantized rows and products
+ * twice over) whatever the batch */
+#define ACT16_ROWS 256
+
+/* how many of job j's rows from t0 on one pass of mm_run_act16 takes (0 or less: none left) */
+static int act16_pass_rows(const mm_job *j, int t0) { return j->T - t0 < ACT16_ROWS ? j->T - t0 : ACT16_ROWS; }
+
+/* rows t0 .. t0 + ACT16_ROWS - 1 of the jobs j[0..n) under MOE_FLAG_ACT16: each quantized job
+ * runs on twice its rows (act16_rows) into a buffer of its own, in one parallel loop with the
+ * others (a task reads its weights once for both parts), then y = first part + second */
+static moe_status mm_run_act16(const moe_model *m, const mm_job *j, int n, int nt, int t0) {
+    mm_job *c = malloc(sizeof *c * (size_t)n);
+    size_t nq = 0, ny = 0, ne = 0;
+    for (int i = 0; i < n; i++) {
+        const int T = act16_pass_rows(&j[i], t0);
+        if (T <= 0 || !act16_job(m, &j[i])) continue;
+        nq += 2 * (size_t)T * (size_t)(j[i].W->cols / 32), ny += 2 * (size_t)T * (size_t)j[i].W->rows;
+        ne = (size_t)j[i].W->cols > ne ? (size_t)j[i].W->cols : ne;
+    }
+    moe__block_q8a *qb = malloc(sizeof *qb * nq + 1);
+    float *yb = malloc(sizeof(float) * (ny + ne) + 1);
+    if (!c || !qb || !yb) { free(c), free(qb), free(yb); return MOE_ERR_NOMEM; }
+    int k = 0;
+    size_t oq = 0, oy = 0;
+    for (int i = 0; i < n; i++) {
+        const int T = act16_pass_rows(&j[i], t0);
+        if (T <= 0) continue;
+        const int64_t K = j[i].W->cols, N = j[i].W->rows;
+        const float *x = j[i].x + (int64_t)t0 * j[i].ldx;
+        if (!act16_job(m, &j[i])) {
+            c[k++] = (mm_job){j[i].y + (int64_t)t0 * N, j[i].W, x, j[i].ldx, j[i].xq ? j[i].xq + (int64_t)t0 * (K / 32) : NULL, T};
+            continue;
+        }
+        act16_rows(m, x, j[i].ldx, j[i].xq + (int64_t)t0 * (K / 32), T, K, qb + oq, yb + ny);
+        c[k++] = (mm_job){yb + oy, j[i].W, x, j[i].ldx, qb + oq, 2 * T};
+        oq += 2 * (size_t)T * (size_t)(K / 32), oy += 2 * (size_t)T * (size_t)N;
+    }
+    moe_status st = mm_run_jobs(m, c, k, nt);
+    oy = 0;
+    for (int i = 0; i < n && !st; i++) {
+        const int T = act16_pass_rows(&j[i], t0);
+        if (T <= 0 || !act16_job(m, &j[i])) continue;
+        const int64_t N = j[i].W->rows;
+        const float *lo = yb + oy + (size_t)T * (size_t)N;
+        float *y = j[i].y + (int64_t)t0 * N;
+        for (int64_t u = 0; u < T * N; u++) y[u] = yb[oy + (size_t)u] + lo[u];
+        oy += 2 * (size_t)T * (size_t)N;
+    }
+    free(c), free(qb), free(yb);
+    return st;
+}
+
+/* the products of jobs j[0..n) in one parallel loop (mm_run_jobs), under MOE_FLAG_ACT16 with
+ * the integer formats' input in two parts, ACT16_ROWS rows at a time */
+static moe_status mm_run(const moe_model *m, const mm_job *j, int n, int nt) {
+    int act16 = 0, T = 0;
+    for (int i = 0; i < n; i++) act16 |= act16_job(m, &j[i]), T = j[i].T > T ? j[i].T : T;
+    if (!act16) return mm_run_jobs(m, j, n, nt);
+    moe_status st = MOE_OK;
+    for (int t0 = 0; t0 < T && !st; t0 += ACT16_ROWS) st = mm_run_act16(m, j, n, nt, t0);
+    return st;
+}
+
+/* quantized_rows' arguments, shared by the threads that split its rows */
+typedef struct {
+    const moe_model *m;
+    const float *x;
+    int64_t ldx, K;
+    int T;
+    moe__block_q8a *xq;
+} quant_loop;
+
+static void quant_share(void *arg, const par_ctx *p) {
+    const quant_loop *l = arg;
+    const int64_t nb = l->K / 32;
+    int64_t t0, t1;
+    par_share(p, l->T, &t0, &t1);
+    for (int64_t t = t0; t < t1; t++) l->m->k.quant_q8a(l->x + t * l->ldx, l->xq + t * nb, l->K);
+}
+
+/* x[T, K] (row stride ldx) quantized by quant_q8a into a new array (NULL: out of memory) */
+static moe__block_q8a *quantized_rows(const moe_model *m, const float *x, int64_t ldx, int T, int64_t K, int nt) {
+    moe__block_q8a *xq = malloc(sizeof *xq * (size_t)(K / 32 * T) + 1);
+    if (!xq) return NULL;
+    quant_loop l = {m, x, ldx, K, T, xq};
+    par_run(T > 1 && (int64_t)T * K > MM_PAR_MACS / 64 ? nt : 1, quant_share, &l);
+    return xq;
+}
+
+/* Several products of one input x[T, K] (row stride ldx) in one parallel loop (mm_run), the
+ * activations quantized to 8-bit blocks once if any matrix is an integer format. */
+static moe_status matmul_multi(const moe_model *m, const float *x, int64_t ldx, int T, const mm_out *o, int n, int nt) {
+    mm_job j[8];
+    int quant = 0;
+    if (n < 1 || n > 8) return MOE_ERR_ARG;
+    const int64_t K = o[0].W->cols;
+    for (int i = 0; i < n; i++) {
+        if (o[i].W->cols != K) return MOE_ERR_ARG;
+        quant |= mm_quantized(m, o[i].W);
+    }
+    moe__block_q8a *xq = NULL;
+    if (quant && !(xq = quantized_rows(m, x, ldx, T, K, nt))) return MOE_ERR_NOMEM;
+    for (int i = 0; i < n; i++) j[i] = (mm_job){o[i].y, o[i].W, x, ldx, xq, T};
+    const moe_status st = mm_run(m, j, n, nt);
+    free(xq);
+    return st;
+}
+
+/* Products with inputs of their own (j[i].x, j[i].T; xq filled here where a matrix needs it) in
+ * one parallel loop: the small second factors of KDA's gates, each too small to split alone. */
+static moe_status matmul_each(const moe_model *m, mm_job *j, int n, int nt) {
+    moe_status st = MOE_OK;
+    for (int i = 0; i < n && !st; i++)
+        if (mm_quantized(m, j[i].W) && !(j[i].xq = quantized_rows(m, j[i].x, j[i].ldx, j[i].T, j[i].W->cols, nt))) st = MOE_ERR_NOMEM;
+    if (!st) st = mm_run(m, j, n, nt);
+    for (int i = 0; i < n; i++) free((void *)j[i].xq), j[i].xq = NULL;
+    return st;
+}
+
+static moe_status matmul_nt(const moe_model *m, float *y, const float *x, int64_t ldx, int T,
+                            const moe__weight *W, int nt) {
+    const mm_out o = {y, W};
+    return matmul_multi(m, x, ldx, T, &o, 1, nt);
+}
+
+static moe_status matmul_ld(const moe_model *m, float *y, const float *x, int64_t ldx, int T, const moe__weight *W) {
+    return matmul_nt(m, y, x, ldx, T, W, m->opt.n_threads);
+}
+
+static moe_status matmul(const moe_model *m, float *y, const float *x, int T, const moe__weight *W) {
+    return matmul_ld(m, y, x, W->cols, T, W);
+}
+#define MM(y, x, T, W) (st = st ? st : matmul(m, (y), (x), (T), (W)))
+
+/* =================================================================================================
+ * PART 4: THE FORWARD PASS
+ * =================================================================================================
+ * spec/MODEL.md in code order: norms and activations, the two token mixers (KDA linear attention,
+ * section 6; MLA latent attention, section 7), the FFN and the routed MoE (section 8), attention
+ * residuals (section 5.2), and the step that runs the layers over the rows of several sequences
+ * at once (forward_layers). Mixers read and update their session's state; the FFN and MoE run on
+ * all rows together so that an expert chosen by many rows is read once. Relies on PART 2 for
+ * weights (expert_get, dense_get) and PART 3 for products and threads. */
+
+/* ==== norms and activations ==================================================================== */
+
+/* sum of squares in double, in four interleaved partial sums (one chain of dependent adds was
+ * ~1% of a decode step) */
+static double sum_squares(const float *x, int n) {
+    double s[4] = {0, 0, 0, 0};
+    int i = 0;
+    for (; i + 4 <= n; i += 4)
+        for (int k = 0; k < 4; k++) s[k] += (double)x[i + k] * x[i + k];
+    for (; i < n; i++) s[0] += (double)x[i] * x[i];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+static void rmsnorm(float *y, const float *x, const float *w, int n, float eps) {
+    const double ss = sum_squares(x, n);
+    float inv = (float)(1.0 / sqrt(ss / n + eps));
+    for (int i = 0; i < n; i++) y[i] = x[i] * inv * w[i];
+}
+
+static void rmsnorm_rows(float *y, const float *x, const float *w, int rows, int n, float eps) {
+    for (int t = 0; t < rows; t++) rmsnorm(y + (size_t)t * n, x + (size_t)t * n, w, n, eps);
+}
+
+static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+/* gate a, up b -> phi(a, b) into a (SwiGLU or SiTU-GLU, spec section 3) */
+static void glu(const moe_model *m, float *a, const float *b, int64_t n) {
+    const moe_config *c = &m->cfg;
+    if (c->hidden_act == MOE_ACT_SILU) {
+        m->k.act(a, a, n, MOE__ACT_SILU);
+        for (int64_t i = 0; i < n; i++) a[i] *= b[i];
+        return;
+    }
+    const float be = c->situ_beta, bl = c->situ_linear_beta;
+    for (int64_t i = 0; i < n; i++) {
+        float up = bl > 0 ? bl * tanhf(b[i] / bl) : b[i];
+        a[i] = be * tanhf(a[i] / be) * sigmoidf(a[i]) * up;
+    }
+}
+
+/* ==== KDA layer (spec section 6) ===============================================================
+ * One sequence segment of n rows. The session keeps the last W-1 pre-convolution rows of q, k, v
+ * and the per-head state S; both are updated here. */
+
+#define KDA_CHUNK_MIN 16 /* below this many tokens the recurrence is used */
+
+/* Work memory of one step that each layer's attention and MoE take in turn: a prefill chunk's
+ * per-layer buffers are tens of MB (KDA: 42 MB for 512 rows on the benchmark shape), and a fresh
+ * allocation that size came as new zeroed pages from the kernel in every layer (page faults and
+ * clearing were ~7% of a 512-token prefill). The routed experts' buffers of a decode step have
+ * their own (160 KB on the benchmark shape: allocated and freed per layer, glibc gave the heap's
+ * top back and took it again each time, 23 times a token). Freed when the step ends. */
+typedef struct {
+    void *p;
+    size_t cap;
+} work_buf;
+
+typedef struct {
+    work_buf layer, experts;
+} step_work;
+
+/* at least `bytes` of w's memory (contents not kept); NULL if out of memory */
+static void *work_get(work_buf *w, size_t bytes) {
+    if (bytes > w->cap) {
+        free(w->p);
+        w->p = malloc(bytes);
+        w->cap = w->p ? bytes : 0;
+    }
+    return w->p;
+}
+
+/* one KDA layer's per-head work (steps 2-7 of kda_forward) for n rows: the arrays and the
+ * session's tail and state of kda_forward, shared by the heads */
+typedef struct {
+    const moe_model *m;
+    const layer *L;
+    int n, chunked, bounded;
+    float qscale;
+    float *tail, *state, *work;
+    float *pre[3], *outs[3];
+    const float *convw[3];
+    float *q, *k, *v, *g, *o, *beta, *gate;
+} kda_heads;
+
+/* head h: everything from the convolution to the output gate touches only its channels */
+static void kda_head(const kda_heads *kw, int h) {
+    const moe_model *m = kw->m;
+    const layer *L = kw->L;
+    const moe_config *c = &m->cfg;
+    const int H = c->kda_heads, D = c->kda_head_dim, HD = H * D, W = c->conv_kernel, Wm = W - 1, n = kw->n;
+    const int chunked = kw->chunked, bounded = kw->bounded;
+    const float qscale = kw->qscale;
+    const size_t wsz = moe__kda_chunk_work(D);
+    float *tail = kw->tail, *work = kw->work, *const *pre = kw->pre, *const *outs = kw->outs;
+    const float *const *convw = kw->convw;
+    float *q = kw->q, *k = kw->k, *v = kw->v, *g = kw->g, *o = kw->o, *beta = kw->beta, *gate = kw->gate;
+    const size_t c0 = (size_t)h * D;
+    /* 2. the causal depthwise convolution over the window [tail | new rows], this head's
+     * channels: window row r < Wm is the session's tail row r, row Wm + t the new row t */
+    float *th = tail + (size_t)h * Wm * 3 * D; /* this head's tail: [row][q, k, v][D] */
+    for (int a = 0; a < 3; a++) {
+        const float *nw = pre[a] + c0;
+#define WINDOW_ROW(r) ((r) < Wm ? th + ((size_t)(r) * 3 + a) * D : nw + (size_t)((r) - Wm) * HD)
+        for (int t = 0; t < n; t++) {
+            const float *rows[KDA_CONV_MAX];
+            for (int j = 0; j < W; j++) rows[j] = WINDOW_ROW(t + j);
+            float *o = outs[a] + (size_t)t * HD + c0;
+            m->k.dwconv(o, rows, convw[a] + c0, HD, W, D);
+            m->k.act(o, o, D, MOE__ACT_SILU);
+        }
+        /* the window's last Wm rows become the tail (rows move up: row n + r > r is read
+         * before it is overwritten) */
+        for (int r = 0; r < Wm; r++) memmove(th + ((size_t)r * 3 + a) * D, WINDOW_ROW(n + r), sizeof(float) * D);
+#undef WINDOW_ROW
+    }
+    const float ga = expf(L->A_log[h]);
+    for (int t = 0; t < n; t++) {
+        /* 3. L2 norm of q and k; q also scaled by D^-1/2 */
+        float *qh = q + (size_t)t * HD + c0, *kh = k + (size_t)t * HD + c0;
+        const double sq = sum_squares(qh, D), sk = sum_squares(kh, D);
+        const float iq = (float)(1.0 / sqrt(sq + 1e-6)) * qscale, ik = (float)(1.0 / sqrt(sk + 1e-6));
+        for (int i = 0; i < D; i++) qh[i] *= iq, kh[i] *= ik;
+        /* 4. decay gate from z = (x f_a^T) f_b^T + dt_bias; 5. beta */
+        float *gh = g + (size_t)t * HD + c0;
+        const int bgate = c->kda_gate_bounded;
+        for (int i = 0; i < D; i++) gh[i] = (gh[i] + L->dt_bias[c0 + (size_t)i]) * (bgate ? ga : 1.0f);
+        m->k.act(gh, gh, D, bgate ? MOE__ACT_SIGMOID : MOE__ACT_SOFTPLUS);
+        const float gs = bgate ? c->kda_gate_lower_bound : -ga; /* lb sigmoid(a z), or -a softplus(z) */
+        for (int i = 0; i < D; i++) gh[i] *= gs;
+        beta[(size_t)t * H + h] = sigmoidf(beta[(size_t)t * H + h]);
+    }
+    /* 6. the core: chunked for prefill, the recurrence for short steps */
+    moe__kda_head a = {n, D, HD, H, q + c0, k + c0, v + c0, g + c0, beta + h, o + c0, kw->state + c0 * D};
+    if (chunked) moe__kda_chunked(&a, bounded, work + wsz * (size_t)h, &m->k);
+    else m->k.kda_recurrent(&a);
+    /* 7. per-head RMSNorm and the output gate */
+    for (int t = 0; t < n; t++) {
+        float *oh = o + (size_t)t * HD + c0;
+        float *gt = gate + (size_t)t * HD + c0;
+        rmsnorm(oh, oh, L->o_norm, D, c->rms_norm_eps);
+        m->k.act(gt, gt, D, MOE__ACT_SIGMOID);
+        for (int i = 0; i < D; i++) oh[i] *= gt[i];
+    }
+}
+
+static void kda_heads_share(void *arg, const par_ctx *p) {
+    int64_t h0, h1;
+    par_share(p, ((const kda_heads *)arg)->m->cfg.kda_heads, &h0, &h1);
+    for (int64_t h = h0; h < h1; h++) kda_head(arg, (int)h);
+}
+
+static moe_status kda_forward(const moe_model *m, const layer *L, moe_session *s, int li,
+                              const float *x, int n, float *out, step_work *wk) {
+    const moe_config *c = &m->cfg;
+    const int d = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, HD = H * D;
+    const unsigned fl = m->opt.flags;
+    const int chunked = (fl & MOE_FLAG_KDA_CHUNKED) ? 1 : (fl & MOE_FLAG_KDA_RECURRENT) ? 0 : n >= KDA_CHUNK_MIN;
+    const size_t wsz = moe__kda_chunk_work(D), nbuf = 10 * (size_t)n * HD + (size_t)n * H + (size_t)n * D;
+    float *buf = work_get(&wk->layer, sizeof(float) * (nbuf + (chunked ? wsz * (size_t)H : 0)));
+    if (!buf) return MOE_ERR_NOMEM;
+    float *work = chunked ? buf + nbuf : NULL;
+    /* qp, kp, vp: the new rows of q, k, v before the convolution; q, k, v after it */
+    float *qp = buf, *kp = qp + (size_t)n * HD, *vp = kp + (size_t)n * HD, *q = vp + (size_t)n * HD, *k = q + (size_t)n * HD;
+    float *v = k + (size_t)n * HD, *g = v + (size_t)n * HD, *o = g + (size_t)n * HD, *og = o + (size_t)n * HD;
+    float *gl = og + (size_t)n * HD, *beta = gl + (size_t)n * HD, *tmp = beta + (size_t)n * H;
+    float *tail = s->conv_tail[li];
+    moe_status st = MOE_OK;
+    /* 1, 4, 5, 7. every projection of x in one pass: q, k, v, the decay gate's first factor,
+     * beta, and the output gate (full rank, or its first factor) */
+    {
+        const mm_out proj[6] = {{qp, &L->q}, {kp, &L->k}, {vp, &L->v},
+                                {tmp, &L->f_a}, {beta, &L->b}, {og, c->kda_full_rank_gate ? &L->g : &L->g_a}};
+        st = matmul_multi(m, x, d, n, proj, 6, m->opt.n_threads);
+    }
+    /* 4, 7. the second factors of the decay gate and of a low-rank output gate */
+    float *gate = c->kda_full_rank_gate ? og : gl; /* turned into the sigmoid gate in place */
+    if (!st) {
+        mm_job second[2] = {{g, &L->f_b, tmp, L->f_b.cols, NULL, n}, {gl, &L->g_b, og, L->g_b.cols, NULL, n}};
+        st = matmul_each(m, second, c->kda_full_rank_gate ? 1 : 2, m->opt.n_threads);
+    }
+    if (st) return st;
+    const int bounded = c->kda_gate_bounded && c->kda_gate_lower_bound >= -5.0f;
+    const float qscale = 1.0f / sqrtf((float)D);
+    /* 2-7 per head, the heads in parallel (a decode step has no serial part left) */
+    kda_heads kh = {m, L, n, chunked, bounded, qscale, tail, s->kda_state[li], work, {qp, kp, vp}, {q, k, v},
+                    {L->q_conv, L->k_conv, L->v_conv}, q, k, v, g, o, beta, gate};
+    par_run(H > 1 ? m->opt.n_threads : 1, kda_heads_share, &kh);
+    /* 8. output projection */
+    MM(out, o, n, &L->o);
+    return st;
+}
+
+/* ==== MLA layer (spec section 7) ===============================================================
+ * The session caches, per token, the normalised latent c (r) and the shared key slice kr (d_r).
+ * Attention runs either absorbed (queries mapped into the latent space: cheap when few queries
+ * meet a long cache, i.e. decode) or expanded (keys/values rebuilt from the cache: cheaper when
+ * many queries share the keys, i.e. prefill); the cost model below picks per call. */
+
+/* bytes of one latent cache element (an int8 cache adds a moe__kv8_meta per row) */
+static size_t kv_elem(const moe_model *m) { return m->opt.kv_type == MOE_KV_Q8 ? 1 : m->opt.kv_type == MOE_KV_BF16 ? 2 : 4; }
+
+/* rows [j0, j0 + n) of a latent cache as f32 into out (a bf16 cache is widened: exact; an int8
+ * one dequantized, c_i = dc q_i and kr_i = dr q_i) */
+static const float *kv_rows_f32(const moe_model *m, const void *cache, const moe__kv8_meta *meta, int64_t j0, int64_t n, int64_t cw,
+                                float *out) {
+    if (m->opt.kv_type == MOE_KV_F32) return (const float *)cache + j0 * cw;
+    if (m->opt.kv_type == MOE_KV_BF16) {
+        m->k.widen_bf16(out, (const uint16_t *)cache + j0 * cw, n * cw);
+        return out;
+    }
+    const int64_t r = m->cfg.kv_lora_rank;
+    for (int64_t j = 0; j < n; j++) {
+        const int8_t *q = (const int8_t *)cache + (j0 + j) * cw;
+        const moe__kv8_meta *mt = meta + j0 + j;
+        for (int64_t i = 0; i < cw; i++) out[j * cw + i] = (float)q[i] * (i < r ? mt->dc : mt->dr);
+    }
+    return out;
+}
+
+static moe_status mla_cache_reserve(moe_session *s, int li, int rows) {
+    const moe_config *c = &s->m->cfg;
+    if (rows <= s->mla_cap[li]) return MOE_OK;
+    int cap = s->mla_cap[li] ? s->mla_cap[li] : 64;
+    while (cap < rows) cap = cap > s->n_ctx / 2 ? s->n_ctx : cap * 2;
+    if (cap < rows) cap = rows;
+    size_t w = (size_t)c->kv_lora_rank + c->qk_rope_dim;
+    const size_t bytes = kv_elem(s->m) * w * (size_t)cap;
+    void *p = realloc(s->mla_cache[li], bytes);
+    if (!p) return MOE_ERR_NOMEM;
+    s->mla_cache[li] = p;
+    /* huge pages for the rows not yet written: a decode step reads the whole cache from memory,
+     * and with 4 KB pages the int8 scores of 6 layers x 8192 keys took 3.8 ms, with THP 3.1
+     * (Zen 4, one thread; bench/RESULTS.md) */
+    advise_huge(p, bytes);
+    if (s->m->opt.kv_type == MOE_KV_Q8) {
+        moe__kv8_meta *mp = realloc(s->mla_meta[li], sizeof *mp * (size_t)cap);
+        if (!mp) return MOE_ERR_NOMEM; /* the larger cache is kept; its capacity is not raised */
+        s->mla_meta[li] = mp;
+    }
+    s->mla_cap[li] = cap;
+    return MOE_OK;
+}
+
+#define MLA_KEY_BLOCK 256 /* keys scored at once: per-head online softmax across blocks */
+#define MLA_QUERY_BLOCK 64 /* query rows of one head whose scores the expanded form holds at once */
+#define MLA_EXPANDED_BLOCK_BYTES (256.0 * 1024 * 1024) /* one key block's keys and values (all heads), at most */
+
+/* rows_times_q's work in a thread's part of the absorbed attention's work area: under
+ * MOE_FLAG_ACT16 three times the longest input or output of the absorbed products (k_b: d_n in,
+ * r out; v_b: r in, d_v out), else none */
+static size_t mla_act16_work(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const int a = c->kv_lora_rank > c->qk_nope_dim ? c->kv_lora_rank : c->qk_nope_dim;
+    return m->opt.flags & MOE_FLAG_ACT16 ? 3 * (size_t)(a > c->v_head_dim ? a : c->v_head_dim) : 0;
+}
+
+/* Absorbed attention of one query token over `len` cached latents, all heads at once (the heads
+ * share the latent, as in MQA). The keys are split across the threads (split-K, as in flash
+ * decoding): each thread streams its contiguous share of the cache once, in blocks of
+ * MLA_KEY_BLOCK rows that stay in its own cache while every head is scored against them and
+ * added to the thread's context sums, under the thread's own online softmax (running max and
+ * sum per head, rescaled when the max grows). The threads' partial results are then merged
+ * per head at the common max. Two barriers per token whatever the length; memory does not grow
+ * with the context. The head's query is mapped into the latent space, and its latent context
+ * back out, with a split GGUF's k_b / v_b as stored (integer kernels for Q8_0/Q4_0, activations
+ * quantized like any matmul's) where the layer has them, else with kv_b's rows in floats.
+ * With a bf16 cache the queries are rounded to bf16 and the block kernels take bf16 products
+ * (moe__mla_block16: AVX512_BF16's dot product where the CPU has it), summed in f32. With an
+ * int8 cache the queries are quantized per head like the rows (the latent part and the kr part
+ * each with its scale) and the block's softmax weights per head to bytes (moe__mla_block8).
+ * q: [H, d_n + d_r]; y: [H, d_v]; w: mla_absorbed_work floats: QA [H, r] (and with a bf16
+ * cache the bf16 queries [H, r + d_r]; with an int8 one the int8 queries [H, r + d_r], their
+ * transposed copy and their scales [H, 2]), then per thread SC [H, KB], CTX [H, r], M [H],
+ * LS [H], one row [r], room for r quantized values [r] and, with a bf16 cache, the bf16 kernels'
+ * work area (moe__mla_work16); with an int8 one the weights in bytes [H, KB], their scales [H] and
+ * moe__mla_weights8's work [KB]; then rows_times_q's work (mla_act16_work). */
+static size_t mla_absorbed_part(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const size_t H = (size_t)c->mla_heads, r = (size_t)c->kv_lora_rank, cw = r + (size_t)c->qk_rope_dim;
+    const size_t kv = m->opt.kv_type == MOE_KV_BF16 ? moe__mla_work16((int)H, (int)cw, MLA_KEY_BLOCK)
+                      : m->opt.kv_type == MOE_KV_Q8 ? H * MLA_KEY_BLOCK / 4 + H + MLA_KEY_BLOCK
+                                                    : 0;
+    return H * MLA_KEY_BLOCK + H * r + 2 * H + 2 * r + kv + mla_act16_work(m);
+}
+
+/* the shared part (QA, and the queries in the cache's element), then each thread's */
+static size_t mla_absorbed_shared(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const size_t H = (size_t)c->mla_heads, cw = (size_t)c->kv_lora_rank + c->qk_rope_dim;
+    const size_t kv = m->opt.kv_type == MOE_KV_BF16 ? (H * cw + 1) / 2
+                      : m->opt.kv_type == MOE_KV_Q8 ? (H * cw + moe__mla_qt8_bytes((int)H, (int)cw) + 3) / 4 + 2 * H
+                                                    : 0;
+    return H * (size_t)c->kv_lora_rank + kv;
+}
+
+static size_t mla_absorbed_work(const moe_model *m, int nt) {
+    return mla_absorbed_shared(m) + (size_t)nt * mla_absorbed_part(m);
+}
+
+/* the largest of x[0..n-1] (-inf for none), in 8 independent chains: one chain of compares was
+ * 1.7% of a decode step at depth 16384 (a block's 256 scores per head) */
+static float max_of(const float *x, int n) {
+    float m[8] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    int j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; k++) m[k] = x[j + k] > m[k] ? x[j + k] : m[k];
+    for (; j < n; j++) m[0] = x[j] > m[0] ? x[j] : m[0];
+    for (int k = 1; k < 8; k++) m[0] = m[k] > m[0] ? m[k] : m[0];
+    return m[0];
+}
+
+/* one token's absorbed attention (mla_absorbed_token's arguments) */
+typedef struct {
+    const moe_model *m;
+    const layer *L;
+    const void *cache;
+    const moe__kv8_meta *meta;
+    int len;
+    const float *q;
+    float *y, *w;
+} mla_token;
+
+/* thread p's share of mla_absorbed_token: its heads' queries, its keys, its heads' merge */
+static void mla_token_share(void *arg, const par_ctx *p) {
+    const mla_token *a = arg;
+    const moe_model *m = a->m;
+    const layer *L = a->L;
+    const void *cache = a->cache;
+    const moe__kv8_meta *meta = a->meta;
+    const int len = a->len;
+    const float *q = a->q;
+    float *y = a->y, *w = a->w;
+    const moe_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim, r = c->kv_lora_rank;
+    const int dq = dn + dr, cw = r + dr, KB = MLA_KEY_BLOCK;
+    const float scale = 1.0f / sqrtf((float)dq);
+    const size_t per = mla_absorbed_part(m);
+    float *QA = w;
+    uint16_t *Q16 = (uint16_t *)(QA + (size_t)H * r); /* a bf16 cache: the queries in bf16 [H, cw] */
+    int8_t *Q8 = (int8_t *)(QA + (size_t)H * r), *QT8 = Q8 + (size_t)H * cw; /* an int8 cache: [H, cw], transposed */
+    float *QD = (float *)(void *)(QA + (size_t)H * r + ((size_t)H * cw + moe__mla_qt8_bytes(H, cw) + 3) / 4); /* their scales [H, 2] */
+    const int bf16 = m->opt.kv_type == MOE_KV_BF16, q8 = m->opt.kv_type == MOE_KV_Q8;
+    const int64_t kvrow = moe__row_bytes(L->kv_b.type, r), kvsb = L->kv_b.type == MOE_T_MXFP4 ? r / 32 : 0;
+    const int split = L->k_b.data && !L->stream; /* a streamed layer reads only its cache unit */
+    const int tid = p->me, nth = p->nth;
+    const int h0 = H * tid / nth, h1 = H * (tid + 1) / nth; /* this thread's heads */
+    float *SC = w + mla_absorbed_shared(m) + (size_t)tid * per, *CTX = SC + (size_t)H * KB, *M = CTX + (size_t)H * r, *LS = M + H;
+    float *row = LS + H;
+    moe__block_q8a *xq = (moe__block_q8a *)(void *)(row + r);
+    float *wide = row + 2 * (size_t)r;
+    uint8_t *W8 = (uint8_t *)wide; /* an int8 cache: the block's weights in bytes [H, KB], their scales [H], work */
+    float *WS8 = wide + (size_t)H * KB / 4;
+    float *A16 = SC + per - mla_act16_work(m); /* rows_times_q's work */
+    /* q^_h = W_UK,h^T qn_h, this thread's heads: k_b rows h*r .. +r, or kv_b rows
+     * h*(d_n+d_v) .. +d_n taken as columns */
+    for (int h = h0; h < h1 && split; h++) {
+        if (mm_quantized(m, &L->k_b)) m->k.quant_q8a(q + (size_t)h * dq, xq, dn);
+        rows_times_q(m, &L->k_b, (int64_t)h * r, r, q + (size_t)h * dq, xq, QA + (size_t)h * r, 1.0f, A16);
+    }
+    for (int h = h0; h < h1 && !split; h++) {
+        float *qa = QA + (size_t)h * r;
+        memset(qa, 0, sizeof(float) * (size_t)r);
+        for (int i = 0; i < dn; i++) {
+            const int64_t wr = (int64_t)h * (dn + dv) + i;
+            const unsigned char *wp = (const unsigned char *)L->kv_b.data + wr * kvrow;
+            const float *rw = (const float *)wp;
+            if (L->kv_b.type != MOE_T_F32) {
+                moe__row_to_f32(L->kv_b.type, wp, L->kv_b.scale ? L->kv_b.scale + wr * kvsb : NULL, row, r);
+                rw = row;
+            }
+            m->k.axpy(qa, q[(size_t)h * dq + i], rw, r);
+        }
+    }
+    for (int h = h0; h < h1 && bf16; h++) /* [q^_h | q_r,h] rounded to bf16 */
+        for (int i = 0; i < cw; i++) Q16[(size_t)h * cw + i] = moe__f32_to_bf16(i < r ? QA[(size_t)h * r + i] : q[(size_t)h * dq + dn + i - r]);
+    for (int h = h0; h < h1 && q8; h++) { /* q^_h and q_r,h in int8, each with its scale */
+        int32_t sum;
+        m->k.quant8_row(QA + (size_t)h * r, r, Q8 + (size_t)h * cw, &QD[2 * h], &sum);
+        m->k.quant8_row(q + (size_t)h * dq + dn, dr, Q8 + (size_t)h * cw + r, &QD[2 * h + 1], &sum);
+    }
+    memset(CTX, 0, sizeof(float) * (size_t)H * r);
+    for (int h = 0; h < H; h++) M[h] = -INFINITY, LS[h] = 0;
+    par_barrier(p);
+    if (q8 && tid == 0) moe__mla_qt8(Q8, H, cw, QT8); /* every head's int8 query, transposed */
+    par_barrier(p);
+    /* this thread's keys, every head */
+    const int jb = (int)((int64_t)len * tid / nth), je = (int)((int64_t)len * (tid + 1) / nth);
+    for (int j0 = jb; j0 < je; j0 += KB) {
+        const int jn = je - j0 < KB ? je - j0 : KB;
+        const moe__mla_block blk = {H, r, dr, cw, jn, 0, jn, KB, dq, scale, QA, q + dn, bf16 ? NULL : (const float *)cache + (size_t)j0 * cw, SC, CTX};
+        const moe__mla_block16 b16 = {H, r, cw, jn, 0, jn, KB, scale, Q16, bf16 ? (const uint16_t *)cache + (size_t)j0 * cw : NULL, SC, CTX, wide};
+        const moe__mla_block8 b8 = {H, r, cw, jn, 0, jn, KB, KB, scale, Q8, QT8, QD, q8 ? (const int8_t *)cache + (size_t)j0 * cw : NULL,
+                                    q8 ? meta + j0 : NULL, SC, CTX, W8, WS8};
+        if (bf16) m->k.mla_scores16(&b16);
+        else if (q8) m->k.mla_scores8(&b8);
+        else m->k.mla_scores(&blk);
+        for (int h = 0; h < H; h++) {
+            float *sc = SC + (size_t)h * KB, mx = max_of(sc, jn);
+            mx = M[h] > mx ? M[h] : mx;
+            const float f = expf(M[h] - mx); /* 0 on the first block */
+            if (f != 1.0f) {
+                for (int i = 0; i < r; i++) CTX[(size_t)h * r + i] *= f;
+                LS[h] *= f;
+            }
+            LS[h] += m->k.exp_sum(sc, sc, mx, jn);
+            M[h] = mx;
+        }
+        if (bf16) m->k.mla_ctx16(&b16, 0, H);
+        else if (q8) {
+            m->k.mla_weights8(SC, KB, b8.meta, jn, 0, H, W8, KB, WS8, WS8 + H);
+            m->k.mla_ctx8(&b8, 0, H);
+        } else
+            m->k.mla_ctx(&blk, 0, H);
+    }
+    par_barrier(p);
+    /* merge the threads' partial sums at the common max, this thread's heads; then
+     * y_h = W_UV,h ctx_h / sum */
+    for (int h = h0; h < h1; h++) {
+        /* thread t's CTX, M and LS, at the offsets of this thread's own */
+#define PART(t, p) (w + mla_absorbed_shared(m) + (size_t)(t) * per + ((p) - SC))
+        float mx = -INFINITY, ls = 0;
+        for (int t = 0; t < nth; t++) mx = PART(t, M)[h] > mx ? PART(t, M)[h] : mx;
+        memset(row, 0, sizeof(float) * (size_t)r);
+        for (int t = 0; t < nth; t++) {
+            const float mt = PART(t, M)[h];
+            if (mt == -INFINITY) continue; /* a thread without keys (len < threads) */
+            const float f = expf(mt - mx);
+            ls += f * PART(t, LS)[h];
+            m->k.axpy(row, f, PART(t, CTX) + (size_t)h * r, r);
+        }
+#undef PART
+        const moe__weight *uv = split ? &L->v_b : &L->kv_b; /* W_UV,h: v_b rows h*d_v.., or kv_b rows h*(d_n+d_v)+d_n.. */
+        if (mm_quantized(m, uv)) m->k.quant_q8a(row, xq, r);
+        rows_times_q(m, uv, split ? (int64_t)h * dv : (int64_t)h * (dn + dv) + dn, dv, row, xq, y + (size_t)h * dv, 1.0f / ls, A16);
+    }
+}
+
+static void mla_absorbed_token(const moe_model *m, const layer *L, const void *cache, const moe__kv8_meta *meta, int len,
+                               const float *q, float *y, float *w, int nt) {
+    mla_token a = {m, L, cache, meta, len, q, y, w};
+    par_run(nt, mla_token_share, &a);
+}
+
+moe_status moe__matmul(const moe__weight *const *W, float *const *y, int n, const float *x, int T, int nt, unsigned flags) {
+    if (n < 1 || n > 8 || nt < 1 || T < 1) return MOE_ERR_ARG;
+    moe_model *m = calloc(1, sizeof *m);
+    if (!m) return MOE_ERR_NOMEM;
+    moe__kernels_init(&m->k, flags);
+    m->opt.flags = flags; /* MOE_FLAG_MXFP4_INT8 */
+    mm_out o[8];
+    for (int i = 0; i < n; i++) o[i] = (mm_out){y[i], W[i]};
+    const moe_status st = matmul_multi(m, x, W[0]->cols, T, o, n, nt);
+    free(m);
+    return st;
+}
+
+void moe__set_mla_key_block(moe_model *m, int keys) {
+    if (m) m->mla_key_block = keys > 0 ? keys : 0;
+}
+
+void moe__set_step_team(moe_model *m, int mode) {
+    if (m) m->step_team = mode;
+}
+
+/* one key block of mla_expanded, shared by the heads: the block's keys k0 .. k0+kn-1 (latents in
+ * rows, keys and values through kv_b in kv), the query rows, outputs and running softmax state */
+typedef struct {
+    const moe_model *m;
+    const float *q, *rows, *kv;
+    float *y, *scr, *MX;
+    double *LS;
+    size_t scratch, kvw;
+    int pos, n, k0, kn, KB;
+    float scale;
+} mla_key_block;
+
+/* head h of the block, in thread me's scratch */
+static void mla_expanded_head(const mla_key_block *b, int h, int me) {
+    const moe_model *m = b->m;
+    const moe_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, QB = MLA_QUERY_BLOCK;
+    const int pos = b->pos, n = b->n, k0 = b->k0, kn = b->kn, KB = b->KB;
+    const size_t scratch = b->scratch, kvw = b->kvw;
+    const float scale = b->scale, *q = b->q, *rows = b->rows, *kv = b->kv;
+    float *y = b->y, *scr = b->scr, *MX = b->MX;
+    double *LS = b->LS;
+    float *K = scr + scratch * (size_t)me, *V = K + (size_t)KB * dq, *QN = V + (size_t)KB * dv;
+    float *QR = QN + (size_t)n * dn, *SC = QR + (size_t)n * dr, *CT = SC + (size_t)QB * KB, *F = CT + (size_t)QB * dv;
+    for (int j = 0; j < kn; j++) {
+        const float *src = kv + (size_t)j * kvw + (size_t)h * (dn + dv);
+        memcpy(K + (size_t)j * dq, src, sizeof(float) * dn);
+        memcpy(K + (size_t)j * dq + dn, rows + (size_t)j * cw + r, sizeof(float) * dr);
+        memcpy(V + (size_t)j * dv, src + dn, sizeof(float) * dv);
+    }
+    for (int t = 0; t < n; t++) {
+        memcpy(QN + (size_t)t * dn, q + (size_t)t * H * dq + (size_t)h * dq, sizeof(float) * dn);
+        memcpy(QR + (size_t)t * dr, q + (size_t)t * H * dq + (size_t)h * dq + dn, sizeof(float) * dr);
+    }
+    for (int t0 = 0; t0 < n; t0 += QB) {
+        const int nq = n - t0 < QB ? n - t0 : QB, last = pos + t0 + nq - 1; /* the query block's last position */
+        if (k0 > last) continue;                                            /* it sees no key of this block */
+        const int keys = last + 1 - k0 < kn ? last + 1 - k0 : kn;
+        moe__mla_block b = {nq, dn, dr, dq, keys, 0, keys, KB, dr, scale, QN + (size_t)t0 * dn, QR + (size_t)t0 * dr, K, SC, CT};
+        m->k.mla_scores(&b);
+        for (int i = 0; i < nq; i++) { /* row t0 + i sees keys up to position pos + t0 + i */
+            float *sc = SC + (size_t)i * KB, mx = -INFINITY;
+            const int vis = pos + t0 + i + 1 - k0 < keys ? pos + t0 + i + 1 - k0 : keys;
+            const size_t at = (size_t)(t0 + i) * H + h;
+            mx = max_of(sc, vis);
+            const float mnew = mx > MX[at] ? mx : MX[at];
+            F[i] = vis > 0 && MX[at] != -INFINITY ? expf(MX[at] - mnew) : 1.0f; /* the old sums' rescale */
+            if (vis > 0) {
+                LS[at] = LS[at] * F[i] + m->k.exp_sum(sc, sc, mnew, vis);
+                MX[at] = mnew;
+            }
+            for (int j = vis > 0 ? vis : 0; j < keys; j++) sc[j] = 0;
+        }
+        memset(CT, 0, sizeof(float) * (size_t)nq * dv);
+        moe__mla_block bv = {nq, dv, 0, dv, keys, 0, keys, KB, 0, 1.0f, NULL, NULL, V, SC, CT};
+        m->k.mla_ctx(&bv, 0, nq);
+        for (int i = 0; i < nq; i++) {
+            float *yo = y + (size_t)(t0 + i) * H * dv + (size_t)h * dv;
+            for (int d = 0; d < dv; d++) yo[d] = yo[d] * F[i] + CT[(size_t)i * dv + d];
+        }
+    }
+}
+
+static void mla_expanded_share(void *arg, const par_ctx *p) {
+    int64_t h0, h1;
+    par_share(p, ((const mla_key_block *)arg)->m->cfg.mla_heads, &h0, &h1);
+    for (int64_t h = h0; h < h1; h++) mla_expanded_head(arg, (int)h, p->me);
+}
+
+/* Expanded attention of the n query rows at positions pos .. pos+n-1 over the pos+n cached
+ * latents, in blocks of keys: each block's keys and values are rebuilt from its latents through
+ * kv_b for all heads (at most MLA_EXPANDED_BLOCK_BYTES of them), then the heads in parallel: the
+ * head's keys and values of the block made contiguous, its query rows scored against them in
+ * blocks of MLA_QUERY_BLOCK through the absorbed form's register-tiled kernels (the rows standing
+ * in for its heads), keys after a row's position masked out, and the row's context sums updated
+ * under an online softmax (running max and sum, rescaled when the max grows), as the absorbed
+ * form does across its key blocks. Memory does not grow with the context.
+ * q: [n, H, d_n + d_r]; y: [n, H, d_v]. */
+static moe_status mla_expanded(const moe_model *m, const layer *L, const void *cache, const moe__kv8_meta *meta, int pos, int n,
+                               const float *q, float *y, int nt) {
+    const moe_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, S = pos + n, QB = MLA_QUERY_BLOCK;
+    const size_t kvw = (size_t)H * (dn + dv);
+    const float scale = 1.0f / sqrtf((float)dq);
+    int KB = m->mla_key_block ? m->mla_key_block : (int)(MLA_EXPANDED_BLOCK_BYTES / (kvw * sizeof(float)));
+    KB = KB < 16 ? 16 : KB > S ? S : KB;
+    /* the block's latents in f32 [KB, cw] (copied from a bf16 cache) and keys/values [KB, H(d_n +
+     * d_v)]; per query row and head the running max and sum [n, H]; per thread one head's block
+     * keys [KB, d_q] and values [KB, d_v], its query rows [n, d_n] and [n, d_r], one query block's
+     * scores [QB, KB], context [QB, d_v] and rescale factors [QB] */
+    const size_t scratch = (size_t)KB * (dq + dv) + (size_t)n * dq + (size_t)QB * ((size_t)KB + dv + 1) + 16;
+    float *buf = malloc(sizeof(float) * ((size_t)KB * cw + (size_t)KB * kvw + (size_t)n * H + scratch * (size_t)nt));
+    double *LS = malloc(sizeof(double) * (size_t)n * H);
+    if (!buf || !LS) {
+        free(buf), free(LS);
+        return MOE_ERR_NOMEM;
+    }
+    float *wide = buf, *kv = wide + (size_t)KB * cw, *MX = kv + (size_t)KB * kvw, *scr = MX + (size_t)n * H;
+    for (size_t i = 0; i < (size_t)n * H; i++) MX[i] = -INFINITY, LS[i] = 0;
+    memset(y, 0, sizeof(float) * (size_t)n * H * dv);
+    moe_status st = MOE_OK;
+    for (int k0 = 0; k0 < S && !st; k0 += KB) {
+        const int kn = S - k0 < KB ? S - k0 : KB;
+        const float *rows = kv_rows_f32(m, cache, meta, k0, kn, cw, wide);
+        if ((st = matmul_ld(m, kv, rows, cw, kn, &L->kv_b))) break; /* [kn, H (d_n + d_v)] */
+        mla_key_block b = {m, q, rows, kv, y, scr, MX, LS, scratch, kvw, pos, n, k0, kn, KB, scale};
+        par_run(H > 1 ? nt : 1, mla_expanded_share, &b);
+    }
+    for (int t = 0; t < n && !st; t++) /* every row saw at least its own key */
+        for (int h = 0; h < H; h++) {
+            const float inv = (float)(1.0 / LS[(size_t)t * H + h]);
+            float *yo = y + (size_t)t * H * dv + (size_t)h * dv;
+            for (int d = 0; d < dv; d++) yo[d] *= inv;
+        }
+    free(buf), free(LS);
+    return st;
+}
+
+static moe_status mla_forward(const moe_model *m, const layer *L, moe_session *s, int li,
+                              const float *x, int n, float *out, step_work *wk) {
+    const moe_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    const int r = c->kv_lora_rank, dq = dn + dr, cw = r + dr, pos = s->pos;
+    const int S = pos + n; /* keys after this step */
+    moe_status st = mla_cache_reserve(s, li, S);
+    if (st) return st;
+    /* cost of the two attention forms (multiply-adds), averaged over the causal triangle */
+    const double savg = pos + (n + 1) / 2.0;
+    double absorbed = (double)n * H * (savg * (2.0 * r + dr) + (double)(dn + dv) * r);
+    const double expanded = (double)S * H * (dn + dv) * r + (double)n * H * savg * (dq + dv);
+    /* with an int8 cache the absorbed products are integer ones: one dpbusd or SDOT does 4x the
+     * multiply-adds of an f32 FMA of the same width, the AVX2 and plain NEON forms (2-3
+     * instructions) about 2x. Filling 8192 tokens of the benchmark shape (Zen 4, AVX-512 VNNI, 2
+     * threads): in 512-row chunks 62.0 s absorbed against 72.2 expanded; in 2048-row chunks, where
+     * a factor of 2 picked the expanded form for the later chunks, 66.9 s absorbed against 76.4 */
+    if (m->opt.kv_type == MOE_KV_Q8) absorbed /= m->k.dot8 ? 4 : 2;
+    int use_expanded = expanded < absorbed;
+    if (m->opt.flags & MOE_FLAG_MLA_ABSORBED) use_expanded = 0;
+    if (m->opt.flags & MOE_FLAG_MLA_EXPANDED) use_expanded = 1;
+#ifdef _OPENMP
+    const int nt = m->opt.n_threads;
+#else
+    const int nt = 1;
+#endif
+    size_t qn = (size_t)n * H * dq, yn = (size_t)n * H * dv;
+    size_t work = use_expanded ? 0 : mla_absorbed_work(m, nt); /* the expanded form allocates its own */
+    const int bf16 = m->opt.kv_type == MOE_KV_BF16;
+    size_t qa = c->q_lora_rank ? (size_t)n * c->q_lora_rank : 0;
+    size_t gn = c->mla_output_gate ? yn : 0;
+    float *buf = work_get(&wk->layer, sizeof(float) * (qn + yn + gn + qa + (size_t)n * cw + work));
+    if (!buf) return MOE_ERR_NOMEM;
+    float *q = buf, *y = q + qn, *gate = y + yn, *qa_buf = gate + gn;
+    float *lat = qa_buf + qa, *scr = lat + (size_t)n * cw;
+    /* 1, 2, 5. the projections of x in one pass: queries (or their LoRA's first factor), the
+     * latents, the output gate */
+    {
+        const mm_out proj[3] = {{c->q_lora_rank ? qa_buf : q, c->q_lora_rank ? &L->q_a : &L->q}, {lat, &L->kv_a}, {gate, &L->g}};
+        st = matmul_multi(m, x, c->hidden_size, n, proj, c->mla_output_gate ? 3 : 2, m->opt.n_threads);
+    }
+    if (c->q_lora_rank) {
+        rmsnorm_rows(qa_buf, qa_buf, L->q_a_norm, n, c->q_lora_rank, 1e-6f);
+        MM(q, qa_buf, n, &L->q_b);
+    }
+    /* 2. latents into the cache (normalised c, then kr), rounded to bf16 for a bf16 cache,
+     * quantized (each part with its scale) for an int8 one */
+    void *cache = s->mla_cache[li];
+    moe__kv8_meta *meta = s->mla_meta[li];
+    for (int t = 0; t < n; t++) {
+        float *l = lat + (size_t)t * cw;
+        rmsnorm(l, l, L->kv_a_norm, r, 1e-6f);
+        if (m->opt.kv_type == MOE_KV_Q8) {
+            int8_t *row = (int8_t *)cache + (size_t)(pos + t) * cw;
+            moe__kv8_meta *mt = meta + pos + t;
+            m->k.quant8_row(l, r, row, &mt->dc, &mt->sc);
+            m->k.quant8_row(l + r, dr, row + r, &mt->dr, &mt->sr);
+        } else if (bf16)
+            for (int i = 0; i < cw; i++) ((uint16_t *)cache)[(size_t)(pos + t) * cw + i] = moe__f32_to_bf16(l[i]);
+        else
+            memcpy((float *)cache + (size_t)(pos + t) * cw, l, sizeof(float) * cw);
+    }
+    if (!st && use_expanded) st = mla_expanded(m, L, cache, meta, pos, n, q, y, nt);
+    for (int t = 0; t < n && !st && !use_expanded; t++)
+        mla_absorbed_token(m, L, cache, meta, pos + t + 1, q + (size_t)t * H * dq, y + (size_t)t * H * dv, scr, nt);
+    /* 5. output gate; 6. output projection */
+    if (c->mla_output_gate) {
+        m->k.act(gate, gate, (int64_t)yn, MOE__ACT_SIGMOID);
+        for (size_t i = 0; i < yn; i++) y[i] *= gate[i];
+    }
+    MM(out, y, n, &L->o);
+    return st;
+}
+
+/* ==== FFN and MoE (spec section 8) ============================================================= */
+
+static moe_status ffn_forward(const moe_model *m, const moe__weight *gate, const moe__weight *up,
+                              const moe__weight *down, const float *x, int n, float *out) {
+    const int64_t I = gate->rows;
+    float *a = malloc(sizeof(float) * 2 * (size_t)n * (size_t)I);
+    if (!a) return MOE_ERR_NOMEM;
+    float *b = a + (size_t)n * I;
+    const mm_out proj[2] = {{a, gate}, {b, up}};
+    moe_status st = matmul_multi(m, x, gate->cols, n, proj, 2, m->opt.n_threads);
+    glu(m, a, b, (int64_t)n * I);
+    MM(out, a, n, down);
+    free(a);
+    return st;
+}
+
 /* Top-k selection per row on s' = s + bias (grouped when G > 1 and G > G_k); weights from the
  * unbiased s. ids come out sorted ascending. */
 static void route_rows(const moe_config *c, const float *logits, const float *bias, int n,
@@ -4614,6 +4680,49 @@ static moe_status experts_by_rows(const moe_model *m, const layer *L, const int 
     return st;
 }
 
+/* CACHE mode read-ahead: guesses the next MoE layer's experts with its router on this layer's
+ * input x [n, d] and queues them for the I/O threads, which read them while this layer and the
+ * next attention compute; pred[e] = 1 for each guessed expert and *pred_layer = that layer (-1
+ * if there is none or the guess failed). logits [n, E] and work (4E floats) are scratch. */
+static void predict_next_layer(const moe_model *m, int li, const float *x, int n, float *logits, float *work,
+                               unsigned char *pred, int *pred_layer, moe_step_stats *stats) {
+    const moe_config *c = &m->cfg;
+    const size_t nk = (size_t)n * c->n_active;
+    int nl = li + 1;
+    while (nl < c->n_layers && !m->layer_moe[nl]) nl++;
+    int32_t *pids = nl < c->n_layers ? malloc(sizeof(int32_t) * nk) : NULL;
+    float *pw = pids ? malloc(sizeof(float) * nk) : NULL;
+    *pred_layer = -1;
+    if (pw && !matmul(m, logits, x, n, &m->layers[nl].router)) {
+        route_rows(c, logits, m->layers[nl].router_bias, n, NULL, pids, pw, work);
+        memset(pred, 0, (size_t)c->n_experts);
+        for (size_t i = 0; i < nk; i++) pred[pids[i]] = 1;
+        *pred_layer = nl;
+        const int q = cache_queue(m, nl, pred, 0);
+        if (stats) stats->prefetch_issued += (uint64_t)q;
+    }
+    free(pids), free(pw);
+}
+
+/* Groups the n * K routed (row, expert) pairs by expert with a counting sort: experts in id
+ * order, rows in row order within each. cnt [E + 1] (zeroed) gets the prefix sums: expert e's
+ * pairs are slots cnt[e] .. cnt[e + 1] - 1 of rows (the row) and rw (its routing weight). */
+static moe_status group_rows(const int32_t *ids, const float *wts, int n, int K, int E, int *cnt, int *rows, float *rw) {
+    const size_t nk = (size_t)n * K;
+    for (size_t i = 0; i < nk; i++) cnt[ids[i] + 1]++;
+    for (int e = 0; e < E; e++) cnt[e + 1] += cnt[e];
+    int *fill = malloc(sizeof(int) * (size_t)E);
+    if (!fill) return MOE_ERR_NOMEM;
+    memcpy(fill, cnt, sizeof(int) * (size_t)E);
+    for (size_t i = 0; i < nk; i++) {
+        int slot = fill[ids[i]]++;
+        rows[slot] = (int)(i / K);
+        rw[slot] = wts[i];
+    }
+    free(fill);
+    return MOE_OK;
+}
+
 /* pred/pred_layer: the experts predicted for layer *pred_layer by the previous MoE layer (CACHE
  * mode prefetch); checked against this layer's routing, then replaced by this layer's guess for
  * the next MoE layer. */
@@ -4647,38 +4756,9 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
         queued = 1;
         free(want);
     }
-    if (pred && m->cache && m->opt.prefetch) {
-        /* guess the next MoE layer's experts with its router on this hidden state, and have the
-         * I/O thread read them while this layer and the next attention compute */
-        int nl = li + 1;
-        while (nl < c->n_layers && !m->layer_moe[nl]) nl++;
-        int32_t *pids = nl < c->n_layers ? malloc(sizeof(int32_t) * nk) : NULL;
-        float *pw = pids ? malloc(sizeof(float) * nk) : NULL;
-        *pred_layer = -1;
-        if (pw && !matmul(m, logits, x, n, &m->layers[nl].router)) {
-            route_rows(c, logits, m->layers[nl].router_bias, n, NULL, pids, pw, work);
-            memset(pred, 0, (size_t)E);
-            for (size_t i = 0; i < nk; i++) pred[pids[i]] = 1;
-            *pred_layer = nl;
-            const int q = cache_queue(m, nl, pred, 0);
-            if (stats) stats->prefetch_issued += (uint64_t)q;
-        }
-        free(pids), free(pw);
-    }
-    /* 5. group the rows by expert (counting sort: experts in id order, rows in row order) */
-    for (size_t i = 0; i < nk; i++) cnt[ids[i] + 1]++;
-    for (int e = 0; e < E; e++) cnt[e + 1] += cnt[e];
-    {
-        int *fill = malloc(sizeof(int) * (size_t)E);
-        if (!fill) { st = MOE_ERR_NOMEM; goto done; }
-        memcpy(fill, cnt, sizeof(int) * (size_t)E);
-        for (size_t i = 0; i < nk; i++) {
-            int slot = fill[ids[i]]++;
-            rows[slot] = (int)(i / K);
-            rw[slot] = wts[i];
-        }
-        free(fill);
-    }
+    if (pred && m->cache && m->opt.prefetch) predict_next_layer(m, li, x, n, logits, work, pred, pred_layer, stats);
+    /* 5. group the rows by expert */
+    if ((st = group_rows(ids, wts, n, K, E, cnt, rows, rw))) goto done;
     if (c->latent_dim) MM(xe, x, n, &L->lat_down);
     else memcpy(xe, x, sizeof(float) * (size_t)n * d);
     memset(ye, 0, sizeof(float) * (size_t)n * de);
@@ -5042,6 +5122,13 @@ moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *sta
     return st;
 }
 
+/* =================================================================================================
+ * PART 5: SESSIONS
+ * =================================================================================================
+ * A session is one sequence: the KDA layers' recurrent states and convolution tails, the MLA
+ * layers' latent caches, and its position. Sessions share the model and nothing else, so any
+ * number run at once; snapshot/restore and fork copy a session's state. */
+
 /* ==== sessions ================================================================================ */
 
 void moe_session_free(moe_session *s) {
@@ -5143,6 +5230,13 @@ moe_status moe_session_fork(moe_session **out, const moe_session *src, char *err
     *out = s;
     return MOE_OK;
 }
+
+/* =================================================================================================
+ * PART 6: TEXT
+ * =================================================================================================
+ * What turns text into token ids and back, and logits into tokens: the tiktoken-compatible
+ * tokenizer (spec/TOKENIZER.md), the vendors' chat templates and the parsing of replies (tool
+ * calls, channels), and sampling. Independent of the weights: a tokenizer can be opened alone. */
 
 /* ==== tokenizer ================================================================================
  * tiktoken's rank BPE (spec/TOKENIZER.md section 2): text -> (Kimi: chunks) -> special-token scan

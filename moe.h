@@ -23,6 +23,12 @@
  * *_close function, which accept NULL. Pointers returned by accessors stay valid until the object
  * they came from is freed. Every fallible call returns a moe_status; when err is non-NULL it also
  * receives a NUL-terminated message (truncated to errlen) naming the file, tensor or argument.
+ *
+ * Sections (grep the banner): "---- options", "---- model", "---- sessions", "---- stepping",
+ * "---- tokenizer", "---- chat formats", "---- sampling" make the API; after them
+ * "---- internal:" sections, compiled only under MOE_INTERNAL, hold what moe.c, quant.c and
+ * test/ share: number formats and block layouts, the kernel table, parsers, hooks for tests and
+ * tools, the KDA and MLA cores. They are not part of the API and may change.
  */
 #ifndef MOE_H
 #define MOE_H
@@ -436,6 +442,7 @@ MOE_API int32_t moe_sample(const float *logits, int n_vocab, const moe_sampler *
 #define MOE_ASSERT(x) assert(x) /* our own invariants only, never input validation */
 #endif
 
+/* ---- internal: number formats and block layouts (quant.c) ------------------------------ */
 enum {
     MOE_T_F32 = 0, MOE_T_F16, MOE_T_BF16,
     MOE_T_MXFP4,      /* compressed-tensors: packed nibbles (low = even column) + separate E8M0 */
@@ -562,6 +569,8 @@ typedef struct {
     const uint8_t *scale; /* MXFP4 only */
 } moe__weight;
 
+/* ---- internal: the kernel table (quant.c's kernel levels, chosen by moe__kernels_init) --- */
+
 struct moe__kda_head_s;
 struct moe__mla_block_s;
 struct moe__mla_block16_s;
@@ -661,6 +670,8 @@ int moe__kernel_levels(moe__kernels *out, int max);
  * pick by CPU (quant.c) */
 void moe__x8_prefetch(moe__kernels *k, int mode);
 
+/* ---- internal: parsers (JSON, safetensors, GGUF; moe.c PART 1) ------------------------- */
+
 /* JSON (config.json, safetensors headers, index): a tree in one allocation. */
 enum { MOE_JSON_NULL, MOE_JSON_BOOL, MOE_JSON_NUM, MOE_JSON_STR, MOE_JSON_ARR, MOE_JSON_OBJ };
 typedef struct moe__json moe__json;
@@ -725,6 +736,8 @@ int moe__type_of_ggml(uint32_t id);
 /* Parses a safetensors (gguf = 0) or GGUF (gguf = 1) image in memory; the bytes stay the
  * caller's and must outlive f. For fuzzing and tests. */
 moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size, int gguf, char *err, size_t errlen);
+/* ---- internal: hooks for tests and the example programs (moe.c) ------------------------- */
+
 /* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);
@@ -769,6 +782,8 @@ moe_status moe__chat_encode_tree(const moe_tokenizer *t, const moe__json *req, c
  * each piece ends goes to ends[0..cap); returns the number of pieces, -1 on bad input. */
 long moe__pretokenize(int pretok, const char *text, size_t len, size_t *ends, size_t cap);
 const moe__st_tensor *moe__st_find(const moe__st_file *f, const char *name);
+
+/* ---- internal: the KDA and MLA cores (quant.c: scalar references and every level's kernels) -- */
 
 /* The KDA core for one head over n tokens, state S[D,D] (rows = key channels) updated in place.
  * q,k,v,g: [n, stride] rows (head offset already applied), beta[n*beta_stride], o: [n, stride]. */
