@@ -10,8 +10,15 @@ OPENMP ?= $(shell printf 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o 
 ALL_CFLAGS = $(CFLAGS) $(OPENMP) $(EXTRA_CFLAGS)
 
 LIB = $(BUILD)/moe.o $(BUILD)/quant.o
-EXAMPLES = $(BUILD)/moe-logits $(BUILD)/moe-cli $(BUILD)/moe-perplexity $(BUILD)/moe-convert $(BUILD)/moe-bench $(BUILD)/moe-plan $(BUILD)/moe-tokenize $(BUILD)/moe-batch $(BUILD)/moe-cachesim
+# the example programs: examples/NAME.c becomes $(BUILD)/moe-NAME
+EXAMPLE_NAMES = logits cli perplexity convert bench plan tokenize batch cachesim
+EXAMPLES = $(EXAMPLE_NAMES:%=$(BUILD)/moe-%)
+# the test suite: test/main.c (the runner), test/util.c (shared helpers), one file per area
+TEST_SRC = test/main.c test/util.c test/kernels.c test/gguf.c test/model.c test/cache.c test/text.c test/programs.c test/faults.c
+TEST_OBJ = $(TEST_SRC:test/%.c=$(BUILD)/test/%.o)
 TESTS = $(BUILD)/moe-test
+# every compile writes the headers it read (-MMD) into a .d file beside its output, read below
+DEPFLAGS = -MMD -MP
 
 .PHONY: all examples test test-scalar test-avxvnni-evex asan tsan bench fuzz clean help
 
@@ -25,44 +32,26 @@ all: $(LIB) $(EXAMPLES) $(TESTS)
 # examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert, moe-bench, moe-plan, moe-tokenize, moe-batch, moe-cachesim)
 examples: $(EXAMPLES)
 
-$(BUILD)/%.o: %.c moe.h | $(BUILD)
-	$(CC) $(ALL_CFLAGS) -c $< -o $@
+$(BUILD)/%.o: %.c | $(BUILD)
+	$(CC) $(ALL_CFLAGS) $(DEPFLAGS) -c $< -o $@
 
-$(BUILD)/moe-logits: examples/logits.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+$(BUILD)/moe-%: examples/%.c $(LIB)
+	$(CC) $(ALL_CFLAGS) $(DEPFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
-$(BUILD)/moe-cli: examples/cli.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+$(BUILD)/test/%.o: test/%.c | $(BUILD)
+	@mkdir -p $(BUILD)/test
+	$(CC) $(ALL_CFLAGS) $(DEPFLAGS) -c $< -o $@
 
-$(BUILD)/moe-perplexity: examples/perplexity.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+$(BUILD)/moe-test: $(TEST_OBJ) $(LIB)
+	$(CC) $(ALL_CFLAGS) $(TEST_OBJ) $(LIB) $(LDLIBS) -o $@
 
-$(BUILD)/moe-convert: examples/convert.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
-
-$(BUILD)/moe-bench: examples/bench.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
-
-$(BUILD)/moe-plan: examples/plan.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
-
-$(BUILD)/moe-tokenize: examples/tokenize.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
-
-$(BUILD)/moe-batch: examples/batch.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
-
-$(BUILD)/moe-cachesim: examples/cachesim.c $(LIB)
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
-
-$(BUILD)/moe-test: test/test.c $(LIB) moe.h
-	$(CC) $(ALL_CFLAGS) $< $(LIB) $(LDLIBS) -o $@
+-include $(wildcard $(BUILD)/*.d $(BUILD)/test/*.d)
 
 $(BUILD):
 	mkdir -p $(BUILD)
 
 # test: build everything and run the whole suite (unit, golden, bad input); prints N passed, N failed
-# (TEST_ARGS: run only the tests named)
+# (TEST_ARGS: run only the tests or areas named; build/moe-test --list shows them)
 test: all
 	$(RUN) ./$(BUILD)/moe-test $(TEST_ARGS)
 
@@ -78,7 +67,7 @@ test-avxvnni-evex:
 
 # the tests test-neon also runs built with OpenMP (OpenMP threads under emulation would slow the
 # whole suite for little)
-NEON_THREAD_TESTS = step_team concurrent_teams golden_threads_scalar info_kernels
+NEON_THREAD_TESTS = model.step_team cache.concurrent_teams model.golden_threads_scalar kernels.info_kernels
 
 # test-neon: the suite cross-built for AArch64 (NEON, dot product) and run under qemu-user (the team's tests with OpenMP first)
 test-neon:
@@ -104,8 +93,8 @@ bench: all
 # tsan: the expert-cache and concurrency tests under ThreadSanitizer (clang), in build-tsan/
 tsan:
 	@mkdir -p build-tsan
-	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 test/test.c moe.c quant.c -lm -lpthread -o build-tsan/moe-test
-	./build-tsan/moe-test cache_equivalence cache_faults cache_prefetch concurrent_sessions dense_streaming
+	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 $(TEST_SRC) moe.c quant.c -lm -lpthread -o build-tsan/moe-test
+	./build-tsan/moe-test cache.equivalence faults.cache_reads cache.prefetch cache.concurrent_sessions cache.dense_streaming
 
 # fuzz: each parser (json safetensors gguf config ranks tokenize chat batch) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
 fuzz:

@@ -1,0 +1,647 @@
+/* programs.c - tests of programs and batch: the example programs run as a user runs them: moe-logits, moe-tokenize, moe-cli,
+ * moe-perplexity, moe-bench, moe-plan, moe-batch. */
+#include "test.h"
+
+static void test_moe_logits_cli(void) {
+    const char *cases[] = {"kimi", "seed", "k3mx"};
+    char cmd[2400], out[4096], idsf[600], logf[600];
+    tmp_path(idsf, sizeof idsf, "ids.txt");
+    tmp_path(logf, sizeof logf, "logits.bin");
+    for (int ci = 0; ci < 3; ci++) {
+        golden g;
+        if (!golden_load(&g, cases[ci])) return;
+        const moe__json *p = moe__json_get(g.cases, "prompts")->child->next->next; /* p2, 64 tokens */
+        int32_t *ids, *greedy;
+        int n = ids_of(moe__json_get(p, "ids"), &ids), ng = ids_of(moe__json_get(p, "greedy"), &greedy);
+        FILE *f = fopen(idsf, "w");
+        for (int i = 0; i < n; i++) fprintf(f, i % 10 == 9 ? "%d\n" : "%d ", (int)ids[i]);
+        fclose(f);
+        snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/%s --tokens %s --out %s --all --greedy %d", exe_dir,
+                 golden_dir(), cases[ci], idsf, logf, ng);
+        int rc = run_cmd(cmd, out, sizeof out);
+        CHECKF(rc == 0, "%s: exit %d", cmd, rc);
+        size_t len = 0;
+        char *bin = read_all(logf, &len);
+        const moe__st_tensor *want = moe__st_find(&g.ref, "p2.logits");
+        CHECK(bin && want && len == want->nbytes);
+        if (bin && want && len == want->nbytes) {
+            double d = max_abs_diff((const float *)bin, want->data, len / 4);
+            CHECKF(d <= g.tol, "%s: max |dlogit| %.3g", cases[ci], d);
+        }
+        free(bin);
+        /* the greedy ids are the last line of stdout */
+        char want_line[1024] = "";
+        for (int i = 0; i < ng; i++) snprintf(want_line + strlen(want_line), sizeof want_line - strlen(want_line), i ? " %d" : "%d", (int)greedy[i]);
+        char *last = out + strlen(out);
+        while (last > out && last[-1] == '\n') *--last = 0;
+        while (last > out && last[-1] != '\n') last--;
+        CHECKF(!strcmp(last, want_line), "%s: greedy '%s' want '%s'", cases[ci], last, want_line);
+        /* without --all: the last row only */
+        snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/%s --tokens %s --out %s", exe_dir, golden_dir(), cases[ci], idsf, logf);
+        CHECK(run_cmd(cmd, out, sizeof out) == 0);
+        bin = read_all(logf, &len);
+        const int V = (int)want->shape[1];
+        CHECK(bin && len == (size_t)V * 4);
+        if (bin && len == (size_t)V * 4)
+            CHECK(max_abs_diff((const float *)bin, (const float *)want->data + (size_t)(n - 1) * V, (size_t)V) <= g.tol);
+        free(bin), free(ids), free(greedy);
+        golden_free(&g);
+    }
+    /* exit codes: 2 usage, 1 errors */
+    snprintf(cmd, sizeof cmd, "%s/moe-logits 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+    snprintf(cmd, sizeof cmd, "%s/moe-logits -m x --tokens y --bogus 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+    snprintf(cmd, sizeof cmd, "%s/moe-logits -m /nonexistent --tokens %s 2>/dev/null", exe_dir, idsf);
+    CHECK(run_cmd(cmd, out, sizeof out) == 1);
+    /* --kernels (the ids file holds k3mx's prompt): a level this CPU has runs; another name is an
+     * error naming the ones it has */
+    snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/k3mx --tokens %s --kernels scalar 2>&1", exe_dir, golden_dir(), idsf);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/k3mx --tokens %s --kernels avx9000 2>&1", exe_dir, golden_dir(), idsf);
+    CHECK(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "avx9000") && strstr(out, "this CPU runs scalar"));
+    const char *bad_ids[] = {"1 2 x", "1 -2", "99999999", "", "1 2 3.5", "1 +2", "0x10"};
+    for (int i = 0; i < 7; i++) {
+        FILE *f = fopen(idsf, "w");
+        fputs(bad_ids[i], f);
+        fclose(f);
+        remove(logf);
+        snprintf(cmd, sizeof cmd, "%s/moe-logits -m %s/kimi --tokens %s --out %s 2>/dev/null", exe_dir, golden_dir(), idsf, logf);
+        CHECKF(run_cmd(cmd, out, sizeof out) == 1, "ids '%s'", bad_ids[i]);
+        struct stat sb;
+        CHECK(stat(logf, &sb) != 0); /* nothing written on failure */
+    }
+}
+
+/* moe-tokenize: the interface the checks use */
+static void test_moe_tokenize_cli(void) {
+    char cmd[2400], out[65536], in[600];
+    tmp_path(in, sizeof in, "tok-in.txt");
+    CHECK(write_all(in, "Hello, world!", 13));
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/cl100k_base.tiktoken --pre cl100k %s", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0 && !strcmp(out, "9906 11 1917 0\n"));
+    CHECK(write_all(in, "Hello, world!", 13)); /* stdin (redirected, so that MOE_TEST_RUNNER applies) */
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/o200k_base.tiktoken --pre o200k < %s", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0 && !strcmp(out, "13225 11 2375 0\n"));
+    CHECK(write_all(in, "13225 11 2375 0", 15));
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/o200k_base.tiktoken --pre o200k --decode %s", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0 && !strcmp(out, "Hello, world!"));
+    CHECK(write_all(in, "a\xff", 2));
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/o200k_base.tiktoken --pre o200k %s 2>&1", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "UTF-8"));
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks %s/o200k_base.tiktoken --pre o200k --raw-bytes %s", exe_dir, tok_dir(), in);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize --ranks x --pre nope 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+    snprintf(cmd, sizeof cmd, "%s/moe-tokenize -m %s/kimi 2>&1", exe_dir, golden_dir());
+    CHECK(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "tiktoken.model"));
+}
+
+/* the parsed answer to custom_id id in the output file at path (NULL: none); free with moe__json_free */
+static moe__json *batch_answer(const char *path, const char *id) {
+    size_t len = 0;
+    char *all = read_all(path, &len), key[80];
+    moe__json *j = NULL;
+    snprintf(key, sizeof key, "\"custom_id\": \"%s\"", id);
+    char *p = all ? strstr(all, key) : NULL;
+    if (p) {
+        while (p > all && p[-1] != '\n') p--;
+        char *e = strchr(p, '\n');
+        if (e && moe__json_parse(p, (size_t)(e - p), &j, NULL, 0) != MOE_OK) j = NULL;
+    }
+    free(all);
+    return j;
+}
+
+static const moe__json *json_at(const moe__json *a, int i) {
+    const moe__json *e = a && (a->type == MOE_JSON_ARR || a->type == MOE_JSON_OBJ) ? a->child : NULL;
+    while (e && i-- > 0) e = e->next;
+    return e;
+}
+
+/* an answer's body, and its choice i */
+static const moe__json *answer_body(const moe__json *a) { return moe__json_get(moe__json_get(a, "response"), "body"); }
+
+static const moe__json *answer_choice(const moe__json *a, int i) { return json_at(moe__json_get(answer_body(a), "choices"), i); }
+
+/* a batch input file: remove out, write text to in */
+static void batch_files(const char *in, const char *out, const char *text) {
+    remove(out);
+    FILE *f = fopen(in, "w");
+    if (f) fputs(text, f), fclose(f);
+}
+
+/* moe-batch's "n": each choice decodes as a sequence of its own (more choices than slots: they
+ * wait for slots like requests) from one computation of the prompt, the answer written once all
+ * are done, the prompt counted once; greedy choices are the golden continuation, sampled ones
+ * differ from each other, and the first draws as a request without "n" does */
+static void test_batch_choices(void) {
+    char in[600], out[600], cmd[2400], buf[8192];
+    tmp_path(in, sizeof in, "n-in.jsonl");
+    tmp_path(out, sizeof out, "n-out.jsonl");
+    batch_files(in, out, "{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+                         "\"max_tokens\": 4, \"temperature\": 0, \"n\": 3}}\n"
+                         "{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9, \"n\": 4, \"logprobs\": 1}}\n"
+                         "{\"custom_id\": \"zero\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"n\": 0}}\n"
+                         "{\"custom_id\": \"half\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"n\": 2.5}}\n");
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 2>&1", exe_dir, golden_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    CHECK(check_batch_output(out, NULL, NULL, 0) == 4);
+    /* each prompt computed once, though the choices got their slots in several passes (7 + 2) */
+    CHECKF(strstr(buf, " 9 prompt tokens computed"), "%s", buf);
+    moe__json *a = batch_answer(out, "g");
+    const moe__json *body = answer_body(a), *ch = moe__json_get(body, "choices");
+    CHECK(ch && ch->n == 3);
+    for (int i = 0; ch && i < ch->n; i++) {
+        const moe__json *c = json_at(ch, i);
+        CHECK((int)moe__json_get(c, "index")->num == i && !strcmp(moe__json_get(c, "text")->str, "555 1114 583 989"));
+    }
+    const moe__json *usage = moe__json_get(body, "usage");
+    CHECK(usage && moe__json_get(usage, "prompt_tokens")->num == 7 && moe__json_get(usage, "completion_tokens")->num == 12);
+    moe__json_free(a);
+    a = batch_answer(out, "s");
+    ch = moe__json_get(answer_body(a), "choices");
+    char first[128] = "";
+    int distinct = 0;
+    CHECK(ch && ch->n == 4);
+    for (int i = 0; ch && i < ch->n; i++) {
+        const moe__json *c = json_at(ch, i);
+        CHECK(moe__json_get(moe__json_get(c, "logprobs"), "token_logprobs")->n == 5);
+        if (!i) snprintf(first, sizeof first, "%s", moe__json_get(c, "text")->str);
+        int seen = 0;
+        for (int j = 0; j < i; j++) seen |= !strcmp(moe__json_get(json_at(ch, j), "text")->str, moe__json_get(c, "text")->str);
+        distinct += !seen;
+    }
+    CHECKF(distinct == 4, "%d distinct texts of 4", distinct);
+    moe__json_free(a);
+    size_t len = 0;
+    char *all = read_all(out, &len);
+    CHECK(all && strstr(all, "n must be a number in [1, 128]") && strstr(all, "n must be an integer"));
+    free(all);
+    /* g alone with room for its three choices: its prompt computed once */
+    batch_files(in, out, "{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+                         "\"max_tokens\": 4, \"temperature\": 0, \"n\": 3}}\n");
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 2>&1", exe_dir, golden_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, " 7 prompt tokens computed"), "%s", buf);
+    a = batch_answer(out, "g");
+    ch = moe__json_get(answer_body(a), "choices");
+    for (int i = 0; i < 3; i++) CHECK(ch && ch->n == 3 && !strcmp(moe__json_get(json_at(ch, i), "text")->str, "555 1114 583 989"));
+    moe__json_free(a);
+    /* the same request without n, alone: choice 0's text */
+    batch_files(in, out, "{\"custom_id\": \"s\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9}}\n");
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s 2>&1", exe_dir, golden_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    char text[128] = "";
+    check_batch_output(out, "s", text, sizeof text);
+    CHECKF(!strcmp(text, first), "alone %s, first choice %s", text, first);
+    remove(in), remove(out);
+}
+
+/* moe-batch's log probabilities: a greedy completion on a golden prompt gives each token's log
+ * probability under the golden logits (log-softmax of the expected rows, within twice the
+ * logits' tolerance), its best alternatives in order with the pick first, and offsets into the
+ * text; a chat answer on the shipped model lists every sampled token with its bytes; bad
+ * requests are refused; two threads give the same tokens and log probabilities within rounding
+ * (the decode attention's split over threads rounds differently) */
+static void test_batch_logprobs(void) {
+    char in[600], out[600], out2[600], cmd[2400], buf[8192];
+    tmp_path(in, sizeof in, "lp-in.jsonl");
+    tmp_path(out, sizeof out, "lp-out.jsonl");
+    tmp_path(out2, sizeof out2, "lp-out2.jsonl");
+    batch_files(in, out, "{\"custom_id\": \"g\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], "
+                         "\"max_tokens\": 4, \"temperature\": 0, \"logprobs\": 3}}\n"
+                         "{\"custom_id\": \"h\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [5, 6], \"max_tokens\": 5, \"seed\": 9, \"logprobs\": 0}}\n"
+                         "{\"custom_id\": \"echo\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"echo\": true, \"logprobs\": 1}}\n"
+                         "{\"custom_id\": \"big\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"logprobs\": 21}}\n"
+                         "{\"custom_id\": \"half\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"logprobs\": 1.5}}\n");
+    remove(out2);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 2>&1", exe_dir, golden_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    golden g;
+    if (!golden_load(&g, "k3mx")) return;
+    const moe__st_tensor *want = moe__st_find(&g.ref, "p1.greedy_logits");
+    moe__json *a = batch_answer(out, "g");
+    const moe__json *lp = moe__json_get(answer_choice(a, 0), "logprobs");
+    const moe__json *toks = moe__json_get(lp, "tokens"), *tlp = moe__json_get(lp, "token_logprobs"), *top = moe__json_get(lp, "top_logprobs"),
+                    *off = moe__json_get(lp, "text_offset");
+    CHECK(want && toks && tlp && top && off && toks->n == 4 && tlp->n == 4 && top->n == 4 && off->n == 4);
+    if (want && toks && tlp && top && off && toks->n == 4 && tlp->n == 4 && top->n == 4 && off->n == 4) {
+        const int V = (int)want->shape[1], greedy[4] = {555, 1114, 583, 989}, offsets[4] = {0, 4, 9, 13};
+        double worst = 0;
+        for (int i = 0; i < 4; i++) {
+            const float *row = (const float *)want->data + (size_t)i * V;
+            double mx = -INFINITY, sum = 0;
+            for (int v = 0; v < V; v++) mx = row[v] > mx ? row[v] : mx;
+            for (int v = 0; v < V; v++) sum += exp(row[v] - mx);
+            const double expect = row[greedy[i]] - mx - log(sum), d = fabs(json_at(tlp, i)->num - expect);
+            worst = d > worst ? d : worst;
+            CHECKF(atoi(json_at(toks, i)->str) == greedy[i], "token %d: %s", i, json_at(toks, i)->str);
+            CHECKF((int)json_at(off, i)->num == offsets[i], "offset %d: %g", i, json_at(off, i)->num);
+            const moe__json *alts = json_at(top, i);
+            CHECK(alts && alts->n == 3);
+            for (int j = 0; alts && j < alts->n; j++) { /* the pick first (greedy), then in order, each its golden log probability */
+                const moe__json *e = json_at(alts, j);
+                CHECK(j > 0 || (atoi(e->key) == greedy[i] && e->num == json_at(tlp, i)->num));
+                CHECK(j == 0 || e->num <= json_at(alts, j - 1)->num);
+                const double ej = row[atoi(e->key)] - mx - log(sum);
+                CHECKF(fabs(e->num - ej) <= 2 * g.tol, "token %d alternative %d: %g against %g", i, j, e->num, ej);
+            }
+        }
+        CHECKF(worst <= 2 * g.tol, "log probabilities %.3g from the golden logits'", worst);
+    }
+    moe__json_free(a);
+    a = batch_answer(out, "h"); /* sampled, no alternatives */
+    lp = moe__json_get(answer_choice(a, 0), "logprobs");
+    CHECK(lp && moe__json_get(lp, "token_logprobs")->n == 5 && moe__json_get(lp, "top_logprobs")->type == MOE_JSON_NULL);
+    for (int i = 0; lp && i < 5; i++) CHECK(json_at(moe__json_get(lp, "token_logprobs"), i)->num <= 0);
+    moe__json_free(a);
+    size_t len = 0;
+    char *all = read_all(out, &len);
+    CHECK(all && strstr(all, "echo is not supported") && strstr(all, "logprobs must be a number in [0, 20]") && strstr(all, "logprobs must be an integer"));
+    free(all);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 2 -t 2 2>&1", exe_dir, golden_dir(), in, out2);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    for (int k = 0; k < 2; k++) {
+        moe__json *x = batch_answer(out, k ? "h" : "g"), *y = batch_answer(out2, k ? "h" : "g");
+        const moe__json *cx = answer_choice(x, 0);
+        const moe__json *cy = answer_choice(y, 0);
+        CHECK(cx && cy && !strcmp(moe__json_get(cx, "text")->str, moe__json_get(cy, "text")->str));
+        const moe__json *lx = moe__json_get(answer_choice(x, 0), "logprobs");
+        const moe__json *ly = moe__json_get(answer_choice(y, 0), "logprobs");
+        for (int i = 0; lx && ly && i < moe__json_get(lx, "token_logprobs")->n; i++)
+            CHECK(fabs(json_at(moe__json_get(lx, "token_logprobs"), i)->num - json_at(moe__json_get(ly, "token_logprobs"), i)->num) < 1e-4);
+        CHECK(lx && ly);
+        moe__json_free(x), moe__json_free(y);
+    }
+    golden_free(&g);
+    /* chat on the shipped model: an entry per sampled token, its bytes, two alternatives each */
+    batch_files(in, out, "{\"custom_id\": \"c\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], "
+                         "\"max_tokens\": 6, \"logprobs\": true, \"top_logprobs\": 2, \"seed\": 3}}\n"
+                         "{\"custom_id\": \"t\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"top_logprobs\": 2}}\n");
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s -i %s -o %s 2>&1", exe_dir, shipped_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s: %s", cmd, buf);
+    a = batch_answer(out, "c");
+    const moe__json *body = answer_body(a);
+    const moe__json *content = moe__json_get(moe__json_get(json_at(moe__json_get(body, "choices"), 0), "logprobs"), "content");
+    const int gen = (int)moe__json_get(moe__json_get(body, "usage"), "completion_tokens")->num;
+    CHECKF(content && content->n == gen && gen > 0, "%d entries for %d tokens", content ? content->n : -1, gen);
+    for (int i = 0; content && i < content->n; i++) {
+        const moe__json *e = json_at(content, i), *bytes = moe__json_get(e, "bytes"), *alts = moe__json_get(e, "top_logprobs");
+        CHECK(moe__json_get(e, "logprob")->num <= 0 && bytes && bytes->n > 0 && alts && alts->n == 2 &&
+              json_at(alts, 0)->n == 3 && moe__json_get(json_at(alts, 0), "logprob")->num >= moe__json_get(json_at(alts, 1), "logprob")->num &&
+              moe__json_get(e, "logprob")->num <= moe__json_get(json_at(alts, 0), "logprob")->num);
+        /* the bytes spell the token where they are whole UTF-8 */
+        char tb[64];
+        int nb = 0;
+        for (const moe__json *x = bytes ? bytes->child : NULL; x && nb < 63; x = x->next) tb[nb++] = (char)(int)x->num;
+        tb[nb] = 0;
+        if (moe_utf8_valid_prefix(tb, (size_t)nb) == (size_t)nb) CHECKF(!strcmp(tb, moe__json_get(e, "token")->str), "entry %d: %s", i, tb);
+    }
+    moe__json_free(a);
+    all = read_all(out, &len);
+    CHECK(all && strstr(all, "top_logprobs needs logprobs: true"));
+    free(all);
+    remove(in), remove(out), remove(out2);
+}
+
+#define AGAIN(id) "{\"custom_id\": \"" id "\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [467, 83, 739, 806, 546, 1030, 1074], \"max_tokens\": 4, \"temperature\": 0}}\n"
+
+static void test_batch_basic(void) {
+    char in[600], out[600], cmd[2400], buf[8192], text[512];
+    tmp_path(in, sizeof in, "batch-in.jsonl");
+    tmp_path(out, sizeof out, "batch-out.jsonl");
+    write_batch_input(in, 12,
+                      "not json\n"
+                      "{\"custom_id\": \"bad-url\", \"method\": \"POST\", \"url\": \"/v1/embeddings\", \"body\": {}}\n"
+                      "{\"custom_id\": \"bad-utf8\", \"body\": \"\xff\"}\n"
+                      "{\"custom_id\": \"too-long\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1, 2], \"max_tokens\": 100000}}\n"
+                      "{\"custom_id\": \"bad-id\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1, 99999]}}\n"
+                      "{\"custom_id\": \"chat\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}}\n"
+                      "\n"
+                      "{\"method\": \"POST\"}\n"
+                      "{\"custom_id\": \"big-seed\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1], \"seed\": 1.5e62}}\n"
+                      AGAIN("again-1") AGAIN("again-2") AGAIN("again-3"));
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 2>&1", exe_dir, golden_dir(), in, out);
+    int rc = run_cmd(cmd, buf, sizeof buf);
+    CHECKF(rc == 0, "%s: %d %s", cmd, rc, buf);
+    int n = check_batch_output(out, "req-0", text, sizeof text);
+    CHECKF(n == 12 + 11, "%d lines", n);
+    /* req-0 is greedy on a golden prompt: the golden continuation, decoded among other sequences,
+     * and so are its copies, each in the slot it got (each slot samples its own row of logits) */
+    CHECKF(!strcmp(text, "555 1114 583 989"), "req-0: %s", text);
+    for (int i = 1; i <= 3; i++) {
+        char id[24];
+        snprintf(id, sizeof id, "again-%d", i);
+        check_batch_output(out, id, text, sizeof text);
+        CHECKF(!strcmp(text, "555 1114 583 989"), "%s: %s", id, text);
+    }
+    size_t len = 0;
+    char *all = read_all(out, &len);
+    CHECK(all && strstr(all, "\"input_line\": 13") && strstr(all, "/v1/embeddings") == NULL && strstr(all, "not valid UTF-8") &&
+          strstr(all, "do not fit the context") && strstr(all, "outside the vocabulary") && strstr(all, "no tokenizer") &&
+          strstr(all, "\"finish_reason\": \"length\"") && strstr(all, "\"usage\": {\"prompt_tokens\": 7") &&
+          strstr(all, "seed must be a 64-bit integer"));
+    free(all);
+    /* two threads (sampling side by side): the same answers */
+    char out2[600], cmd2[2400], t1[512], t2[512];
+    tmp_path(out2, sizeof out2, "batch-out-t2.jsonl");
+    remove(out2);
+    snprintf(cmd2, sizeof cmd2, "%s/moe-batch -m %s/k3mx -i %s -o %s --parallel 4 -t 2 2>&1", exe_dir, golden_dir(), in, out2);
+    CHECKF(run_cmd(cmd2, buf, sizeof buf) == 0, "%s: %s", cmd2, buf);
+    for (int i = 0; i < 12; i++) {
+        char id[16];
+        snprintf(id, sizeof id, "req-%d", i);
+        t1[0] = t2[0] = 0;
+        check_batch_output(out, id, t1, sizeof t1), check_batch_output(out2, id, t2, sizeof t2);
+        CHECKF(t1[0] && !strcmp(t1, t2), "%s: %s with one thread, %s with two", id, t1, t2);
+    }
+    remove(out2);
+    /* a rerun has nothing to do; a torn tail is cut off and that request answered again */
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, "0 to run"));
+    all = read_all(out, &len);
+    FILE *f = fopen(out, "w");
+    fwrite(all, 1, len - 40, f); /* the last line loses its end */
+    fclose(f);
+    free(all);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 0 && strstr(buf, "torn"));
+    CHECK(check_batch_output(out, NULL, NULL, 0) == 12 + 11);
+    /* shards: disjoint, together everything */
+    char o0[600], o1[600];
+    tmp_path(o0, sizeof o0, "batch-s0.jsonl");
+    tmp_path(o1, sizeof o1, "batch-s1.jsonl");
+    remove(o0), remove(o1);
+    for (int s = 0; s < 2; s++) {
+        snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s --shard %d/2 2>&1", exe_dir, golden_dir(), in, s ? o1 : o0, s);
+        CHECK(run_cmd(cmd, buf, sizeof buf) == 0);
+    }
+    int a = check_batch_output(o0, NULL, NULL, 0), b = check_batch_output(o1, NULL, NULL, 0);
+    CHECKF(a > 0 && b > 0 && a + b == 12 + 11, "shards %d + %d", a, b);
+    /* duplicate custom_ids: refused before anything is written */
+    write_batch_input(in, 3, "{\"custom_id\": \"req-1\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": [1]}}\n");
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i %s -o %s 2>&1", exe_dir, golden_dir(), in, out);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 1 && strstr(buf, "appears twice"));
+    struct stat sb;
+    CHECK(stat(out, &sb) != 0 || sb.st_size == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s/k3mx -i /nonexistent -o %s 2>/dev/null", exe_dir, golden_dir(), out);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 1);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m x -i y 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 2);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m x -i y -o z --shard 2/2 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, buf, sizeof buf) == 2);
+}
+
+/* moe-cli on text: the same seed gives the same text, output is valid UTF-8, stop strings end
+ * it without being printed, chat mode runs a turn from stdin */
+static void test_shipped_cli(void) {
+    char cmd[2400], a[8192], b[8192];
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'In the beginning' -n 40 -s 7 --temp 0.9 --top-k 40 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 0 && run_cmd(cmd, b, sizeof b) == 0);
+    CHECKF(!strcmp(a, b) && !strncmp(a, "In the beginning", 16) && strlen(a) > 60, "'%s' vs '%s'", a, b);
+    CHECK(moe_utf8_valid_prefix(a, strlen(a)) == strlen(a));
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'In the beginning' -n 40 -s 8 --temp 0.9 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, b, sizeof b) == 0 && strcmp(a, b)); /* another seed, another text */
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'And God said' -n 60 --temp 0 --no-display-prompt --stop ' the' 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 0 && !strstr(a, " the") && strlen(a) < 200);
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'And God said' -n 60 --temp 0 --no-display-prompt 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, b, sizeof b) == 0 && strstr(b, " the") && !strncmp(a, b, strlen(a) - 1));
+    char in[600];
+    tmp_path(in, sizeof in, "cli-stdin.txt");
+    CHECK(write_all(in, "Hello there\n", 12));
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -cnv -n 8 --temp 0 -sys 'Be brief.' < %s 2>&1", exe_dir, shipped_dir(), in);
+    CHECK(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "generated"));
+    CHECK(write_all(in, "x\377y", 3));
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -n 4 < %s 2>&1", exe_dir, shipped_dir(), in);
+    CHECK(run_cmd(cmd, a, sizeof a) == 1 && strstr(a, "UTF-8"));
+    snprintf(cmd, sizeof cmd, "%s/moe-cli --help", exe_dir);
+    CHECK(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "--chat-template") && strstr(a, "--stop"));
+}
+
+/* moe-perplexity on the shipped model against the same figures computed here through the
+ * library: windows of 32 of the reference ids (-c 32: fresh sequences, the second halves
+ * scored), Q8_0 at load against the model as stored, with the routing pinned too; the same
+ * through a saved reference (--save-ref, --ref-logits); the whole stream as one window; text
+ * through the model's tokenizer (-f); bad input and bad reference files refused */
+static void test_shipped_perplexity(void) {
+    char cmd[2400], out[4096], idsf[600], txt[600];
+    size_t li = 0;
+    int32_t *ids = (int32_t *)(void *)read_all("test/shipped/ref_ids.bin", &li);
+    const int n = (int)(li / 4), W = 32;
+    tmp_path(idsf, sizeof idsf, "ppl-ids.txt");
+    FILE *fp = fopen(idsf, "w");
+    for (int i = 0; ids && fp && i < n; i++) fprintf(fp, "%d ", (int)ids[i]);
+    if (fp) fclose(fp);
+    moe_options o = moe_default_options();
+    o.n_threads = 2;
+    moe_model *f = NULL, *q = NULL;
+    CHECK(moe_model_open(&f, shipped_dir(), &o, NULL, 0) == MOE_OK);
+    o.dense_type = MOE_WTYPE_Q8_0;
+    CHECK(moe_model_open(&q, shipped_dir(), &o, NULL, 0) == MOE_OK);
+    if (!ids || !f || !q || n != 2 * W) {
+        CHECKF(0, "shipped model or ids (%d) missing", n);
+        free(ids), moe_model_close(f), moe_model_close(q);
+        return;
+    }
+    const moe_config *c = moe_model_config(f);
+    const int V = c->vocab_size;
+    double kl = 0, klf = 0, nll_r = 0, nll_t = 0;
+    int agree = 0, scored = 0, predicted = 0;
+    int32_t *routes = malloc(sizeof(int32_t) * (size_t)W * c->n_layers * c->n_active);
+    for (int w = 0; w < n / W; w++) { /* each window's second half */
+        const int32_t *wi = ids + w * W;
+        float *xr = logits_routed(f, wi, W, NULL, routes, NULL), *xt = logits_routed(q, wi, W, NULL, NULL, NULL);
+        float *xp = logits_routed(q, wi, W, NULL, NULL, routes);
+        const size_t h = (size_t)(W / 2) * V;
+        if (xr && xt && xp) kl += mean_kl(xr + h, xt + h, W / 2, V) * (W / 2), klf += mean_kl(xr + h, xp + h, W / 2, V) * (W / 2);
+        for (int t = W / 2; xr && xt && xp && t < W; t++) {
+            const float *a = xr + (size_t)t * V, *b = xt + (size_t)t * V;
+            double ma = a[0], mb = b[0], za = 0, zb = 0;
+            int ta = 0, tb = 0;
+            for (int i = 1; i < V; i++) ma = fmax(ma, a[i]), mb = fmax(mb, b[i]), ta = a[i] > a[ta] ? i : ta, tb = b[i] > b[tb] ? i : tb;
+            for (int i = 0; i < V; i++) za += exp(a[i] - ma), zb += exp(b[i] - mb);
+            agree += ta == tb, scored++;
+            if (t + 1 < W) nll_r -= a[wi[t + 1]] - ma - log(za), nll_t -= b[wi[t + 1]] - mb - log(zb), predicted++;
+        }
+        free(xr), free(xt), free(xp);
+    }
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s --dense q8_0 -c %d --ref-routing --json -t 2 2>&1", exe_dir, shipped_dir(),
+             idsf, W);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    moe__json *j = NULL;
+    CHECKF(moe__json_parse(out, strlen(out), &j, NULL, 0) == MOE_OK, "%s", out);
+    const moe__json *jk = moe__json_get(j, "kl_mean"), *jf = moe__json_get(j, "kl_mean_ref_routing"), *jt = moe__json_get(j, "top1_agree");
+    const moe__json *jr = moe__json_get(j, "ppl_ref"), *jp = moe__json_get(j, "ppl"), *js = moe__json_get(j, "scored"), *jw = moe__json_get(j, "windows");
+    const double want_r = exp(nll_r / predicted), want_p = exp(nll_t / predicted);
+    if (getenv("MOE_TEST_VERBOSE")) printf("  perplexity -c %d: %s  here: KL %.6g pinned %.6g top-1 %.6f ppl %.6f / %.6f\n", W, out, kl / scored,
+                                           klf / scored, (double)agree / scored, want_r, want_p);
+    CHECKF(jk && jf && jt && jr && jp && js && jw && (int)js->num == scored && (int)jw->num == 2 && kl > 0 &&
+               fabs(jk->num - kl / scored) <= 1e-5 * kl / scored && fabs(jf->num - klf / scored) <= 1e-5 * klf / scored + 1e-12 &&
+               fabs(jt->num - (double)agree / scored) < 1e-6 && fabs(jr->num - want_r) < 1e-5 * want_r && fabs(jp->num - want_p) < 1e-5 * want_p,
+           "moe-perplexity %s against KL %.6g pinned %.6g top-1 %.6f ppl %.6f / %.6f over %d", out, kl / scored, klf / scored,
+           (double)agree / scored, want_r, want_p, scored);
+    moe__json_free(j), j = NULL;
+    /* the reference saved, then standing in for the model: the same figures to the digit */
+    char reff[600], first[4096];
+    tmp_path(reff, sizeof reff, "ppl-ref.bin");
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s --dense q8_0 -c %d --ref-routing --json -t 2 --save-ref %s 2>&1", exe_dir,
+             shipped_dir(), idsf, W, reff);
+    CHECKF(run_cmd(cmd, first, sizeof first) == 0, "%s", first);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --ref-logits %s --dense q8_0 --ref-routing --json -t 2 2>&1", exe_dir, shipped_dir(), reff);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0 && !strcmp(out, first), "saved reference: %s against %s", out, first);
+    /* refused: a truncated file, one without routing for --ref-routing, another model's vocabulary */
+    size_t rl = 0;
+    char *rb = read_all(reff, &rl), bad[600];
+    tmp_path(bad, sizeof bad, "ppl-bad.bin");
+    if (rb) write_all(bad, rb, rl - 5);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --ref-logits %s 2>&1", exe_dir, shipped_dir(), bad);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "truncated"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -c %d --save-ref %s 2>&1", exe_dir, shipped_dir(), idsf, W, bad);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --ref-logits %s --ref-routing 2>&1", exe_dir, shipped_dir(), bad);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "no routing"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s/kimi --ref-logits %s 2>&1", exe_dir, golden_dir(), reff);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "vocabulary"), "%s", out);
+    free(rb), remove(bad), remove(reff);
+    /* the whole stream: one window, every position */
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s --dense q8_0 --json 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0 && moe__json_parse(out, strlen(out), &j, NULL, 0) == MOE_OK, "%s", out);
+    js = moe__json_get(j, "scored"), jw = moe__json_get(j, "windows");
+    CHECKF(js && jw && (int)js->num == n && (int)jw->num == 1, "%s", out);
+    moe__json_free(j), j = NULL;
+    /* text through the test model's tokenizer */
+    tmp_path(txt, sizeof txt, "ppl.txt");
+    const char *text = "In the beginning God created the heaven and the earth. And the earth was without form, and void.";
+    write_all(txt, text, strlen(text));
+    moe_tokenizer *tk = NULL;
+    size_t nt = 0;
+    int32_t tids[256];
+    CHECK(moe_tokenizer_for_model(&tk, f, NULL, 0) == MOE_OK && moe_tokenize(tk, text, strlen(text), 0, tids, 256, &nt, NULL, 0) == MOE_OK);
+    moe_tokenizer_free(tk);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s -f %s --dense q4_0 --json 2>&1", exe_dir, shipped_dir(), txt);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0 && moe__json_parse(out, strlen(out), &j, NULL, 0) == MOE_OK, "%s", out);
+    js = moe__json_get(j, "tokens"), jk = moe__json_get(j, "kl_mean");
+    CHECKF(js && jk && (size_t)js->num == nt && jk->num > 0, "%s (%zu ids)", out, nt);
+    moe__json_free(j), j = NULL;
+    /* bad input: an id past the vocabulary, too few ids for the window, no such file, both inputs */
+    fp = fopen(idsf, "w");
+    if (fp) fprintf(fp, "1 2 3 %d 5\n", V), fclose(fp);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "past the vocabulary"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -c 4 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "past the vocabulary"), "%s", out);
+    fp = fopen(idsf, "w");
+    if (fp) fprintf(fp, "1 2 3 4 5\n"), fclose(fp);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -c 6 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "need at least 6"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s.missing 2>&1", exe_dir, shipped_dir(), idsf);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 1 && strstr(out, "missing"), "%s", out);
+    snprintf(cmd, sizeof cmd, "%s/moe-perplexity -m %s --tokens %s -f %s 2>&1", exe_dir, shipped_dir(), idsf, txt);
+    CHECKF(run_cmd(cmd, out, sizeof out) == 2, "%s", out);
+    free(ids), free(routes);
+    moe_model_close(f), moe_model_close(q);
+    remove(idsf), remove(txt);
+}
+
+/* moe-bench on the shipped model: one JSON line per depth with every field the README lists, the
+ * bandwidth it divides by within its probes' range, a deeper context reading more bytes a token */
+static void test_shipped_bench(void) {
+    char cmd[2400], out[8192];
+    snprintf(cmd, sizeof cmd, "%s/moe-bench -m %s -t 1 --depth 0,6 -n 6 --prefill 4 --reps 1 2>/dev/null", exe_dir, shipped_dir());
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    static const char *keys[] = {"model", "format", "threads", "membw_read_gbps", "decode_tok_s", "decode_bytes_per_token",
+                                 "decode_roofline_frac", "prefill_tok_s", "prefill_peak_frac"};
+    double bytes[2] = {0, 0};
+    int lines = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n"), lines++) {
+        moe__json *j = NULL;
+        CHECKF(lines < 2 && moe__json_parse(line, strlen(line), &j, NULL, 0) == MOE_OK, "%s", line);
+        if (!j) continue;
+        for (size_t k = 0; k < sizeof keys / sizeof *keys; k++) CHECKF(moe__json_get(j, keys[k]), "%s: no %s", line, keys[k]);
+        const moe__json *bw = moe__json_get(j, "membw_read_gbps"), *lo = moe__json_get(j, "membw_min_gbps"),
+                        *hi = moe__json_get(j, "membw_max_gbps"), *tok = moe__json_get(j, "decode_tok_s"),
+                        *frac = moe__json_get(j, "decode_roofline_frac"), *b = moe__json_get(j, "decode_bytes_per_token"),
+                        *d = moe__json_get(j, "depth");
+        CHECKF(bw && lo && hi && tok && frac && b && d && lo->num > 0 && lo->num <= bw->num * 1.0001 && bw->num <= hi->num * 1.0001 &&
+                   tok->num > 0 && frac->num > 0 && (int)d->num == 6 * lines,
+               "%s", line);
+        if (b) bytes[lines] = b->num;
+        moe__json_free(j);
+    }
+    CHECKF(lines == 2 && bytes[0] > 0 && bytes[1] > bytes[0], "%d lines, %.0f then %.0f bytes a token", lines, bytes[0], bytes[1]);
+    snprintf(cmd, sizeof cmd, "%s/moe-bench -t 1 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+}
+
+/* moe-batch with text and chat requests through the model's tokenizer */
+static void test_shipped_batch(void) {
+    char in[600], out[600], cmd[2400], buf[8192];
+    tmp_path(in, sizeof in, "shipped-in.jsonl");
+    tmp_path(out, sizeof out, "shipped-out.jsonl");
+    const char *lines =
+        "{\"custom_id\": \"c1\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": {\"prompt\": \"In the beginning\", \"max_tokens\": 12, \"temperature\": 0}}\n"
+        "{\"custom_id\": \"c2\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
+        "{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16, \"seed\": 1}}\n"
+        "{\"custom_id\": \"c3\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+        "\"max_tokens\": 16, \"reasoning_effort\": \"none\", \"stop\": [\"\\n\"]}}\n"
+        "{\"custom_id\": \"c4\", \"method\": \"POST\", \"url\": \"/v1/chat/completions\", \"body\": {\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+        "\"reasoning_effort\": \"medium\"}}\n";
+    CHECK(write_all(in, lines, strlen(lines)));
+    remove(out);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s -i %s -o %s 2>&1", exe_dir, shipped_dir(), in, out);
+    CHECKF(run_cmd(cmd, buf, sizeof buf) == 0, "%s", buf);
+    char text[512];
+    CHECK(check_batch_output(out, "c1", text, sizeof text) == 4);
+    /* greedy completion = greedy moe-cli continuation */
+    char cli[2400], want[4096];
+    snprintf(cli, sizeof cli, "%s/moe-cli -m %s -p 'In the beginning' -n 12 --temp 0 --no-display-prompt 2>/dev/null", exe_dir, shipped_dir());
+    CHECK(run_cmd(cli, want, sizeof want) == 0);
+    size_t wl = strlen(want);
+    if (wl && want[wl - 1] == '\n') want[--wl] = 0;
+    CHECKF(!strcmp(text, want), "batch '%s' vs cli '%s'", text, want);
+    size_t len;
+    char *all = read_all(out, &len);
+    CHECK(all && strstr(all, "\"object\": \"chat.completion\"") && strstr(all, "\"role\": \"assistant\"") && strstr(all, "low, high or max"));
+    free(all);
+}
+
+/* moe-plan from a config alone: the full Kimi K3 (no weights) comes out at its published size
+ * (2.8 T parameters, ~104 B active, 17.55 MB MXFP4 experts, 25.8 GB of experts per token), and
+ * a checkpoint's exact byte counts agree with its config's estimate */
+static void test_plan(void) {
+    char cmd[2400], out[8192];
+    snprintf(cmd, sizeof cmd, "%s/moe-plan --config %s/../../bench/shapes/kimi-k3-config.json --ram 64G --disk-gbps 7 --dense-bytes-per-value 0.5625 2>&1",
+             exe_dir, golden_dir());
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    CHECKF(strstr(out, "2779.5 B parameters") && strstr(out, "105.36 B active") && strstr(out, "(17.55 MB each)") &&
+           strstr(out, "decode, 1 sequence: 25.") && !strstr(out, "every step"), "%s", out);
+    /* in BF16 (113 GB) the dense matrices do not fit 64 GB: those that do not are read every step,
+     * on top of the experts; a dense budget given is what stays resident */
+    snprintf(cmd, sizeof cmd, "%s/moe-plan --config %s/../../bench/shapes/kimi-k3-config.json --ram 64G --disk-gbps 7 --dense-budget 20G 2>&1",
+             exe_dir, golden_dir());
+    CHECKF(run_cmd(cmd, out, sizeof out) == 0, "%s", out);
+    const char *dl = strstr(out, "decode, 1 sequence: ");
+    CHECKF(strstr(out, "dense matrices 21.47 GB resident") && strstr(out, "every step") && dl && atof(dl + 20) > 25.8 + 80, "%s", out);
+    char a[8192];
+    snprintf(cmd, sizeof cmd, "%s/moe-plan -m %s/k3mx --ram 1G 2>&1 | head -2", exe_dir, golden_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 0);
+    snprintf(cmd, sizeof cmd, "%s/moe-plan --config %s/k3mx/config.json --ram 1G 2>&1 | head -2", exe_dir, golden_dir());
+    CHECK(run_cmd(cmd, out, sizeof out) == 0);
+    CHECKF(!strcmp(a, out), "from files:\n%s\nfrom config:\n%s", a, out);
+    snprintf(cmd, sizeof cmd, "%s/moe-plan 2>/dev/null", exe_dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 2);
+}
+
+const test_case programs_tests[] = {
+    {"programs.moe_tokenize", test_moe_tokenize_cli, "moe-tokenize: the interface the checks use", 0},
+    {"programs.batch_basic", test_batch_basic, "moe-batch: requests answered once each, in any order, resumable", 0},
+    {"programs.batch_logprobs", test_batch_logprobs, "moe-batch's log probabilities against the golden logits", 0},
+    {"programs.batch_choices", test_batch_choices, "moe-batch \"n\": choices decoded as sequences of their own", 0},
+    {"programs.perplexity", test_shipped_perplexity, "moe-perplexity's figures against the library's on the same windows", 0},
+    {"programs.cli", test_shipped_cli, "moe-cli on text: seeds, UTF-8, stop strings, a chat turn", 0},
+    {"programs.bench", test_shipped_bench, "moe-bench: JSON fields, bandwidth within its probes, depth reads more", 0},
+    {"programs.batch_text", test_shipped_batch, "moe-batch with text and chat requests through the tokenizer", 0},
+    {"programs.moe_logits", test_moe_logits_cli, "moe-logits: the stable command-line interface", 0},
+    {"programs.plan", test_plan, "moe-plan: full K3 from a config, exact counts from a checkpoint", 0},
+    {0}
+};
