@@ -2352,6 +2352,55 @@ static moe_status convert_weights(moe_model *m) {
  * layer, the next streamed layer's dense matrices) while the compute threads work. One lock
  * guards the table; reads run without it. */
 
+/* ---- the eviction policy ----
+ * The router's history, kept for every routed expert whether resident or not: a use count decayed
+ * by half every half_life routing steps of its layer. The cache evicts the unit with the lowest
+ * count (LRFU), the least recently used among equals (moe__history_evicts_before). moe-cachesim
+ * replays routing traces through these same functions, so what it measures is this policy. */
+struct moe__expert_history {
+    int units;        /* per layer */
+    double half_life; /* routing steps */
+    float *count;     /* [n_layers * units]: the decayed count as of at[] */
+    uint32_t *at;     /* [n_layers * units]: its layer's step when count was brought up to date */
+    uint32_t *steps;  /* [n_layers]: routing steps of each layer so far */
+};
+
+moe__expert_history *moe__history_new(int n_layers, int units, double half_life) {
+    moe__expert_history *h = xcalloc(1, sizeof *h);
+    if (!h || n_layers < 1 || units < 1 || !(half_life > 0)) return free(h), NULL;
+    const size_t n = (size_t)n_layers * (size_t)units;
+    h->units = units, h->half_life = half_life;
+    h->count = xcalloc(n, sizeof *h->count);
+    h->at = xcalloc(n, sizeof *h->at);
+    h->steps = xcalloc((size_t)n_layers, sizeof *h->steps);
+    if (!h->count || !h->at || !h->steps) return moe__history_free(h), NULL;
+    return h;
+}
+
+void moe__history_free(moe__expert_history *h) {
+    if (!h) return;
+    free(h->count), free(h->at), free(h->steps), free(h);
+}
+
+void moe__history_route(moe__expert_history *h, int layer, const unsigned char *routed, int n) {
+    const uint32_t now = ++h->steps[layer];
+    for (int u = 0; u < n; u++) {
+        if (!routed[u]) continue;
+        const size_t id = (size_t)layer * (size_t)h->units + (size_t)u;
+        h->count[id] = (float)(h->count[id] * pow(0.5, (double)(now - h->at[id]) / h->half_life) + 1.0);
+        h->at[id] = now;
+    }
+}
+
+double moe__history_score(const moe__expert_history *h, int layer, int unit) {
+    const size_t id = (size_t)layer * (size_t)h->units + (size_t)unit;
+    return h->count[id] * pow(0.5, (double)(h->steps[layer] - h->at[id]) / h->half_life);
+}
+
+int moe__history_evicts_before(double score_a, uint64_t last_a, double score_b, uint64_t last_b) {
+    return score_a < score_b || (score_a == score_b && last_a < last_b);
+}
+
 typedef struct {
     int id;        /* layer * units + unit */
     int demand;    /* 1: the layer being computed needs it; 0: read ahead */
@@ -2403,13 +2452,9 @@ struct expert_cache {
     io_req *queue;
     int qn, qcap;
     int cur_layer, next_layer; /* expert read-ahead for these: unused, it is not evicted by I/O threads */
-    /* the router's history, kept for every expert resident or not: a use count decayed by half
-     * every HIST_HALF_LIFE routing steps of its layer (eviction takes the lowest) */
-    float *hist;
-    uint32_t *hist_at, *layer_steps;
+    moe__expert_history *hist; /* the eviction policy's view of the router */
 };
 
-#define HIST_HALF_LIFE 16.0 /* routing steps; moe-cachesim chose it on the shipped model's traces */
 
 /* Unit buffers: big ones are their own anonymous mappings, returned to the system when they
  * leave the cache (evicted and not kept as a spare), so the budget is what the process really
@@ -2501,7 +2546,8 @@ static void cache_free(moe_model *m) {
         if (c->fds[i] >= 0) close(c->fds[i]);
     for (int i = 0; c->dfds && i < m->n_files; i++)
         if (c->dfds[i] >= 0) close(c->dfds[i]);
-    free(c->fds), free(c->dfds), free(c->slot), free(c->resident), free(c->hist), free(c->hist_at), free(c->layer_steps);
+    free(c->fds), free(c->dfds), free(c->slot), free(c->resident);
+    moe__history_free(c->hist);
     pthread_mutex_destroy(&c->lock);
     pthread_cond_destroy(&c->unpinned);
     free(c);
@@ -2531,10 +2577,8 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     k->fds = malloc(sizeof(int) * (size_t)m->n_files);
     const size_t n_ids = (size_t)c->n_layers * (size_t)k->units;
     k->slot = xcalloc(n_ids, sizeof *k->slot);
-    k->hist = xcalloc(n_ids, sizeof *k->hist);
-    k->hist_at = xcalloc(n_ids, sizeof *k->hist_at);
-    k->layer_steps = xcalloc((size_t)c->n_layers, sizeof *k->layer_steps);
-    if (!k->fds || !k->slot || !k->hist || !k->hist_at || !k->layer_steps) return MOE_ERR_NOMEM;
+    k->hist = moe__history_new(c->n_layers, k->units, MOE_HISTORY_HALF_LIFE);
+    if (!k->fds || !k->slot || !k->hist) return MOE_ERR_NOMEM;
     for (int i = 0; i < m->n_files; i++) k->fds[i] = -1;
     for (int i = 0; i < m->n_files; i++)
         if ((k->fds[i] = open(m->files[i].path, O_RDONLY)) < 0)
@@ -2605,12 +2649,6 @@ static int cache_room(struct expert_cache *k) { /* one more resident entry; 0 on
     return 0;
 }
 
-/* An expert's decayed use count now (lower: evicted first). */
-static double hist_score(const struct expert_cache *k, const cache_entry *v) {
-    const size_t id = unit_id(k, v->li, v->e);
-    return k->hist[id] * pow(0.5, (double)(k->layer_steps[v->li] - k->hist_at[id]) / HIST_HALF_LIFE);
-}
-
 /* The unit that may go. A streamed layer's dense matrices once used go first: every other
  * layer comes before their next use (what the offline optimum would evict). Then experts, the
  * lowest by the router's decayed history (LRFU; moe-cachesim measured it against LRU, LFU and the
@@ -2625,25 +2663,14 @@ static cache_entry *cache_lru(struct expert_cache *k, int io) {
         cache_entry *v = k->resident[i];
         if (v->pins || v->loading || v->failed) continue;
         const int dense = v->e == k->units - 1;
-        const double sc = dense ? -1.0 : hist_score(k, v);
+        const double sc = dense ? -1.0 : moe__history_score(k->hist, v->li, v->e);
         if (v->prefetched && (dense || v->li == k->cur_layer || (io && v->li == k->next_layer))) {
-            if (!io && (!ahead || sc < as || (sc == as && v->last_use < ahead->last_use))) ahead = v, as = sc;
+            if (!io && (!ahead || moe__history_evicts_before(sc, v->last_use, as, ahead->last_use))) ahead = v, as = sc;
             continue;
         }
-        if (!best || sc < bs || (sc == bs && v->last_use < best->last_use)) best = v, bs = sc;
+        if (!best || moe__history_evicts_before(sc, v->last_use, bs, best->last_use)) best = v, bs = sc;
     }
     return best ? best : ahead;
-}
-
-/* records that layer li routed to the experts marked in want (one routing step of that layer) */
-static void hist_update(struct expert_cache *k, int li, const unsigned char *want, int n_experts) {
-    const uint32_t now = ++k->layer_steps[li];
-    for (int e = 0; e < n_experts; e++) {
-        if (!want[e]) continue;
-        const size_t id = unit_id(k, li, e);
-        k->hist[id] = (float)(k->hist[id] * pow(0.5, (double)(now - k->hist_at[id]) / HIST_HALF_LIFE) + 1.0);
-        k->hist_at[id] = now;
-    }
 }
 
 /* The file stretch [start, end) holding all of a unit's tensors, for one read per unit when they
@@ -3155,7 +3182,7 @@ static int cache_queue(const moe_model *m, int li, const unsigned char *want, in
     const int E = m->cfg.n_experts;
     int queued = 0;
     pthread_mutex_lock(&k->lock);
-    if (demand) hist_update(k, li, want, E);
+    if (demand) moe__history_route(k->hist, li, want, E);
     if (!k->n_io) { pthread_mutex_unlock(&k->lock); return 0; }
     if (demand) k->cur_layer = li;
     else k->next_layer = li;

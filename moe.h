@@ -759,6 +759,18 @@ uint64_t moe__expert_bytes_read(const moe_model *m);
 void moe__expert_cache_usage(const moe_model *m, size_t *now, size_t *peak);
 /* CACHE mode: k-quant and IQ4_XS expert matrices interleaved as they were read, since open. */
 uint64_t moe__expert_kx8_count(const moe_model *m);
+/* The expert cache's eviction policy (moe.c, section "expert cache"), shared with moe-cachesim:
+ * for every unit (layer, expert) a use count decayed by half every half_life routing steps of its
+ * layer. new: NULL on bad sizes or no memory; free accepts NULL. route: layer's routing step
+ * chose the units u < n with routed[u] set. score: the decayed count now (evicted lowest first).
+ * evicts_before: whether the unit (score_a, last used at last_a) goes before (score_b, last_b). */
+#define MOE_HISTORY_HALF_LIFE 16.0 /* routing steps: moe-cachesim's best on the shipped model's traces */
+typedef struct moe__expert_history moe__expert_history;
+moe__expert_history *moe__history_new(int n_layers, int units, double half_life);
+void moe__history_free(moe__expert_history *h);
+void moe__history_route(moe__expert_history *h, int layer, const unsigned char *routed, int n);
+double moe__history_score(const moe__expert_history *h, int layer, int unit);
+int moe__history_evicts_before(double score_a, uint64_t last_a, double score_b, uint64_t last_b);
 /* Validates a config.json text as moe_model_open would. */
 moe_status moe__config_check(const char *text, size_t len, char *err, size_t errlen);
 /* The same, keeping the result: layer arrays go to kinds/moe ([4096] each). */

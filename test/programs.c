@@ -632,6 +632,46 @@ static void test_plan(void) {
     CHECK(run_cmd(cmd, out, sizeof out) == 2);
 }
 
+/* moe-cachesim on the shipped model's routing: one JSON line per cache size with a hit rate per
+ * policy in [0, 1], the offline optimum (belady) the best; a cache that holds every expert makes
+ * the policies equal; the runtime's policy is replayed with the runtime's half-life by default
+ * (the same line as --half-life MOE_HISTORY_HALF_LIFE), and another half-life changes it */
+static void test_cachesim(void) {
+    char ids[600], cmd[2400], a[4096], b[4096], c[4096];
+    tmp_path(ids, sizeof ids, "cachesim-ids.txt");
+    size_t len = 0;
+    int32_t *held = (int32_t *)(void *)read_all("test/shipped/heldout_ids.bin", &len);
+    CHECK(held && len >= 4 * 300);
+    if (!held || len < 4 * 300) { free(held); return; }
+    FILE *f = fopen(ids, "w");
+    for (int i = 0; i < 300; i++) fprintf(f, "%d\n", (int)held[i]);
+    fclose(f);
+    free(held);
+    const char *fmt = "%s/moe-cachesim -m %s --tokens %s --cache 0.1,0.3,1 -t 2 %s 2>/dev/null";
+    snprintf(cmd, sizeof cmd, fmt, exe_dir, shipped_dir(), ids, "");
+    CHECKF(run_cmd(cmd, a, sizeof a) == 0, "%s", a);
+    char hl[64];
+    snprintf(hl, sizeof hl, "--half-life %g", MOE_HISTORY_HALF_LIFE);
+    snprintf(cmd, sizeof cmd, fmt, exe_dir, shipped_dir(), ids, hl);
+    CHECK(run_cmd(cmd, b, sizeof b) == 0 && !strcmp(a, b));
+    snprintf(cmd, sizeof cmd, fmt, exe_dir, shipped_dir(), ids, "--half-life 1");
+    CHECK(run_cmd(cmd, c, sizeof c) == 0 && strcmp(a, c));
+    int lines = 0;
+    for (char *l = a; (l = strstr(l, "{\"model\"")); l++, lines++) {
+        double r[4];
+        const char *keys[4] = {"\"lru\": ", "\"lfu\": ", "\"lrfu\": ", "\"belady\": "};
+        for (int p = 0; p < 4; p++) {
+            const char *k = strstr(l, keys[p]);
+            r[p] = k ? atof(k + strlen(keys[p])) : -1;
+            CHECKF(r[p] >= 0 && r[p] <= 1, "%s", l);
+        }
+        for (int p = 0; p < 3; p++) CHECKF(r[p] <= r[3], "line %d: %s", lines, l);
+        if (lines == 2) CHECKF(r[0] == r[1] && r[1] == r[2] && r[2] == r[3], "%s", l); /* every expert fits */
+        if (lines == 0) CHECKF(r[3] > r[0], "%s", l);
+    }
+    CHECKF(lines == 3, "%s", a);
+}
+
 const test_case programs_tests[] = {
     {"programs.moe_tokenize", test_moe_tokenize_cli, "moe-tokenize: the interface the checks use", 0},
     {"programs.batch_basic", test_batch_basic, "moe-batch: requests answered once each, in any order, resumable", 0},
@@ -643,5 +683,6 @@ const test_case programs_tests[] = {
     {"programs.batch_text", test_shipped_batch, "moe-batch with text and chat requests through the tokenizer", 0},
     {"programs.moe_logits", test_moe_logits_cli, "moe-logits: the stable command-line interface", 0},
     {"programs.plan", test_plan, "moe-plan: full K3 from a config, exact counts from a checkpoint", 0},
+    {"programs.cachesim", test_cachesim, "moe-cachesim replays the runtime's eviction policy with its half-life", 0},
     {0}
 };
