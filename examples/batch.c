@@ -636,106 +636,172 @@ static int parse_shard(const char *s, int *i, int *n) {
     return 1;
 }
 
+/* ---- the job ---- */
 
-int main(int argc, char **argv) {
-    const char *model = NULL, *in_path = NULL, *out_path = NULL;
-    int shard_i = 0, shard_n = 1, parallel = 8, ctx = 4096, default_max = 256;
-    moe_options opt = moe_default_options();
+typedef struct {
+    const char *model, *in_path, *out_path;
+    int shard_i, shard_n, parallel, ctx, default_max;
+    moe_options opt;
+} options;
+
+/* Parses the command line into o; 0, or usage()'s exit status (2, or 0 for --help) with *done set. */
+static int parse_args(int argc, char **argv, options *o, int *done) {
+    *o = (options){.shard_n = 1, .parallel = 8, .ctx = 4096, .default_max = 256, .opt = moe_default_options()};
+    *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *why = NULL;
         int ck;
         const char *a = argv[i];
         int more = i + 1 < argc;
         char *e;
-        if (!strcmp(a, "-m") && more) model = argv[++i];
-        else if (!strcmp(a, "-i") && more) in_path = argv[++i];
-        else if (!strcmp(a, "-o") && more) out_path = argv[++i];
-        else if (!strcmp(a, "--shard") && more) { if (!parse_shard(argv[++i], &shard_i, &shard_n)) return usage("--shard is I/N with 0 <= I < N"); }
-        else if (!strcmp(a, "-t") && more) { opt.n_threads = (int)strtol(argv[++i], &e, 10); if (*e || opt.n_threads < 1 || opt.n_threads > 1024) return usage("bad -t"); }
-        else if (!strcmp(a, "--parallel") && more) { parallel = (int)strtol(argv[++i], &e, 10); if (*e || parallel < 1 || parallel > 1024) return usage("bad --parallel"); }
-        else if (!strcmp(a, "-c") && more) { ctx = (int)strtol(argv[++i], &e, 10); if (*e || ctx < 2 || ctx > 100000000) return usage("bad -c"); }
-        else if (!strcmp(a, "--max-tokens") && more) { default_max = (int)strtol(argv[++i], &e, 10); if (*e || default_max < 1) return usage("bad --max-tokens"); }
+        if (!strcmp(a, "-m") && more) o->model = argv[++i];
+        else if (!strcmp(a, "-i") && more) o->in_path = argv[++i];
+        else if (!strcmp(a, "-o") && more) o->out_path = argv[++i];
+        else if (!strcmp(a, "--shard") && more) { if (!parse_shard(argv[++i], &o->shard_i, &o->shard_n)) return usage("--shard is I/N with 0 <= I < N"); }
+        else if (!strcmp(a, "-t") && more) { o->opt.n_threads = (int)strtol(argv[++i], &e, 10); if (*e || o->opt.n_threads < 1 || o->opt.n_threads > 1024) return usage("bad -t"); }
+        else if (!strcmp(a, "--parallel") && more) { o->parallel = (int)strtol(argv[++i], &e, 10); if (*e || o->parallel < 1 || o->parallel > 1024) return usage("bad --parallel"); }
+        else if (!strcmp(a, "-c") && more) { o->ctx = (int)strtol(argv[++i], &e, 10); if (*e || o->ctx < 2 || o->ctx > 100000000) return usage("bad -c"); }
+        else if (!strcmp(a, "--max-tokens") && more) { o->default_max = (int)strtol(argv[++i], &e, 10); if (*e || o->default_max < 1) return usage("bad --max-tokens"); }
         else if (!strcmp(a, "--model-name") && more) model_name = argv[++i];
-        else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) {
+        else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else return usage("unknown, incomplete or out-of-range argument");
     }
-    if (!model || !in_path || !out_path) return usage("-m, -i and -o are required");
-    if (!model_name) {
-        const char *sl = strrchr(model, '/');
-        model_name = sl && sl[1] ? sl + 1 : model;
-    }
-    g_created = (long)time(NULL);
+    if (!o->model || !o->in_path || !o->out_path) return usage("-m, -i and -o are required");
+    *done = 0;
+    return 0;
+}
 
-    int rc = 1;
-    char err[512];
-    moe_model *m = NULL;
-    moe_tokenizer *tok = NULL;
-    keyset done = {0}, seen = {0};
-    request *reqs = NULL;
-    slot *slots = NULL;
-    moe_session *prefix = NULL;
+/* Everything one run holds. Functions below return 0, or 1 after printing what went wrong. */
+typedef struct {
+    options o;
+    moe_model *m;
+    const moe_config *c;
+    moe_tokenizer *tok; /* NULL: the model has none (token-id prompts only) */
+    char *input;        /* the input file, whole */
+    keyset done, seen;  /* keys answered before; custom_ids in the input */
+    request *reqs;      /* this shard's requests still to answer */
+    size_t n_reqs, cap_reqs;
+    long n_lines, n_before, n_errors;
+    int lcp;             /* tokens of the prefix every prompt shares (0: none worth sharing) */
+    moe_session *prefix; /* its state */
+    slot *slots;         /* [parallel] */
     /* the state and last logits of the prompt of reqs[next] while it still has choices to start
      * (only that request can), for the choices that get slots in later passes */
-    moe_session *kept = NULL;
-    float *kept_logits = NULL;
-    float *logits = NULL;
-    moe_seq *seqs = NULL;
-    char *input = NULL;
-    buf line = {0};
-    size_t n_reqs = 0, cap_reqs = 0;
+    moe_session *kept;
+    float *kept_logits;
+    float *logits; /* [parallel, vocab]: the step's rows */
+    moe_seq *seqs;
+    buf line;
+    size_t next, finished; /* reqs[next] is the next to get a slot; requests answered */
+    uint64_t tokens, prompt_tokens;
+    moe_step_stats stats;
+    char err[512];
+} job;
 
-    /* the input, read whole and checked before anything is written */
-    FILE *f = fopen(in_path, "rb");
-    if (!f) { fprintf(stderr, "moe-batch: %s: %s\n", in_path, strerror(errno)); return 1; }
+static int oom(void) { return fprintf(stderr, "moe-batch: out of memory\n"), 1; }
+
+/* the library's message for a failed call */
+static int failed(const job *jb) { return fprintf(stderr, "moe-batch: %s\n", jb->err), 1; }
+
+/* the input, read whole and checked before anything is written */
+static int read_input(job *jb) {
+    FILE *f = fopen(jb->o.in_path, "rb");
+    if (!f) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.in_path, strerror(errno)), 1;
     buf inb = {0};
     char chunk[1 << 16];
     size_t r;
     while ((r = fread(chunk, 1, sizeof chunk, f)) > 0) bput(&inb, chunk, r);
     int bad_read = ferror(f) || inb.oom;
     fclose(f);
-    input = inb.s;
-    if (bad_read) { fprintf(stderr, "moe-batch: %s: read error\n", in_path); goto out; }
+    jb->input = inb.s;
+    if (bad_read) return fprintf(stderr, "moe-batch: %s: read error\n", jb->o.in_path), 1;
+    return 0;
+}
 
-    out_fd = open(out_path, O_RDWR | O_CREAT | O_APPEND, 0644);
-    if (out_fd < 0) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, strerror(errno)); goto out; }
-    if (load_answers(out_path, &done)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, strerror(errno)); goto out; }
-
-    moe_status st = moe_model_open(&m, model, &opt, err, sizeof err);
-    if (st) { fprintf(stderr, "moe-batch: %s: %s\n", moe_status_str(st), err); goto out; }
-    if (moe_tokenizer_for_model(&tok, m, err, sizeof err)) {
-        fprintf(stderr, "moe-batch: %s: only completion requests with token-id prompts can be answered\n", err);
-        tok = NULL;
+/* the output opened for appending, the answers already in it collected; then the model */
+static int open_output_and_model(job *jb) {
+    out_fd = open(jb->o.out_path, O_RDWR | O_CREAT | O_APPEND, 0644);
+    if (out_fd < 0) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, strerror(errno)), 1;
+    if (load_answers(jb->o.out_path, &jb->done)) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, strerror(errno)), 1;
+    moe_status st = moe_model_open(&jb->m, jb->o.model, &jb->o.opt, jb->err, sizeof jb->err);
+    if (st) return fprintf(stderr, "moe-batch: %s: %s\n", moe_status_str(st), jb->err), 1;
+    if (moe_tokenizer_for_model(&jb->tok, jb->m, jb->err, sizeof jb->err)) {
+        fprintf(stderr, "moe-batch: %s: only completion requests with token-id prompts can be answered\n", jb->err);
+        jb->tok = NULL;
     }
-    const moe_config *c = moe_model_config(m);
+    jb->c = moe_model_config(jb->m);
+    return 0;
+}
 
-    /* pass 1: duplicate custom_ids anywhere in the input are refused before any work */
-    long lineno = 0, n_lines = 0, n_before = 0, n_errors = 0;
-    for (char *p = input; p && *p;) {
+/* pass 1: duplicate custom_ids anywhere in the input are refused before any work */
+static int check_unique_ids(job *jb) {
+    long lineno = 0;
+    for (char *p = jb->input; p && *p;) {
         char *e = strchr(p, '\n');
         size_t len = e ? (size_t)(e - p) : strlen(p);
         lineno++;
         moe__json *j = NULL;
+        int rc = 0;
         if (len && moe_utf8_valid_prefix(p, len) == len && moe__json_parse(p, len, &j, NULL, 0) == MOE_OK && j->type == MOE_JSON_OBJ) {
             const moe__json *cid = moe__json_get(j, "custom_id");
-            if (cid && cid->type == MOE_JSON_STR) {
-                if (ks_has(&seen, cid->str)) {
-                    fprintf(stderr, "moe-batch: %s:%ld: custom_id \"%.200s\" appears twice; every request needs its own custom_id\n", in_path,
-                            lineno, cid->str);
-                    moe__json_free(j);
-                    goto out;
-                }
-                if (!ks_add(&seen, cid->str)) { moe__json_free(j); fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
+            if (cid && cid->type == MOE_JSON_STR && ks_has(&jb->seen, cid->str)) {
+                fprintf(stderr, "moe-batch: %s:%ld: custom_id \"%.200s\" appears twice; every request needs its own custom_id\n", jb->o.in_path,
+                        lineno, cid->str);
+                rc = 1;
+            } else if (cid && cid->type == MOE_JSON_STR && !ks_add(&jb->seen, cid->str)) {
+                rc = oom();
             }
         }
         moe__json_free(j);
+        if (rc) return rc;
         p = e ? e + 1 : p + len;
     }
+    return 0;
+}
 
-    /* pass 2: this shard's requests not yet answered; bad ones are answered with an error now */
-    lineno = 0;
-    for (char *p = input; p && *p;) {
+/* One input line (text[0..len), line lineno) of this shard not answered before: a request added to
+ * jb->reqs, or an error line written for it now. */
+static int take_request(job *jb, const char *custom_id, moe__json *j, long lineno, char *why, size_t wn) {
+    const moe_config *c = jb->c;
+    request rq = {0};
+    rq.lineno = lineno;
+    int ok = custom_id != NULL;
+    if (ok) {
+        rq.custom_id = strdup(custom_id);
+        ok = rq.custom_id && parse_request(&rq, j, jb->tok, jb->o.ctx, jb->o.default_max, why, wn);
+        if (rq.logprobs > c->vocab_size) rq.logprobs = c->vocab_size; /* no more alternatives than tokens */
+        for (int i = 0; ok && i < rq.n_prompt; i++)
+            if (rq.prompt[i] < 0 || rq.prompt[i] >= c->vocab_size) {
+                snprintf(why, wn, "prompt token %d is outside the vocabulary (%d)", (int)rq.prompt[i], c->vocab_size);
+                ok = 0;
+            }
+    }
+    if (!ok) {
+        buf *line = &jb->line;
+        line->n = 0;
+        if (custom_id) error_line(line, rq.custom_id ? rq.custom_id : custom_id, lineno, 400, "invalid_request_error", why);
+        else error_line(line, NULL, lineno, 0, "invalid_line", why);
+        request_free(&rq);
+        if (line->oom || append_line(line)) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, line->oom ? "out of memory" : strerror(errno)), 1;
+        jb->n_errors++;
+        return 0;
+    }
+    if (jb->n_reqs == jb->cap_reqs) {
+        size_t nc = jb->cap_reqs ? 2 * jb->cap_reqs : 64;
+        request *nr = realloc(jb->reqs, nc * sizeof *nr);
+        if (!nr) return request_free(&rq), oom();
+        jb->reqs = nr, jb->cap_reqs = nc;
+    }
+    jb->reqs[jb->n_reqs++] = rq;
+    return 0;
+}
+
+/* pass 2: this shard's requests not yet answered; bad ones are answered with an error now */
+static int collect_requests(job *jb) {
+    long lineno = 0;
+    for (char *p = jb->input; p && *p;) {
         char *e = strchr(p, '\n');
         size_t len = e ? (size_t)(e - p) : strlen(p);
         char *text = p;
@@ -755,261 +821,282 @@ int main(int argc, char **argv) {
             snprintf(why, sizeof why, "the line is not valid UTF-8");
         }
         line_key(key, sizeof key, custom_id, lineno);
-        const int mine = (int)(fnv(key, strlen(key)) % (uint64_t)shard_n) == shard_i;
-        if (mine) n_lines++;
-        if (!mine || ks_has(&done, key)) {
-            if (mine) n_before++;
-            moe__json_free(j);
-            continue;
-        }
-        request rq = {0};
-        rq.lineno = lineno;
-        int ok = custom_id != NULL;
-        if (ok) {
-            rq.custom_id = strdup(custom_id);
-            ok = rq.custom_id && parse_request(&rq, j, tok, ctx, default_max, why, sizeof why);
-            if (rq.logprobs > c->vocab_size) rq.logprobs = c->vocab_size; /* no more alternatives than tokens */
-            for (int i = 0; ok && i < rq.n_prompt; i++)
-                if (rq.prompt[i] < 0 || rq.prompt[i] >= c->vocab_size) {
-                    snprintf(why, sizeof why, "prompt token %d is outside the vocabulary (%d)", (int)rq.prompt[i], c->vocab_size);
-                    ok = 0;
-                }
-        }
+        const int mine = (int)(fnv(key, strlen(key)) % (uint64_t)jb->o.shard_n) == jb->o.shard_i;
+        jb->n_lines += mine;
+        jb->n_before += mine && ks_has(&jb->done, key);
+        int rc = mine && !ks_has(&jb->done, key) ? take_request(jb, custom_id, j, lineno, why, sizeof why) : 0;
         moe__json_free(j);
-        if (!ok) {
-            line.n = 0;
-            if (custom_id) error_line(&line, rq.custom_id ? rq.custom_id : custom_id, lineno, 400, "invalid_request_error", why);
-            else error_line(&line, NULL, lineno, 0, "invalid_line", why);
-            request_free(&rq);
-            if (line.oom || append_line(&line)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, line.oom ? "out of memory" : strerror(errno)); goto out; }
-            n_errors++;
-            continue;
-        }
-        if (n_reqs == cap_reqs) {
-            size_t nc = cap_reqs ? 2 * cap_reqs : 64;
-            request *nr = realloc(reqs, nc * sizeof *nr);
-            if (!nr) { request_free(&rq); fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
-            reqs = nr, cap_reqs = nc;
-        }
-        reqs[n_reqs++] = rq;
+        if (rc) return rc;
     }
-    fprintf(stderr, "moe-batch: shard %d/%d: %ld requests: %ld answered before, %ld refused now, %zu to run, %d at a time\n", shard_i,
-            shard_n, n_lines, n_before, n_errors, n_reqs, parallel);
+    fprintf(stderr, "moe-batch: shard %d/%d: %ld requests: %ld answered before, %ld refused now, %zu to run, %d at a time\n", jb->o.shard_i,
+            jb->o.shard_n, jb->n_lines, jb->n_before, jb->n_errors, jb->n_reqs, jb->o.parallel);
+    return 0;
+}
 
-    /* a prefix every prompt shares (a common system prompt) is computed once */
-    int lcp = 0;
-    if (n_reqs >= 2) {
-        lcp = reqs[0].n_prompt - 1;
-        for (size_t i = 1; i < n_reqs && lcp > 0; i++) {
+/* the buffers and sessions of the decoding slots; a prefix every prompt shares (a common system
+ * prompt) computed once */
+static int start_slots(job *jb) {
+    const int P = jb->o.parallel;
+    if (jb->n_reqs >= 2) {
+        int lcp = jb->reqs[0].n_prompt - 1;
+        for (size_t i = 1; i < jb->n_reqs && lcp > 0; i++) {
             int k = 0;
-            const int lim = reqs[i].n_prompt - 1 < lcp ? reqs[i].n_prompt - 1 : lcp;
-            while (k < lim && reqs[i].prompt[k] == reqs[0].prompt[k]) k++;
+            const int lim = jb->reqs[i].n_prompt - 1 < lcp ? jb->reqs[i].n_prompt - 1 : lcp;
+            while (k < lim && jb->reqs[i].prompt[k] == jb->reqs[0].prompt[k]) k++;
             lcp = k;
         }
-        if (lcp < 8) lcp = 0;
+        jb->lcp = lcp < 8 ? 0 : lcp;
     }
-    if (!(logits = malloc(sizeof(float) * (size_t)c->vocab_size * (size_t)parallel)) || !(seqs = calloc((size_t)parallel, sizeof *seqs)) ||
-        !(slots = calloc((size_t)parallel, sizeof *slots))) {
-        fprintf(stderr, "moe-batch: out of memory\n");
-        goto out;
+    jb->prompt_tokens = (uint64_t)jb->lcp;
+    if (!(jb->logits = malloc(sizeof(float) * (size_t)jb->c->vocab_size * (size_t)P)) || !(jb->seqs = calloc((size_t)P, sizeof *jb->seqs)) ||
+        !(jb->slots = calloc((size_t)P, sizeof *jb->slots)))
+        return oom();
+    if (jb->lcp) {
+        if (moe_session_new(&jb->prefix, jb->m, jb->o.ctx, jb->err, sizeof jb->err)) return failed(jb);
+        moe_seq q = {.s = jb->prefix, .tokens = jb->reqs[0].prompt, .n = jb->lcp};
+        if (moe_step(jb->m, &q, 1, &jb->stats, jb->err, sizeof jb->err)) return failed(jb);
+        fprintf(stderr, "moe-batch: the %d-token prefix all prompts share is computed once\n", jb->lcp);
     }
-    moe_step_stats stats;
-    if (lcp) {
-        if ((st = moe_session_new(&prefix, m, ctx, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
-        moe_seq q = {.s = prefix, .tokens = reqs[0].prompt, .n = lcp};
-        if ((st = moe_step(m, &q, 1, &stats, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
-        fprintf(stderr, "moe-batch: the %d-token prefix all prompts share is computed once\n", lcp);
-    }
-    for (int i = 0; i < parallel; i++)
-        if ((st = moe_session_new(&slots[i].s, m, ctx, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
+    for (int i = 0; i < P; i++)
+        if (moe_session_new(&jb->slots[i].s, jb->m, jb->o.ctx, jb->err, sizeof jb->err)) return failed(jb);
+    return 0;
+}
 
-    /* lockstep decoding; requests join as slots free up */
-    size_t next = 0, finished = 0;
-    uint64_t tokens = 0, prompt_tokens = (uint64_t)lcp;
-    long pass = 0;
-    double t0 = now(), last_report = t0;
-    for (;; pass++) {
-        for (int i = 0; i < parallel && next < n_reqs; i++) {
-            slot *sl = &slots[i];
-            if (sl->r) continue;
-            request *rq = &reqs[next];
-            /* a request's prompt is computed once, by its first choice: the choices that get
-             * slots in the same pass take its state after the step, later ones a copy of it */
-            if (!rq->started) rq->lead = i, rq->lead_pass = pass;
-            sl->leader = !rq->started ? -1 : rq->lead_pass == pass ? rq->lead : -2;
-            sl->choice = rq->started++;
-            if (rq->started == rq->n) next++;
-            sl->sp = rq->sp, sl->rng = choice_rng(rq->rng, sl->choice);
-            int32_t *h = realloc(sl->hist, sizeof *h * (size_t)(rq->n_prompt + rq->max_tokens + 1));
-            if (!h) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
-            sl->hist = h;
-            memcpy(h, rq->prompt, sizeof *h * (size_t)rq->n_prompt);
-            if (rq->logprobs >= 0) {
-                const size_t nt = (size_t)rq->max_tokens, na = nt * (size_t)rq->logprobs + 1;
-                float *lp = realloc(sl->lp, sizeof *lp * nt), *alt_lp = realloc(sl->alt_lp, sizeof *alt_lp * na);
-                int32_t *alt = realloc(sl->alt, sizeof *alt * na);
-                size_t *off = realloc(sl->offset, sizeof *off * nt);
-                if (lp) sl->lp = lp;
-                if (alt_lp) sl->alt_lp = alt_lp;
-                if (alt) sl->alt = alt;
-                if (off) sl->offset = off;
-                if (!lp || !alt_lp || !alt || !off) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
-            }
-            sl->r = rq, sl->gen = 0, sl->finish = NULL, sl->content.n = 0, sl->reasoning.n = 0;
-            if (sl->content.s) sl->content.s[0] = 0;
-            if (sl->reasoning.s) sl->reasoning.s[0] = 0;
-            sl->fed = 0;
-            moe_session_reset(sl->s);
-            if (lcp) {
-                if ((st = moe_session_restore(sl->s, prefix, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
-                sl->fed = lcp;
-            }
-            if (rq->chat && tok) moe_chat_reply_init(&sl->rep, tok, &rq->co);
-        }
-        /* a request left with choices to start keeps its first choice's state after this step */
-        const int keep = next < n_reqs && reqs[next].started && reqs[next].lead_pass == pass ? reqs[next].lead : -1;
-        if (keep >= 0 && !kept && ((st = moe_session_new(&kept, m, ctx, err, sizeof err)) ||
-                                   !(kept_logits = malloc(sizeof(float) * (size_t)c->vocab_size)))) {
-            fprintf(stderr, "moe-batch: %s\n", st ? err : "out of memory");
-            goto out;
-        }
-        int ns = 0, active = 0;
-        for (int i = 0; i < parallel; i++) {
-            slot *sl = &slots[i];
-            active += sl->r != NULL;
-            if (!sl->r || sl->leader != -1) continue;
-            moe_seq *q = &seqs[ns];
-            memset(q, 0, sizeof *q);
-            q->s = sl->s;
-            q->logits = logits + (size_t)ns++ * (size_t)c->vocab_size;
-            sl->lrow = q->logits;
-            if (sl->fed < sl->r->n_prompt) q->tokens = sl->r->prompt + sl->fed, q->n = sl->r->n_prompt - sl->fed, prompt_tokens += (uint64_t)q->n;
-            else q->tokens = &sl->last, q->n = 1;
-        }
-        if (!active) break;
-        if (ns && (st = moe_step(m, seqs, ns, &stats, err, sizeof err))) {
-            fprintf(stderr, "moe-batch: %s (the requests in flight get no answer; rerun to finish)\n", err);
-            goto out;
-        }
-        for (int i = 0; i < parallel; i++) { /* the waiting choices take their first choice's prompt and logits */
-            slot *sl = &slots[i];
-            if (!sl->r || sl->leader == -1) continue;
-            const moe_session *from = sl->leader >= 0 ? slots[sl->leader].s : kept;
-            if ((st = moe_session_restore(sl->s, from, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
-            sl->lrow = sl->leader >= 0 ? slots[sl->leader].lrow : kept_logits, sl->leader = -1;
-        }
-        /* the sequences' tokens sampled side by side (each choice has its own generator, so the
-         * picks do not depend on the threads) */
+/* Gives slot sl the next choice of reqs[next] (assignment pass `pass`). */
+static int start_choice(job *jb, int i, long pass) {
+    slot *sl = &jb->slots[i];
+    request *rq = &jb->reqs[jb->next];
+    /* a request's prompt is computed once, by its first choice: the choices that get slots in
+     * the same pass take its state after the step, later ones a copy of it */
+    if (!rq->started) rq->lead = i, rq->lead_pass = pass;
+    sl->leader = !rq->started ? -1 : rq->lead_pass == pass ? rq->lead : -2;
+    sl->choice = rq->started++;
+    if (rq->started == rq->n) jb->next++;
+    sl->sp = rq->sp, sl->rng = choice_rng(rq->rng, sl->choice);
+    int32_t *h = realloc(sl->hist, sizeof *h * (size_t)(rq->n_prompt + rq->max_tokens + 1));
+    if (!h) return oom();
+    sl->hist = h;
+    memcpy(h, rq->prompt, sizeof *h * (size_t)rq->n_prompt);
+    if (rq->logprobs >= 0) {
+        const size_t nt = (size_t)rq->max_tokens, na = nt * (size_t)rq->logprobs + 1;
+        float *lp = realloc(sl->lp, sizeof *lp * nt), *alt_lp = realloc(sl->alt_lp, sizeof *alt_lp * na);
+        int32_t *alt = realloc(sl->alt, sizeof *alt * na);
+        size_t *off = realloc(sl->offset, sizeof *off * nt);
+        if (lp) sl->lp = lp;
+        if (alt_lp) sl->alt_lp = alt_lp;
+        if (alt) sl->alt = alt;
+        if (off) sl->offset = off;
+        if (!lp || !alt_lp || !alt || !off) return oom();
+    }
+    sl->r = rq, sl->gen = 0, sl->finish = NULL, sl->content.n = 0, sl->reasoning.n = 0;
+    if (sl->content.s) sl->content.s[0] = 0;
+    if (sl->reasoning.s) sl->reasoning.s[0] = 0;
+    sl->fed = 0;
+    moe_session_reset(sl->s);
+    if (jb->lcp) {
+        if (moe_session_restore(sl->s, jb->prefix, jb->err, sizeof jb->err)) return failed(jb);
+        sl->fed = jb->lcp;
+    }
+    if (rq->chat && jb->tok) moe_chat_reply_init(&sl->rep, jb->tok, &rq->co);
+    return 0;
+}
+
+/* One batched step over the slots that compute (prompts, or the last token of each); then the
+ * slots waiting for another's prompt take its state and logits. *active: slots in use. */
+static int step_slots(job *jb, int *active) {
+    const size_t V = (size_t)jb->c->vocab_size;
+    int ns = 0;
+    *active = 0;
+    for (int i = 0; i < jb->o.parallel; i++) {
+        slot *sl = &jb->slots[i];
+        *active += sl->r != NULL;
+        if (!sl->r || sl->leader != -1) continue;
+        moe_seq *q = &jb->seqs[ns];
+        memset(q, 0, sizeof *q);
+        q->s = sl->s;
+        q->logits = jb->logits + (size_t)ns++ * V;
+        sl->lrow = q->logits;
+        if (sl->fed < sl->r->n_prompt) q->tokens = sl->r->prompt + sl->fed, q->n = sl->r->n_prompt - sl->fed, jb->prompt_tokens += (uint64_t)q->n;
+        else q->tokens = &sl->last, q->n = 1;
+    }
+    if (!*active) return 0;
+    if (ns && moe_step(jb->m, jb->seqs, ns, &jb->stats, jb->err, sizeof jb->err))
+        return fprintf(stderr, "moe-batch: %s (the requests in flight get no answer; rerun to finish)\n", jb->err), 1;
+    for (int i = 0; i < jb->o.parallel; i++) { /* the waiting choices take their first choice's prompt and logits */
+        slot *sl = &jb->slots[i];
+        if (!sl->r || sl->leader == -1) continue;
+        const moe_session *from = sl->leader >= 0 ? jb->slots[sl->leader].s : jb->kept;
+        if (moe_session_restore(sl->s, from, jb->err, sizeof jb->err)) return failed(jb);
+        sl->lrow = sl->leader >= 0 ? jb->slots[sl->leader].lrow : jb->kept_logits, sl->leader = -1;
+    }
+    return 0;
+}
+
+/* the sequences' tokens sampled side by side (each choice has its own generator, so the picks do
+ * not depend on the threads) */
+static void sample_slots(job *jb, int active) {
+    const int V = jb->c->vocab_size, nt = jb->o.opt.n_threads;
+    (void)active, (void)nt;
 #ifdef _OPENMP
-#pragma omp parallel for num_threads(opt.n_threads) schedule(dynamic, 1) if (active > 1 && opt.n_threads > 1)
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (active > 1 && nt > 1)
 #endif
-        for (int i = 0; i < parallel; i++) {
-            slot *sl = &slots[i];
-            if (!sl->r) continue;
-            request *rq = sl->r;
-            sl->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
-            sl->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
-            const float *row = sl->lrow;
-            sl->pick = moe_sample(row, c->vocab_size, &sl->sp, &sl->rng);
-            if (rq->logprobs >= 0)
-                logprobs_of(row, c->vocab_size, sl->pick, rq->logprobs, &sl->lp[sl->gen], sl->alt + (size_t)sl->gen * rq->logprobs,
-                            sl->alt_lp + (size_t)sl->gen * rq->logprobs);
+    for (int i = 0; i < jb->o.parallel; i++) {
+        slot *sl = &jb->slots[i];
+        if (!sl->r) continue;
+        request *rq = sl->r;
+        sl->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
+        sl->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
+        const float *row = sl->lrow;
+        sl->pick = moe_sample(row, V, &sl->sp, &sl->rng);
+        if (rq->logprobs >= 0)
+            logprobs_of(row, V, sl->pick, rq->logprobs, &sl->lp[sl->gen], sl->alt + (size_t)sl->gen * rq->logprobs,
+                        sl->alt_lp + (size_t)sl->gen * rq->logprobs);
+    }
+}
+
+/* a chat reply's tool calls as JSON (caller frees), or NULL when it made none */
+static char *reply_tool_calls(job *jb, const slot *sl) {
+    const request *rq = sl->r;
+    char *calls = NULL;
+    size_t cl = 0, cap = 256;
+    for (int tries = 0; tries < 8; tries++, cap = cl + 1) {
+        free(calls);
+        if (!(calls = malloc(cap))) break;
+        moe_status ts = moe_chat_tool_calls(jb->tok, sl->hist + rq->n_prompt, (size_t)sl->gen, &rq->co, calls, cap, &cl, jb->err, sizeof jb->err);
+        if (ts != MOE_ERR_RANGE) {
+            if (ts || !strcmp(calls, "[]")) free(calls), calls = NULL;
+            break;
         }
-        for (int i = 0; i < parallel; i++) {
-            slot *sl = &slots[i];
-            if (!sl->r) continue;
-            request *rq = sl->r;
-            sl->fed = rq->n_prompt;
-            int32_t t = sl->pick;
-            if (rq->logprobs >= 0) sl->offset[sl->gen] = sl->content.n;
-            sl->hist[rq->n_prompt + sl->gen++] = t;
-            sl->last = t;
-            tokens++;
-            int end = t == c->eos_token_id;
-            if (tok) {
-                size_t bl = 0;
-                const char *b = moe_token_bytes(tok, t, &bl);
-                int ch = rq->chat ? moe_chat_reply_token(&sl->rep, tok, t)
-                       : moe_token_is_special(tok, t) ? MOE_REPLY_HIDDEN : MOE_REPLY_CONTENT;
-                if (ch == MOE_REPLY_END) end = 1;
-                else if (ch == MOE_REPLY_CONTENT && b) bput(&sl->content, b, bl);
-                else if (ch == MOE_REPLY_REASONING && b) bput(&sl->reasoning, b, bl);
-                if (!rq->chat && (t == moe_token_id(tok, "[EOS]"))) end = 1;
-            } else {
-                bprintf(&sl->content, sl->gen > 1 ? " %d" : "%d", (int)t); /* no tokenizer: the ids */
-                if (rq->logprobs >= 0 && sl->gen > 1) sl->offset[sl->gen - 1]++; /* past the space */
-            }
-            if (sl->content.oom || sl->reasoning.oom) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
-            if (end || slot_check_stop(sl)) sl->finish = "stop";
-            else if (sl->gen >= rq->max_tokens) sl->finish = "length";
-            if (!sl->finish) continue;
-            line.n = 0;
-            char *calls = NULL; /* a chat reply's tool calls, when it made any */
-            if (rq->chat && tok) {
-                size_t cl = 0, cap = 256;
-                for (int tries = 0; tries < 8; tries++, cap = cl + 1) {
-                    free(calls);
-                    if (!(calls = malloc(cap))) break;
-                    moe_status ts = moe_chat_tool_calls(tok, sl->hist + rq->n_prompt, (size_t)sl->gen, &rq->co, calls, cap, &cl, err, sizeof err);
-                    if (ts != MOE_ERR_RANGE) {
-                        if (ts || !strcmp(calls, "[]")) free(calls), calls = NULL;
-                        break;
-                    }
-                }
-            }
-            buf *ch = &rq->choices[sl->choice];
-            choice_json(ch, sl, calls, tok);
-            free(calls);
-            if (ch->oom) { fprintf(stderr, "moe-batch: out of memory\n"); goto out; }
-            rq->done++, rq->gen_total += sl->gen;
-            sl->r = NULL;
-            if (rq->done < rq->n) continue; /* the line waits for the request's last choice */
-            answer_line(&line, rq);
-            if (line.oom || append_line(&line)) { fprintf(stderr, "moe-batch: %s: %s\n", out_path, line.oom ? "out of memory" : strerror(errno)); goto out; }
-            for (int k = 0; k < rq->n; k++) free(rq->choices[k].s), rq->choices[k] = (buf){0};
-            finished++;
+    }
+    return calls;
+}
+
+/* slot sl's choice is finished: its JSON kept; the request's answer line written once its last
+ * choice is */
+static int finish_choice(job *jb, slot *sl) {
+    request *rq = sl->r;
+    char *calls = rq->chat && jb->tok ? reply_tool_calls(jb, sl) : NULL;
+    buf *ch = &rq->choices[sl->choice];
+    choice_json(ch, sl, calls, jb->tok);
+    free(calls);
+    if (ch->oom) return oom();
+    rq->done++, rq->gen_total += sl->gen;
+    sl->r = NULL;
+    if (rq->done < rq->n) return 0; /* the line waits for the request's last choice */
+    buf *line = &jb->line;
+    line->n = 0;
+    answer_line(line, rq);
+    if (line->oom || append_line(line)) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, line->oom ? "out of memory" : strerror(errno)), 1;
+    for (int k = 0; k < rq->n; k++) free(rq->choices[k].s), rq->choices[k] = (buf){0};
+    jb->finished++;
+    return 0;
+}
+
+/* each slot's pick appended to its text; finished choices written */
+static int advance_slots(job *jb) {
+    const moe_tokenizer *tok = jb->tok;
+    for (int i = 0; i < jb->o.parallel; i++) {
+        slot *sl = &jb->slots[i];
+        if (!sl->r) continue;
+        request *rq = sl->r;
+        sl->fed = rq->n_prompt;
+        int32_t t = sl->pick;
+        if (rq->logprobs >= 0) sl->offset[sl->gen] = sl->content.n;
+        sl->hist[rq->n_prompt + sl->gen++] = t;
+        sl->last = t;
+        jb->tokens++;
+        int end = t == jb->c->eos_token_id;
+        if (tok) {
+            size_t bl = 0;
+            const char *b = moe_token_bytes(tok, t, &bl);
+            int ch = rq->chat ? moe_chat_reply_token(&sl->rep, tok, t)
+                   : moe_token_is_special(tok, t) ? MOE_REPLY_HIDDEN : MOE_REPLY_CONTENT;
+            if (ch == MOE_REPLY_END) end = 1;
+            else if (ch == MOE_REPLY_CONTENT && b) bput(&sl->content, b, bl);
+            else if (ch == MOE_REPLY_REASONING && b) bput(&sl->reasoning, b, bl);
+            if (!rq->chat && (t == moe_token_id(tok, "[EOS]"))) end = 1;
+        } else {
+            bprintf(&sl->content, sl->gen > 1 ? " %d" : "%d", (int)t); /* no tokenizer: the ids */
+            if (rq->logprobs >= 0 && sl->gen > 1) sl->offset[sl->gen - 1]++; /* past the space */
         }
+        if (sl->content.oom || sl->reasoning.oom) return oom();
+        if (end || slot_check_stop(sl)) sl->finish = "stop";
+        else if (sl->gen >= rq->max_tokens) sl->finish = "length";
+        if (sl->finish && finish_choice(jb, sl)) return 1;
+    }
+    return 0;
+}
+
+/* Lockstep decoding; requests join as slots free up. */
+static int decode(job *jb) {
+    const size_t V = (size_t)jb->c->vocab_size;
+    double t0 = now(), last_report = t0;
+    for (long pass = 0;; pass++) {
+        for (int i = 0; i < jb->o.parallel && jb->next < jb->n_reqs; i++)
+            if (!jb->slots[i].r && start_choice(jb, i, pass)) return 1;
+        /* a request left with choices to start keeps its first choice's state after this step */
+        const request *nx = jb->next < jb->n_reqs ? &jb->reqs[jb->next] : NULL;
+        const int keep = nx && nx->started && nx->lead_pass == pass ? nx->lead : -1;
+        if (keep >= 0 && !jb->kept) {
+            if (moe_session_new(&jb->kept, jb->m, jb->o.ctx, jb->err, sizeof jb->err)) return failed(jb);
+            if (!(jb->kept_logits = malloc(sizeof(float) * V))) return oom();
+        }
+        int active;
+        if (step_slots(jb, &active)) return 1;
+        if (!active) break;
+        sample_slots(jb, active);
+        if (advance_slots(jb)) return 1;
         if (keep >= 0) { /* its session still holds just the prompt (the pick goes in next step), its lrow the logits */
-            if ((st = moe_session_restore(kept, slots[keep].s, err, sizeof err))) { fprintf(stderr, "moe-batch: %s\n", err); goto out; }
-            memcpy(kept_logits, slots[keep].lrow, sizeof(float) * (size_t)c->vocab_size);
+            if (moe_session_restore(jb->kept, jb->slots[keep].s, jb->err, sizeof jb->err)) return failed(jb);
+            memcpy(jb->kept_logits, jb->slots[keep].lrow, sizeof(float) * V);
         }
         double tn = now();
-        if (tn - last_report >= 1.0 || finished == n_reqs) {
-            double rate = tokens / (tn - t0 > 1e-9 ? tn - t0 : 1e-9), per_req = finished ? (tn - t0) / finished : 0;
-            fprintf(stderr, "\rmoe-batch: %zu/%zu done, %.1f tok/s, ETA %.0f s   ", finished, n_reqs, rate,
-                    finished ? per_req * (double)(n_reqs - finished) : 0.0);
+        if (tn - last_report >= 1.0 || jb->finished == jb->n_reqs) {
+            double rate = jb->tokens / (tn - t0 > 1e-9 ? tn - t0 : 1e-9), per_req = jb->finished ? (tn - t0) / jb->finished : 0;
+            fprintf(stderr, "\rmoe-batch: %zu/%zu done, %.1f tok/s, ETA %.0f s   ", jb->finished, jb->n_reqs, rate,
+                    jb->finished ? per_req * (double)(jb->n_reqs - jb->finished) : 0.0);
             last_report = tn;
         }
     }
     fprintf(stderr, "\nmoe-batch: %zu requests answered by the model, %ld refused, %llu prompt tokens computed, %llu tokens in %.2f s\n",
-            finished, n_errors, (unsigned long long)prompt_tokens,
-            (unsigned long long)tokens, now() - t0);
-    rc = 0;
-out:
+            jb->finished, jb->n_errors, (unsigned long long)jb->prompt_tokens, (unsigned long long)jb->tokens, now() - t0);
+    return 0;
+}
+
+/* closes the output (its error counts when the run had none) and frees everything */
+static int job_end(job *jb, int rc) {
     if (out_fd >= 0 && close(out_fd) != 0 && !rc) {
-        fprintf(stderr, "moe-batch: %s: %s\n", out_path, strerror(errno));
+        fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, strerror(errno));
         rc = 1;
     }
-    for (int i = 0; slots && i < parallel; i++) {
-        moe_session_free(slots[i].s);
-        free(slots[i].hist);
-        free(slots[i].lp), free(slots[i].alt), free(slots[i].alt_lp), free(slots[i].offset);
-        free(slots[i].content.s);
-        free(slots[i].reasoning.s);
+    for (int i = 0; jb->slots && i < jb->o.parallel; i++) {
+        slot *sl = &jb->slots[i];
+        moe_session_free(sl->s);
+        free(sl->hist), free(sl->lp), free(sl->alt), free(sl->alt_lp), free(sl->offset);
+        free(sl->content.s), free(sl->reasoning.s);
     }
-    for (size_t i = 0; i < n_reqs; i++) request_free(&reqs[i]);
-    free(reqs);
-    free(slots);
-    free(seqs);
-    free(logits);
-    free(line.s);
-    free(input);
-    moe_session_free(prefix);
-    moe_session_free(kept);
-    free(kept_logits);
-    ks_free(&done);
-    ks_free(&seen);
-    moe_tokenizer_free(tok);
-    moe_model_close(m);
+    for (size_t i = 0; i < jb->n_reqs; i++) request_free(&jb->reqs[i]);
+    free(jb->reqs), free(jb->slots), free(jb->seqs), free(jb->logits), free(jb->line.s), free(jb->input);
+    moe_session_free(jb->prefix);
+    moe_session_free(jb->kept);
+    free(jb->kept_logits);
+    ks_free(&jb->done);
+    ks_free(&jb->seen);
+    moe_tokenizer_free(jb->tok);
+    moe_model_close(jb->m);
     return rc;
+}
+
+int main(int argc, char **argv) {
+    static job jb; /* zeroed */
+    int stop, rc = parse_args(argc, argv, &jb.o, &stop);
+    if (stop) return rc;
+    if (!model_name) {
+        const char *sl = strrchr(jb.o.model, '/');
+        model_name = sl && sl[1] ? sl + 1 : jb.o.model;
+    }
+    g_created = (long)time(NULL);
+    if (read_input(&jb)) return job_end(&jb, 1);
+    rc = open_output_and_model(&jb) || check_unique_ids(&jb) || collect_requests(&jb) || start_slots(&jb) || decode(&jb);
+    return job_end(&jb, rc);
 }
