@@ -198,297 +198,371 @@ static int append_msg(char **conv, size_t *n, size_t *cap, int *n_msgs, const ch
     return 1;
 }
 
-int main(int argc, char **argv) {
-    const char *model = NULL, *prompt = NULL, *file = NULL, *sys = NULL, *tmpl = NULL, *effort = NULL;
-    int n_gen = 128, n_ctx = 0, ignore_eos = 0, ids_mode = 0, chat = 0, show_special = 0, display_prompt = 1, think = 1;
-    uint64_t seed = (uint64_t)time(NULL);
-    moe_sampler sp = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f, .repeat_penalty = 1.0f};
-    int repeat_last_n = 64;
+typedef struct {
+    const char *model, *prompt, *file, *sys, *effort;
+    int n_gen, n_ctx, ignore_eos, ids_mode, chat, show_special, display_prompt, think, repeat_last_n;
+    int format;    /* MOE_CHAT_AUTO, _K2, _K3, or -1: none */
+    int templated; /* prompts go through a chat template */
+    uint64_t seed;
+    moe_sampler sp;
     char *stops[16];
-    int n_stops = 0;
-    moe_options opt = moe_default_options();
+    int n_stops;
+    moe_options opt;
+} options;
+
+/* the chat template named by --chat-template and the checks that involve it; 0 or usage()'s status */
+static int check_template(options *o, const char *tmpl) {
+    o->format = MOE_CHAT_AUTO;
+    if (tmpl) {
+        if (!strcmp(tmpl, "auto")) o->format = MOE_CHAT_AUTO;
+        else if (!strcmp(tmpl, "k2")) o->format = MOE_CHAT_K2;
+        else if (!strcmp(tmpl, "k3")) o->format = MOE_CHAT_K3;
+        else if (!strcmp(tmpl, "none")) o->format = -1;
+        else return usage("--chat-template is auto, k2, k3 or none");
+    }
+    o->templated = o->chat || (tmpl && o->format >= 0);
+    if (o->chat && o->format < 0) return usage("-cnv needs a chat template");
+    if (o->ids_mode && o->templated) return usage("--ids works without a chat template only");
+    if (!o->model) return usage("-m MODEL is required");
+    if (!o->chat && !o->prompt && !o->file) {
+        if (isatty(0)) return usage("give a prompt with -p or -f (or on stdin), or -cnv to chat");
+        o->file = "-";
+    }
+    if (o->effort && strcmp(o->effort, "low") && strcmp(o->effort, "high") && strcmp(o->effort, "max")) return usage("--effort is low, high or max");
+    return 0;
+}
+
+/* Parses the command line into o; 0, or usage()'s exit status with *done set. */
+static int parse_args(int argc, char **argv, options *o, int *done) {
+    *o = (options){.n_gen = 128, .display_prompt = 1, .think = 1, .repeat_last_n = 64, .seed = (uint64_t)time(NULL),
+                   .sp = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f, .repeat_penalty = 1.0f},
+                   .opt = moe_default_options()};
+    const char *tmpl = NULL;
+    *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *why = NULL;
         int ck;
         const char *a = argv[i];
         double v;
         int more = i + 1 < argc;
-        if (!strcmp(a, "-m") && more) model = argv[++i];
-        else if (!strcmp(a, "-p") && more) prompt = argv[++i];
-        else if (!strcmp(a, "-f") && more) file = argv[++i];
-        else if (!strcmp(a, "-n") && more && num_arg(argv[++i], -1, 1e8, &v)) n_gen = (int)v;
-        else if (!strcmp(a, "-t") && more && num_arg(argv[++i], 1, 1024, &v)) opt.n_threads = (int)v;
-        else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
-        else if (!strcmp(a, "-c") && more && num_arg(argv[++i], 1, 1e9, &v)) n_ctx = (int)v;
-        else if (!strcmp(a, "--temp") && more && num_arg(argv[++i], 0, 100, &v)) sp.temperature = (float)v;
-        else if (!strcmp(a, "--top-k") && more && num_arg(argv[++i], 0, 1e9, &v)) sp.top_k = (int)v;
-        else if (!strcmp(a, "--top-p") && more && num_arg(argv[++i], 0, 1, &v)) sp.top_p = (float)v;
-        else if (!strcmp(a, "--min-p") && more && num_arg(argv[++i], 0, 1, &v)) sp.min_p = (float)v;
-        else if (!strcmp(a, "-s") && more && num_arg(argv[++i], 0, 1.8e19, &v)) seed = (uint64_t)v;
-        else if (!strcmp(a, "--batch") && more && num_arg(argv[++i], 1, 1e6, &v)) opt.n_batch = (int)v;
-        else if (!strcmp(a, "--repeat-penalty") && more && num_arg(argv[++i], 0, 10, &v)) sp.repeat_penalty = (float)v;
-        else if (!strcmp(a, "--presence-penalty") && more && num_arg(argv[++i], -10, 10, &v)) sp.presence_penalty = (float)v;
-        else if (!strcmp(a, "--frequency-penalty") && more && num_arg(argv[++i], -10, 10, &v)) sp.frequency_penalty = (float)v;
-        else if (!strcmp(a, "--repeat-last-n") && more && num_arg(argv[++i], 0, 1e6, &v)) repeat_last_n = (int)v;
+        if (!strcmp(a, "-m") && more) o->model = argv[++i];
+        else if (!strcmp(a, "-p") && more) o->prompt = argv[++i];
+        else if (!strcmp(a, "-f") && more) o->file = argv[++i];
+        else if (!strcmp(a, "-n") && more && num_arg(argv[++i], -1, 1e8, &v)) o->n_gen = (int)v;
+        else if (!strcmp(a, "-t") && more && num_arg(argv[++i], 1, 1024, &v)) o->opt.n_threads = (int)v;
+        else if (!strcmp(a, "--scalar")) o->opt.flags |= MOE_FLAG_FORCE_SCALAR;
+        else if (!strcmp(a, "-c") && more && num_arg(argv[++i], 1, 1e9, &v)) o->n_ctx = (int)v;
+        else if (!strcmp(a, "--temp") && more && num_arg(argv[++i], 0, 100, &v)) o->sp.temperature = (float)v;
+        else if (!strcmp(a, "--top-k") && more && num_arg(argv[++i], 0, 1e9, &v)) o->sp.top_k = (int)v;
+        else if (!strcmp(a, "--top-p") && more && num_arg(argv[++i], 0, 1, &v)) o->sp.top_p = (float)v;
+        else if (!strcmp(a, "--min-p") && more && num_arg(argv[++i], 0, 1, &v)) o->sp.min_p = (float)v;
+        else if (!strcmp(a, "-s") && more && num_arg(argv[++i], 0, 1.8e19, &v)) o->seed = (uint64_t)v;
+        else if (!strcmp(a, "--batch") && more && num_arg(argv[++i], 1, 1e6, &v)) o->opt.n_batch = (int)v;
+        else if (!strcmp(a, "--repeat-penalty") && more && num_arg(argv[++i], 0, 10, &v)) o->sp.repeat_penalty = (float)v;
+        else if (!strcmp(a, "--presence-penalty") && more && num_arg(argv[++i], -10, 10, &v)) o->sp.presence_penalty = (float)v;
+        else if (!strcmp(a, "--frequency-penalty") && more && num_arg(argv[++i], -10, 10, &v)) o->sp.frequency_penalty = (float)v;
+        else if (!strcmp(a, "--repeat-last-n") && more && num_arg(argv[++i], 0, 1e6, &v)) o->repeat_last_n = (int)v;
         else if (!strcmp(a, "--stop") && more) {
-            if (n_stops == 16 || !*argv[i + 1]) return usage("--stop: at most 16 non-empty strings");
-            stops[n_stops++] = argv[++i];
-        } else if (!strcmp(a, "--ignore-eos")) ignore_eos = 1;
-        else if (!strcmp(a, "--ids")) ids_mode = 1;
-        else if (!strcmp(a, "--show-special")) show_special = 1;
-        else if (!strcmp(a, "--no-display-prompt")) display_prompt = 0;
-        else if (!strcmp(a, "-cnv") || !strcmp(a, "--chat")) chat = 1;
+            if (o->n_stops == 16 || !*argv[i + 1]) return usage("--stop: at most 16 non-empty strings");
+            o->stops[o->n_stops++] = argv[++i];
+        } else if (!strcmp(a, "--ignore-eos")) o->ignore_eos = 1;
+        else if (!strcmp(a, "--ids")) o->ids_mode = 1;
+        else if (!strcmp(a, "--show-special")) o->show_special = 1;
+        else if (!strcmp(a, "--no-display-prompt")) o->display_prompt = 0;
+        else if (!strcmp(a, "-cnv") || !strcmp(a, "--chat")) o->chat = 1;
         else if (!strcmp(a, "--chat-template") && more) tmpl = argv[++i];
-        else if ((!strcmp(a, "-sys") || !strcmp(a, "--system-prompt")) && more) sys = argv[++i];
-        else if (!strcmp(a, "--no-think")) think = 0;
-        else if (!strcmp(a, "--effort") && more) effort = argv[++i];
-        else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) {
+        else if ((!strcmp(a, "-sys") || !strcmp(a, "--system-prompt")) && more) o->sys = argv[++i];
+        else if (!strcmp(a, "--no-think")) o->think = 0;
+        else if (!strcmp(a, "--effort") && more) o->effort = argv[++i];
+        else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else return usage("unknown, incomplete or out-of-range argument");
     }
-    int format = MOE_CHAT_AUTO;
-    if (tmpl) {
-        if (!strcmp(tmpl, "auto")) format = MOE_CHAT_AUTO;
-        else if (!strcmp(tmpl, "k2")) format = MOE_CHAT_K2;
-        else if (!strcmp(tmpl, "k3")) format = MOE_CHAT_K3;
-        else if (!strcmp(tmpl, "none")) format = -1;
-        else return usage("--chat-template is auto, k2, k3 or none");
-    }
-    const int templated = chat || (tmpl && format >= 0);
-    if (chat && format < 0) return usage("-cnv needs a chat template");
-    if (ids_mode && templated) return usage("--ids works without a chat template only");
-    if (!model) return usage("-m MODEL is required");
-    if (!chat && !prompt && !file) {
-        if (isatty(0)) return usage("give a prompt with -p or -f (or on stdin), or -cnv to chat");
-        file = "-";
-    }
-    if (effort && strcmp(effort, "low") && strcmp(effort, "high") && strcmp(effort, "max")) return usage("--effort is low, high or max");
-    size_t plen = prompt ? strlen(prompt) : 0;
-    char *text = prompt || chat ? NULL : slurp(file, &plen);
-    if (!prompt && !chat && !text) {
-        fprintf(stderr, "moe-cli: cannot read %s: %s\n", file, errno ? strerror(errno) : "read error");
-        return 1;
-    }
-    if (prompt) text = strdup(prompt);
+    int rc = check_template(o, tmpl);
+    *done = rc != 0;
+    return rc;
+}
 
+/* Everything a run holds. Functions below return 0, or 1 after printing what went wrong. */
+typedef struct {
+    options o;
+    char *text; /* the prompt (not in chat mode) */
+    size_t plen;
+    moe_model *m;
+    const moe_config *c;
+    moe_session *s;
+    moe_tokenizer *tok;
+    moe_chat_options co;
+    moe_chat_reply rep;
+    int32_t eos[4]; /* end-of-turn ids */
+    float *logits;
+    int32_t *hist; /* the session's tokens: prompt and generated */
+    int nh;
+    size_t hist_cap;
+    int32_t *ids; /* this turn's prompt */
+    char *conv;   /* the conversation so far, as a JSON messages list */
+    size_t conv_n, conv_cap;
+    int n_msgs;
+    char *line; /* the user's line (chat) */
+    size_t line_cap;
+    char *think_buf; /* this turn's reasoning */
+    size_t think_n, think_cap;
+    outq q;
+    moe_step_stats tot;
+    double t_prompt, t_gen;
+    int n_prompt, n_out;
     char err[512];
-    moe_model *m = NULL;
-    moe_session *s = NULL;
-    moe_tokenizer *tok = NULL;
-    float *logits = NULL;
-    int32_t *hist = NULL, *ids = NULL;
-    char *conv = NULL, *line = NULL, *think_buf = NULL;
-    outq q = {0};
-    q.stop = stops, q.n_stop = n_stops;
-    int rc = 1;
+} cli;
+
+static int oom(void) { return fprintf(stderr, "moe-cli: out of memory\n"), 1; }
+
+static void add_stats(moe_step_stats *t, const moe_step_stats *s, int decode) {
+    t->expert_loads += s->expert_loads, t->expert_bytes += s->expert_bytes, t->cache_hits += s->cache_hits;
+    t->cache_misses += s->cache_misses, t->bytes_read += s->bytes_read, t->io_seconds += s->io_seconds, t->dense_reads += s->dense_reads;
+    if (!decode) return;
+    t->expert_rows += s->expert_rows;
+    t->prefetch_issued += s->prefetch_issued, t->prefetch_predicted += s->prefetch_predicted, t->prefetch_routed += s->prefetch_routed;
+}
+
+/* the model and its tokenizer; the chat format settled */
+static int open_model(cli *r) {
+    options *o = &r->o;
     double t0 = now();
-    if (isatty(2)) opt.progress = on_progress;
-    fprintf(stderr, "moe-cli: loading %s\n", model);
-    moe_status st = moe_model_open(&m, model, &opt, err, sizeof err);
-    if (opt.progress) fprintf(stderr, "\r\033[K");
-    if (st) { fprintf(stderr, "moe-cli: %s: %s\n", moe_status_str(st), err); goto out; }
-    const moe_config *c = moe_model_config(m);
-    moe_model_info info = moe_model_get_info(m);
+    if (isatty(2)) o->opt.progress = on_progress;
+    fprintf(stderr, "moe-cli: loading %s\n", o->model);
+    moe_status st = moe_model_open(&r->m, o->model, &o->opt, r->err, sizeof r->err);
+    if (o->opt.progress) fprintf(stderr, "\r\033[K");
+    if (st) return fprintf(stderr, "moe-cli: %s: %s\n", moe_status_str(st), r->err), 1;
+    const moe_config *c = r->c = moe_model_config(r->m);
+    moe_model_info info = moe_model_get_info(r->m);
     fprintf(stderr, "moe-cli: %d layers, %.3g B params (%.3g B active), %d files, loaded in %.2f s; %s kernels, prompt chunks of %d\n",
             c->n_layers, info.n_params / 1e9, info.n_params_active / 1e9, info.n_files, now() - t0, info.kernels, info.n_batch);
     if (info.experts_kept_mapped)
         fprintf(stderr, "moe-cli: the routed experts do not fit in RAM: they stay mapped and are read from disk as needed "
                         "(row kernels; --load-mode cache streams them through a fixed budget instead)\n");
-    if (!ids_mode && (st = moe_tokenizer_for_model(&tok, m, err, sizeof err))) {
-        fprintf(stderr, "moe-cli: %s (use --ids to give token ids)\n", err);
-        goto out;
-    }
+    if (!o->ids_mode && moe_tokenizer_for_model(&r->tok, r->m, r->err, sizeof r->err))
+        return fprintf(stderr, "moe-cli: %s (use --ids to give token ids)\n", r->err), 1;
     /* end-of-turn ids: the config's, and the vocabulary's [EOS] / turn markers */
-    int32_t eos[4] = {c->eos_token_id, -1, -1, -1};
-    if (tok) eos[1] = moe_token_id(tok, "[EOS]"), eos[2] = moe_token_id(tok, "<|im_end|>"), eos[3] = moe_token_id(tok, "<|end_of_msg|>");
-    if (tok && templated) {
-        int f = format ? format : moe_chat_format_of(tok);
-        if (f < 0) { fprintf(stderr, "moe-cli: the vocabulary has no chat markers; use --chat-template none\n"); goto out; }
-        format = f;
+    r->eos[0] = c->eos_token_id, r->eos[1] = r->eos[2] = r->eos[3] = -1;
+    if (r->tok) r->eos[1] = moe_token_id(r->tok, "[EOS]"), r->eos[2] = moe_token_id(r->tok, "<|im_end|>"), r->eos[3] = moe_token_id(r->tok, "<|end_of_msg|>");
+    if (r->tok && o->templated) {
+        int f = o->format ? o->format : moe_chat_format_of(r->tok);
+        if (f < 0) return fprintf(stderr, "moe-cli: the vocabulary has no chat markers; use --chat-template none\n"), 1;
+        o->format = f;
     }
-    moe_chat_options co = moe_chat_default_options();
-    co.format = format > 0 ? format : MOE_CHAT_AUTO;
-    co.thinking = think;
-    co.thinking_effort = effort;
-    moe_chat_reply rep;
-    if (!n_ctx) n_ctx = chat ? 4096 : 0;
-    if (!(logits = malloc(sizeof(float) * (size_t)c->vocab_size))) { fprintf(stderr, "moe-cli: out of memory\n"); goto out; }
+    r->co = moe_chat_default_options();
+    r->co.format = o->format > 0 ? o->format : MOE_CHAT_AUTO;
+    r->co.thinking = o->think;
+    r->co.thinking_effort = o->effort;
+    if (!o->n_ctx) o->n_ctx = o->chat ? 4096 : 0;
+    if (!(r->logits = malloc(sizeof(float) * (size_t)c->vocab_size))) return oom();
+    if (o->templated) {
+        if (!grow(&r->conv, &r->conv_cap, 64)) return oom();
+        r->conv_n = (size_t)sprintf(r->conv, "{\"messages\": [");
+    }
+    return 0;
+}
 
-    /* the conversation so far, as a JSON messages list */
-    size_t conv_n = 0, conv_cap = 0, think_n = 0, think_cap = 0;
-    int n_msgs = 0;
-    if (templated) {
-        if (!grow(&conv, &conv_cap, 64)) goto oom;
-        conv_n = (size_t)sprintf(conv, "{\"messages\": [");
+/* The user's text for this turn into *text: 1 a turn, 0 the end (chat: an empty line or EOF), 2
+ * nothing to compute (/reset). */
+static int next_turn(cli *r, const char **text, size_t *len) {
+    if (!r->o.chat) return *text = r->text, *len = r->plen, 1;
+    fprintf(stderr, "\n> ");
+    fflush(stderr);
+    ssize_t n = getline(&r->line, &r->line_cap, stdin);
+    if (n <= 0) return 0;
+    while (n > 0 && (r->line[n - 1] == '\n' || r->line[n - 1] == '\r')) r->line[--n] = 0;
+    if (!n) return 0;
+    if (!strcmp(r->line, "/reset")) {
+        r->conv_n = (size_t)sprintf(r->conv, "{\"messages\": [");
+        r->n_msgs = 0;
+        moe_session_reset(r->s);
+        r->nh = 0;
+        fprintf(stderr, "moe-cli: conversation reset\n");
+        return 2;
     }
-    moe_step_stats tot = {0};
-    double t_prompt = 0, t_gen = 0;
-    int n_prompt = 0, n_out = 0, nh = 0;
-    size_t hist_cap = 0, line_cap = 0;
-    for (int turn = 0;; turn++) {
-        /* the user's text for this turn */
-        size_t ulen = 0;
-        const char *utext;
-        if (chat) {
-            fprintf(stderr, "\n> ");
-            fflush(stderr);
-            ssize_t r = getline(&line, &line_cap, stdin);
-            if (r <= 0) break;
-            while (r > 0 && (line[r - 1] == '\n' || line[r - 1] == '\r')) line[--r] = 0;
-            if (!r) break;
-            if (!strcmp(line, "/reset")) {
-                conv_n = (size_t)sprintf(conv, "{\"messages\": [");
-                n_msgs = 0;
-                moe_session_reset(s);
-                nh = 0;
-                fprintf(stderr, "moe-cli: conversation reset\n");
-                continue;
-            }
-            utext = line, ulen = (size_t)r;
-        } else {
-            utext = text, ulen = plen;
-        }
-        if (moe_utf8_valid_prefix(utext, ulen) != ulen) {
-            fprintf(stderr, "moe-cli: the prompt is not valid UTF-8\n");
-            if (chat) continue;
-            goto out;
-        }
-        /* the prompt's ids */
-        free(ids);
-        ids = NULL;
-        size_t nid = 0;
-        if (ids_mode) {
-            int k = parse_ids(utext, &ids);
-            if (k <= 0) { fprintf(stderr, "moe-cli: the prompt must be a non-empty list of token ids\n"); goto out; }
-            nid = (size_t)k;
-        } else if (templated) {
-            if (!n_msgs && sys && !append_msg(&conv, &conv_n, &conv_cap, &n_msgs, "system", sys, strlen(sys), NULL, 0)) goto oom;
-            if (!append_msg(&conv, &conv_n, &conv_cap, &n_msgs, "user", utext, ulen, NULL, 0)) goto oom;
-            size_t cap = conv_n * 2 + 4096;
-            ids = malloc(cap * sizeof *ids);
-            if (!ids) goto oom;
-            st = moe_chat_encode(tok, conv, conv_n + 2, &co, ids, cap, &nid, err, sizeof err);
-            if (st) { fprintf(stderr, "moe-cli: %s\n", err); goto out; }
-        } else {
-            ids = malloc((ulen + 1) * sizeof *ids);
-            if (!ids) goto oom;
-            if ((st = moe_tokenize(tok, utext, ulen, 0, ids, ulen + 1, &nid, err, sizeof err))) { fprintf(stderr, "moe-cli: %s\n", err); goto out; }
-            if (!nid) { fprintf(stderr, "moe-cli: the prompt is empty\n"); goto out; }
-        }
-        /* the session: keep what it holds when the new prompt extends it, else start over */
-        int ctx = n_ctx ? n_ctx : (int)nid + (n_gen >= 0 ? n_gen : 4096);
-        if (!s && (st = moe_session_new(&s, m, ctx, err, sizeof err))) { fprintf(stderr, "moe-cli: %s\n", err); goto out; }
-        int keep = nh <= (int)nid && (!nh || !memcmp(hist, ids, sizeof *ids * (size_t)nh)) ? nh : 0;
-        if (!keep && nh) moe_session_reset(s), nh = 0;
-        size_t need = nid + (size_t)(n_gen >= 0 ? n_gen : ctx) + 2;
-        if (need > hist_cap) {
-            int32_t *nhist = realloc(hist, need * sizeof *hist);
-            if (!nhist) goto oom;
-            hist = nhist, hist_cap = need;
-        }
-        memcpy(hist + nh, ids + nh, sizeof *ids * (nid - (size_t)nh));
-        int feed = (int)nid - keep;
-        if (moe_session_pos(s) + feed >= ctx) { fprintf(stderr, "moe-cli: the prompt (%d tokens) does not fit the context of %d\n", (int)nid, ctx); goto out; }
-        if (display_prompt && !chat) {
-            if (ids_mode) for (size_t i = 0; i < nid; i++) printf(i ? " %d" : "%d", (int)ids[i]);
-            else fwrite(utext, 1, ulen, stdout);
-            fflush(stdout);
-        }
-        moe_step_stats ps;
-        double tp = now();
-        if (feed > 0) {
-            moe_seq sq = {.s = s, .tokens = ids + keep, .n = feed, .logits = logits};
-            if ((st = moe_step(m, &sq, 1, &ps, err, sizeof err))) { fprintf(stderr, "moe-cli: %s\n", err); goto out; }
-            tot.expert_loads += ps.expert_loads, tot.expert_bytes += ps.expert_bytes, tot.cache_hits += ps.cache_hits;
-            tot.cache_misses += ps.cache_misses, tot.bytes_read += ps.bytes_read, tot.io_seconds += ps.io_seconds, tot.dense_reads += ps.dense_reads;
-        }
-        t_prompt += now() - tp, n_prompt += feed;
-        nh = (int)nid;
-        /* generate */
-        double td = now();
-        q.stopped = 0, q.n = 0, q.rn = 0, think_n = 0;
-        if (q.reply) q.reply[0] = 0;
-        if (templated) moe_chat_reply_init(&rep, tok, &co);
-        int was_reasoning = 0;
-        int gen = 0;
-        for (; n_gen < 0 || gen < n_gen; gen++) {
-            sp.recent = hist + (nh > repeat_last_n ? nh - repeat_last_n : 0);
-            sp.n_recent = nh < repeat_last_n ? nh : repeat_last_n;
-            int32_t t = moe_sample(logits, c->vocab_size, &sp, &seed);
-            hist[nh++] = t;
-            int end = !ignore_eos && (t == eos[0] || t == eos[1] || t == eos[2] || t == eos[3]);
-            if (ids_mode) {
-                printf(" %d", (int)t);
-                fflush(stdout);
-            } else {
-                size_t bl;
-                const char *b = moe_token_bytes(tok, t, &bl);
-                int ch = templated ? moe_chat_reply_token(&rep, tok, t) : moe_token_is_special(tok, t) ? MOE_REPLY_HIDDEN : MOE_REPLY_CONTENT;
-                if (ch == MOE_REPLY_REASONING) { /* the think channel goes to stderr */
-                    if (!was_reasoning) fprintf(stderr, "[thinking] ");
-                    was_reasoning = 1;
-                    fwrite(b, 1, bl, stderr);
-                    if (grow(&think_buf, &think_cap, think_n + bl + 1)) memcpy(think_buf + think_n, b, bl), think_n += bl;
-                } else {
-                    if (was_reasoning) fprintf(stderr, "\n[/thinking]\n"), was_reasoning = 0;
-                    if (b && (ch == MOE_REPLY_CONTENT || (show_special && (ch != MOE_REPLY_END || !ignore_eos)))) outq_push(&q, b, bl, 0);
-                }
-            }
-            if (end || q.stopped || (n_gen >= 0 && gen + 1 >= n_gen)) { gen++; break; }
-            if (moe_session_pos(s) + 1 >= ctx) { fprintf(stderr, "\nmoe-cli: context full\n"); gen++; break; }
-            moe_step_stats ds;
-            moe_seq d = {.s = s, .tokens = &t, .n = 1, .logits = logits};
-            if ((st = moe_step(m, &d, 1, &ds, err, sizeof err))) { fprintf(stderr, "\nmoe-cli: %s\n", err); goto out; }
-            tot.expert_rows += ds.expert_rows, tot.expert_loads += ds.expert_loads, tot.expert_bytes += ds.expert_bytes;
-            tot.cache_hits += ds.cache_hits, tot.cache_misses += ds.cache_misses, tot.bytes_read += ds.bytes_read, tot.io_seconds += ds.io_seconds;
-            tot.dense_reads += ds.dense_reads;
-            tot.prefetch_issued += ds.prefetch_issued, tot.prefetch_predicted += ds.prefetch_predicted, tot.prefetch_routed += ds.prefetch_routed;
-        }
-        outq_push(&q, "", 0, 1);
-        printf("\n");
+    *text = r->line, *len = (size_t)n;
+    return 1;
+}
+
+/* the prompt's ids into r->ids, *nid of them: parsed (--ids), rendered by the chat template with
+ * the conversation so far, or tokenized */
+static int prompt_ids(cli *r, const char *text, size_t len, size_t *nid) {
+    free(r->ids);
+    r->ids = NULL;
+    *nid = 0;
+    if (r->o.ids_mode) {
+        int k = parse_ids(text, &r->ids);
+        if (k <= 0) return fprintf(stderr, "moe-cli: the prompt must be a non-empty list of token ids\n"), 1;
+        *nid = (size_t)k;
+    } else if (r->o.templated) {
+        const char *sys = r->o.sys;
+        if (!r->n_msgs && sys && !append_msg(&r->conv, &r->conv_n, &r->conv_cap, &r->n_msgs, "system", sys, strlen(sys), NULL, 0)) return oom();
+        if (!append_msg(&r->conv, &r->conv_n, &r->conv_cap, &r->n_msgs, "user", text, len, NULL, 0)) return oom();
+        size_t cap = r->conv_n * 2 + 4096;
+        if (!(r->ids = malloc(cap * sizeof *r->ids))) return oom();
+        if (moe_chat_encode(r->tok, r->conv, r->conv_n + 2, &r->co, r->ids, cap, nid, r->err, sizeof r->err))
+            return fprintf(stderr, "moe-cli: %s\n", r->err), 1;
+    } else {
+        if (!(r->ids = malloc((len + 1) * sizeof *r->ids))) return oom();
+        if (moe_tokenize(r->tok, text, len, 0, r->ids, len + 1, nid, r->err, sizeof r->err)) return fprintf(stderr, "moe-cli: %s\n", r->err), 1;
+        if (!*nid) return fprintf(stderr, "moe-cli: the prompt is empty\n"), 1;
+    }
+    return 0;
+}
+
+/* The prompt's ids computed into the session: it keeps what it holds when the new prompt extends
+ * it, else starts over. *ctx: the turn's context size. */
+static int feed_prompt(cli *r, const char *text, size_t len, size_t nid, int *ctx) {
+    const options *o = &r->o;
+    *ctx = o->n_ctx ? o->n_ctx : (int)nid + (o->n_gen >= 0 ? o->n_gen : 4096);
+    if (!r->s && moe_session_new(&r->s, r->m, *ctx, r->err, sizeof r->err)) return fprintf(stderr, "moe-cli: %s\n", r->err), 1;
+    int keep = r->nh <= (int)nid && (!r->nh || !memcmp(r->hist, r->ids, sizeof *r->ids * (size_t)r->nh)) ? r->nh : 0;
+    if (!keep && r->nh) moe_session_reset(r->s), r->nh = 0;
+    size_t need = nid + (size_t)(o->n_gen >= 0 ? o->n_gen : *ctx) + 2;
+    if (need > r->hist_cap) {
+        int32_t *nhist = realloc(r->hist, need * sizeof *r->hist);
+        if (!nhist) return oom();
+        r->hist = nhist, r->hist_cap = need;
+    }
+    memcpy(r->hist + r->nh, r->ids + r->nh, sizeof *r->ids * (nid - (size_t)r->nh));
+    int feed = (int)nid - keep;
+    if (moe_session_pos(r->s) + feed >= *ctx)
+        return fprintf(stderr, "moe-cli: the prompt (%d tokens) does not fit the context of %d\n", (int)nid, *ctx), 1;
+    if (o->display_prompt && !o->chat) {
+        if (o->ids_mode)
+            for (size_t i = 0; i < nid; i++) printf(i ? " %d" : "%d", (int)r->ids[i]);
+        else fwrite(text, 1, len, stdout);
         fflush(stdout);
-        t_gen += now() - td, n_out += gen;
-        if (!chat) break;
+    }
+    moe_step_stats ps;
+    double tp = now();
+    if (feed > 0) {
+        moe_seq sq = {.s = r->s, .tokens = r->ids + keep, .n = feed, .logits = r->logits};
+        if (moe_step(r->m, &sq, 1, &ps, r->err, sizeof r->err)) return fprintf(stderr, "moe-cli: %s\n", r->err), 1;
+        add_stats(&r->tot, &ps, 0);
+    }
+    r->t_prompt += now() - tp, r->n_prompt += feed;
+    r->nh = (int)nid;
+    return 0;
+}
+
+/* sampled token t's text: to stdout (content), stderr (K3's reasoning), or hidden (markers) */
+static void show_token(cli *r, int32_t t, int *was_reasoning) {
+    const options *o = &r->o;
+    if (o->ids_mode) {
+        printf(" %d", (int)t);
+        fflush(stdout);
+        return;
+    }
+    size_t bl;
+    const char *b = moe_token_bytes(r->tok, t, &bl);
+    int ch = o->templated ? moe_chat_reply_token(&r->rep, r->tok, t) : moe_token_is_special(r->tok, t) ? MOE_REPLY_HIDDEN : MOE_REPLY_CONTENT;
+    if (ch == MOE_REPLY_REASONING) { /* the think channel goes to stderr */
+        if (!*was_reasoning) fprintf(stderr, "[thinking] ");
+        *was_reasoning = 1;
+        fwrite(b, 1, bl, stderr);
+        if (grow(&r->think_buf, &r->think_cap, r->think_n + bl + 1)) memcpy(r->think_buf + r->think_n, b, bl), r->think_n += bl;
+    } else {
+        if (*was_reasoning) fprintf(stderr, "\n[/thinking]\n"), *was_reasoning = 0;
+        if (b && (ch == MOE_REPLY_CONTENT || (o->show_special && (ch != MOE_REPLY_END || !o->ignore_eos)))) outq_push(&r->q, b, bl, 0);
+    }
+}
+
+/* samples and decodes up to -n tokens, printing them as they come */
+static int generate(cli *r, int ctx) {
+    options *o = &r->o;
+    double td = now();
+    r->q.stopped = 0, r->q.n = 0, r->q.rn = 0, r->think_n = 0;
+    if (r->q.reply) r->q.reply[0] = 0;
+    if (o->templated) moe_chat_reply_init(&r->rep, r->tok, &r->co);
+    int was_reasoning = 0, gen = 0;
+    for (; o->n_gen < 0 || gen < o->n_gen; gen++) {
+        o->sp.recent = r->hist + (r->nh > o->repeat_last_n ? r->nh - o->repeat_last_n : 0);
+        o->sp.n_recent = r->nh < o->repeat_last_n ? r->nh : o->repeat_last_n;
+        int32_t t = moe_sample(r->logits, r->c->vocab_size, &o->sp, &o->seed);
+        r->hist[r->nh++] = t;
+        const int32_t *eos = r->eos;
+        int end = !o->ignore_eos && (t == eos[0] || t == eos[1] || t == eos[2] || t == eos[3]);
+        show_token(r, t, &was_reasoning);
+        if (end || r->q.stopped || (o->n_gen >= 0 && gen + 1 >= o->n_gen)) { gen++; break; }
+        if (moe_session_pos(r->s) + 1 >= ctx) { fprintf(stderr, "\nmoe-cli: context full\n"); gen++; break; }
+        moe_step_stats ds;
+        moe_seq d = {.s = r->s, .tokens = &t, .n = 1, .logits = r->logits};
+        if (moe_step(r->m, &d, 1, &ds, r->err, sizeof r->err)) return fprintf(stderr, "\nmoe-cli: %s\n", r->err), 1;
+        add_stats(&r->tot, &ds, 1);
+    }
+    outq_push(&r->q, "", 0, 1);
+    printf("\n");
+    fflush(stdout);
+    r->t_gen += now() - td, r->n_out += gen;
+    return 0;
+}
+
+static void print_summary(const cli *r) {
+    const moe_step_stats *tot = &r->tot;
+    fprintf(stderr, "moe-cli: prompt %d tokens in %.3f s (%.1f tok/s); generated %d tokens in %.3f s (%.2f tok/s)\n", r->n_prompt, r->t_prompt,
+            r->n_prompt / (r->t_prompt > 0 ? r->t_prompt : 1e-9), r->n_out, r->t_gen, r->n_out / (r->t_gen > 0 ? r->t_gen : 1e-9));
+    fprintf(stderr, "moe-cli: experts: %llu loads, %.1f MB (%.2f MB/token generated)\n", (unsigned long long)tot->expert_loads,
+            tot->expert_bytes / 1e6, r->n_out ? tot->expert_bytes / 1e6 / r->n_out : 0.0);
+    if (r->o.opt.expert_mode != MOE_EXPERTS_CACHE) return;
+    const uint64_t lk = tot->cache_hits + tot->cache_misses;
+    fprintf(stderr, "moe-cli: expert cache: %llu hits, %llu misses (hit rate %.1f%%), %.1f MB read in %.3f s (%.0f MB/s)\n",
+            (unsigned long long)tot->cache_hits, (unsigned long long)tot->cache_misses, lk ? 100.0 * tot->cache_hits / lk : 0.0,
+            tot->bytes_read / 1e6, tot->io_seconds, tot->io_seconds > 0 ? tot->bytes_read / 1e6 / tot->io_seconds : 0.0);
+    const moe_model_info mi = moe_model_get_info(r->m);
+    if (mi.streamed_layers)
+        fprintf(stderr, "moe-cli: %d layers stream their dense matrices (%.1f MB a step): %llu layer reads\n", mi.streamed_layers,
+                mi.streamed_bytes / 1e6, (unsigned long long)tot->dense_reads);
+    if (r->o.opt.prefetch && tot->prefetch_routed)
+        fprintf(stderr, "moe-cli: prefetch: %llu reads queued, recall %.1f%% of routed experts\n", (unsigned long long)tot->prefetch_issued,
+                100.0 * tot->prefetch_predicted / tot->prefetch_routed);
+}
+
+/* the turns: one for a prompt, or a chat read from stdin */
+static int run(cli *r) {
+    if (open_model(r)) return 1;
+    for (;;) {
+        const char *text;
+        size_t len, nid;
+        int ctx, turn = next_turn(r, &text, &len);
+        if (!turn) break;
+        if (turn == 2) continue;
+        if (moe_utf8_valid_prefix(text, len) != len) {
+            fprintf(stderr, "moe-cli: the prompt is not valid UTF-8\n");
+            if (r->o.chat) continue;
+            return 1;
+        }
+        if (prompt_ids(r, text, len, &nid) || feed_prompt(r, text, len, nid, &ctx) || generate(r, ctx)) return 1;
+        if (!r->o.chat) break;
         /* the reply joins the conversation; the session holds the generated tokens, which the
          * next render normally reproduces, so only the new user turn is computed */
-        if (!append_msg(&conv, &conv_n, &conv_cap, &n_msgs, "assistant", q.reply ? q.reply : "", q.rn, format == MOE_CHAT_K3 && think ? think_buf : NULL, think_n))
-            goto oom;
+        const char *reasoning = r->o.format == MOE_CHAT_K3 && r->o.think ? r->think_buf : NULL;
+        if (!append_msg(&r->conv, &r->conv_n, &r->conv_cap, &r->n_msgs, "assistant", r->q.reply ? r->q.reply : "", r->q.rn, reasoning, r->think_n))
+            return oom();
     }
-    fprintf(stderr, "moe-cli: prompt %d tokens in %.3f s (%.1f tok/s); generated %d tokens in %.3f s (%.2f tok/s)\n", n_prompt, t_prompt,
-            n_prompt / (t_prompt > 0 ? t_prompt : 1e-9), n_out, t_gen, n_out / (t_gen > 0 ? t_gen : 1e-9));
-    fprintf(stderr, "moe-cli: experts: %llu loads, %.1f MB (%.2f MB/token generated)\n", (unsigned long long)tot.expert_loads,
-            tot.expert_bytes / 1e6, n_out ? tot.expert_bytes / 1e6 / n_out : 0.0);
-    if (opt.expert_mode == MOE_EXPERTS_CACHE) {
-        const uint64_t lk = tot.cache_hits + tot.cache_misses;
-        fprintf(stderr, "moe-cli: expert cache: %llu hits, %llu misses (hit rate %.1f%%), %.1f MB read in %.3f s (%.0f MB/s)\n",
-                (unsigned long long)tot.cache_hits, (unsigned long long)tot.cache_misses, lk ? 100.0 * tot.cache_hits / lk : 0.0,
-                tot.bytes_read / 1e6, tot.io_seconds, tot.io_seconds > 0 ? tot.bytes_read / 1e6 / tot.io_seconds : 0.0);
-        const moe_model_info mi = moe_model_get_info(m);
-        if (mi.streamed_layers)
-            fprintf(stderr, "moe-cli: %d layers stream their dense matrices (%.1f MB a step): %llu layer reads\n", mi.streamed_layers,
-                    mi.streamed_bytes / 1e6, (unsigned long long)tot.dense_reads);
-        if (opt.prefetch && tot.prefetch_routed)
-            fprintf(stderr, "moe-cli: prefetch: %llu reads queued, recall %.1f%% of routed experts\n", (unsigned long long)tot.prefetch_issued,
-                    100.0 * tot.prefetch_predicted / tot.prefetch_routed);
+    print_summary(r);
+    if (ferror(stdout)) return fprintf(stderr, "moe-cli: write error on stdout\n"), 1;
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    static cli r; /* zeroed */
+    int stop, rc = parse_args(argc, argv, &r.o, &stop);
+    if (stop) return rc;
+    r.plen = r.o.prompt ? strlen(r.o.prompt) : 0;
+    r.text = r.o.prompt || r.o.chat ? NULL : slurp(r.o.file, &r.plen);
+    if (!r.o.prompt && !r.o.chat && !r.text) {
+        fprintf(stderr, "moe-cli: cannot read %s: %s\n", r.o.file, errno ? strerror(errno) : "read error");
+        return 1;
     }
-    rc = ferror(stdout) ? 1 : 0;
-    if (rc) fprintf(stderr, "moe-cli: write error on stdout\n");
-    goto out;
-oom:
-    fprintf(stderr, "moe-cli: out of memory\n");
-out:
-    free(text);
-    free(line);
-    free(think_buf);
-    free(conv);
-    free(q.buf);
-    free(q.reply);
-    free(hist);
-    free(ids);
-    free(logits);
-    moe_session_free(s);
-    moe_tokenizer_free(tok);
-    moe_model_close(m);
+    if (r.o.prompt) r.text = strdup(r.o.prompt);
+    r.q.stop = r.o.stops, r.q.n_stop = r.o.n_stops;
+    rc = run(&r);
+    free(r.text), free(r.line), free(r.think_buf), free(r.conv), free(r.q.buf), free(r.q.reply), free(r.hist), free(r.ids), free(r.logits);
+    moe_session_free(r.s);
+    moe_tokenizer_free(r.tok);
+    moe_model_close(r.m);
     return rc;
 }
