@@ -1264,135 +1264,139 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
 
 /* ---- main ------------------------------------------------------------------------------------- */
 
-int main(int argc, char **argv) {
-    const char *in = NULL, *out = NULL, *shape = NULL, *k3shape = NULL;
-    int dense = MOE_T_BF16, experts = -1, ctx = 131072;
-    uint64_t seed = 42;
-    size_t split_max = 0;
-    int no_tensor_first = 0;
+typedef struct {
+    const char *in, *out, *shape, *k3shape;
+    int dense, experts, ctx, no_tensor_first;
+    uint64_t seed;
+    size_t split_max;
+} options;
+
+/* Parses the command line into o; 0, or usage()'s exit status with *done set. */
+static int parse_args(int argc, char **argv, options *o, int *done) {
+    *o = (options){.dense = MOE_T_BF16, .experts = -1, .ctx = 131072, .seed = 42};
+    *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
-        if (!strcmp(a, "--random") && more) shape = argv[++i];
-        else if (!strcmp(a, "--k3-slice") && more) k3shape = argv[++i];
+        if (!strcmp(a, "--random") && more) o->shape = argv[++i];
+        else if (!strcmp(a, "--k3-slice") && more) o->k3shape = argv[++i];
         else if (!strcmp(a, "--dense") && more) {
-            if ((dense = parse_type(argv[++i], 0)) < 0) return usage("unknown --dense type");
+            if ((o->dense = parse_type(argv[++i], 0)) < 0) return usage("unknown --dense type");
         } else if (!strcmp(a, "--experts") && more) {
-            if ((experts = parse_type(argv[++i], 1)) < -1) return usage("unknown --experts type");
-        } else if (!strcmp(a, "--seed") && more) seed = strtoull(argv[++i], NULL, 10);
-        else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
-        else if (!strcmp(a, "--no-tensor-first-split")) no_tensor_first = 1;
+            if ((o->experts = parse_type(argv[++i], 1)) < -1) return usage("unknown --experts type");
+        } else if (!strcmp(a, "--seed") && more) o->seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--ctx") && more) o->ctx = atoi(argv[++i]);
+        else if (!strcmp(a, "--no-tensor-first-split")) o->no_tensor_first = 1;
         else if (!strcmp(a, "--alignment") && more) {
             const long v = strtol(argv[++i], NULL, 10);
             if (v < 32 || v > ALIGN_MAX || (v & (v - 1))) return usage("--alignment needs a power of two from 32 to 4096");
             gguf_align = (uint32_t)v;
         } else if (!strcmp(a, "--split-max-size") && more) {
-            if (!parse_size(argv[++i], &split_max) || split_max < gguf_align) return usage("--split-max-size needs a size such as 48G");
+            if (!parse_size(argv[++i], &o->split_max) || o->split_max < gguf_align) return usage("--split-max-size needs a size such as 48G");
         }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else if (a[0] == '-') return usage("unknown or incomplete option");
-        else if (!in && !shape && !k3shape) in = a;
-        else if (!out) out = a;
+        else if (!o->in && !o->shape && !o->k3shape) o->in = a;
+        else if (!o->out) o->out = a;
         else return usage("too many arguments");
     }
-    if (k3shape) return out ? k3_slice(k3shape, out, seed) : usage("--k3-slice SHAPE.json needs OUT_DIR");
-    if (!out || (!in && !shape)) return usage("need MODEL_DIR (or --random SHAPE.json) and OUT.gguf");
-    if (!shape && (moe__is_iq(dense) || moe__is_iq(experts)))
-        return usage("the IQ1_S .. IQ3_S formats are written with --random only: quantizing to them takes llama.cpp's grid search "
-                     "with an importance matrix (llama-quantize --imatrix); moe reads such files");
+    *done = 0;
+    return 0;
+}
 
-    source src = {NULL, "", seed};
-    moe_config cfg, shape_cfg;
-    unsigned char *kinds = NULL, *moes = NULL;
-    int expert_src_type = MOE_T_BF16;
-    char name[256];
-    if (shape) {
-        if (config_from_shape(shape, &shape_cfg, &kinds, &moes)) return 1;
-        cfg = shape_cfg;
-        if (experts < 0) experts = dense;
-        snprintf(name, sizeof name, "random %s", shape);
-    } else {
-        char err[512];
-        moe_options o = moe_default_options();
-        moe_status st = moe_model_open(&src.m, in, &o, err, sizeof err);
-        if (st) return die("%s: %s", moe_status_str(st), err);
-        if (!strcmp(moe_model_get_info(src.m).format, "gguf")) return die("%s is already GGUF", in);
-        cfg = *moe_model_config(src.m);
-        src.prefix = moe__model_prefix(src.m);
-        /* experts kept as stored: MXFP4 stays MXFP4 (repacked), floats stay BF16 */
-        char probe[200];
-        for (int i = 0; i < cfg.n_layers; i++)
-            if (cfg.layer_moe[i]) {
-                snprintf(probe, sizeof probe, "%smodel.layers.%d.block_sparse_moe.experts.0.w1.weight_packed", src.prefix, i);
-                if (moe__model_tensor(src.m, probe)) expert_src_type = MOE_T_MXFP4_GGML;
-                break;
-            }
-        snprintf(name, sizeof name, "%s", in);
+/* The model to convert: a shape file's config (random weights), or a checkpoint opened into src;
+ * its config into cfg, its name into name, the stored type of its routed experts. */
+static int open_source(options *o, source *src, moe_config *cfg, unsigned char **kinds, unsigned char **moes, char *name, size_t nn,
+                       int *expert_src_type) {
+    *expert_src_type = MOE_T_BF16;
+    if (o->shape) {
+        if (config_from_shape(o->shape, cfg, kinds, moes)) return 1;
+        if (o->experts < 0) o->experts = o->dense;
+        snprintf(name, nn, "random %s", o->shape);
+        return 0;
     }
-    plan p = {0};
-    build_plan(&p, &cfg, dense, experts, expert_src_type);
-    for (int i = 0; src.m && i < p.n; i++)
-        if ((p.t[i].kind == SRC_VEC || p.t[i].kind == SRC_ALOG) && !vec_ok(&src, &p.t[i]))
-            return die("%s: source tensor %s%s missing or of another size", p.t[i].name, src.prefix, p.t[i].src);
-    meta mt = {0};
-    moe_tokenizer *tok = NULL;
-    char terr[300];
-    if (src.m && moe_tokenizer_for_model(&tok, src.m, terr, sizeof terr) == MOE_OK)
-        fprintf(stderr, "moe-convert: writing the vocabulary (%d ids) into the GGUF\n", (int)moe_tokenizer_n_ids(tok));
-    write_meta(&mt, &cfg, name, ctx, shape != NULL, tok);
-    moe_tokenizer_free(tok);
-    const int nparts = assign_parts(&p, split_max, no_tensor_first);
-    if (nparts > 65535) return die("--split-max-size %zu makes %d parts (GGUF's split.count is 16 bits)", split_max, nparts);
-    part *parts = calloc((size_t)nparts, sizeof *parts);
-    if (!parts) return die("out of memory");
-    uint64_t total = 0, data_bytes = 0, hdr_bytes = 0;
-    const size_t olen = strlen(out), plen = olen > 5 && !strcmp(out + olen - 5, ".gguf") ? olen - 5 : olen;
-    for (int k = 0; k < nparts; k++) {
-        part *pt = &parts[k];
-        if (!build_header(&pt->hdr, &mt, &p, k, nparts, &pt->data_bytes)) return die("out of memory");
-        if (nparts == 1) snprintf(pt->path, sizeof pt->path, "%s", out);
-        else snprintf(pt->path, sizeof pt->path, "%.*s-%05d-of-%05d.gguf", (int)plen, out, k + 1, nparts);
-        snprintf(pt->partial, sizeof pt->partial, "%s.partial", pt->path);
-        total += pt->hdr.n + pt->data_bytes, data_bytes += pt->data_bytes, hdr_bytes += pt->hdr.n;
-    }
-
-    /* resume: every part's partial file must start with exactly its header */
-    char donef[4300];
-    snprintf(donef, sizeof donef, "%s.partial.done", out);
-    int start = 0;
-    FILE *df = fopen(donef, "r");
-    if (df) {
-        int k, np;
-        unsigned long long hn;
-        if (fscanf(df, "%d %llu %d", &k, &hn, &np) == 3 && np == nparts && hn == hdr_bytes && k >= 0 && k <= p.n) {
-            start = k;
-            for (int i = 0; i < nparts && start; i++) {
-                int pfd = open(parts[i].partial, O_RDONLY);
-                unsigned char *old = malloc(parts[i].hdr.n);
-                if (!(pfd >= 0 && old && pread(pfd, old, parts[i].hdr.n, 0) == (ssize_t)parts[i].hdr.n && !memcmp(old, parts[i].hdr.b, parts[i].hdr.n)))
-                    start = 0;
-                if (pfd >= 0) close(pfd);
-                free(old);
-            }
+    char err[512];
+    moe_options mo = moe_default_options();
+    moe_status st = moe_model_open(&src->m, o->in, &mo, err, sizeof err);
+    if (st) return die("%s: %s", moe_status_str(st), err);
+    if (!strcmp(moe_model_get_info(src->m).format, "gguf")) return die("%s is already GGUF", o->in);
+    *cfg = *moe_model_config(src->m);
+    src->prefix = moe__model_prefix(src->m);
+    /* experts kept as stored: MXFP4 stays MXFP4 (repacked), floats stay BF16 */
+    char probe[200];
+    for (int i = 0; i < cfg->n_layers; i++)
+        if (cfg->layer_moe[i]) {
+            snprintf(probe, sizeof probe, "%smodel.layers.%d.block_sparse_moe.experts.0.w1.weight_packed", src->prefix, i);
+            if (moe__model_tensor(src->m, probe)) *expert_src_type = MOE_T_MXFP4_GGML;
+            break;
         }
-        fclose(df);
-        if (start) fprintf(stderr, "moe-convert: resuming %s after %d of %d tensors\n", nparts > 1 ? out : parts[0].partial, start, p.n);
-    }
+    snprintf(name, nn, "%s", o->in);
+    return 0;
+}
+
+/* the output files: each part's path, header and data size; *total and *hdr_bytes summed */
+static part *make_parts(const options *o, const meta *mt, plan *p, int nparts, uint64_t *total, uint64_t *data_bytes, uint64_t *hdr_bytes) {
+    part *parts = calloc((size_t)nparts, sizeof *parts);
+    if (!parts) return die("out of memory"), NULL;
+    const size_t olen = strlen(o->out), plen = olen > 5 && !strcmp(o->out + olen - 5, ".gguf") ? olen - 5 : olen;
     for (int k = 0; k < nparts; k++) {
         part *pt = &parts[k];
-        pt->fd = open(pt->partial, O_WRONLY | O_CREAT | (start ? 0 : O_TRUNC), 0644);
+        if (!build_header(&pt->hdr, mt, p, k, nparts, &pt->data_bytes)) return die("out of memory"), NULL;
+        if (nparts == 1) snprintf(pt->path, sizeof pt->path, "%s", o->out);
+        else snprintf(pt->path, sizeof pt->path, "%.*s-%05d-of-%05d.gguf", (int)plen, o->out, k + 1, nparts);
+        snprintf(pt->partial, sizeof pt->partial, "%s.partial", pt->path);
+        *total += pt->hdr.n + pt->data_bytes, *data_bytes += pt->data_bytes, *hdr_bytes += pt->hdr.n;
+    }
+    return parts;
+}
+
+/* Where an interrupted conversion resumes: the tensor count its progress file records, when
+ * every part's partial file starts with exactly its header; else 0. */
+static int resume_point(const char *donef, const part *parts, int nparts, uint64_t hdr_bytes, const plan *p, const char *out) {
+    FILE *df = fopen(donef, "r");
+    if (!df) return 0;
+    int start = 0, k, np;
+    unsigned long long hn;
+    if (fscanf(df, "%d %llu %d", &k, &hn, &np) == 3 && np == nparts && hn == hdr_bytes && k >= 0 && k <= p->n) {
+        start = k;
+        for (int i = 0; i < nparts && start; i++) {
+            int pfd = open(parts[i].partial, O_RDONLY);
+            unsigned char *old = malloc(parts[i].hdr.n);
+            if (!(pfd >= 0 && old && pread(pfd, old, parts[i].hdr.n, 0) == (ssize_t)parts[i].hdr.n && !memcmp(old, parts[i].hdr.b, parts[i].hdr.n)))
+                start = 0;
+            if (pfd >= 0) close(pfd);
+            free(old);
+        }
+    }
+    fclose(df);
+    if (start) fprintf(stderr, "moe-convert: resuming %s after %d of %d tensors\n", nparts > 1 ? out : parts[0].partial, start, p->n);
+    return start;
+}
+
+/* the partial files opened; when not resuming, sized and given their headers */
+static int open_parts(part *parts, int nparts, int resuming) {
+    for (int k = 0; k < nparts; k++) {
+        part *pt = &parts[k];
+        pt->fd = open(pt->partial, O_WRONLY | O_CREAT | (resuming ? 0 : O_TRUNC), 0644);
         if (pt->fd < 0) return die("%s: %s", pt->partial, strerror(errno));
-        if (start) continue;
+        if (resuming) continue;
         const uint64_t size = pt->hdr.n + pt->data_bytes;
         if (ftruncate(pt->fd, (off_t)size)) return die("%s: cannot size to %llu bytes: %s", pt->partial, (unsigned long long)size, strerror(errno));
         if (pwrite(pt->fd, pt->hdr.b, pt->hdr.n, 0) != (ssize_t)pt->hdr.n) return die("%s: header write failed: %s", pt->partial, strerror(errno));
     }
+    return 0;
+}
+
+/* Writes tensors start .. p->n - 1, each synced and recorded in donef (written anew and renamed
+ * over the old record), with progress on stderr. */
+static int write_tensors(const plan *p, const part *parts, int start, source *src, const char *donef, uint64_t hdr_bytes, int nparts,
+                         uint64_t data_bytes) {
     int64_t maxcols = 1;
     uint64_t maxrow = 1;
-    for (int i = 0; i < p.n; i++) {
-        if (p.t[i].cols > maxcols) maxcols = p.t[i].cols;
-        if (p.t[i].rows > maxcols) maxcols = p.t[i].rows;
-        uint64_t rb = (uint64_t)moe__row_bytes(p.t[i].type, p.t[i].cols);
+    for (int i = 0; i < p->n; i++) {
+        if (p->t[i].cols > maxcols) maxcols = p->t[i].cols;
+        if (p->t[i].rows > maxcols) maxcols = p->t[i].rows;
+        uint64_t rb = (uint64_t)moe__row_bytes(p->t[i].type, p->t[i].cols);
         if (rb > maxrow) maxrow = rb;
     }
     unsigned char *obuf = malloc(CHUNK > maxrow ? CHUNK : maxrow);
@@ -1403,46 +1407,95 @@ int main(int argc, char **argv) {
 #endif
     const size_t tmp_floats = (size_t)maxcols * 4;
     float *tmp = malloc(sizeof(float) * tmp_floats * nthreads);
-    if (!obuf || !tmp) return die("out of memory");
+    int rc = !obuf || !tmp ? die("out of memory") : 0;
     double t0 = now(), last = 0;
     uint64_t done_bytes = 0, resumed_bytes = 0;
-    for (int i = 0; i < start; i++) resumed_bytes += p.t[i].nbytes;
-    for (int i = start; i < p.n; i++) {
-        const part *pt = &parts[p.t[i].part];
-        if (write_tensor(pt->fd, pt->hdr.n, &p.t[i], &src, obuf, tmp, tmp_floats)) return 1;
-        if (fdatasync(pt->fd)) return die("%s: sync failed: %s", pt->partial, strerror(errno));
-        /* record progress atomically: write a new record, then rename over the old one */
+    for (int i = 0; i < start; i++) resumed_bytes += p->t[i].nbytes;
+    for (int i = start; i < p->n && !rc; i++) {
+        const part *pt = &parts[p->t[i].part];
+        if ((rc = write_tensor(pt->fd, pt->hdr.n, &p->t[i], src, obuf, tmp, tmp_floats))) break;
+        if (fdatasync(pt->fd)) { rc = die("%s: sync failed: %s", pt->partial, strerror(errno)); break; }
         char tmpd[4400];
         snprintf(tmpd, sizeof tmpd, "%s.tmp", donef);
         FILE *w = fopen(tmpd, "w");
-        if (!w || fprintf(w, "%d %llu %d\n", i + 1, (unsigned long long)hdr_bytes, nparts) < 0 || fclose(w) || rename(tmpd, donef))
-            return die("%s: cannot record progress", donef);
-        done_bytes += p.t[i].nbytes;
+        if (!w || fprintf(w, "%d %llu %d\n", i + 1, (unsigned long long)hdr_bytes, nparts) < 0 || fclose(w) || rename(tmpd, donef)) {
+            rc = die("%s: cannot record progress", donef);
+            break;
+        }
+        done_bytes += p->t[i].nbytes;
         /* test hook: simulate a crash after N tensors (the resume test uses it) */
         const char *stop = getenv("MOE_CONVERT_STOP_AFTER");
         if (stop && i + 1 == atoi(stop)) _exit(3);
         double t = now();
-        if (t - last > 1.0 || i + 1 == p.n) {
+        if (t - last > 1.0 || i + 1 == p->n) {
             double rate = done_bytes / (t - t0 + 1e-9);
             uint64_t left = data_bytes - done_bytes - resumed_bytes;
-            fprintf(stderr, "\rmoe-convert: %d/%d tensors, %.2f/%.2f GB, %.1f MB/s, ETA %.0f s   ", i + 1, p.n,
+            fprintf(stderr, "\rmoe-convert: %d/%d tensors, %.2f/%.2f GB, %.1f MB/s, ETA %.0f s   ", i + 1, p->n,
                     (done_bytes + resumed_bytes) / 1e9, data_bytes / 1e9, rate / 1e6, rate > 0 ? left / rate : 0.0);
             last = t;
         }
     }
-    fprintf(stderr, "\n");
+    free(obuf), free(tmp);
+    if (!rc) fprintf(stderr, "\n");
+    return rc;
+}
+
+/* the parts synced, closed and renamed to their names; the progress record removed */
+static int finish_parts(part *parts, int nparts, const char *donef) {
     for (int k = 0; k < nparts; k++)
         if (fsync(parts[k].fd) || close(parts[k].fd)) return die("%s: %s", parts[k].partial, strerror(errno));
     for (int k = 0; k < nparts; k++)
         if (rename(parts[k].partial, parts[k].path)) return die("rename %s -> %s: %s", parts[k].partial, parts[k].path, strerror(errno));
     remove(donef);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    options o;
+    int stop, rc = parse_args(argc, argv, &o, &stop);
+    if (stop) return rc;
+    if (o.k3shape) return o.out ? k3_slice(o.k3shape, o.out, o.seed) : usage("--k3-slice SHAPE.json needs OUT_DIR");
+    if (!o.out || (!o.in && !o.shape)) return usage("need MODEL_DIR (or --random SHAPE.json) and OUT.gguf");
+    if (!o.shape && (moe__is_iq(o.dense) || moe__is_iq(o.experts)))
+        return usage("the IQ1_S .. IQ3_S formats are written with --random only: quantizing to them takes llama.cpp's grid search "
+                     "with an importance matrix (llama-quantize --imatrix); moe reads such files");
+    source src = {NULL, "", o.seed};
+    moe_config cfg;
+    unsigned char *kinds = NULL, *moes = NULL;
+    int expert_src_type;
+    char name[256];
+    if (open_source(&o, &src, &cfg, &kinds, &moes, name, sizeof name, &expert_src_type)) return 1;
+    plan p = {0};
+    build_plan(&p, &cfg, o.dense, o.experts, expert_src_type);
+    for (int i = 0; src.m && i < p.n; i++)
+        if ((p.t[i].kind == SRC_VEC || p.t[i].kind == SRC_ALOG) && !vec_ok(&src, &p.t[i]))
+            return die("%s: source tensor %s%s missing or of another size", p.t[i].name, src.prefix, p.t[i].src);
+    meta mt = {0};
+    moe_tokenizer *tok = NULL;
+    char terr[300];
+    if (src.m && moe_tokenizer_for_model(&tok, src.m, terr, sizeof terr) == MOE_OK)
+        fprintf(stderr, "moe-convert: writing the vocabulary (%d ids) into the GGUF\n", (int)moe_tokenizer_n_ids(tok));
+    write_meta(&mt, &cfg, name, o.ctx, o.shape != NULL, tok);
+    moe_tokenizer_free(tok);
+    const int nparts = assign_parts(&p, o.split_max, o.no_tensor_first);
+    if (nparts > 65535) return die("--split-max-size %zu makes %d parts (GGUF's split.count is 16 bits)", o.split_max, nparts);
+    uint64_t total = 0, data_bytes = 0, hdr_bytes = 0;
+    part *parts = make_parts(&o, &mt, &p, nparts, &total, &data_bytes, &hdr_bytes);
+    if (!parts) return 1;
+    char donef[4300];
+    snprintf(donef, sizeof donef, "%s.partial.done", o.out);
+    const int start = resume_point(donef, parts, nparts, hdr_bytes, &p, o.out);
+    const double t0 = now();
+    if (open_parts(parts, nparts, start) || write_tensors(&p, parts, start, &src, donef, hdr_bytes, nparts, data_bytes) ||
+        finish_parts(parts, nparts, donef))
+        return 1;
     if (nparts > 1)
         fprintf(stderr, "moe-convert: wrote %s .. %s (%d parts, %.3f GB, %d tensors, %s) in %.1f s\n", parts[0].path,
                 parts[nparts - 1].path, nparts, total / 1e9, p.n, mt.arch, now() - t0);
     else
-        fprintf(stderr, "moe-convert: wrote %s (%.3f GB, %d tensors, %s) in %.1f s\n", out, total / 1e9, p.n, mt.arch, now() - t0);
+        fprintf(stderr, "moe-convert: wrote %s (%.3f GB, %d tensors, %s) in %.1f s\n", o.out, total / 1e9, p.n, mt.arch, now() - t0);
     for (int k = 0; k < nparts; k++) free(parts[k].hdr.b);
-    free(parts), free(obuf), free(tmp), free(mt.b.b), free(p.t), free(kinds), free(moes);
+    free(parts), free(mt.b.b), free(p.t), free(kinds), free(moes);
     moe_model_close(src.m);
     return 0;
 }
