@@ -54,96 +54,125 @@ static int parse_size(const char *s, double *out) {
     return 1;
 }
 
-int main(int argc, char **argv) {
-    const char *model = NULL, *config = NULL;
-    double ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE), disk = 2.0, membw = 20.0, gflops = 0, ebv = 0, dbv = 2.0;
-    double dense_budget = -1; /* -1: what fits */
-    int dbv_given = 0;
-    int threads = 1, ctx = 4096, seqs = 16, batch = 512; /* the runtime's chunk in the cache mode planned here */
-    double kv_bytes = 4; /* per cached latent value: f32, 2 with --kv-type bf16, 1 with q8 (and a 16-byte row meta) */
-    int kv_q8 = 0;
+typedef struct {
+    const char *model, *config;
+    double ram, disk, membw, gflops, ebv, dbv, dense_budget; /* dense_budget -1: what fits */
+    int dbv_given, threads, ctx, seqs, batch;
+    double kv_bytes; /* per cached latent value: f32, 2 with --kv-type bf16, 1 with q8 (and a 16-byte row meta) */
+    int kv_q8;
+} options;
+
+/* Parses the command line into o; 0, or usage()'s exit status with *done set. */
+static int parse_args(int argc, char **argv, options *o, int *done) {
+    *o = (options){.ram = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE), .disk = 2.0, .membw = 20.0, .dbv = 2.0,
+                   .dense_budget = -1, .threads = 1, .ctx = 4096, .seqs = 16,
+                   .batch = 512, /* the runtime's chunk in the cache mode planned here */
+                   .kv_bytes = 4};
+    *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
-        if (!strcmp(a, "-m") && more) model = argv[++i];
-        else if (!strcmp(a, "--config") && more) config = argv[++i];
-        else if (!strcmp(a, "--ram") && more) { if (!parse_size(argv[++i], &ram)) return usage("bad --ram"); }
-        else if (!strcmp(a, "--dense-budget") && more) { if (!parse_size(argv[++i], &dense_budget)) return usage("bad --dense-budget"); }
-        else if (!strcmp(a, "--disk-gbps") && more) disk = atof(argv[++i]);
-        else if (!strcmp(a, "--membw-gbps") && more) membw = atof(argv[++i]);
-        else if (!strcmp(a, "--gflops") && more) gflops = atof(argv[++i]);
-        else if (!strcmp(a, "--expert-bytes-per-value") && more) ebv = atof(argv[++i]);
-        else if (!strcmp(a, "--dense-bytes-per-value") && more) dbv = atof(argv[++i]), dbv_given = 1;
-        else if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
-        else if (!strcmp(a, "--ctx") && more) ctx = atoi(argv[++i]);
-        else if (!strcmp(a, "--seqs") && more) seqs = atoi(argv[++i]);
-        else if (!strcmp(a, "--batch") && more) batch = atoi(argv[++i]);
+        if (!strcmp(a, "-m") && more) o->model = argv[++i];
+        else if (!strcmp(a, "--config") && more) o->config = argv[++i];
+        else if (!strcmp(a, "--ram") && more) { if (!parse_size(argv[++i], &o->ram)) return usage("bad --ram"); }
+        else if (!strcmp(a, "--dense-budget") && more) { if (!parse_size(argv[++i], &o->dense_budget)) return usage("bad --dense-budget"); }
+        else if (!strcmp(a, "--disk-gbps") && more) o->disk = atof(argv[++i]);
+        else if (!strcmp(a, "--membw-gbps") && more) o->membw = atof(argv[++i]);
+        else if (!strcmp(a, "--gflops") && more) o->gflops = atof(argv[++i]);
+        else if (!strcmp(a, "--expert-bytes-per-value") && more) o->ebv = atof(argv[++i]);
+        else if (!strcmp(a, "--dense-bytes-per-value") && more) o->dbv = atof(argv[++i]), o->dbv_given = 1;
+        else if (!strcmp(a, "-t") && more) o->threads = atoi(argv[++i]);
+        else if (!strcmp(a, "--ctx") && more) o->ctx = atoi(argv[++i]);
+        else if (!strcmp(a, "--seqs") && more) o->seqs = atoi(argv[++i]);
+        else if (!strcmp(a, "--batch") && more) o->batch = atoi(argv[++i]);
         else if (!strcmp(a, "--kv-type") && more) {
             const char *v = argv[++i];
             if (strcmp(v, "f32") && strcmp(v, "bf16") && strcmp(v, "q8")) return usage("--kv-type is f32, bf16 or q8");
-            kv_bytes = !strcmp(v, "bf16") ? 2 : !strcmp(v, "q8") ? 1 : 4;
-            kv_q8 = !strcmp(v, "q8");
+            o->kv_bytes = !strcmp(v, "bf16") ? 2 : !strcmp(v, "q8") ? 1 : 4;
+            o->kv_q8 = !strcmp(v, "q8");
         }
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }
-    if (!!model == !!config) return usage("give exactly one of -m and --config");
-    if (!(disk > 0) || !(membw > 0) || threads < 1 || ctx < 1 || seqs < 1 || batch < 1) return usage("bad machine description");
-    if (!(gflops > 0)) gflops = 50.0 * threads;
+    if (!!o->model == !!o->config) return usage("give exactly one of -m and --config");
+    if (!(o->disk > 0) || !(o->membw > 0) || o->threads < 1 || o->ctx < 1 || o->seqs < 1 || o->batch < 1) return usage("bad machine description");
+    if (!(o->gflops > 0)) o->gflops = 50.0 * o->threads;
+    *done = 0;
+    return 0;
+}
 
+/* what the plan needs of the model */
+typedef struct {
     moe_config c;
-    static unsigned char kinds[4096], moes[4096];
     double dense_bytes, expert_total, n_params, n_active;
-    moe_model *m = NULL;
+} model_sizes;
+
+/* the exact byte counts of a checkpoint's files; the model stays open (*mp) while z->c is used,
+ * as its layer arrays are the model's */
+static int sizes_of_model(const options *o, model_sizes *z, moe_model **mp) {
     char err[512];
-    if (model) {
-        moe_options o = moe_default_options();
-        o.flags |= MOE_FLAG_NO_REPACK; /* planning reads no weights */
-        moe_status st = moe_model_open(&m, model, &o, err, sizeof err);
-        if (st) { fprintf(stderr, "moe-plan: %s: %s\n", moe_status_str(st), err); return 1; }
-        c = *moe_model_config(m);
-        moe_model_info info = moe_model_get_info(m);
-        expert_total = (double)info.expert_bytes;
-        dense_bytes = (double)info.weight_bytes - expert_total;
-        n_params = (double)info.n_params, n_active = (double)info.n_params_active;
-        /* weights converted at load (--dense-bytes-per-value with -m: the stored dense values are
-         * BF16 in the released checkpoints, 2 bytes each) */
-        if (dbv_given) dense_bytes = dense_bytes / 2.0 * dbv;
-    } else {
-        FILE *f = fopen(config, "rb");
-        if (!f) { fprintf(stderr, "moe-plan: %s: %s\n", config, strerror(errno)); return 1; }
-        char *text = malloc(1 << 22);
-        size_t n = text ? fread(text, 1, (1 << 22) - 1, f) : 0;
-        fclose(f);
-        moe_status st = text ? moe__config_parse(text, n, &c, kinds, moes, err, sizeof err) : MOE_ERR_NOMEM;
-        int mxfp4 = text && strstr(text, "mxfp4") != NULL;
-        free(text);
-        if (st) { fprintf(stderr, "moe-plan: %s: %s\n", config, err); return 1; }
-        /* parameter counts from the shapes of spec/MODEL.md section 2 */
-        const double d = c.hidden_size, V = c.vocab_size, HD = (double)c.kda_heads * c.kda_head_dim, D = c.kda_head_dim;
-        const double de = c.latent_dim ? c.latent_dim : d, Ie = c.moe_intermediate_size, E = c.n_experts;
-        double dense = 2 * V * d + d, experts = 0;
-        for (int l = 0; l < c.n_layers; l++) {
-            dense += 2 * d + (c.attn_res_block ? 4 * d : 0);
-            if (c.layer_kind[l] == MOE_LAYER_KDA)
-                dense += 3 * HD * d + 3 * HD * c.conv_kernel + D * d + HD * D + c.kda_heads * d + 2 * HD + D + d * HD +
-                         (c.kda_full_rank_gate ? HD * d : D * d + HD * D);
-            else {
-                const double H = c.mla_heads, dq = c.qk_nope_dim + c.qk_rope_dim;
-                dense += (c.q_lora_rank ? c.q_lora_rank * d + c.q_lora_rank + H * dq * c.q_lora_rank : H * dq * d) +
-                         (c.kv_lora_rank + c.qk_rope_dim) * d + c.kv_lora_rank + H * (c.qk_nope_dim + c.v_head_dim) * c.kv_lora_rank +
-                         (c.mla_output_gate ? H * c.v_head_dim * d : 0) + d * H * c.v_head_dim;
-            }
-            if (!c.layer_moe[l]) { dense += 3.0 * c.intermediate_size * d; continue; }
-            dense += E * d + E + (c.latent_dim ? 2 * de * d + de : 0) + 3.0 * c.n_shared * Ie * d;
-            experts += E * 3 * Ie * de;
+    moe_model *m = NULL;
+    moe_options mo = moe_default_options();
+    mo.flags |= MOE_FLAG_NO_REPACK; /* planning reads no weights */
+    moe_status st = moe_model_open(&m, o->model, &mo, err, sizeof err);
+    if (st) return fprintf(stderr, "moe-plan: %s: %s\n", moe_status_str(st), err), 1;
+    z->c = *moe_model_config(m);
+    moe_model_info info = moe_model_get_info(m);
+    z->expert_total = (double)info.expert_bytes;
+    z->dense_bytes = (double)info.weight_bytes - z->expert_total;
+    z->n_params = (double)info.n_params, z->n_active = (double)info.n_params_active;
+    /* weights converted at load (--dense-bytes-per-value with -m: the stored dense values are
+     * BF16 in the released checkpoints, 2 bytes each) */
+    if (o->dbv_given) z->dense_bytes = z->dense_bytes / 2.0 * o->dbv;
+    *mp = m;
+    return 0;
+}
+
+/* parameter counts from a config alone, by the shapes of spec/MODEL.md section 2 */
+static int sizes_of_config(options *o, model_sizes *z) {
+    static unsigned char kinds[4096], moes[4096];
+    char err[512];
+    FILE *f = fopen(o->config, "rb");
+    if (!f) return fprintf(stderr, "moe-plan: %s: %s\n", o->config, strerror(errno)), 1;
+    char *text = malloc(1 << 22);
+    size_t n = text ? fread(text, 1, (1 << 22) - 1, f) : 0;
+    fclose(f);
+    moe_status st = text ? moe__config_parse(text, n, &z->c, kinds, moes, err, sizeof err) : MOE_ERR_NOMEM;
+    int mxfp4 = text && strstr(text, "mxfp4") != NULL;
+    free(text);
+    if (st) return fprintf(stderr, "moe-plan: %s: %s\n", o->config, err), 1;
+    const moe_config c = z->c;
+    const double d = c.hidden_size, V = c.vocab_size, HD = (double)c.kda_heads * c.kda_head_dim, D = c.kda_head_dim;
+    const double de = c.latent_dim ? c.latent_dim : d, Ie = c.moe_intermediate_size, E = c.n_experts;
+    double dense = 2 * V * d + d, experts = 0;
+    for (int l = 0; l < c.n_layers; l++) {
+        dense += 2 * d + (c.attn_res_block ? 4 * d : 0);
+        if (c.layer_kind[l] == MOE_LAYER_KDA)
+            dense += 3 * HD * d + 3 * HD * c.conv_kernel + D * d + HD * D + c.kda_heads * d + 2 * HD + D + d * HD +
+                     (c.kda_full_rank_gate ? HD * d : D * d + HD * D);
+        else {
+            const double H = c.mla_heads, dq = c.qk_nope_dim + c.qk_rope_dim;
+            dense += (c.q_lora_rank ? c.q_lora_rank * d + c.q_lora_rank + H * dq * c.q_lora_rank : H * dq * d) +
+                     (c.kv_lora_rank + c.qk_rope_dim) * d + c.kv_lora_rank + H * (c.qk_nope_dim + c.v_head_dim) * c.kv_lora_rank +
+                     (c.mla_output_gate ? H * c.v_head_dim * d : 0) + d * H * c.v_head_dim;
         }
-        if (!(ebv > 0)) ebv = mxfp4 ? 17.0 / 32.0 : 2.0;
-        n_params = dense + experts;
-        n_active = dense + (E ? experts / E * c.n_active : 0);
-        dense_bytes = dense * dbv;
-        expert_total = experts * ebv;
+        if (!c.layer_moe[l]) { dense += 3.0 * c.intermediate_size * d; continue; }
+        dense += E * d + E + (c.latent_dim ? 2 * de * d + de : 0) + 3.0 * c.n_shared * Ie * d;
+        experts += E * 3 * Ie * de;
     }
+    if (!(o->ebv > 0)) o->ebv = mxfp4 ? 17.0 / 32.0 : 2.0;
+    z->n_params = dense + experts;
+    z->n_active = dense + (E ? experts / E * c.n_active : 0);
+    z->dense_bytes = dense * o->dbv;
+    z->expert_total = experts * o->ebv;
+    return 0;
+}
+
+/* what stays resident, what streams and what caches experts, and the speed that follows */
+static void print_plan(const options *o, const model_sizes *z) {
+    const moe_config c = z->c;
+    const double ram = o->ram, dense_bytes = z->dense_bytes, expert_total = z->expert_total, dbv = o->dbv, kv_bytes = o->kv_bytes;
+    const int threads = o->threads, ctx = o->ctx, seqs = o->seqs, batch = o->batch, kv_q8 = o->kv_q8;
     int n_moe = 0, n_kda = 0, n_mla = 0;
     for (int l = 0; l < c.n_layers; l++) n_moe += c.layer_moe[l], n_kda += c.layer_kind[l] == MOE_LAYER_KDA, n_mla += c.layer_kind[l] != MOE_LAYER_KDA;
     const double E = c.n_experts, k = c.n_active, one_expert = n_moe && E ? expert_total / (n_moe * E) : 0;
@@ -163,7 +192,7 @@ int main(int argc, char **argv) {
     const double fixed = (double)c.vocab_size * c.hidden_size * dbv + (double)n_moe * c.n_experts * c.hidden_size * dbv;
     const double layer_dense = dense_bytes - embed - fixed > 0 ? dense_bytes - embed - fixed : 0;
     const double min_cache = threads * one_expert + 2 * layer_dense / c.n_layers; /* a step's experts, this layer and the next */
-    double dense_res = dense_budget >= 0 ? dense_budget : ram - reserve - fixed - state_per_seq * seqs - working - min_cache;
+    double dense_res = o->dense_budget >= 0 ? o->dense_budget : ram - reserve - fixed - state_per_seq * seqs - working - min_cache;
     dense_res = dense_res < 0 ? 0 : dense_res > layer_dense ? layer_dense : dense_res;
     const double streamed = layer_dense - dense_res;
     const double resident = fixed + dense_res + state_per_seq * seqs + working;
@@ -171,10 +200,10 @@ int main(int argc, char **argv) {
     const double f = expert_total > 0 ? (cache < expert_total ? cache / expert_total : 1.0) : 1.0;
 
     printf("model: %d layers (%d KDA, %d MLA), %d MoE layers, %d experts top-%d; %.1f B parameters, %.2f B active per token\n",
-           c.n_layers, n_kda, n_mla, n_moe, c.n_experts, c.n_active, n_params / 1e9, n_active / 1e9);
+           c.n_layers, n_kda, n_mla, n_moe, c.n_experts, c.n_active, z->n_params / 1e9, z->n_active / 1e9);
     printf("bytes: dense %.2f GB, experts %.2f GB (%.2f MB each), state %.3f GB per sequence at %d tokens\n", dense_bytes / 1e9,
            expert_total / 1e9, one_expert / 1e6, state_per_seq / 1e9, ctx);
-    printf("machine: RAM %.1f GB, disk %.2f GB/s, memory %.1f GB/s, %.0f GFLOP/s (%d threads)\n", ram / 1e9, disk, membw, gflops, threads);
+    printf("machine: RAM %.1f GB, disk %.2f GB/s, memory %.1f GB/s, %.0f GFLOP/s (%d threads)\n", ram / 1e9, o->disk, o->membw, o->gflops, threads);
     if (resident + reserve + min_cache > ram)
         printf("plan: what stays resident (%.1f GB) leaves no room for a step's expert cache: not planned further\n", resident / 1e9);
     printf("plan: resident %.2f GB (dense weights but the mapped embedding and streamed layers, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
@@ -194,7 +223,7 @@ int main(int argc, char **argv) {
         const double touched = dense_bytes - embed + n_moe * distinct * one_expert + N * attn_bytes;
         /* compute: the bytes touched at memory speed, or the multiply-adds of N tokens (weights
          * and attention at position ctx) at the machine's throughput when that is longer */
-        const double io = read / (disk * 1e9), comp = fmax(touched / (membw * 1e9), (2 * n_active + attn_flops) * N / (gflops * 1e9));
+        const double io = read / (o->disk * 1e9), comp = fmax(touched / (o->membw * 1e9), (2 * z->n_active + attn_flops) * N / (o->gflops * 1e9));
         printf("decode, %d sequence%s: %.2f GB read per step (%.0f experts per MoE layer), io %.3f s + compute %.3f s: "
                "%.3f s/token serial, %.3f s/token overlapped (%.2f / %.2f tok/s aggregate)\n",
                ns[i], N > 1 ? "s in lockstep" : "", read / 1e9, distinct, io, comp, (io + comp) / N, (io > comp ? io : comp) / N,
@@ -202,9 +231,19 @@ int main(int argc, char **argv) {
     }
     const double T = batch, dT = E ? E * (1 - pow(1 - k / E, T)) : 0;
     const double pread = n_moe * dT * one_expert * (1 - f) + streamed;
-    const double pio = pread / (disk * 1e9), pcomp = 2 * n_active * T / (gflops * 1e9);
+    const double pio = pread / (o->disk * 1e9), pcomp = 2 * z->n_active * T / (o->gflops * 1e9);
     printf("prefill, %d-token chunk: %.2f GB read (%.0f experts per MoE layer), io %.2f s + compute %.2f s: %.1f tok/s serial, %.1f overlapped\n",
            batch, pread / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
+}
+
+int main(int argc, char **argv) {
+    options o;
+    int stop, rc = parse_args(argc, argv, &o, &stop);
+    if (stop) return rc;
+    model_sizes z;
+    moe_model *m = NULL;
+    if (o.model ? sizes_of_model(&o, &z, &m) : sizes_of_config(&o, &z)) return 1;
+    print_plan(&o, &z);
     moe_model_close(m);
     return 0;
 }
