@@ -461,156 +461,197 @@ static int stream_bench(const char *model, int argc, char **argv) {
     return 0;
 }
 
-int main(int argc, char **argv) {
+typedef struct {
     const char *models[16];
-    int n_models = 0, threads[8] = {1, 2}, n_threads = 2, depths[8] = {0, 4096}, n_depths = 2;
-    int n_decode = 16, n_prefill = 512, reps = 3, kv_type = MOE_KV_F32, n_batch = 0;
-    unsigned flags = 0;
-    const char *kernels = NULL;
+    int n_models, threads[8], n_threads, depths[8], n_depths;
+    int n_decode, n_prefill, reps, kv_type, n_batch;
+    unsigned flags;
+    const char *kernels;
+} options;
+
+/* Parses the command line into o; 0, or usage()'s exit status with *done set. */
+static int parse_args(int argc, char **argv, options *o, int *done) {
+    *o = (options){.threads = {1, 2}, .n_threads = 2, .depths = {0, 4096}, .n_depths = 2, .n_decode = 16, .n_prefill = 512, .reps = 3,
+                   .kv_type = MOE_KV_F32};
+    *done = 1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int more = i + 1 < argc;
+        if (!strcmp(a, "-m") && more && o->n_models < 16) o->models[o->n_models++] = argv[++i];
+        else if (!strcmp(a, "-t") && more) { if ((o->n_threads = parse_list(argv[++i], o->threads, 8)) < 1) return usage("bad -t"); }
+        else if (!strcmp(a, "--depth") && more) { if ((o->n_depths = parse_list(argv[++i], o->depths, 8)) < 1) return usage("bad --depth"); }
+        else if (!strcmp(a, "-n") && more) o->n_decode = atoi(argv[++i]);
+        else if (!strcmp(a, "--prefill") && more) o->n_prefill = atoi(argv[++i]);
+        else if (!strcmp(a, "--reps") && more) o->reps = atoi(argv[++i]);
+        else if (!strcmp(a, "--kernels") && more) o->kernels = argv[++i];
+        else if (!strcmp(a, "--batch") && more) { if ((o->n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
+        else if (!strcmp(a, "--kv-type") && more) {
+            if ((o->kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
+        } else if (!strcmp(a, "--mxfp4") && more) {
+            const int int8 = parse_mxfp4(argv[++i]);
+            if (int8 < 0) return usage("--mxfp4 is f32 or int8");
+            o->flags = int8 ? o->flags | MOE_FLAG_MXFP4_INT8 : o->flags & ~(unsigned)MOE_FLAG_MXFP4_INT8;
+        } else if (!strcmp(a, "--act") && more) {
+            const int act16 = parse_act(argv[++i]);
+            if (act16 < 0) return usage("--act is 8 or 16");
+            o->flags = act16 ? o->flags | MOE_FLAG_ACT16 : o->flags & ~(unsigned)MOE_FLAG_ACT16;
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
+        else return usage("unknown or incomplete argument");
+    }
+    if (!o->n_models || o->n_decode < 1 || o->n_prefill < 1 || o->reps < 1) return usage("need -m MODEL");
+    *done = 0;
+    return 0;
+}
+
+/* One model on t threads: what every depth's line needs */
+typedef struct {
+    const options *o;
+    moe_model *m;
+    const moe_config *c;
+    moe_model_info info;
+    moe_session *s;
+    int32_t *ids; /* random ids, as many as the context */
+    float *logits;
+    bw_buffer *probe;
+    const char *name; /* the model path's last part */
+    int t;
+    double pf, peak; /* best prefill tok/s; the int8 peak */
+    char err[512];
+} bench;
+
+/* prefill: the best of reps */
+static int best_prefill(bench *b) {
+    for (int r = 0; r < b->o->reps; r++) {
+        moe_session_reset(b->s);
+        moe_seq q = {.s = b->s, .tokens = b->ids, .n = b->o->n_prefill, .logits = b->logits};
+        double t0 = now();
+        if (moe_step(b->m, &q, 1, NULL, b->err, sizeof b->err)) return fprintf(stderr, "moe-bench: %s\n", b->err), 1;
+        double tps = b->o->n_prefill / (now() - t0);
+        b->pf = tps > b->pf ? tps : b->pf;
+    }
+    return 0;
+}
+
+/* Decode at context depth `depth`: one JSON line. The bandwidth swings within seconds on a
+ * shared VM (30 to 67 GB/s seen), so one figure before a whole decode can be far from the one it
+ * ran at. Decode runs in stretches of DECODE_STRETCH tokens with a bandwidth probe between each
+ * two; a stretch's roofline time is its bytes over the better probe beside it, and the fraction is
+ * the sum of those over the sum of the stretches' times. */
+static int decode_at_depth(bench *b, int depth, double ops_per_token, double kda_state_bytes, int n_mla) {
+    const options *o = b->o;
+    const int t = b->t, n_decode = o->n_decode;
+    moe_session_reset(b->s);
+    if (depth) {
+        moe_seq q = {.s = b->s, .tokens = b->ids, .n = depth};
+        if (moe_step(b->m, &q, 1, NULL, b->err, sizeof b->err)) return fprintf(stderr, "moe-bench: %s\n", b->err), 1;
+    }
+    moe_step_stats ss;
+    moe_seq q0 = {.s = b->s, .tokens = b->ids + depth, .n = 1, .logits = b->logits}; /* warm-up token */
+    if (moe_step(b->m, &q0, 1, &ss, b->err, sizeof b->err)) return fprintf(stderr, "moe-bench: %s\n", b->err), 1;
+    double bw_before = membw(b->probe, t, PROBE_PASSES);
+    double roof_s = 0, time_s = 0, bytes = 0, bw_lo = bw_before, bw_hi = bw_before;
+    for (int k = 1; k <= n_decode; k += DECODE_STRETCH) {
+        const int nk = n_decode - k + 1 < DECODE_STRETCH ? n_decode - k + 1 : DECODE_STRETCH;
+        double stretch_bytes = 0;
+        const double t0 = now();
+        for (int j = 0; j < nk; j++) {
+            moe_seq q = {.s = b->s, .tokens = b->ids + depth + k + j, .n = 1, .logits = b->logits};
+            if (moe_step(b->m, &q, 1, &ss, b->err, sizeof b->err)) return fprintf(stderr, "moe-bench: %s\n", b->err), 1;
+            /* the token at position p reads the KDA states and p + 1 cached MLA rows */
+            stretch_bytes += (double)b->info.dense_bytes_per_token + (double)ss.expert_bytes + kda_state_bytes +
+                             (double)n_mla * (depth + k + j + 1) * kv_row_bytes(b->c, o->kv_type);
+        }
+        time_s += now() - t0;
+        const double bw_after = membw(b->probe, t, PROBE_PASSES);
+        const double bw = bw_after > bw_before ? bw_after : bw_before;
+        roof_s += stretch_bytes / (bw * 1e9), bytes += stretch_bytes;
+        bw_lo = bw_after < bw_lo ? bw_after : bw_lo, bw_hi = bw_after > bw_hi ? bw_after : bw_hi;
+        bw_before = bw_after;
+    }
+    const double bw = bytes / roof_s / 1e9; /* the bandwidth the whole decode is taken against */
+    fprintf(stderr, "moe-bench: %d thread(s), depth %d: memory read %.1f GB/s (probes %.1f to %.1f)\n", t, depth, bw, bw_lo, bw_hi);
+    printf("{\"model\": \"%s\", \"format\": \"%s\", \"kernels\": \"%s\", \"kv_type\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
+           "\"membw_min_gbps\": %.2f, \"membw_max_gbps\": %.2f, \"decode_tok_s\": %.3f, \"decode_bytes_per_token\": %.0f, \"decode_roofline_frac\": %.3f, "
+           "\"prefill_tok_s\": %.2f, \"prefill_tokens\": %d, \"int8_peak_gops\": %.1f, \"prefill_peak_frac\": %.3f}\n",
+           b->name, b->info.weight_type, b->info.kernels, o->kv_type == MOE_KV_Q8 ? "q8" : o->kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw,
+           bw_lo, bw_hi, n_decode / time_s, bytes / n_decode, roof_s / time_s, b->pf, o->n_prefill, b->peak / 1e9, b->pf * ops_per_token / b->peak);
+    fflush(stdout);
+    return 0;
+}
+
+/* Model path on t threads: the int8 peak before and after the prefill (the better counts), the best
+ * prefill, then a line per depth. */
+static int bench_model(const options *o, const char *path, int t, const moe__kernels *picked, bw_buffer *probe) {
+    bench b = {.o = o, .probe = probe, .t = t};
+    b.name = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
+    b.peak = int8_peak(picked, t);
+    fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak %.1f Gop/s\n", t, b.peak / 1e9);
+    moe_options mo = moe_default_options();
+    mo.n_threads = t;
+    mo.kv_type = o->kv_type;
+    mo.flags |= o->flags;
+    mo.kernels = o->kernels;
+    if (o->n_batch) mo.n_batch = o->n_batch;
+    moe_status st = moe_model_open(&b.m, path, &mo, b.err, sizeof b.err);
+    if (st) return fprintf(stderr, "moe-bench: %s: %s\n", moe_status_str(st), b.err), 1;
+    const moe_config *c = b.c = moe_model_config(b.m);
+    b.info = moe_model_get_info(b.m);
+    int maxd = 0;
+    for (int d = 0; d < o->n_depths; d++) maxd = o->depths[d] > maxd ? o->depths[d] : maxd;
+    const int ctx = (maxd > o->n_prefill ? maxd : o->n_prefill) + o->n_decode + 1;
+    b.ids = malloc(sizeof(int32_t) * (size_t)ctx);
+    b.logits = malloc(sizeof(float) * (size_t)c->vocab_size);
+    uint64_t rng = 12345;
+    for (int i = 0; b.ids && i < ctx; i++) {
+        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+        b.ids[i] = (int32_t)(rng % (uint64_t)c->vocab_size);
+    }
+    int rc = !b.ids || !b.logits ? fprintf(stderr, "moe-bench: out of memory\n") > 0 : 0;
+    if (!rc && moe_session_new(&b.s, b.m, ctx, b.err, sizeof b.err)) rc = fprintf(stderr, "moe-bench: %s\n", b.err) > 0;
+    if (!rc) rc = best_prefill(&b);
+    if (!rc) {
+        /* the peak drifts too (440 to 670 Gop/s within minutes on one VM): the better of the
+         * figures before and after the prefill */
+        const double peak_after = int8_peak(picked, t);
+        fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak after the prefill %.1f Gop/s\n", t, peak_after / 1e9);
+        if (peak_after > b.peak) b.peak = peak_after;
+    }
+    /* active parameters (2 ops each): everything a token touches but the embedding */
+    const double ops_per_token = 2.0 * ((double)b.info.n_params_active - (double)c->vocab_size * c->hidden_size);
+    int n_kda = 0, n_mla = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (c->layer_kind[l] == MOE_LAYER_KDA) n_kda++;
+        else n_mla++;
+    }
+    /* each KDA layer reads and writes its f32 state once a token */
+    const double kda_state_bytes = (double)n_kda * c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4 * 2;
+    for (int di = 0; di < o->n_depths && !rc; di++) rc = decode_at_depth(&b, o->depths[di], ops_per_token, kda_state_bytes, n_mla);
+    moe_session_free(b.s);
+    free(b.ids), free(b.logits);
+    moe_model_close(b.m);
+    return rc;
+}
+
+int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--stream")) {
             for (int j = 1; j + 1 < argc; j++)
                 if (!strcmp(argv[j], "-m")) return stream_bench(argv[j + 1], argc, argv);
             return usage("--stream needs -m DIR");
         }
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        int more = i + 1 < argc;
-        if (!strcmp(a, "-m") && more && n_models < 16) models[n_models++] = argv[++i];
-        else if (!strcmp(a, "-t") && more) { if ((n_threads = parse_list(argv[++i], threads, 8)) < 1) return usage("bad -t"); }
-        else if (!strcmp(a, "--depth") && more) { if ((n_depths = parse_list(argv[++i], depths, 8)) < 1) return usage("bad --depth"); }
-        else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
-        else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
-        else if (!strcmp(a, "--reps") && more) reps = atoi(argv[++i]);
-        else if (!strcmp(a, "--kernels") && more) kernels = argv[++i];
-        else if (!strcmp(a, "--batch") && more) { if ((n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
-        else if (!strcmp(a, "--kv-type") && more) {
-            if ((kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
-        } else if (!strcmp(a, "--mxfp4") && more) {
-            const int int8 = parse_mxfp4(argv[++i]);
-            if (int8 < 0) return usage("--mxfp4 is f32 or int8");
-            flags = int8 ? flags | MOE_FLAG_MXFP4_INT8 : flags & ~(unsigned)MOE_FLAG_MXFP4_INT8;
-        } else if (!strcmp(a, "--act") && more) {
-            const int act16 = parse_act(argv[++i]);
-            if (act16 < 0) return usage("--act is 8 or 16");
-            flags = act16 ? flags | MOE_FLAG_ACT16 : flags & ~(unsigned)MOE_FLAG_ACT16;
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
-        else return usage("unknown or incomplete argument");
-    }
-    if (!n_models || n_decode < 1 || n_prefill < 1 || reps < 1) return usage("need -m MODEL");
+    options o;
+    int stop, rc = parse_args(argc, argv, &o, &stop);
+    if (stop) return rc;
     moe__kernels picked; /* the set the models run: --kernels, or the CPU's best */
     char have[160];
-    if (moe__kernels_pick(&picked, 0, kernels, have, sizeof have)) {
-        fprintf(stderr, "moe-bench: --kernels %s: this CPU runs %s\n", kernels, have);
+    if (moe__kernels_pick(&picked, 0, o.kernels, have, sizeof have)) {
+        fprintf(stderr, "moe-bench: --kernels %s: this CPU runs %s\n", o.kernels, have);
         return 2;
     }
     bw_buffer probe;
     if (bw_buffer_new(&probe, PROBE_BYTES)) { fprintf(stderr, "moe-bench: no memory for the bandwidth probe\n"); return 1; }
-    for (int mi = 0; mi < n_models; mi++)
-        for (int ti = 0; ti < n_threads; ti++) {
-            const int t = threads[ti] < 1 ? 1 : threads[ti];
-            double peak = int8_peak(&picked, t);
-            fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak %.1f Gop/s\n", t, peak / 1e9);
-            char err[512];
-            moe_options o = moe_default_options();
-            o.n_threads = t;
-            o.kv_type = kv_type;
-            o.flags |= flags;
-            o.kernels = kernels;
-            if (n_batch) o.n_batch = n_batch;
-            moe_model *m;
-            moe_status st = moe_model_open(&m, models[mi], &o, err, sizeof err);
-            if (st) {
-                fprintf(stderr, "moe-bench: %s: %s\n", moe_status_str(st), err);
-                return 1;
-            }
-            const moe_config *c = moe_model_config(m);
-            moe_model_info info = moe_model_get_info(m);
-            int maxd = 0;
-            for (int d = 0; d < n_depths; d++) maxd = depths[d] > maxd ? depths[d] : maxd;
-            const int ctx = (maxd > n_prefill ? maxd : n_prefill) + n_decode + 1;
-            int32_t *ids = malloc(sizeof(int32_t) * (size_t)ctx);
-            uint64_t rng = 12345;
-            for (int i = 0; i < ctx; i++) {
-                rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-                ids[i] = (int32_t)(rng % (uint64_t)c->vocab_size);
-            }
-            float *logits = malloc(sizeof(float) * (size_t)c->vocab_size);
-            moe_session *s;
-            if (moe_session_new(&s, m, ctx, err, sizeof err)) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
-            /* prefill: best of reps */
-            double pf = 0;
-            for (int r = 0; r < reps; r++) {
-                moe_session_reset(s);
-                moe_seq q = {.s = s, .tokens = ids, .n = n_prefill, .logits = logits};
-                double t0 = now();
-                if ((st = moe_step(m, &q, 1, NULL, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
-                double tps = n_prefill / (now() - t0);
-                pf = tps > pf ? tps : pf;
-            }
-            /* the peak drifts too (440 to 670 Gop/s within minutes on this project's VM): the
-             * better of the figures before and after the prefill */
-            const double peak_after = int8_peak(&picked, t);
-            fprintf(stderr, "moe-bench: %d thread(s): int8 kernel peak after the prefill %.1f Gop/s\n", t, peak_after / 1e9);
-            if (peak_after > peak) peak = peak_after;
-            /* active parameters (2 ops each): everything a token touches but the embedding */
-            const double ops_per_token = 2.0 * ((double)info.n_params_active - (double)c->vocab_size * c->hidden_size);
-            int n_kda = 0, n_mla = 0;
-            for (int l = 0; l < c->n_layers; l++) {
-                if (c->layer_kind[l] == MOE_LAYER_KDA) n_kda++;
-                else n_mla++;
-            }
-            /* each KDA layer reads and writes its f32 state once a token */
-            const double kda_state_bytes = (double)n_kda * c->kda_heads * c->kda_head_dim * c->kda_head_dim * 4 * 2;
-            for (int di = 0; di < n_depths; di++) {
-                const int depth = depths[di];
-                moe_session_reset(s);
-                if (depth) {
-                    moe_seq q = {.s = s, .tokens = ids, .n = depth};
-                    if ((st = moe_step(m, &q, 1, NULL, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
-                }
-                /* The bandwidth swings within seconds on a shared VM (30 to 67 GB/s seen), so one
-                 * figure before a whole decode can be far from the one it ran at. Decode runs in
-                 * stretches of DECODE_STRETCH tokens with a bandwidth probe between each two; a
-                 * stretch's roofline time is its bytes over the better probe beside it, and the
-                 * fraction is the sum of those over the sum of the stretches' times. */
-                moe_step_stats ss;
-                moe_seq q0 = {.s = s, .tokens = ids + depth, .n = 1, .logits = logits}; /* warm-up token */
-                if ((st = moe_step(m, &q0, 1, &ss, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
-                double bw_before = membw(&probe, t, PROBE_PASSES);
-                double roof_s = 0, time_s = 0, bytes = 0, bw_lo = bw_before, bw_hi = bw_before;
-                for (int k = 1; k <= n_decode; k += DECODE_STRETCH) {
-                    const int nk = n_decode - k + 1 < DECODE_STRETCH ? n_decode - k + 1 : DECODE_STRETCH;
-                    double stretch_bytes = 0;
-                    const double t0 = now();
-                    for (int j = 0; j < nk; j++) {
-                        moe_seq q = {.s = s, .tokens = ids + depth + k + j, .n = 1, .logits = logits};
-                        if ((st = moe_step(m, &q, 1, &ss, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
-                        /* the token at position p reads the KDA states and p + 1 cached MLA rows */
-                        stretch_bytes += (double)info.dense_bytes_per_token + (double)ss.expert_bytes + kda_state_bytes +
-                                         (double)n_mla * (depth + k + j + 1) * kv_row_bytes(c, kv_type);
-                    }
-                    time_s += now() - t0;
-                    const double bw_after = membw(&probe, t, PROBE_PASSES);
-                    const double bw = bw_after > bw_before ? bw_after : bw_before;
-                    roof_s += stretch_bytes / (bw * 1e9), bytes += stretch_bytes;
-                    bw_lo = bw_after < bw_lo ? bw_after : bw_lo, bw_hi = bw_after > bw_hi ? bw_after : bw_hi;
-                    bw_before = bw_after;
-                }
-                const double bw = bytes / roof_s / 1e9; /* the bandwidth the whole decode is taken against */
-                fprintf(stderr, "moe-bench: %d thread(s), depth %d: memory read %.1f GB/s (probes %.1f to %.1f)\n", t, depth, bw, bw_lo, bw_hi);
-                const char *name = strrchr(models[mi], '/') ? strrchr(models[mi], '/') + 1 : models[mi];
-                printf("{\"model\": \"%s\", \"format\": \"%s\", \"kernels\": \"%s\", \"kv_type\": \"%s\", \"threads\": %d, \"depth\": %d, \"membw_read_gbps\": %.2f, "
-                       "\"membw_min_gbps\": %.2f, \"membw_max_gbps\": %.2f, \"decode_tok_s\": %.3f, \"decode_bytes_per_token\": %.0f, \"decode_roofline_frac\": %.3f, "
-                       "\"prefill_tok_s\": %.2f, \"prefill_tokens\": %d, \"int8_peak_gops\": %.1f, \"prefill_peak_frac\": %.3f}\n",
-                       name, info.weight_type, info.kernels, kv_type == MOE_KV_Q8 ? "q8" : kv_type == MOE_KV_BF16 ? "bf16" : "f32", t, depth, bw, bw_lo, bw_hi, n_decode / time_s, bytes / n_decode, roof_s / time_s, pf, n_prefill, peak / 1e9,
-                       pf * ops_per_token / peak);
-                fflush(stdout);
-            }
-            moe_session_free(s);
-            free(ids), free(logits);
-            moe_model_close(m);
-        }
+    for (int mi = 0; mi < o.n_models && !rc; mi++)
+        for (int ti = 0; ti < o.n_threads && !rc; ti++) rc = bench_model(&o, o.models[mi], o.threads[ti] < 1 ? 1 : o.threads[ti], &picked, &probe);
     free(probe.a);
-    return 0;
+    return rc;
 }
