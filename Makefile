@@ -61,7 +61,7 @@ test-scalar:
 
 # test-avxvnni-evex: the suite with the AVX-VNNI level's kernels built in the EVEX encoding and
 # offered on AVX-512 VNNI CPUs (-DMOE_AVXVNNI_AS_EVEX), in build-avxvnni-evex/: their logic checked
-# on a machine without AVX-VNNI (such as this project's Zen 4 VM; qemu lacks it too)
+# on a machine without AVX-VNNI (such as a Zen 4; qemu lacks it too)
 test-avxvnni-evex:
 	$(MAKE) --no-print-directory BUILD=build-avxvnni-evex EXTRA_CFLAGS=-DMOE_AVXVNNI_AS_EVEX test
 

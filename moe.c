@@ -2188,7 +2188,7 @@ static int x8_type(const moe_model *m, const moe__weight *w) {
  * none (Q4_1, Q5_0, Q5_1, IQ4_NL; the k-quants and IQ4_XS where the level has no
  * interleaved kernels) their own, a plain copy into the same huge-page RAM
  * (read through the file mapping's 4 KB pages, a Q4_0 decode token took 2.6x as long as
- * interleaved: bench/RESULTS.md, session 26); -1: it stays where it is */
+ * interleaved: bench/RESULTS.md, "2026-12-01: GGUF files in llama-quantize's formats"); -1: it stays where it is */
 static int placed_type(const moe_model *m, const moe__weight *w) {
     const int to = x8_type(m, w);
     if (to >= 0) return to;
@@ -2197,7 +2197,7 @@ static int placed_type(const moe_model *m, const moe__weight *w) {
 
 /* Where repack_weights puts the interleaved matrices: one allocation for all of them, filled in
  * load order, in transparent huge pages where the system gives them (Linux, THP not "never").
- * On this project's Zen 4 machine (a virtual machine, where every TLB miss walks two page tables)
+ * On a Zen 4 virtual machine (where every TLB miss walks two page tables)
  * a decode token over weights in such a block ran 9% faster than over the same weights in one
  * allocation per matrix, 5% faster than in one block of 4 KB pages (the same process, tokens
  * alternating between copies; bench/RESULTS.md). */
@@ -2271,7 +2271,8 @@ static moe_status each_repackable(moe_model *m, repack_fn fn, void *ud, const ch
         }
         /* gate (w1) and up (w3) side by side: decode's first expert loop reads them one after the
          * other, so a thread's share streams on from one into the next without a new start (0.98-1.0
-         * of the time a token against w1, w2, w3: bench/RESULTS.md, session 23) */
+         * of the time a token against w1, w2, w3: bench/RESULTS.md, "2026-12-01: on Intel the decode kernels
+         * prefetch into L2") */
         for (int e = 0; L->experts && !m->opt.expert_mode && e < m->cfg.n_experts && !st; e++) {
             st = fn(m, &L->experts[e].w1, 1, ud);
             if (!st) st = fn(m, &L->experts[e].w3, 1, ud);
@@ -2793,7 +2794,7 @@ static size_t unit_kx8_layout(const moe_model *m, const moe__weight *const *w, i
 /* the buffer size an entry for the unit needs (expert: a routed expert's, which unit_repack
  * interleaves): what is read, or the interleaved layout where larger, rounded up to whole huge
  * pages when that adds at most an eighth (the kernels streamed a cached expert 13-15% faster from
- * huge pages, bench/RESULTS.md session 30; a unit's 4 KB-page tail still costs TLB misses) */
+ * huge pages, bench/RESULTS.md "2026-12-02: sampling without a full sort"; a unit's 4 KB-page tail still costs TLB misses) */
 static size_t unit_bytes(const moe_model *m, const moe__weight *const *w, int nw, int expert) {
     size_t off[UNIT_MAX], new_off[UNIT_MAX], bytes = 0;
     int to[UNIT_MAX], order[UNIT_MAX];
@@ -3291,10 +3292,10 @@ static void dense_put(const moe_model *m, int li) {
  * threads, p giving its number (p->me) and their count (p->nth), and par_barrier(p) waits for
  * all of them. A decode step runs ~270 such loops a token (products, KDA heads, MLA), each tens
  * of microseconds long, and opening and closing an OpenMP region costs 0.6 us with 2 threads and
- * 5 us with 16 (libgomp on this project's machines, bench/RESULTS.md). So forward() opens one
- * region for the whole step (step_team): thread 0 runs the step and posts each loop to the
- * others, which poll for it (as libgomp's own threads do between regions) and report when their
- * share is done: 0.1-0.3 us with 2 threads, 2-3 us with 16. Decode tokens were 3-4% faster with
+ * 5 us with 16 (libgomp on a Zen 4 and a Xeon VM, bench/RESULTS.md "2026-12-01: one team of
+ * threads a step"). So forward() opens one region for the whole step (step_team): thread 0 runs
+ * the step and posts each loop to the others, which poll for it (as libgomp's own threads do
+ * between regions) and report when their share is done: 0.1-0.3 us with 2 threads, 2-3 us with 16. Decode tokens were 3-4% faster with
  * 16 threads, 2% with 8, about 1% with 2 (in-process A/B, same logits). Without a team (the
  * expert cache's steps, more threads than processors, no OpenMP or no C11 atomics) each par_run
  * is an OpenMP region of its own, or a plain call. A par_run inside another's fn runs on its
@@ -4810,11 +4811,12 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     float *sh = c->n_shared ? malloc(sizeof(float) * (size_t)n * d) : NULL;
     if (c->n_shared && !sh) { st = MOE_ERR_NOMEM; goto done; }
     if (rows_split) st = experts_by_rows(m, L, cnt, rows, xe, n, de, Ie, eb, x, sh);
-    /* On the rows_split path this loop does nothing, yet on this project's Zen 4 VM taking it out
+    /* On the rows_split path this loop does nothing, yet on a Zen 4 VM taking it out
      * of that path (no OpenMP region there) made decode tokens 25-28% slower in-process: about
      * 230 us a MoE layer passed before the next loop's first instruction, with no CPU samples
      * there; a 1-2 us delay or a malloc/free in its place restored the speed. Cause not found
-     * (bench/RESULTS.md, session 18): measure before changing it. */
+     * (bench/RESULTS.md, "2026-11-30: attention keys prefetched a line per step"): measure
+     * before changing it. */
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1) if (by_expert && !rows_split)
 #endif

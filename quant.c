@@ -1833,7 +1833,7 @@ static void kda_rhs(float *restrict u, float beta, const float *restrict v, int 
  * and their products with the state and the keys fall below FLT_MIN: denormal numbers, which cost
  * an Intel core a microcode assist per operation (over a hundred cycles). Prefill of the
  * benchmark shape ran 2.2x faster on an Emerald Rapids Xeon with them flushed to zero (x86's FTZ
- * and DAZ bits; bench/RESULTS.md, session 22). The chunk flushes them while it runs, then gives
+ * and DAZ bits; bench/RESULTS.md, "2026-12-01: denormals in KDA's chunked form"). The chunk flushes them while it runs, then gives
  * the caller back its own setting (keeping any exception flags raised meanwhile). With the
  * factors centred (below) no factor exceeds e^40, so a flushed value (under 1.2e-38) moves a
  * result by less than 3e-21. */
@@ -2350,9 +2350,9 @@ static inline int sum16_i8(const int8_t *p) { /* SSE2: bytes + 128 summed by psa
  * asm statement keeps each load in a register, where GCC otherwise folds it into both of its
  * uses. The kernel is limited by how many vector instructions a cycle the core issues, loads
  * about two a cycle among them (Zen 4), and the 8 activation broadcasts per block are loads too
- * (folded into the dpbusd since session 23, VNNI_DPB_BCST): this and masking Q4_0's high nibbles
+ * (folded into the dpbusd, VNNI_DPB_BCST): this and masking Q4_0's high nibbles
  * in place (no shift) took the Q4_0 kernel from 45 to 50-52 GB/s from L2 on one Zen 4 core
- * (bench/RESULTS.md, session 20). */
+ * (bench/RESULTS.md, "2026-12-01: what limits the Q4_0 decode kernel on Zen 4"). */
 #define X8_LOAD(c) _mm256_loadu_si256((const __m256i *)(o[b].qs + 32 * (c)))
 
 #define X8_PIN(v) __asm__("" : "+x"(v))
@@ -4012,8 +4012,8 @@ K4_KERNEL(dotq_q5_k_avxvnni, dotq4_q5_k_avxvnni, MOE_AVXVNNI, 1, DPB_AVXVNNI)
 
 /* AVX-VNNI (the VEX dpbusd of Intel's client cores without AVX-512): the same kernels, each
  * activation dword broadcast into a register first (VEX has no embedded broadcast), and the
- * weights prefetched into L2 as on the Intel server cores (no AVX-VNNI core measured: the device
- * Xeon has both sets, bench/RESULTS.md session 24). */
+ * weights prefetched into L2 as on the Intel server cores (no AVX-VNNI core measured: the Xeon
+ * measured has both sets, bench/RESULTS.md "2026-12-01: the AVX-VNNI kernel level"). */
 VNNI_X1_KERNELS(avxvnni, MOE_AVXVNNI, VNNI_DPB_VEX, prefetch_ahead_l2)
 /* defines dotq8_mxfp4_avxvnni(), dotq8_q4_0_avxvnni(), dotq8_q8_0_avxvnni() */
 
@@ -4123,7 +4123,8 @@ K4_KERNEL(dotq_q5_k_vnni, dotq4_q5_k_vnni, "avx2,fma,f16c,avx512f,avx512vl,avx51
 /* acc += dpbusd(u, the activation dword at p in every 32-bit lane): the instruction broadcasts the
  * dword from memory itself ({1to8}, {1to16}). GCC 12 loads it with a separate broadcast instead,
  * one more instruction per dpbusd: with the broadcast folded the 1-row Q4_0 kernel ran 12% faster
- * from L2 on one Zen 4 core (bench/RESULTS.md, session 23). AT&T and Intel operand orders. */
+ * from L2 on one Zen 4 core (bench/RESULTS.md, "2026-12-01: on Intel the decode kernels prefetch
+ * into L2"). AT&T and Intel operand orders. */
 #define VNNI_DPB_BCST(acc, u, p, n) \
     __asm__("vpdpbusd {%2%{1to" n "%}, %1, %0|%0, %1, %2%{1to" n "%}}" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)(p)))
 

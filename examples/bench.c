@@ -62,7 +62,7 @@ static int usage(const char *msg) {
 }
 
 /* Read bandwidth: each thread streams its share of a large buffer with the widest loads the CPU
- * has (the kernels do), with and without software prefetch 8 KB ahead (on this project's machine
+ * has (the kernels do), with and without software prefetch 8 KB ahead (on a shared VM
  * either can be the faster from minute to minute), the best of both: the limit the decode
  * fraction is taken against. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -109,7 +109,7 @@ static double kv_row_bytes(const moe_config *c, int kv_type) {
 
 /* A buffer far larger than any cache for the bandwidth probes, kept for the whole run: in huge
  * pages, as the runtime keeps its interleaved weights and latent cache, for the machine's read
- * limit with the fewest TLB misses (on this project's VM 4 KB pages read 3-20% slower) */
+ * limit with the fewest TLB misses (on a Zen 4 VM 4 KB pages read 3-20% slower) */
 typedef struct { uint64_t *a; size_t n; } bw_buffer;
 
 static int bw_buffer_new(bw_buffer *b, size_t bytes) {

@@ -3,7 +3,7 @@
 // moe-convert's mix for --dense TYPE --experts TYPE: every matrix TYPE, the LM head HEAD, rows that
 // are not whole blocks falling back as moe-convert (and llama-quantize) fall back; norms,
 // convolutions, routers, biases and 1-D tensors stay F32. To set our quantizers against ggml's
-// on the same model (bench/RESULTS.md, session 28). Built by scripts/llama-compare's Makefile
+// on the same model (bench/RESULTS.md, "2026-12-02: llama.cpp built and run here"). Built by scripts/llama-compare's Makefile
 // (make -C build-llama ggml-requant) against llama.rn's copy of ggml (symbols lm_ggml_*).
 //   ggml-requant IN.gguf OUT.gguf TYPE HEAD      (TYPE, HEAD: q2_k q3_k q4_k q5_k q6_k iq4_xs q4_0 q8_0)
 #include "ggml.h"
