@@ -51,109 +51,115 @@ static int write_floats(FILE *f, const float *x, size_t n) {
 }
 
 
-int main(int argc, char **argv) {
-    const char *model = NULL, *tokens = NULL, *outp = NULL;
-    int all = 0, greedy = 0;
-    moe_options opt = moe_default_options();
+typedef struct {
+    const char *model, *tokens, *out;
+    int all, greedy;
+    moe_options opt;
+} options;
+
+/* Parses the command line into o; 0, or usage()'s exit status with *done set. */
+static int parse_args(int argc, char **argv, options *o, int *done) {
+    *o = (options){.opt = moe_default_options()};
+    *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *why = NULL;
         int ck;
         const char *a = argv[i];
         int more = i + 1 < argc;
-        if (!strcmp(a, "-m") && more) model = argv[++i];
-        else if (!strcmp(a, "--tokens") && more) tokens = argv[++i];
-        else if (!strcmp(a, "--out") && more) outp = argv[++i];
-        else if (!strcmp(a, "--all")) all = 1;
+        if (!strcmp(a, "-m") && more) o->model = argv[++i];
+        else if (!strcmp(a, "--tokens") && more) o->tokens = argv[++i];
+        else if (!strcmp(a, "--out") && more) o->out = argv[++i];
+        else if (!strcmp(a, "--all")) o->all = 1;
         else if (!strcmp(a, "--greedy") && more) {
             char *end;
             long v = strtol(argv[++i], &end, 10);
             if (*end || v < 0 || v > 1000000) return usage("--greedy needs a count >= 0");
-            greedy = (int)v;
+            o->greedy = (int)v;
         } else if (!strcmp(a, "-t") && more) {
             char *end;
             long v = strtol(argv[++i], &end, 10);
             if (*end || v < 1 || v > 1024) return usage("-t needs a thread count >= 1");
-            opt.n_threads = (int)v;
-        } else if (!strcmp(a, "--scalar")) opt.flags |= MOE_FLAG_FORCE_SCALAR;
-        else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) {
+            o->opt.n_threads = (int)v;
+        } else if (!strcmp(a, "--scalar")) o->opt.flags |= MOE_FLAG_FORCE_SCALAR;
+        else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
         else return usage("unknown or incomplete argument");
     }
-    if (!model || !tokens) return usage("-m and --tokens are required");
+    if (!o->model || !o->tokens) return usage("-m and --tokens are required");
+    *done = 0;
+    return 0;
+}
 
-    int32_t *ids = NULL;
-    const char *why;
-    int n = read_ids(tokens, &ids, &why);
-    if (n < 0) {
-        fprintf(stderr, "moe-logits: %s: %s\n", tokens, why);
+/* the logits to a temporary name, then renamed: a failed run never leaves a partial file */
+static int write_logits(const char *path, const float *logits, size_t n) {
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    int ok = f && write_floats(f, logits, n);
+    if (f && fclose(f)) ok = 0;
+    if (!ok || rename(tmp, path)) {
+        fprintf(stderr, "moe-logits: cannot write %s: %s\n", path, strerror(errno));
+        remove(tmp);
         return 1;
     }
-    if (n == 0) {
-        fprintf(stderr, "moe-logits: %s: no token ids\n", tokens);
-        return 1;
+    return 0;
+}
+
+/* greedy tokens after the prompt, their ids on one line of stdout */
+static int decode_greedy(moe_model *m, moe_session *s, float *logits, const float *last, int V, int greedy) {
+    char err[512];
+    int32_t tok = moe_sample(last, V, NULL, NULL);
+    for (int j = 0; j < greedy; j++) {
+        printf(j ? " %d" : "%d", (int)tok);
+        if (j + 1 == greedy) break;
+        moe_seq d = {.s = s, .tokens = &tok, .n = 1, .logits = logits};
+        moe_status st = moe_step(m, &d, 1, NULL, err, sizeof err);
+        if (st) return printf("\n"), fprintf(stderr, "moe-logits: %s: %s\n", moe_status_str(st), err), 1;
+        tok = moe_sample(logits, V, NULL, NULL);
     }
+    printf("\n");
+    return 0;
+}
+
+/* one prefill over the n ids, its logits written, then the greedy tokens */
+static int run(const options *o, const int32_t *ids, int n) {
     char err[512];
     moe_model *m = NULL;
     moe_session *s = NULL;
     float *logits = NULL;
-    FILE *f = NULL;
     int rc = 1;
-    moe_status st = moe_model_open(&m, model, &opt, err, sizeof err);
-    if (st) {
-        fprintf(stderr, "moe-logits: %s: %s\n", moe_status_str(st), err);
-        goto out;
+    moe_status st = moe_model_open(&m, o->model, &o->opt, err, sizeof err);
+    const int V = st ? 0 : moe_model_config(m)->vocab_size;
+    const size_t rows = (size_t)(o->all ? n : 1);
+    if (!st) st = moe_session_new(&s, m, n + o->greedy + 1, err, sizeof err);
+    if (!st && !(logits = malloc(sizeof(float) * (size_t)V * rows))) st = MOE_ERR_NOMEM, snprintf(err, sizeof err, "no room for the logits");
+    if (!st) {
+        moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = logits, .logits_all = o->all};
+        st = moe_step(m, &q, 1, NULL, err, sizeof err);
     }
-    const int V = moe_model_config(m)->vocab_size;
-    if ((st = moe_session_new(&s, m, n + greedy + 1, err, sizeof err))) {
-        fprintf(stderr, "moe-logits: %s: %s\n", moe_status_str(st), err);
-        goto out;
-    }
-    logits = malloc(sizeof(float) * (size_t)V * (size_t)(all ? n : 1));
-    if (!logits) {
-        fprintf(stderr, "moe-logits: out of memory\n");
-        goto out;
-    }
-    moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = logits, .logits_all = all};
-    if ((st = moe_step(m, &q, 1, NULL, err, sizeof err))) {
-        fprintf(stderr, "moe-logits: %s: %s\n", moe_status_str(st), err);
-        goto out;
-    }
-    if (outp) {
-        /* write to a temporary name and rename: a failed run never leaves a partial file */
-        char tmp[4200];
-        snprintf(tmp, sizeof tmp, "%s.tmp", outp);
-        f = fopen(tmp, "wb");
-        int ok = f && write_floats(f, logits, (size_t)V * (size_t)(all ? n : 1));
-        if (f && fclose(f)) ok = 0;
-        f = NULL;
-        if (!ok || rename(tmp, outp)) {
-            fprintf(stderr, "moe-logits: cannot write %s: %s\n", outp, strerror(errno));
-            remove(tmp);
-            goto out;
-        }
-    }
-    if (greedy) {
-        const float *last = logits + (all ? (size_t)(n - 1) * V : 0);
-        int32_t tok = moe_sample(last, V, NULL, NULL);
-        for (int j = 0; j < greedy; j++) {
-            printf(j ? " %d" : "%d", (int)tok);
-            if (j + 1 == greedy) break;
-            moe_seq d = {.s = s, .tokens = &tok, .n = 1, .logits = logits};
-            if ((st = moe_step(m, &d, 1, NULL, err, sizeof err))) {
-                printf("\n");
-                fprintf(stderr, "moe-logits: %s: %s\n", moe_status_str(st), err);
-                goto out;
-            }
-            tok = moe_sample(logits, V, NULL, NULL);
-        }
-        printf("\n");
-    }
-    rc = 0;
-out:
+    if (st) fprintf(stderr, "moe-logits: %s: %s\n", moe_status_str(st), err);
+    else if (!(o->out && write_logits(o->out, logits, (size_t)V * rows)))
+        rc = o->greedy ? decode_greedy(m, s, logits, logits + (o->all ? (size_t)(n - 1) * V : 0), V, o->greedy) : 0;
     free(logits);
-    free(ids);
     moe_session_free(s);
     moe_model_close(m);
+    return rc;
+}
+
+int main(int argc, char **argv) {
+    options o;
+    int stop, rc = parse_args(argc, argv, &o, &stop);
+    if (stop) return rc;
+    int32_t *ids = NULL;
+    const char *why;
+    int n = read_ids(o.tokens, &ids, &why);
+    if (n <= 0) {
+        fprintf(stderr, "moe-logits: %s: %s\n", o.tokens, n < 0 ? why : "no token ids");
+        free(ids);
+        return 1;
+    }
+    rc = run(&o, ids, n);
+    free(ids);
     return rc;
 }
