@@ -34,91 +34,98 @@ static int usage(const char *msg) {
 }
 
 
-int main(int argc, char **argv) {
-    const char *ranks = NULL, *pre = NULL, *config = NULL, *model = NULL, *in = NULL;
-    int special = 0, raw = 0, decode = 0, n_special = 0;
+typedef struct {
+    const char *ranks, *config, *model, *in;
+    int special, raw, decode, n_special, pretok;
+} options;
+
+/* Parses the command line into o; 0, or usage()'s exit status with *done set. */
+static int parse_args(int argc, char **argv, options *o, int *done) {
+    *o = (options){.pretok = -1};
+    const char *pre = NULL;
+    *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
-        if (!strcmp(a, "--ranks") && more) ranks = argv[++i];
+        if (!strcmp(a, "--ranks") && more) o->ranks = argv[++i];
         else if (!strcmp(a, "--pre") && more) pre = argv[++i];
-        else if (!strcmp(a, "--config") && more) config = argv[++i];
-        else if (!strcmp(a, "--n-special") && more) n_special = atoi(argv[++i]);
-        else if (!strcmp(a, "-m") && more) model = argv[++i];
-        else if (!strcmp(a, "--special")) special = 1;
-        else if (!strcmp(a, "--raw-bytes")) raw = 1;
-        else if (!strcmp(a, "--decode")) decode = 1;
+        else if (!strcmp(a, "--config") && more) o->config = argv[++i];
+        else if (!strcmp(a, "--n-special") && more) o->n_special = atoi(argv[++i]);
+        else if (!strcmp(a, "-m") && more) o->model = argv[++i];
+        else if (!strcmp(a, "--special")) o->special = 1;
+        else if (!strcmp(a, "--raw-bytes")) o->raw = 1;
+        else if (!strcmp(a, "--decode")) o->decode = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else if (a[0] == '-' && a[1]) return usage("unknown option or missing value");
-        else if (!in) in = a;
+        else if (!o->in) o->in = a;
         else return usage("more than one input file");
     }
-    if (!!ranks == !!model) return usage("give either --ranks FILE --pre NAME or -m MODEL");
-    int pretok = -1;
-    if (ranks) {
+    if (!!o->ranks == !!o->model) return usage("give either --ranks FILE --pre NAME or -m MODEL");
+    if (o->ranks) {
         if (!pre) return usage("--ranks needs --pre");
-        pretok = !strcmp(pre, "kimi") ? MOE_PRETOK_KIMI : !strcmp(pre, "o200k") ? MOE_PRETOK_O200K
-               : !strcmp(pre, "cl100k") ? MOE_PRETOK_CL100K : -1;
-        if (pretok < 0) return usage("--pre must be kimi, o200k or cl100k");
+        o->pretok = !strcmp(pre, "kimi") ? MOE_PRETOK_KIMI : !strcmp(pre, "o200k") ? MOE_PRETOK_O200K
+                  : !strcmp(pre, "cl100k") ? MOE_PRETOK_CL100K : -1;
+        if (o->pretok < 0) return usage("--pre must be kimi, o200k or cl100k");
     }
+    *done = 0;
+    return 0;
+}
+
+/* whitespace-separated ids in text to their bytes on stdout */
+static int decode_ids(const moe_tokenizer *tok, const char *text) {
+    const char *p = text;
+    char *end;
+    for (;;) {
+        while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') p++;
+        if (!*p) return 0;
+        long id = strtol(p, &end, 10);
+        size_t k;
+        const char *b = end != p && id >= 0 && id <= INT32_MAX ? moe_token_bytes(tok, (int32_t)id, &k) : NULL;
+        if (!b) return fprintf(stderr, "moe-tokenize: bad token id near \"%.20s\"\n", p), 1;
+        fwrite(b, 1, k, stdout);
+        p = end;
+    }
+}
+
+/* text's ids on one line of stdout */
+static int encode_text(const moe_tokenizer *tok, const options *o, const char *text, size_t len) {
+    char err[512];
+    int32_t *ids = malloc((len + 1) * sizeof *ids);
+    size_t n = 0;
+    const unsigned flags = (o->special ? MOE_TOK_SPECIAL : 0) | (o->raw ? MOE_TOK_RAW_BYTES : 0);
+    moe_status st = ids ? moe_tokenize(tok, text, len, flags, ids, len + 1, &n, err, sizeof err) : MOE_ERR_NOMEM;
+    if (st) fprintf(stderr, "moe-tokenize: %s\n", ids ? err : "out of memory");
+    for (size_t i = 0; !st && i < n; i++) printf(i ? " %d" : "%d", (int)ids[i]);
+    if (!st) printf("\n");
+    free(ids);
+    return st != MOE_OK;
+}
+
+int main(int argc, char **argv) {
+    options o;
+    int stop, rc = parse_args(argc, argv, &o, &stop);
+    if (stop) return rc;
     char err[512];
     moe_tokenizer *tok = NULL;
     moe_model *m = NULL;
     moe_status st;
-    if (ranks) {
-        st = moe_tokenizer_load(&tok, ranks, pretok, config, n_special, err, sizeof err);
+    if (o.ranks) {
+        st = moe_tokenizer_load(&tok, o.ranks, o.pretok, o.config, o.n_special, err, sizeof err);
     } else {
-        moe_options o = moe_default_options();
-        st = moe_model_open(&m, model, &o, err, sizeof err);
+        moe_options mo = moe_default_options();
+        st = moe_model_open(&m, o.model, &mo, err, sizeof err);
         if (!st) st = moe_tokenizer_for_model(&tok, m, err, sizeof err);
     }
-    if (st) {
-        fprintf(stderr, "moe-tokenize: %s\n", err);
-        moe_model_close(m);
-        return 1;
-    }
     size_t len = 0;
-    errno = 0;
-    char *text = slurp(in ? in : "-", &len);
-    if (!text) {
-        fprintf(stderr, "moe-tokenize: %s: %s\n", in ? in : "stdin", errno ? strerror(errno) : "read error");
-        moe_tokenizer_free(tok);
-        moe_model_close(m);
-        return 1;
+    char *text = NULL;
+    if (st) fprintf(stderr, "moe-tokenize: %s\n", err);
+    else {
+        errno = 0;
+        if (!(text = slurp(o.in ? o.in : "-", &len)))
+            fprintf(stderr, "moe-tokenize: %s: %s\n", o.in ? o.in : "stdin", errno ? strerror(errno) : "read error");
     }
-    int rc = 0;
-    if (decode) {
-        char *p = text, *end;
-        for (;;) {
-            while (*p == ' ' || *p == '\n' || *p == '\t' || *p == '\r') p++;
-            if (!*p) break;
-            long id = strtol(p, &end, 10);
-            size_t k;
-            const char *b = end != p && id >= 0 && id <= INT32_MAX ? moe_token_bytes(tok, (int32_t)id, &k) : NULL;
-            if (!b) {
-                fprintf(stderr, "moe-tokenize: bad token id near \"%.20s\"\n", p);
-                rc = 1;
-                break;
-            }
-            fwrite(b, 1, k, stdout);
-            p = end;
-        }
-    } else {
-        int32_t *ids = malloc((len + 1) * sizeof *ids);
-        size_t n = 0;
-        st = ids ? moe_tokenize(tok, text, len, (special ? MOE_TOK_SPECIAL : 0) | (raw ? MOE_TOK_RAW_BYTES : 0), ids, len + 1, &n, err,
-                                sizeof err)
-                 : MOE_ERR_NOMEM;
-        if (st) {
-            fprintf(stderr, "moe-tokenize: %s\n", ids ? err : "out of memory");
-            rc = 1;
-        } else {
-            for (size_t i = 0; i < n; i++) printf(i ? " %d" : "%d", (int)ids[i]);
-            printf("\n");
-        }
-        free(ids);
-    }
-    if (fflush(stdout) || ferror(stdout)) {
+    rc = !text ? 1 : o.decode ? decode_ids(tok, text) : encode_text(tok, &o, text, len);
+    if (text && (fflush(stdout) || ferror(stdout))) {
         fprintf(stderr, "moe-tokenize: write error\n");
         rc = 1;
     }
