@@ -235,114 +235,161 @@ static void report(const tally *y, int json, int nwin, int win, int routed) {
     }
 }
 
-int main(int argc, char **argv) {
-    const char *model = NULL, *ref = NULL, *tokens = NULL, *text = NULL, *save = NULL, *load = NULL;
-    int json = 0, fixed = 0, stepwise = 0, ctx = 0, chunks = 0;
-    moe_options opt = moe_default_options();
+typedef struct {
+    const char *model, *ref, *tokens, *text, *save, *load;
+    int json, fixed, stepwise, ctx, chunks;
+    moe_options opt;
+} options;
+
+/* Parses the command line into o; 0, or usage()'s exit status with *done set. */
+static int parse_args(int argc, char **argv, options *o, int *done) {
+    *o = (options){.opt = moe_default_options()};
+    *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *why = NULL;
         int more = i + 1 < argc, ck;
-        if (!strcmp(a, "-m") && more) model = argv[++i];
-        else if (!strcmp(a, "--ref") && more) ref = argv[++i];
-        else if (!strcmp(a, "--tokens") && more) tokens = argv[++i];
-        else if (!strcmp(a, "-f") && more) text = argv[++i];
-        else if (!strcmp(a, "--save-ref") && more) save = argv[++i];
-        else if (!strcmp(a, "--ref-logits") && more) load = argv[++i];
+        if (!strcmp(a, "-m") && more) o->model = argv[++i];
+        else if (!strcmp(a, "--ref") && more) o->ref = argv[++i];
+        else if (!strcmp(a, "--tokens") && more) o->tokens = argv[++i];
+        else if (!strcmp(a, "-f") && more) o->text = argv[++i];
+        else if (!strcmp(a, "--save-ref") && more) o->save = argv[++i];
+        else if (!strcmp(a, "--ref-logits") && more) o->load = argv[++i];
         else if (!strcmp(a, "--dense") && more) {
-            if ((opt.dense_type = parse_type(argv[++i])) < 0) return usage("unknown --dense type");
+            if ((o->opt.dense_type = parse_type(argv[++i])) < 0) return usage("unknown --dense type");
         } else if (!strcmp(a, "--experts") && more) {
-            if ((opt.expert_type = parse_type(argv[++i])) < 0) return usage("unknown --experts type");
+            if ((o->opt.expert_type = parse_type(argv[++i])) < 0) return usage("unknown --experts type");
         } else if (!strcmp(a, "-t") && more) {
-            opt.n_threads = atoi(argv[++i]);
-            if (opt.n_threads < 1) return usage("-t needs a thread count >= 1");
+            o->opt.n_threads = atoi(argv[++i]);
+            if (o->opt.n_threads < 1) return usage("-t needs a thread count >= 1");
         } else if (!strcmp(a, "-c") && more) {
-            if ((ctx = atoi(argv[++i])) < 2) return usage("-c needs a window of at least 2 tokens");
+            if ((o->ctx = atoi(argv[++i])) < 2) return usage("-c needs a window of at least 2 tokens");
         } else if (!strcmp(a, "--chunks") && more) {
-            if ((chunks = atoi(argv[++i])) < 1) return usage("--chunks needs a count >= 1");
+            if ((o->chunks = atoi(argv[++i])) < 1) return usage("--chunks needs a count >= 1");
         } else if (!strcmp(a, "--kv-type") && more) {
-            if ((opt.kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
-            stepwise = 1;
-        } else if (!strcmp(a, "--json")) json = 1;
-        else if (!strcmp(a, "--ref-routing")) fixed = 1;
+            if ((o->opt.kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
+            o->stepwise = 1;
+        } else if (!strcmp(a, "--json")) o->json = 1;
+        else if (!strcmp(a, "--ref-routing")) o->fixed = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
-        else if ((ck = cache_flag(argc, argv, &i, &opt, &why)) != 0) { if (ck < 0) return usage(why); }
+        else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) { if (ck < 0) return usage(why); }
         else return usage("unknown or incomplete argument");
     }
-    if (!model) return usage("-m is required");
-    if (load && (tokens || text || ref || save || ctx || chunks)) return usage("--ref-logits brings its own ids and windows: no --tokens, -f, --ref, --save-ref, -c or --chunks");
-    if (!load && !tokens == !text) return usage("one of --tokens, -f and --ref-logits is required");
-    if (chunks && !ctx) return usage("--chunks needs -c");
-    moe_options ro = opt; /* the reference: as stored, f32 cache and input, the CPU's best kernels */
+    if (!o->model) return usage("-m is required");
+    if (o->load && (o->tokens || o->text || o->ref || o->save || o->ctx || o->chunks))
+        return usage("--ref-logits brings its own ids and windows: no --tokens, -f, --ref, --save-ref, -c or --chunks");
+    if (!o->load && !o->tokens == !o->text) return usage("one of --tokens, -f and --ref-logits is required");
+    if (o->chunks && !o->ctx) return usage("--chunks needs -c");
+    *done = 0;
+    return 0;
+}
+
+/* Everything a run holds. Functions below return 0, or 1 after printing what went wrong. */
+typedef struct {
+    const options *o;
+    moe_model *mt, *mr; /* the model under test; the reference (NULL with --ref-logits) */
+    int V, rpt;         /* vocabulary; routing ids per token (0: no routed experts) */
+    FILE *rf, *sf;      /* the reference file read, the one written (as tmp) */
+    char tmp[4200];
+    int32_t *ids, *routes;
+    float *a, *b, *bf; /* a window's logits: reference, test, test on the reference's routing */
+    double *la, *lb;
+    ref_header h;
+    int routed; /* the pinned-routing figures are computed */
+} run;
+
+/* the ids, windows and (with --ref-logits) reference logits' file; the models opened */
+static int open_inputs(run *r) {
+    const options *o = r->o;
+    moe_options ro = o->opt; /* the reference: as stored, f32 cache and input, the CPU's best kernels */
     ro.dense_type = ro.expert_type = MOE_WTYPE_ASIS;
     ro.kv_type = MOE_KV_F32;
     ro.flags &= ~(unsigned)(MOE_FLAG_MXFP4_INT8 | MOE_FLAG_ACT16);
     ro.kernels = NULL;
-    moe_model *mt = open_model(model, &opt), *mr = NULL;
-    FILE *rf = NULL, *sf = NULL; /* the reference file read, the one written */
-    char tmp[4200];
-    int32_t *ids = NULL, *routes = NULL;
-    float *a = NULL, *b = NULL, *bf = NULL;
-    double *la = NULL, *lb = NULL;
-    int n = 0, rc = 1;
-    ref_header h = {0};
-    if (!mt) goto out;
-    const moe_config *ct = moe_model_config(mt);
-    const int V = ct->vocab_size, rpt = ct->n_experts ? ct->n_layers * ct->n_active : 0;
-    if (load) { /* the ids, windows and reference logits from the file */
-        if (!(rf = open_ref(load, &h, &ids))) goto out;
-        n = h.win * h.nwin;
-        if (h.vocab != V) { fprintf(stderr, "moe-perplexity: %s: vocabulary %d, the model's %d\n", load, h.vocab, V); goto out; }
-        if (fixed && (!h.rpt || h.rpt != rpt)) { fprintf(stderr, "moe-perplexity: %s: no routing of this model's shape (saved without --ref-routing?)\n", load); goto out; }
+    if (!(r->mt = open_model(o->model, &o->opt))) return 1;
+    const moe_config *ct = moe_model_config(r->mt);
+    r->V = ct->vocab_size, r->rpt = ct->n_experts ? ct->n_layers * ct->n_active : 0;
+    const int V = r->V, rpt = r->rpt;
+    if (o->load) { /* the ids, windows and reference logits from the file */
+        if (!(r->rf = open_ref(o->load, &r->h, &r->ids))) return 1;
+        if (r->h.vocab != V) return fprintf(stderr, "moe-perplexity: %s: vocabulary %d, the model's %d\n", o->load, r->h.vocab, V), 1;
+        if (o->fixed && (!r->h.rpt || r->h.rpt != rpt))
+            return fprintf(stderr, "moe-perplexity: %s: no routing of this model's shape (saved without --ref-routing?)\n", o->load), 1;
     } else {
-        if (!(mr = open_model(ref ? ref : model, &ro)) || !(ids = input_ids(mt, tokens, text, &n))) goto out;
-        const moe_config *cr = moe_model_config(mr);
-        if (cr->vocab_size != V) { fprintf(stderr, "moe-perplexity: the models have different vocabularies\n"); goto out; }
-        const int win = ctx ? ctx : n, nwin = n >= 2 && n >= win ? (chunks && chunks < n / win ? chunks : n / win) : 0;
-        if (nwin < 1) { fprintf(stderr, "moe-perplexity: need at least %d token ids, got %d\n", ctx ? ctx : 2, n); goto out; }
-        if (fixed && cr->n_experts && (cr->n_layers * cr->n_active != rpt)) { fprintf(stderr, "moe-perplexity: the models route differently\n"); goto out; }
-        h = (ref_header){V, win, nwin, ctx ? win / 2 : 0, fixed && cr->n_experts ? rpt : 0};
+        int n = 0;
+        if (!(r->mr = open_model(o->ref ? o->ref : o->model, &ro)) || !(r->ids = input_ids(r->mt, o->tokens, o->text, &n))) return 1;
+        const moe_config *cr = moe_model_config(r->mr);
+        if (cr->vocab_size != V) return fprintf(stderr, "moe-perplexity: the models have different vocabularies\n"), 1;
+        const int win = o->ctx ? o->ctx : n, nwin = n >= 2 && n >= win ? (o->chunks && o->chunks < n / win ? o->chunks : n / win) : 0;
+        if (nwin < 1) return fprintf(stderr, "moe-perplexity: need at least %d token ids, got %d\n", o->ctx ? o->ctx : 2, n), 1;
+        if (o->fixed && cr->n_experts && (cr->n_layers * cr->n_active != rpt)) return fprintf(stderr, "moe-perplexity: the models route differently\n"), 1;
+        r->h = (ref_header){V, win, nwin, o->ctx ? win / 2 : 0, o->fixed && cr->n_experts ? rpt : 0};
     }
-    for (int t = 0; t < h.win * h.nwin; t++)
-        if (ids[t] < 0 || ids[t] >= V) { fprintf(stderr, "moe-perplexity: token id %d at %d is past the vocabulary (%d)\n", ids[t], t, V); goto out; }
-    const int routed = fixed && h.rpt && rpt;
-    const size_t per = (size_t)h.win * V;
-    a = malloc(sizeof(float) * per), b = malloc(sizeof(float) * per), bf = routed ? malloc(sizeof(float) * per) : NULL;
-    routes = h.rpt ? malloc(sizeof(int32_t) * (size_t)h.win * h.rpt) : NULL;
-    la = malloc(sizeof(double) * (size_t)V), lb = malloc(sizeof(double) * (size_t)V);
-    if (!a || !b || !la || !lb || (routed && !bf) || (h.rpt && !routes)) {
-        fprintf(stderr, "moe-perplexity: out of memory for a window's logits (%d tokens x %d)\n", h.win, V);
-        goto out;
+    for (int t = 0; t < r->h.win * r->h.nwin; t++)
+        if (r->ids[t] < 0 || r->ids[t] >= V)
+            return fprintf(stderr, "moe-perplexity: token id %d at %d is past the vocabulary (%d)\n", r->ids[t], t, V), 1;
+    return 0;
+}
+
+/* one window's logits for each model, and the saved reference file begun */
+static int alloc_windows(run *r) {
+    const ref_header *h = &r->h;
+    r->routed = r->o->fixed && h->rpt && r->rpt;
+    const size_t per = (size_t)h->win * r->V;
+    r->a = malloc(sizeof(float) * per), r->b = malloc(sizeof(float) * per), r->bf = r->routed ? malloc(sizeof(float) * per) : NULL;
+    r->routes = h->rpt ? malloc(sizeof(int32_t) * (size_t)h->win * h->rpt) : NULL;
+    r->la = malloc(sizeof(double) * (size_t)r->V), r->lb = malloc(sizeof(double) * (size_t)r->V);
+    if (!r->a || !r->b || !r->la || !r->lb || (r->routed && !r->bf) || (h->rpt && !r->routes))
+        return fprintf(stderr, "moe-perplexity: out of memory for a window's logits (%d tokens x %d)\n", h->win, r->V), 1;
+    if (r->o->save) {
+        snprintf(r->tmp, sizeof r->tmp, "%s.tmp", r->o->save);
+        if (!(r->sf = fopen(r->tmp, "wb")) || !write_ref_header(r->sf, h, r->ids))
+            return fprintf(stderr, "moe-perplexity: %s: %s\n", r->tmp, strerror(errno)), 1;
     }
-    if (save) {
-        snprintf(tmp, sizeof tmp, "%s.tmp", save);
-        if (!(sf = fopen(tmp, "wb")) || !write_ref_header(sf, &h, ids)) { fprintf(stderr, "moe-perplexity: %s: %s\n", tmp, strerror(errno)); goto out; }
-    }
-    tally y = {0};
-    for (int w = 0; w < h.nwin; w++) {
-        const int32_t *wi = ids + (size_t)w * h.win;
-        if (rf ? read_ref_window(rf, &h, a, routed ? routes : NULL) : window_logits(mr, wi, h.win, 0, a, routes, NULL)) {
-            if (rf) fprintf(stderr, "moe-perplexity: %s: read error\n", load);
-            goto out;
+    return 0;
+}
+
+/* every window through both models (or the reference file), compared as it comes */
+static int score_windows(run *r, tally *y) {
+    const options *o = r->o;
+    const ref_header *h = &r->h;
+    for (int w = 0; w < h->nwin; w++) {
+        const int32_t *wi = r->ids + (size_t)w * h->win;
+        if (r->rf ? read_ref_window(r->rf, h, r->a, r->routed ? r->routes : NULL) : window_logits(r->mr, wi, h->win, 0, r->a, r->routes, NULL)) {
+            if (r->rf) fprintf(stderr, "moe-perplexity: %s: read error\n", o->load);
+            return 1;
         }
-        if (sf && write_ref_window(sf, &h, a, routes)) { fprintf(stderr, "moe-perplexity: %s: %s\n", tmp, strerror(errno)); goto out; }
-        if (window_logits(mt, wi, h.win, stepwise, b, NULL, NULL) || (routed && window_logits(mt, wi, h.win, stepwise, bf, NULL, routes))) goto out;
-        score_window(&y, a, b, routed ? bf : NULL, wi, h.win, h.first, V, la, lb);
-        if (!json && h.nwin > 1)
-            fprintf(stderr, "\rwindow %d/%d: perplexity ref %.4f, test %.4f", w + 1, h.nwin, exp(y.nll_ref / (double)y.predicted),
-                    exp(y.nll / (double)y.predicted));
+        if (r->sf && write_ref_window(r->sf, h, r->a, r->routes)) return fprintf(stderr, "moe-perplexity: %s: %s\n", r->tmp, strerror(errno)), 1;
+        if (window_logits(r->mt, wi, h->win, o->stepwise, r->b, NULL, NULL) ||
+            (r->routed && window_logits(r->mt, wi, h->win, o->stepwise, r->bf, NULL, r->routes)))
+            return 1;
+        score_window(y, r->a, r->b, r->routed ? r->bf : NULL, wi, h->win, h->first, r->V, r->la, r->lb);
+        if (!o->json && h->nwin > 1)
+            fprintf(stderr, "\rwindow %d/%d: perplexity ref %.4f, test %.4f", w + 1, h->nwin, exp(y->nll_ref / (double)y->predicted),
+                    exp(y->nll / (double)y->predicted));
     }
-    if (!json && h.nwin > 1) fprintf(stderr, "\n");
-    if (sf) {
-        const int bad = fclose(sf) != 0 || rename(tmp, save) != 0;
-        sf = NULL;
-        if (bad) { fprintf(stderr, "moe-perplexity: %s: %s\n", save, strerror(errno)); goto out; }
+    if (!o->json && h->nwin > 1) fprintf(stderr, "\n");
+    if (r->sf) {
+        const int bad = fclose(r->sf) != 0 || rename(r->tmp, o->save) != 0;
+        r->sf = NULL;
+        if (bad) return fprintf(stderr, "moe-perplexity: %s: %s\n", o->save, strerror(errno)), 1;
     }
-    report(&y, json, h.nwin, h.win, routed);
-    rc = fflush(stdout) ? 1 : 0;
-out:
-    if (sf) fclose(sf), remove(tmp);
-    if (rf) fclose(rf);
-    free(a), free(b), free(bf), free(routes), free(la), free(lb), free(ids);
-    moe_model_close(mt), moe_model_close(mr);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    options o;
+    int stop, rc = parse_args(argc, argv, &o, &stop);
+    if (stop) return rc;
+    run r = {.o = &o};
+    tally y = {0};
+    rc = open_inputs(&r) || alloc_windows(&r) || score_windows(&r, &y);
+    if (!rc) {
+        report(&y, o.json, r.h.nwin, r.h.win, r.routed);
+        rc = fflush(stdout) ? 1 : 0;
+    }
+    if (r.sf) fclose(r.sf), remove(r.tmp);
+    if (r.rf) fclose(r.rf);
+    free(r.a), free(r.b), free(r.bf), free(r.routes), free(r.la), free(r.lb), free(r.ids);
+    moe_model_close(r.mt), moe_model_close(r.mr);
     return rc;
 }
