@@ -16,8 +16,8 @@
  *   "PART 5: SESSIONS"          one sequence's state: create, reset, snapshot, fork
  *   "PART 6: TEXT"              tokenizer, chat formats, sampling
  *
- * Within a part, sections open with "/" "* ==== NAME" banners (utilities come first, before
- * PART 1). Where to start reading:
+ * Within a part, sections open with a "==== NAME" banner line (utilities come first, before
+ * PART 1). docs/CODE.md walks through the layout. Where to start reading:
  *   one token's forward pass   moe_step -> forward -> forward_layers (PART 4, section "step")
  *   an expert read from disk   moe_ffn_forward -> expert_get -> cache_get -> unit_fill ->
  *                              span_read (PART 2, section "expert cache")
@@ -2032,7 +2032,12 @@ moe_model_info moe_model_get_info(const moe_model *m) {
  * experts, and with a dense budget whole layers' dense matrices (streamed layers). The forward
  * pass asks for weights only through expert_get/expert_put and dense_get/dense_put, so it does
  * not know which of these holds them. Relies on PART 1's bound model (every matrix's file and
- * offset) and on pread/O_DIRECT and pthreads; nothing here computes. */
+ * offset) and on pread/O_DIRECT and pthreads; nothing here runs the model's math. */
+
+/* ==== mapped files, load-time conversion, streamed layers ======================================
+ * Paging hints over the mappings; dense matrices converted (dense_type) or interleaved into
+ * huge-page RAM at load, their file pages then dropped; which layers' dense matrices stream
+ * through the cache when a dense budget is set (choose_streamed). */
 
 /* the 4 KB pages wholly inside [p, p + n): [*a, *e); 0 if there are none */
 static int whole_pages(const void *p, size_t n, uintptr_t *a, uintptr_t *e) {
