@@ -1061,6 +1061,25 @@ static const char *const global_map[][2] = {
     {"model.output_attn_res_proj.weight", "output_res_proj.weight"},
 };
 
+/* The names llama.cpp's Kimi-K3 converter gives some of those tensors (spec/GGUF-KIMI.md section
+ * 2), tried where the name above is absent: its full-rank KDA gate, its latent MoE projections.
+ * (Its fused AttnRes score vectors are bound by bind_res.) */
+static const char *const llama_k3_map[][2] = {
+    {"self_attn.g_proj.weight", "ssm_g.weight"},
+    {"block_sparse_moe.routed_expert_down_proj.weight", "ffn_routed_down.weight"},
+    {"block_sparse_moe.routed_expert_up_proj.weight", "ffn_routed_up.weight"},
+    {"block_sparse_moe.routed_expert_norm.weight", "ffn_routed_norm.weight"},
+};
+
+/* the llama.cpp Kimi-K3 name of HF tensor hf where it differs from moe__hf_to_gguf's; 0 if none */
+static int hf_to_llama_k3(const char *hf, char *out, size_t n) {
+    int layer, used = 0;
+    if (sscanf(hf, "model.layers.%d.%n", &layer, &used) != 1 || !used) return 0;
+    for (size_t i = 0; i < sizeof llama_k3_map / sizeof *llama_k3_map; i++)
+        if (!strcmp(hf + used, llama_k3_map[i][0])) return snprintf(out, n, "blk.%d.%s", layer, llama_k3_map[i][1]) < (int)n;
+    return 0;
+}
+
 int moe__hf_to_gguf(const char *hf, char *out, size_t n) {
     for (size_t i = 0; i < sizeof global_map / sizeof *global_map; i++)
         if (!strcmp(hf, global_map[i][0])) return snprintf(out, n, "%s", global_map[i][1]) < (int)n;
@@ -1161,9 +1180,11 @@ static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json 
     sb_printf(&b, "{\"vocab_size\": %lld, \"hidden_size\": %lld, \"num_hidden_layers\": %lld, \"rms_norm_eps\": %.9g,",
               (long long)vocab, (long long)gk_int(f, arch, "embedding_length", -1), (long long)L,
               gk_float(f, arch, "attention.layer_norm_rms_epsilon", -1));
-    double situ = gk_float(f, arch, "situ_beta", 0);
+    /* llama.cpp's Kimi-K3 keys first (spec/GGUF-KIMI.md 1.1), then the ones moe-convert wrote
+     * before it wrote llama.cpp's */
+    double situ = gk_float(f, arch, "activation.situ_beta", gk_float(f, arch, "situ_beta", 0));
     sb_printf(&b, "\"hidden_act\": \"%s\", \"activation_situ_beta\": %.9g, \"activation_situ_linear_beta\": %.9g,",
-              situ > 0 ? "situ" : "silu", situ, gk_float(f, arch, "situ_linear_beta", 0));
+              situ > 0 ? "situ" : "silu", situ, gk_float(f, arch, "activation.situ_linear_beta", gk_float(f, arch, "situ_linear_beta", 0)));
     sb_printf(&b, "\"linear_attn_config\": {\"kda_layers\": [");
     for (int64_t i = 0, k = 0; i < L; i++) {
         int64_t kvh = 1;
@@ -1184,12 +1205,19 @@ static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json 
         }
     }
     const int64_t H = gk_int(f, arch, "attention.head_count", -1);
+    /* KDA heads: the key, else the rows of the first KDA layer's beta projection (llama.cpp's K3
+     * loader takes attention.head_count for both mixers, so its files of a model whose KDA and MLA
+     * head counts differ carry the count only in that shape), else the MLA count */
+    const moe__st_tensor *beta = first_kda >= 0 ? gguf_tensor(files, nf, "blk.%d.ssm_beta.weight", first_kda) : NULL;
+    const int64_t kda_heads = gk_int(f, arch, "kda.head_count", beta && beta->ndim == 2 ? beta->shape[0] : H);
     sb_printf(&b, "], \"num_heads\": %lld, \"head_dim\": %lld, \"short_conv_kernel_size\": %lld",
-              (long long)gk_int(f, arch, "kda.head_count", H), (long long)gk_int(f, arch, "kda.head_dim", first_kda < 0 ? 1 : -1),
+              (long long)kda_heads, (long long)gk_int(f, arch, "kda.head_dim", first_kda < 0 ? 1 : -1),
               (long long)gk_int(f, arch, "ssm.conv_kernel", 4));
     double lb = gk_float(f, arch, "kda.gate_lower_bound", 0);
     if (lb != 0) sb_printf(&b, ", \"gate_lower_bound\": %.9g", lb);
-    sb_printf(&b, ", \"use_full_rank_gate\": %s},", first_kda >= 0 && gguf_tensor(files, nf, "blk.%d.attn_gate.weight", first_kda) ? "true" : "false");
+    const int full_gate = first_kda >= 0 && (gguf_tensor(files, nf, "blk.%d.ssm_g.weight", first_kda) ||
+                                             gguf_tensor(files, nf, "blk.%d.attn_gate.weight", first_kda));
+    sb_printf(&b, ", \"use_full_rank_gate\": %s},", full_gate ? "true" : "false");
     const int64_t dr = gk_int(f, arch, "rope.dimension_count", 0);
     sb_printf(&b, "\"num_attention_heads\": %lld, \"q_lora_rank\": %lld, \"kv_lora_rank\": %lld, \"qk_nope_head_dim\": %lld, "
                   "\"qk_rope_head_dim\": %lld, \"v_head_dim\": %lld, \"mla_use_output_gate\": %s,",
@@ -1198,6 +1226,9 @@ static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json 
               (long long)gk_int(f, arch, "attention.value_length_mla", 1),
               first_mla >= 0 && gguf_tensor(files, nf, "blk.%d.attn_gate.weight", first_mla) ? "true" : "false");
     const int64_t E = gk_int(f, arch, "expert_count", 0), gating = gk_int(f, arch, "expert_gating_func", 2);
+    /* groups: llama.cpp uses expert_group_used_count only with expert_group_count, which its K3
+     * converter does not write (K3 routes without groups): without the count, no groups */
+    const int64_t groups = gk_int(f, arch, "expert_group_count", 1), groups_used = groups == 1 ? 1 : gk_int(f, arch, "expert_group_used_count", 1);
     sb_printf(&b, "\"intermediate_size\": %lld, \"num_experts\": %lld, \"num_experts_per_token\": %lld, \"num_shared_experts\": %lld, "
                   "\"moe_intermediate_size\": %lld, \"moe_router_activation_func\": \"%s\", \"moe_renormalize\": %s, "
                   "\"routed_scaling_factor\": %.9g, \"num_expert_group\": %lld, \"topk_group\": %lld, \"first_k_dense_replace\": %lld, "
@@ -1205,12 +1236,14 @@ static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json 
               (long long)gk_int(f, arch, "feed_forward_length", 0), (long long)E, (long long)gk_int(f, arch, "expert_used_count", -1),
               (long long)gk_int(f, arch, "expert_shared_count", 0), (long long)gk_int(f, arch, "expert_feed_forward_length", -1),
               gating == 1 ? "softmax" : gating == 2 ? "sigmoid" : "invalid", gk_int(f, arch, "expert_weights_norm", 1) ? "true" : "false",
-              gk_float(f, arch, "expert_weights_scale", 1.0), (long long)gk_int(f, arch, "expert_group_count", 1),
-              (long long)gk_int(f, arch, "expert_group_used_count", 1), (long long)gk_int(f, arch, "leading_dense_block_count", 0));
-    const int64_t lat = gk_int(f, arch, "moe_latent_size", 0);
+              gk_float(f, arch, "expert_weights_scale", 1.0), (long long)groups, (long long)groups_used,
+              (long long)gk_int(f, arch, "leading_dense_block_count", 0));
+    const int64_t lat = gk_int(f, arch, "expert_latent_length", gk_int(f, arch, "moe_latent_size", 0));
+    const int first_moe = (int)gk_int(f, arch, "leading_dense_block_count", 0);
     if (lat) sb_printf(&b, "\"routed_expert_hidden_size\": %lld, \"latent_moe_use_norm\": %s,", (long long)lat,
-                       gguf_tensor(files, nf, "blk.%d.ffn_latent_norm.weight", (int)gk_int(f, arch, "leading_dense_block_count", 0)) ? "true" : "false");
-    const int64_t B = gk_int(f, arch, "attn_res_block_size", 0);
+                       gguf_tensor(files, nf, "blk.%d.ffn_routed_norm.weight", first_moe) || gguf_tensor(files, nf, "blk.%d.ffn_latent_norm.weight", first_moe)
+                           ? "true" : "false");
+    const int64_t B = gk_int(f, arch, "attn_res.block_size", gk_int(f, arch, "attn_res_block_size", 0));
     if (B) sb_printf(&b, "\"attn_res_block_size\": %lld,", (long long)B);
     const moe__gguf_kv *bos = moe__gguf_get(f, "tokenizer.ggml.bos_token_id"), *eos = moe__gguf_get(f, "tokenizer.ggml.eos_token_id");
     uint32_t bv = 0, ev = 0;
@@ -1320,7 +1353,9 @@ static void bname(const binder *b, const char *name, char *full, size_t n) {
 static const tensor_ref *bfind(binder *b, const char *name) {
     char full[340];
     bname(b, name, full, sizeof full);
-    return lookup(b->m, full);
+    const tensor_ref *r = lookup(b->m, full);
+    if (!r && b->m->gguf && hf_to_llama_k3(name, full, sizeof full)) r = lookup(b->m, full);
+    return r;
 }
 
 static const char *bfile(binder *b, const tensor_ref *r) { return b->m->files[r->file].path; }
@@ -1397,7 +1432,7 @@ static float *conv_by_tap(binder *b, float *w, int64_t channels, int64_t taps) {
 }
 
 /* A small vector of n values (any shape with n elements, or >= n with `pad_zero` allowing a zero
- * tail), kept as an f32 copy. */
+ * tail, 2: any tail), kept as an f32 copy. */
 static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...) {
     if (b->st) return NULL;
     char name[300];
@@ -1426,7 +1461,7 @@ static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...)
     float *v = malloc((size_t)count * sizeof *v);
     if (!v) { b->st = MOE_ERR_NOMEM; return NULL; }
     moe__row_to_f32(t->type, t->data, NULL, v, count);
-    for (int64_t i = n; i < count; i++)
+    for (int64_t i = n; pad_zero != 2 && i < count; i++)
         if (v[i] != 0.0f) {
             free(v);
             b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: tensor %s: non-zero padding past %lld values",
@@ -1436,8 +1471,30 @@ static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...)
     return v;
 }
 
-/* AttnRes pseudo-query: norm weight times projection row (bf16*bf16 is exact in f32) */
+/* the GGUF name of the fused score vector llama.cpp's K3 converter writes for AttnRes site pre
+ * (norm weight times projection row, F32): blk.N.attn_res_score, blk.N.ffn_res_score or
+ * output_res_score */
+static void fused_res_name(const char *pre, char *out, size_t n) {
+    int layer, used = 0;
+    if (sscanf(pre, "model.layers.%d.%n", &layer, &used) == 1 && used)
+        snprintf(out, n, "blk.%d.%s_res_score.weight", layer, !strcmp(pre + used, "mlp_res") ? "ffn" : "attn");
+    else snprintf(out, n, "output_res_score.weight");
+}
+
+/* AttnRes pseudo-query: norm weight times projection row (bf16*bf16 is exact in f32), or the
+ * product llama.cpp's converter stored */
 static float *bind_res(binder *b, int d, const char *pre) {
+    char fused[96];
+    fused_res_name(pre, fused, sizeof fused);
+    if (b->m->gguf && lookup(b->m, fused)) {
+        const tensor_ref *r = lookup(b->m, fused);
+        const moe__st_tensor *t = r->t;
+        float *v = t->ndim == 1 && t->shape[0] == d && t->type == MOE_T_F32 && aligned_for(t) ? malloc(sizeof(float) * (size_t)d) : NULL;
+        if (v) memcpy(v, t->data, sizeof(float) * (size_t)d);
+        else if (t->ndim == 1 && t->shape[0] == d && t->type == MOE_T_F32 && aligned_for(t)) b->st = MOE_ERR_NOMEM;
+        else b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: tensor %s: want %d F32 values", bfile(b, r), fused, d);
+        return v;
+    }
     float *nw = bind_vec(b, d, 0, "%s_norm.weight", pre), *pw = bind_vec(b, d, 0, "%s_proj.weight", pre);
     if (nw && pw)
         for (int i = 0; i < d; i++) nw[i] *= pw[i];
@@ -1538,8 +1595,10 @@ static void bind_layer(binder *b, int i) {
         L->v_conv = conv_by_tap(b, bind_vec(b, HD * W, 0, "%sself_attn.v_conv1d.weight", p), HD, W);
         bind_mat(b, &L->f_a, D, d, "%sself_attn.f_a_proj", p);
         bind_mat(b, &L->f_b, HD, D, "%sself_attn.f_b_proj", p);
-        L->A_log = bind_vec(b, H, 1, "%sself_attn.A_log", p);
-        /* GGUF stores exp(A_log) (K3) or -exp(A_log) (Kimi Linear) as ssm_a: both give |.| = a */
+        /* GGUF stores exp(A_log) (moe-convert's K3) or -exp(A_log) (llama.cpp's converters) as
+         * ssm_a: both give |.| = a. llama.cpp's K3 converter keeps the first attention.head_count
+         * entries of a zero-padded A_log, so past the KDA heads it may hold -exp(0). */
+        L->A_log = bind_vec(b, H, m->gguf ? 2 : 1, "%sself_attn.A_log", p);
         for (int64_t h = 0; m->gguf && L->A_log && h < H; h++) L->A_log[h] = logf(fabsf(L->A_log[h]));
         L->dt_bias = bind_vec(b, HD, 0, "%sself_attn.dt_bias", p);
         bind_mat(b, &L->b, H, d, "%sself_attn.b_proj", p);

@@ -610,6 +610,54 @@ static void test_k3_slice(void) {
     moe_model_close(m);
 }
 
+/* A K3 GGUF made by llama.cpp's own converter (test/llama/k3mx.gguf: the golden k3mx case through
+ * convert_hf_to_gguf.py of llama.cpp's Kimi-K3 support, test/llama/README.md): its keys and names
+ * (fused AttnRes scores, ssm_g, ffn_routed_*, -exp(A_log) cut to attention.head_count entries,
+ * split kv_b, MXFP4 experts in ggml's blocks) bound as llama.cpp's loader reads them. The
+ * converter drops the case's expert groups (num_expert_group 4, topk_group 2; K3 itself routes
+ * without groups), so the file routes without them, as llama.cpp does; with the routing pinned to
+ * the golden one, every prompt's logits are the golden ones within the case's tolerance. */
+static void test_llama_k3(void) {
+    golden g;
+    if (!golden_load(&g, "k3mx")) return;
+    moe_model *m = open_path("test/llama/k3mx.gguf", 0, 2);
+    if (!m) { golden_free(&g); return; }
+    const moe_config *c = moe_model_config(m);
+    CHECKF(c->n_groups == 1 && c->topk_groups == 1, "groups %d, top-k groups %d", c->n_groups, c->topk_groups);
+    CHECK(c->kda_heads == 3 && c->mla_heads == 4 && c->latent_dim == 64 && c->attn_res_block == 3 && c->kda_full_rank_gate);
+    const int V = c->vocab_size, L = c->n_layers, K = c->n_active;
+    int pinned_prompts = 0;
+    for (const moe__json *p = moe__json_get(g.cases, "prompts")->child; p; p = p->next) {
+        int32_t *ids;
+        const int n = ids_of(moe__json_get(p, "ids"), &ids);
+        const char *pname = moe__json_get(p, "name")->str;
+        char key[128];
+        snprintf(key, sizeof key, "%s.logits", pname);
+        const moe__st_tensor *want = moe__st_find(&g.ref, key);
+        int32_t *force = malloc(sizeof(int32_t) * (size_t)n * L * K);
+        int have = want && force;
+        for (int l = 0; have && l < L; l++) {
+            snprintf(key, sizeof key, "%s.route.%d.ids", pname, l);
+            const moe__st_tensor *rt = moe__st_find(&g.ref, key);
+            for (int t = 0; t < n; t++)
+                for (int k = 0; k < K; k++) force[((size_t)t * L + l) * K + k] = rt ? ((const int32_t *)rt->data)[(size_t)t * K + k] : -1;
+        }
+        CHECK(have);
+        float *logits = have ? logits_routed(m, ids, n, NULL, NULL, force) : NULL;
+        CHECK(logits != NULL);
+        if (logits) {
+            const double md = max_abs_diff(logits, want->data, (size_t)n * V);
+            CHECKF(md <= g.tol, "%s: max |dlogit| %.3g > %.3g with the golden routing", pname, md, g.tol);
+            if (getenv("MOE_TEST_VERBOSE")) fprintf(stderr, "  llama.cpp's k3mx %s (%d tokens): max|d| %.2g\n", pname, n, md);
+            pinned_prompts++;
+        }
+        free(logits), free(force), free(ids);
+    }
+    CHECK(pinned_prompts == 4);
+    moe_model_close(m);
+    golden_free(&g);
+}
+
 const test_case gguf_tests[] = {
     {"gguf.json", test_json, "the strict JSON parser: valid, invalid and hostile texts", 0},
     {"gguf.vocab", test_shipped_gguf_vocab, "the shipped model as GGUF carries its vocabulary: same ids and text", 0},
@@ -620,5 +668,6 @@ const test_case gguf_tests[] = {
     {"gguf.iq", test_gguf_iq, "grid-format GGUF files: mapped, cached and decoded to F32 agree", 0},
     {"gguf.kquants", test_gguf_kquants, "k-quant GGUF files load and run against their F32 decode", 0},
     {"gguf.k3_slice", test_k3_slice, "moe-convert --k3-slice writes a K3 layout that loads and runs", 0},
+    {"gguf.llama_k3", test_llama_k3, "llama.cpp's own K3 GGUF of the k3mx case: its names and keys, golden logits", 0},
     {0}
 };

