@@ -1080,7 +1080,8 @@ static int hf_to_llama_k3(const char *hf, char *out, size_t n) {
     return 0;
 }
 
-int moe__hf_to_gguf(const char *hf, char *out, size_t n) {
+int moe__hf_to_gguf(const char *hf, char *out, size_t n, int llama_k3) {
+    if (llama_k3 && hf_to_llama_k3(hf, out, n)) return 1;
     for (size_t i = 0; i < sizeof global_map / sizeof *global_map; i++)
         if (!strcmp(hf, global_map[i][0])) return snprintf(out, n, "%s", global_map[i][1]) < (int)n;
     int layer, used = 0;
@@ -1347,7 +1348,7 @@ typedef struct {
 /* the name a tensor has in the files: prefix + HF name, or its GGUF name */
 static void bname(const binder *b, const char *name, char *full, size_t n) {
     if (!b->m->gguf) snprintf(full, n, "%s%s", b->m->prefix, name);
-    else if (!moe__hf_to_gguf(name, full, n)) snprintf(full, n, "(no GGUF name for %s)", name);
+    else if (!moe__hf_to_gguf(name, full, n, 0)) snprintf(full, n, "(no GGUF name for %s)", name);
 }
 
 static const tensor_ref *bfind(binder *b, const char *name) {

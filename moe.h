@@ -777,8 +777,10 @@ moe_status moe__config_check(const char *text, size_t len, char *err, size_t err
 moe_status moe__config_parse(const char *text, size_t len, moe_config *out, unsigned char *kinds, unsigned char *moe, char *err,
                              size_t errlen);
 /* GGUF name of an HF tensor name ("model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight");
- * 0 when it has none (routed experts are merged per layer: blk.N.ffn_{gate,up,down}_exps). */
-int moe__hf_to_gguf(const char *hf, char *out, size_t n);
+ * 0 when it has none (routed experts are merged per layer: blk.N.ffn_{gate,up,down}_exps). With
+ * llama_k3, the names of llama.cpp's Kimi-K3 support where they differ (KDA's ssm_g, the latent
+ * MoE's ffn_routed_*); its fused AttnRes scores have no single HF source. */
+int moe__hf_to_gguf(const char *hf, char *out, size_t n, int llama_k3);
 /* A tensor of an open model's files by its full stored name; NULL if absent (for moe-convert). */
 const moe__st_tensor *moe__model_tensor(const moe_model *m, const char *name);
 /* The stored-name prefix of the text model ("language_model." for K3's wrapper, else ""). */

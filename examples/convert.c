@@ -12,7 +12,8 @@
  * quantizer does (q2_k, q3_k, iq4_xs and the grid formats -> iq4_nl; q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0; to f32
  * where not whole 32s).
  * Norms, biases, convolutions and the router stay F32. Tensor and key names follow llama.cpp's
- * kimi-linear architecture (kimi-k3 when the model has K3 features); general.alignment is 4096.
+ * kimi-linear architecture, or its Kimi-K3 support's kimi-k3 when the model has K3 features (fused
+ * AttnRes score vectors, ssm_g, ffn_routed_*); general.alignment is 4096.
  *
  * Streaming and resumable: the header is planned and written first; then tensor by tensor, each
  * converted row by row through a bounded buffer and written at its offset, followed by an fsync
@@ -52,7 +53,7 @@
 static uint32_t gguf_align = ALIGN_MAX;
 #define CHUNK (64u << 20) /* output bytes buffered before a write */
 
-enum { SRC_MAT, SRC_VEC, SRC_ALOG, SRC_EXPERTS, SRC_K_B, SRC_V_B };
+enum { SRC_MAT, SRC_VEC, SRC_ALOG, SRC_EXPERTS, SRC_K_B, SRC_V_B, SRC_RES };
 
 typedef struct {
     char name[96];   /* GGUF name */
@@ -213,22 +214,37 @@ static out_tensor *add_vec(plan *p, const char *gg, const char *hf, int nd, cons
     return t;
 }
 
-/* the tensors of the model, in the order the runtime reads them */
+/* whether the model needs the kimi-k3 architecture (any K3 feature), else kimi-linear */
+static int is_k3(const moe_config *c) {
+    return c->attn_res_block || c->latent_dim || c->hidden_act == MOE_ACT_SITU || c->kda_full_rank_gate || c->mla_output_gate;
+}
+
+/* an AttnRes site's score vector as llama.cpp's K3 converter stores it: the norm weight times the
+ * projection row, one F32 vector (hfnorm: the site's "..._norm.weight"; the projection is read
+ * beside it) */
+static void add_res(plan *p, const char *gg, const char *hfnorm, int64_t d) {
+    out_tensor *t = add_vec(p, gg, hfnorm, 1, (int64_t[]){d}, 0.0f, 0.02f);
+    t->kind = SRC_RES;
+}
+
+/* the tensors of the model, in the order the runtime reads them; kimi-k3 under the names and
+ * layouts of llama.cpp's Kimi-K3 support (spec/GGUF-KIMI.md section 2) */
 static void build_plan(plan *p, const moe_config *c, int dense, int experts, int expert_src_type) {
     char hf[200], gg[96];
     const int64_t d = c->hidden_size, V = c->vocab_size;
+    const int k3 = is_k3(c);
 #define HF(...) (snprintf(hf, sizeof hf, __VA_ARGS__), hf)
-#define MAT(hfname, rows, cols, type) (moe__hf_to_gguf(hfname, gg, sizeof gg), add_mat(p, gg, hfname, rows, cols, type))
-#define VEC1(hfname, n, mean, std) (moe__hf_to_gguf(hfname, gg, sizeof gg), add_vec(p, gg, hfname, 1, (int64_t[]){n}, mean, std))
+#define MAT(hfname, rows, cols, type) (moe__hf_to_gguf(hfname, gg, sizeof gg, k3), add_mat(p, gg, hfname, rows, cols, type))
+#define VEC1(hfname, n, mean, std) (moe__hf_to_gguf(hfname, gg, sizeof gg, k3), add_vec(p, gg, hfname, 1, (int64_t[]){n}, mean, std))
     MAT("model.embed_tokens.weight", V, d, dense);
     for (int i = 0; i < c->n_layers; i++) {
         VEC1(HF("model.layers.%d.input_layernorm.weight", i), d, 1.0f, 0.02f);
         VEC1(HF("model.layers.%d.post_attention_layernorm.weight", i), d, 1.0f, 0.02f);
         if (c->attn_res_block) {
-            VEC1(HF("model.layers.%d.self_attention_res_norm.weight", i), d, 1.0f, 0.02f);
-            VEC1(HF("model.layers.%d.self_attention_res_proj.weight", i), d, 0.0f, 0.02f);
-            VEC1(HF("model.layers.%d.mlp_res_norm.weight", i), d, 1.0f, 0.02f);
-            VEC1(HF("model.layers.%d.mlp_res_proj.weight", i), d, 0.0f, 0.02f);
+            snprintf(gg, sizeof gg, "blk.%d.attn_res_score.weight", i);
+            add_res(p, gg, HF("model.layers.%d.self_attention_res_norm.weight", i), d);
+            snprintf(gg, sizeof gg, "blk.%d.ffn_res_score.weight", i);
+            add_res(p, gg, HF("model.layers.%d.mlp_res_norm.weight", i), d);
         }
         if (c->layer_kind[i] == MOE_LAYER_KDA) {
             const int64_t H = c->kda_heads, D = c->kda_head_dim, HD = H * D, W = c->conv_kernel;
@@ -238,15 +254,16 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
             const char *cv[3] = {"q", "k", "v"};
             for (int a = 0; a < 3; a++) {
                 HF("model.layers.%d.self_attn.%s_conv1d.weight", i, cv[a]);
-                moe__hf_to_gguf(hf, gg, sizeof gg);
+                moe__hf_to_gguf(hf, gg, sizeof gg, k3);
                 add_vec(p, gg, hf, 4, (int64_t[]){W, 1, HD, 1}, 0.0f, 0.3f);
             }
             MAT(HF("model.layers.%d.self_attn.f_a_proj.weight", i), D, d, dense);
             MAT(HF("model.layers.%d.self_attn.f_b_proj.weight", i), HD, D, dense);
             MAT(HF("model.layers.%d.self_attn.b_proj.weight", i), H, d, dense);
             HF("model.layers.%d.self_attn.A_log", i);
-            moe__hf_to_gguf(hf, gg, sizeof gg);
-            out_tensor *a = add_vec(p, gg, hf, 4, (int64_t[]){1, H, 1, 1}, 0.0f, 1.0f);
+            moe__hf_to_gguf(hf, gg, sizeof gg, k3);
+            /* -exp(A_log): [1, H, 1, 1] in kimi-linear, 1-D [H] in K3 */
+            out_tensor *a = k3 ? add_vec(p, gg, hf, 1, (int64_t[]){H}, 0.0f, 1.0f) : add_vec(p, gg, hf, 4, (int64_t[]){1, H, 1, 1}, 0.0f, 1.0f);
             a->kind = SRC_ALOG;
             VEC1(HF("model.layers.%d.self_attn.dt_bias", i), HD, 0.0f, 0.5f);
             if (c->kda_full_rank_gate) {
@@ -280,7 +297,11 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
                 t->nd = 3, t->ne[0] = cols, t->ne[1] = kb == 0 ? r : dv, t->ne[2] = H;
                 t->rows = t->ne[1], t->cols = cols, t->n_mats = H, t->dn = dn, t->dv = dv;
             }
-            if (c->mla_output_gate) MAT(HF("model.layers.%d.self_attn.g_proj.weight", i), H * c->v_head_dim, d, dense);
+            if (c->mla_output_gate) { /* attn_gate in both namings (ssm_g is KDA's gate) */
+                HF("model.layers.%d.self_attn.g_proj.weight", i);
+                moe__hf_to_gguf(hf, gg, sizeof gg, 0);
+                add_mat(p, gg, hf, H * c->v_head_dim, d, dense);
+            }
             MAT(HF("model.layers.%d.self_attn.o_proj.weight", i), d, H * c->v_head_dim, dense);
         }
         if (!c->layer_moe[i]) {
@@ -314,10 +335,7 @@ static void build_plan(plan *p, const moe_config *c, int dense, int experts, int
         }
     }
     VEC1("model.norm.weight", d, 1.0f, 0.02f);
-    if (c->attn_res_block) {
-        VEC1("model.output_attn_res_norm.weight", d, 1.0f, 0.02f);
-        VEC1("model.output_attn_res_proj.weight", d, 0.0f, 0.02f);
-    }
+    if (c->attn_res_block) add_res(p, "output_res_score.weight", "model.output_attn_res_norm.weight", d);
     /* the output matrix at higher precision when the rest is 2- to 5-bit (Q8_0 for the 32-value
      * formats, as the runtime converts Q4_0 at load; Q6_K for the 256-value ones, as llama.cpp's
      * k-quant and IQ4_XS mixes) */
@@ -512,8 +530,7 @@ static int write_merges(meta *mt, const moe_config *c, const moe_tokenizer *tok)
 static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx, int random_vocab, const moe_tokenizer *tok) {
     char key[128];
     buf *b = &mt->b;
-    const int k3 = c->attn_res_block || c->latent_dim || c->hidden_act == MOE_ACT_SITU || c->kda_full_rank_gate || c->mla_output_gate;
-    strcpy(mt->arch, k3 ? "kimi-k3" : "kimi-linear");
+    strcpy(mt->arch, is_k3(c) ? "kimi-k3" : "kimi-linear");
     kv_str(b, "general.architecture", mt->arch), mt->n_kv++;
     kv_str(b, "general.name", name), mt->n_kv++;
     kv_u32(b, "general.alignment", gguf_align), mt->n_kv++;
@@ -553,13 +570,13 @@ static void write_meta(meta *mt, const moe_config *c, const char *name, int ctx,
         kv_u32(b, K("expert_gating_func"), c->router_softmax ? 1u : 2u);
         kv_u32(b, K("expert_group_count"), (uint32_t)c->n_groups);
         kv_u32(b, K("expert_group_used_count"), (uint32_t)c->topk_groups);
-        if (c->latent_dim) kv_u32(b, K("moe_latent_size"), (uint32_t)c->latent_dim);
+        if (c->latent_dim) kv_u32(b, K("expert_latent_length"), (uint32_t)c->latent_dim);
     }
     if (c->hidden_act == MOE_ACT_SITU) {
-        kv_f32(b, K("situ_beta"), c->situ_beta);
-        kv_f32(b, K("situ_linear_beta"), c->situ_linear_beta);
+        kv_f32(b, K("activation.situ_beta"), c->situ_beta);
+        kv_f32(b, K("activation.situ_linear_beta"), c->situ_linear_beta);
     }
-    if (c->attn_res_block) kv_u32(b, K("attn_res_block_size"), (uint32_t)c->attn_res_block);
+    if (c->attn_res_block) kv_u32(b, K("attn_res.block_size"), (uint32_t)c->attn_res_block);
     if (c->bos_token_id >= 0) kv_u32(b, "tokenizer.ggml.bos_token_id", (uint32_t)c->bos_token_id), mt->n_kv++;
     if (c->eos_token_id >= 0) kv_u32(b, "tokenizer.ggml.eos_token_id", (uint32_t)c->eos_token_id), mt->n_kv++;
     if (tok) write_vocab(mt, c, tok);
@@ -792,6 +809,14 @@ static void drop_pages(const moe__st_tensor *t) {
     madvise((void *)a, e - a, MADV_DONTNEED); /* a hint: keeps the resident set bounded */
 }
 
+/* the projection row beside an AttnRes site's norm weight t->src (checked by vec_ok) */
+static const moe__st_tensor *res_proj(const source *s, const out_tensor *t) {
+    char full[320];
+    const size_t n = strlen(t->src) - strlen("_norm.weight");
+    snprintf(full, sizeof full, "%s%.*s_proj.weight", s->prefix, (int)n, t->src);
+    return moe__model_tensor(s->m, full);
+}
+
 /* row r of matrix mi of tensor t, converted into dst (tmp: 4 x the widest row of floats) */
 static void produce_row(const out_tensor *t, const source *s, const src_mat *sm, int64_t mi, int64_t r, unsigned char *dst, float *tmp) {
     if (!s->m && moe__is_iq(t->type)) {
@@ -830,6 +855,14 @@ static void produce_row(const out_tensor *t, const source *s, const src_mat *sm,
         convert_row(&fake, 0, t->cols, t->type, dst, col + t->cols);
         return;
     }
+    if (t->kind == SRC_RES) { /* norm weight times projection row, as llama.cpp's K3 converter fuses them */
+        moe__row_to_f32(sm->w->type, sm->w->data, NULL, tmp, t->cols);
+        const moe__st_tensor *pw = res_proj(s, t);
+        moe__row_to_f32(pw->type, pw->data, NULL, tmp + t->cols, t->cols);
+        for (int64_t i = 0; i < t->cols; i++) tmp[i] *= tmp[t->cols + i];
+        memcpy(dst, tmp, sizeof(float) * (size_t)t->cols);
+        return;
+    }
     if (t->kind == SRC_ALOG || t->kind == SRC_VEC) {
         /* vectors: any stored shape with the right count (A_log may be zero-padded) */
         moe__row_to_f32(sm->w->type, sm->w->data, NULL, tmp, t->cols);
@@ -856,7 +889,7 @@ static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const 
             const int64_t r = t->kind == SRC_K_B ? t->rows : t->cols;
             if (!find_src(s, hf, &sm, t->n_mats * (t->dn + t->dv), r))
                 return die("%s: source tensor %s%s missing or of another size", t->name, s->prefix, hf);
-        } else if (s->m && (t->kind == SRC_VEC || t->kind == SRC_ALOG)) {
+        } else if (s->m && (t->kind == SRC_VEC || t->kind == SRC_ALOG || t->kind == SRC_RES)) {
             char full[320]; /* checked by vec_ok before anything was written */
             snprintf(full, sizeof full, "%s%s", s->prefix, hf);
             sm.w = moe__model_tensor(s->m, full);
@@ -866,7 +899,7 @@ static int write_tensor(int fd, uint64_t data_start, const out_tensor *t, const 
         for (int64_t r0 = 0; r0 < t->rows; r0 += rows_per_chunk) {
             const int64_t r1 = r0 + rows_per_chunk < t->rows ? r0 + rows_per_chunk : t->rows;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 4) if (r1 - r0 >= 16 && t->kind != SRC_VEC && t->kind != SRC_ALOG)
+#pragma omp parallel for schedule(dynamic, 4) if (r1 - r0 >= 16 && t->kind != SRC_VEC && t->kind != SRC_ALOG && t->kind != SRC_RES)
 #endif
             for (int64_t r = r0; r < r1; r++) {
 #ifdef _OPENMP
@@ -900,6 +933,12 @@ static int vec_ok(const source *s, const out_tensor *t) {
     if (!w || (w->type != MOE_T_F32 && w->type != MOE_T_F16 && w->type != MOE_T_BF16)) return 0;
     int64_t n = 1;
     for (int i = 0; i < w->ndim; i++) n *= w->shape[i];
+    if (t->kind == SRC_RES) { /* the projection row too */
+        const moe__st_tensor *pw = res_proj(s, t);
+        int64_t np = 1;
+        for (int i = 0; pw && i < pw->ndim; i++) np *= pw->shape[i];
+        if (!pw || (pw->type != MOE_T_F32 && pw->type != MOE_T_F16 && pw->type != MOE_T_BF16) || np != t->cols) return 0;
+    }
     return t->kind == SRC_ALOG ? n >= t->cols : n == t->cols;
 }
 
@@ -1468,7 +1507,7 @@ int main(int argc, char **argv) {
     plan p = {0};
     build_plan(&p, &cfg, o.dense, o.experts, expert_src_type);
     for (int i = 0; src.m && i < p.n; i++)
-        if ((p.t[i].kind == SRC_VEC || p.t[i].kind == SRC_ALOG) && !vec_ok(&src, &p.t[i]))
+        if ((p.t[i].kind == SRC_VEC || p.t[i].kind == SRC_ALOG || p.t[i].kind == SRC_RES) && !vec_ok(&src, &p.t[i]))
             return die("%s: source tensor %s%s missing or of another size", p.t[i].name, src.prefix, p.t[i].src);
     meta mt = {0};
     moe_tokenizer *tok = NULL;
