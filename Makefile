@@ -120,4 +120,4 @@ clean:
 
 # help: list the targets
 help:
-	@grep -B1 -E '^[a-z-]+:' Makefile | grep '^#' | sed 's/^# /  /'
+	@grep -E '^# [a-z-]+: ' Makefile | sed 's/^# /  /'
