@@ -658,6 +658,27 @@ static void test_llama_k3(void) {
     golden_free(&g);
 }
 
+/* A kimi-k3 GGUF in the names moe-convert wrote before it took llama.cpp's (test/moe-v0/README.md)
+ * still opens, and gives bit for bit the logits of the same case converted by today's moe-convert */
+static void test_k3_earlier_names(void) {
+    char now[600], dir[600];
+    tmp_path(now, sizeof now, "k3mx-q4_0-now.gguf");
+    snprintf(dir, sizeof dir, "%s/k3mx", golden_dir());
+    CHECK(convert(dir, now, "--dense q4_0") == 0);
+    moe_model *a = open_path("test/moe-v0/k3mx-q4_0.gguf", 0, 2), *b = open_path(now, 0, 2);
+    int n = 0;
+    int32_t *ids = golden_ids("k3mx", 3, &n);
+    if (a && b && ids) {
+        const int V = moe_model_config(a)->vocab_size;
+        float *la = logits_routed(a, ids, n, NULL, NULL, NULL), *lb = logits_routed(b, ids, n, NULL, NULL, NULL);
+        CHECK(la && lb && !memcmp(la, lb, sizeof(float) * (size_t)n * V));
+        free(la), free(lb);
+    }
+    CHECK(a && b && ids);
+    free(ids);
+    moe_model_close(a), moe_model_close(b);
+}
+
 const test_case gguf_tests[] = {
     {"gguf.json", test_json, "the strict JSON parser: valid, invalid and hostile texts", 0},
     {"gguf.vocab", test_shipped_gguf_vocab, "the shipped model as GGUF carries its vocabulary: same ids and text", 0},
@@ -668,6 +689,7 @@ const test_case gguf_tests[] = {
     {"gguf.iq", test_gguf_iq, "grid-format GGUF files: mapped, cached and decoded to F32 agree", 0},
     {"gguf.kquants", test_gguf_kquants, "k-quant GGUF files load and run against their F32 decode", 0},
     {"gguf.k3_slice", test_k3_slice, "moe-convert --k3-slice writes a K3 layout that loads and runs", 0},
+    {"gguf.k3_earlier_names", test_k3_earlier_names, "a K3 GGUF in moe's earlier names gives today's logits bit for bit", 0},
     {"gguf.llama_k3", test_llama_k3, "llama.cpp's own K3 GGUF of the k3mx case: its names and keys, golden logits", 0},
     {0}
 };
