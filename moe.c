@@ -1018,6 +1018,10 @@ static const char *const name_map[][2] = {
     {"self_attention_res_proj.weight", "attn_res_proj.weight"},
     {"mlp_res_norm.weight", "ffn_res_norm.weight"},
     {"mlp_res_proj.weight", "ffn_res_proj.weight"},
+    /* llama.cpp's K3 converter stores each AttnRes site's norm weight times its projection row as
+     * one score vector; "<site>_score" names it here (no HF tensor has that name: bind_res) */
+    {"self_attention_res_score.weight", "attn_res_score.weight"},
+    {"mlp_res_score.weight", "ffn_res_score.weight"},
     {"self_attn.q_proj.weight", "attn_q.weight"},
     {"self_attn.k_proj.weight", "attn_k.weight"},
     {"self_attn.v_proj.weight", "attn_v.weight"},
@@ -1059,11 +1063,11 @@ static const char *const global_map[][2] = {
     {"model.norm.weight", "output_norm.weight"},
     {"model.output_attn_res_norm.weight", "output_res_norm.weight"},
     {"model.output_attn_res_proj.weight", "output_res_proj.weight"},
+    {"model.output_attn_res_score.weight", "output_res_score.weight"},
 };
 
 /* The names llama.cpp's Kimi-K3 converter gives some of those tensors (spec/GGUF-KIMI.md section
- * 2), tried where the name above is absent: its full-rank KDA gate, its latent MoE projections.
- * (Its fused AttnRes score vectors are bound by bind_res.) */
+ * 2), tried where the name above is absent: its full-rank KDA gate, its latent MoE projections. */
 static const char *const llama_k3_map[][2] = {
     {"self_attn.g_proj.weight", "ssm_g.weight"},
     {"block_sparse_moe.routed_expert_down_proj.weight", "ffn_routed_down.weight"},
@@ -1071,24 +1075,26 @@ static const char *const llama_k3_map[][2] = {
     {"block_sparse_moe.routed_expert_norm.weight", "ffn_routed_norm.weight"},
 };
 
-/* the llama.cpp Kimi-K3 name of HF tensor hf where it differs from moe__hf_to_gguf's; 0 if none */
-static int hf_to_llama_k3(const char *hf, char *out, size_t n) {
+/* the GGUF name of layer tensor hf ("model.layers.N.<suffix>") by the suffix table map[n_map];
+ * 0 when hf is not a layer tensor or its suffix is not in the table */
+static int layer_name(const char *const (*map)[2], size_t n_map, const char *hf, char *out, size_t n) {
     int layer, used = 0;
     if (sscanf(hf, "model.layers.%d.%n", &layer, &used) != 1 || !used) return 0;
-    for (size_t i = 0; i < sizeof llama_k3_map / sizeof *llama_k3_map; i++)
-        if (!strcmp(hf + used, llama_k3_map[i][0])) return snprintf(out, n, "blk.%d.%s", layer, llama_k3_map[i][1]) < (int)n;
+    for (size_t i = 0; i < n_map; i++)
+        if (!strcmp(hf + used, map[i][0])) return snprintf(out, n, "blk.%d.%s", layer, map[i][1]) < (int)n;
     return 0;
+}
+
+/* the llama.cpp Kimi-K3 name of HF tensor hf where it differs from moe__hf_to_gguf's; 0 if none */
+static int hf_to_llama_k3(const char *hf, char *out, size_t n) {
+    return layer_name(llama_k3_map, sizeof llama_k3_map / sizeof *llama_k3_map, hf, out, n);
 }
 
 int moe__hf_to_gguf(const char *hf, char *out, size_t n, int llama_k3) {
     if (llama_k3 && hf_to_llama_k3(hf, out, n)) return 1;
     for (size_t i = 0; i < sizeof global_map / sizeof *global_map; i++)
         if (!strcmp(hf, global_map[i][0])) return snprintf(out, n, "%s", global_map[i][1]) < (int)n;
-    int layer, used = 0;
-    if (sscanf(hf, "model.layers.%d.%n", &layer, &used) != 1 || !used) return 0;
-    for (size_t i = 0; i < sizeof name_map / sizeof *name_map; i++)
-        if (!strcmp(hf + used, name_map[i][0])) return snprintf(out, n, "blk.%d.%s", layer, name_map[i][1]) < (int)n;
-    return 0;
+    return layer_name(name_map, sizeof name_map / sizeof *name_map, hf, out, n);
 }
 
 /* GGUF metadata -> the HF config.json it stands for, then parsed and validated by parse_config:
@@ -1472,30 +1478,12 @@ static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...)
     return v;
 }
 
-/* the GGUF name of the fused score vector llama.cpp's K3 converter writes for AttnRes site pre
- * (norm weight times projection row, F32): blk.N.attn_res_score, blk.N.ffn_res_score or
- * output_res_score */
-static void fused_res_name(const char *pre, char *out, size_t n) {
-    int layer, used = 0;
-    if (sscanf(pre, "model.layers.%d.%n", &layer, &used) == 1 && used)
-        snprintf(out, n, "blk.%d.%s_res_score.weight", layer, !strcmp(pre + used, "mlp_res") ? "ffn" : "attn");
-    else snprintf(out, n, "output_res_score.weight");
-}
-
 /* AttnRes pseudo-query: norm weight times projection row (bf16*bf16 is exact in f32), or the
- * product llama.cpp's converter stored */
+ * product llama.cpp's K3 converter stored as one score vector */
 static float *bind_res(binder *b, int d, const char *pre) {
-    char fused[96];
-    fused_res_name(pre, fused, sizeof fused);
-    if (b->m->gguf && lookup(b->m, fused)) {
-        const tensor_ref *r = lookup(b->m, fused);
-        const moe__st_tensor *t = r->t;
-        float *v = t->ndim == 1 && t->shape[0] == d && t->type == MOE_T_F32 && aligned_for(t) ? malloc(sizeof(float) * (size_t)d) : NULL;
-        if (v) memcpy(v, t->data, sizeof(float) * (size_t)d);
-        else if (t->ndim == 1 && t->shape[0] == d && t->type == MOE_T_F32 && aligned_for(t)) b->st = MOE_ERR_NOMEM;
-        else b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: tensor %s: want %d F32 values", bfile(b, r), fused, d);
-        return v;
-    }
+    char score[128];
+    snprintf(score, sizeof score, "%s_score.weight", pre);
+    if (b->m->gguf && bfind(b, score)) return bind_vec(b, d, 0, "%s", score);
     float *nw = bind_vec(b, d, 0, "%s_norm.weight", pre), *pw = bind_vec(b, d, 0, "%s_proj.weight", pre);
     if (nw && pw)
         for (int i = 0; i < d; i++) nw[i] *= pw[i];
