@@ -761,8 +761,9 @@ static int check_unique_ids(job *jb) {
     return 0;
 }
 
-/* One input line (text[0..len), line lineno) of this shard not answered before: a request added to
- * jb->reqs, or an error line written for it now. */
+/* Input line lineno of this shard, not answered before, parsed into j (NULL if it is not JSON;
+ * custom_id NULL if it has none, why saying what is wrong): a request added to jb->reqs, or an
+ * error line written for it now. */
 static int take_request(job *jb, const char *custom_id, moe__json *j, long lineno, char *why, size_t wn) {
     const moe_config *c = jb->c;
     request rq = {0};

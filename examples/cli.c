@@ -210,8 +210,9 @@ typedef struct {
     moe_options opt;
 } options;
 
-/* the chat template named by --chat-template and the checks that involve it; 0 or usage()'s status */
-static int check_template(options *o, const char *tmpl) {
+/* The options checked together once all are read: the chat template named by --chat-template,
+ * the model, where the prompt comes from, --effort; 0 or usage()'s status */
+static int check_options(options *o, const char *tmpl) {
     o->format = MOE_CHAT_AUTO;
     if (tmpl) {
         if (!strcmp(tmpl, "auto")) o->format = MOE_CHAT_AUTO;
@@ -279,7 +280,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else return usage("unknown, incomplete or out-of-range argument");
     }
-    int rc = check_template(o, tmpl);
+    int rc = check_options(o, tmpl);
     *done = rc != 0;
     return rc;
 }
