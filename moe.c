@@ -1116,6 +1116,15 @@ static int64_t gguf_int(const moe__st_file *f, const char *key, int64_t def) {
     }
 }
 
+/* A GGUF string value as a NUL-terminated copy in buf[0..cap); "" when the key is absent, not a
+ * string, or too long. */
+static const char *gguf_str(const moe__st_file *f, const char *key, char *buf, size_t cap) {
+    const moe__gguf_kv *kv = moe__gguf_get(f, key);
+    buf[0] = 0;
+    if (kv && kv->type == MOE_GGUF_STRING && kv->n < cap) memcpy(buf, kv->data, kv->n), buf[kv->n] = 0;
+    return buf;
+}
+
 static int64_t gk_int(const moe__st_file *f, const char *arch, const char *suffix, int64_t def) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", arch, suffix);
@@ -1167,12 +1176,9 @@ static void sb_printf(sbuf *b, const char *fmt, ...) {
 /* the metadata of files[0]; the tensors of all n files */
 static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json **out, char *err, size_t errlen) {
     const moe__st_file *f = &files[0];
-    const moe__gguf_kv *a = moe__gguf_get(f, "general.architecture");
     char arch[32];
-    if (!a || a->type != MOE_GGUF_STRING || a->n >= sizeof arch)
+    if (!gguf_str(f, "general.architecture", arch, sizeof arch)[0])
         return fail(err, errlen, MOE_ERR_FORMAT, "%s: general.architecture missing", f->path);
-    memcpy(arch, a->data, a->n);
-    arch[a->n] = 0;
     if (strcmp(arch, "kimi-linear") && strcmp(arch, "kimi-k3"))
         return fail(err, errlen, MOE_ERR_UNSUPPORTED, "%s: architecture '%s' (kimi-linear and kimi-k3 are supported)", f->path, arch);
     const int64_t L = gk_int(f, arch, "block_count", -1);
@@ -6178,10 +6184,24 @@ static int gpt2_byte_of(uint32_t cp) {
     return cp < 0x144 ? map[cp] : -1;
 }
 
-/* The vocabulary inside a GGUF (llama.cpp's tokenizer.ggml.* keys): normal tokens (type 1) must be
- * ids 0..n-1 and are byte-level strings (id = rank; the merges list is ignored, it is lossy);
- * control and user-defined tokens are specials. */
+/* The vocabulary inside a GGUF (llama.cpp's tokenizer.ggml.* keys): a byte-level BPE ("gpt2")
+ * vocabulary cut by Kimi's pre-tokenizer ("kimi-k2"), as llama.cpp's converter and moe-convert
+ * write Kimi's. Normal tokens (type 1) must be ids 0..n-1 and are byte-level strings (id = rank;
+ * the merges list is ignored, it is lossy: spec 2.3); control and user-defined tokens are
+ * specials, unused ones (type 5, llama.cpp's "[PADn]" fillers) are skipped. */
 static moe_status tok_from_gguf(moe_tokenizer *t, const moe__st_file *f, char *err, size_t errlen) {
+    char model[64], pre[64];
+    gguf_str(f, "tokenizer.ggml.model", model, sizeof model);
+    gguf_str(f, "tokenizer.ggml.pre", pre, sizeof pre);
+    if (!model[0] || !strcmp(model, "none"))
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: the file has no vocabulary (tokenizer.ggml.model %s): give token ids, or the "
+                    "checkpoint's tiktoken.model", f->path, model[0] ? "is \"none\"" : "is missing");
+    if (strcmp(model, "gpt2"))
+        return fail(err, errlen, MOE_ERR_UNSUPPORTED, "%s: tokenizer.ggml.model is \"%s\"; moe reads byte-level BPE (\"gpt2\") vocabularies",
+                    f->path, model);
+    if (strcmp(pre, "kimi-k2"))
+        return fail(err, errlen, MOE_ERR_UNSUPPORTED, "%s: tokenizer.ggml.pre is %s%s%s; moe pre-tokenizes GGUF vocabularies as Kimi's (\"kimi-k2\")",
+                    f->path, pre[0] ? "\"" : "", pre[0] ? pre : "missing", pre[0] ? "\"" : "");
     const moe__gguf_kv *tk = moe__gguf_get(f, "tokenizer.ggml.tokens"), *ty = moe__gguf_get(f, "tokenizer.ggml.token_type");
     if (!tk || tk->type != MOE_GGUF_ARRAY || tk->etype != MOE_GGUF_STRING || tk->n == 0 || tk->n > (1u << 24))
         return fail(err, errlen, MOE_ERR_FORMAT, "%s: no tokenizer.ggml.tokens string array", f->path);
@@ -6237,19 +6257,36 @@ done:
     return st;
 }
 
+/* The tokenizer of an open GGUF; ids at or past model_vocab (0: none) are refused. */
+static moe_status tok_of_gguf_file(moe_tokenizer **out, const moe__st_file *f, int32_t model_vocab, char *err, size_t errlen) {
+    moe_tokenizer *t = calloc(1, sizeof *t);
+    if (!t) return MOE_ERR_NOMEM;
+    t->pretok = MOE_PRETOK_KIMI;
+    moe_status st = tok_from_gguf(t, f, err, errlen);
+    if (st) { moe_tokenizer_free(t); return st; }
+    t->model_vocab = model_vocab;
+    *out = t;
+    return MOE_OK;
+}
+
+moe_status moe_tokenizer_from_gguf(moe_tokenizer **out, const char *path, char *err, size_t errlen) {
+    if (!out || !path) return fail(err, errlen, MOE_ERR_ARG, "moe_tokenizer_from_gguf: bad argument");
+    *out = NULL;
+    moe__st_file f;
+    moe_status st = moe__gguf_open(&f, path, err, errlen);
+    if (st) return st;
+    char arch[32];
+    const int64_t V = gk_int(&f, gguf_str(&f, "general.architecture", arch, sizeof arch), "vocab_size", 0);
+    st = tok_of_gguf_file(out, &f, V > 0 && V <= INT32_MAX ? (int32_t)V : 0, err, errlen);
+    moe__st_close(&f);
+    return st;
+}
+
 moe_status moe_tokenizer_for_model(moe_tokenizer **out, const moe_model *m, char *err, size_t errlen) {
     if (!out || !m) return fail(err, errlen, MOE_ERR_ARG, "moe_tokenizer_for_model: bad argument");
     *out = NULL;
     moe_status st;
-    if (m->files[0].is_gguf) {
-        moe_tokenizer *t = calloc(1, sizeof *t);
-        if (!t) return MOE_ERR_NOMEM;
-        t->pretok = MOE_PRETOK_KIMI;
-        if ((st = tok_from_gguf(t, &m->files[0], err, errlen))) { moe_tokenizer_free(t); return st; }
-        t->model_vocab = m->cfg.vocab_size;
-        *out = t;
-        return MOE_OK;
-    }
+    if (m->files[0].is_gguf) return tok_of_gguf_file(out, &m->files[0], m->cfg.vocab_size, err, errlen);
     char dir[4096], ranks[4200], cfg[4200];
     const char *slash = strrchr(m->path, '/');
     if (is_dir(m->path)) snprintf(dir, sizeof dir, "%s", m->path);

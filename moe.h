@@ -317,6 +317,12 @@ MOE_API moe_status moe_tokenizer_load(moe_tokenizer **out, const char *ranks_pat
  * or past the model's vocab_size are then refused by moe_tokenize and moe_detokenize. */
 MOE_API moe_status moe_tokenizer_for_model(moe_tokenizer **out, const moe_model *m, char *err,
                                            size_t errlen);
+/* The vocabulary of a GGUF file alone: a model's, or a vocabulary-only file (llama.cpp's
+ * convert_hf_to_gguf.py --vocab-only). It must be a byte-level BPE ("gpt2") vocabulary with
+ * Kimi's pre-tokenizer ("kimi-k2"); ids at or past the file's ARCH.vocab_size, when it has
+ * one, are refused. */
+MOE_API moe_status moe_tokenizer_from_gguf(moe_tokenizer **out, const char *path, char *err,
+                                           size_t errlen);
 MOE_API void moe_tokenizer_free(moe_tokenizer *t);
 
 enum {

@@ -312,9 +312,17 @@ typedef struct {
     outq q;
     moe_step_stats tot;
     double t_prompt, t_gen;
+    long long read_prompt, read_gen; /* bytes read from storage in each; -1: not known */
     int n_prompt, n_out;
     char err[512];
 } cli;
+
+/* adds the storage reads since since_bytes (storage_read_bytes() then) to *total */
+static void add_read(long long *total, long long since_bytes) {
+    const long long now_bytes = storage_read_bytes();
+    if (*total >= 0 && since_bytes >= 0 && now_bytes >= since_bytes) *total += now_bytes - since_bytes;
+    else *total = -1;
+}
 
 static int oom(void) { return fprintf(stderr, "moe-cli: out of memory\n"), 1; }
 
@@ -330,6 +338,7 @@ static void add_stats(moe_step_stats *t, const moe_step_stats *s, int decode) {
 static int open_model(cli *r) {
     options *o = &r->o;
     double t0 = now();
+    const long long r0 = storage_read_bytes();
     if (isatty(2)) o->opt.progress = on_progress;
     fprintf(stderr, "moe-cli: loading %s\n", o->model);
     moe_status st = moe_model_open(&r->m, o->model, &o->opt, r->err, sizeof r->err);
@@ -337,8 +346,11 @@ static int open_model(cli *r) {
     if (st) return fprintf(stderr, "moe-cli: %s: %s\n", moe_status_str(st), r->err), 1;
     const moe_config *c = r->c = moe_model_config(r->m);
     moe_model_info info = moe_model_get_info(r->m);
-    fprintf(stderr, "moe-cli: %d layers, %.3g B params (%.3g B active), %d files, loaded in %.2f s; %s kernels, prompt chunks of %d\n",
-            c->n_layers, info.n_params / 1e9, info.n_params_active / 1e9, info.n_files, now() - t0, info.kernels, info.n_batch);
+    const long long r1 = storage_read_bytes();
+    char read_mb[48] = "";
+    if (r0 >= 0 && r1 >= r0) snprintf(read_mb, sizeof read_mb, " (%.1f MB read from storage)", (r1 - r0) / 1e6);
+    fprintf(stderr, "moe-cli: %d layers, %.3g B params (%.3g B active), %d files, loaded in %.2f s%s; %s kernels, prompt chunks of %d\n",
+            c->n_layers, info.n_params / 1e9, info.n_params_active / 1e9, info.n_files, now() - t0, read_mb, info.kernels, info.n_batch);
     if (info.experts_kept_mapped)
         fprintf(stderr, "moe-cli: the routed experts do not fit in RAM: they stay mapped and are read from disk as needed "
                         "(row kernels; --load-mode cache streams them through a fixed budget instead)\n");
@@ -438,6 +450,7 @@ static int feed_prompt(cli *r, const char *text, size_t len, size_t nid, int *ct
         fflush(stdout);
     }
     moe_step_stats ps;
+    const long long rp = storage_read_bytes();
     double tp = now();
     if (feed > 0) {
         moe_seq sq = {.s = r->s, .tokens = r->ids + keep, .n = feed, .logits = r->logits};
@@ -445,6 +458,7 @@ static int feed_prompt(cli *r, const char *text, size_t len, size_t nid, int *ct
         add_stats(&r->tot, &ps, 0);
     }
     r->t_prompt += now() - tp, r->n_prompt += feed;
+    add_read(&r->read_prompt, rp);
     r->nh = (int)nid;
     return 0;
 }
@@ -475,6 +489,7 @@ static void show_token(cli *r, int32_t t, int *was_reasoning) {
 static int generate(cli *r, int ctx) {
     options *o = &r->o;
     double td = now();
+    const long long rd = storage_read_bytes();
     r->q.stopped = 0, r->q.n = 0, r->q.rn = 0, r->think_n = 0;
     if (r->q.reply) r->q.reply[0] = 0;
     if (o->templated) moe_chat_reply_init(&r->rep, r->tok, &r->co);
@@ -498,6 +513,7 @@ static int generate(cli *r, int ctx) {
     printf("\n");
     fflush(stdout);
     r->t_gen += now() - td, r->n_out += gen;
+    add_read(&r->read_gen, rd);
     return 0;
 }
 
@@ -505,6 +521,9 @@ static void print_summary(const cli *r) {
     const moe_step_stats *tot = &r->tot;
     fprintf(stderr, "moe-cli: prompt %d tokens in %.3f s (%.1f tok/s); generated %d tokens in %.3f s (%.2f tok/s)\n", r->n_prompt, r->t_prompt,
             r->n_prompt / (r->t_prompt > 0 ? r->t_prompt : 1e-9), r->n_out, r->t_gen, r->n_out / (r->t_gen > 0 ? r->t_gen : 1e-9));
+    if (r->read_prompt >= 0 && r->read_gen >= 0)
+        fprintf(stderr, "moe-cli: read from storage: %.1f MB for the prompt, %.1f MB generating (%.1f MB/token)\n", r->read_prompt / 1e6,
+                r->read_gen / 1e6, r->n_out ? r->read_gen / 1e6 / r->n_out : 0.0);
     fprintf(stderr, "moe-cli: experts: %llu loads, %.1f MB (%.2f MB/token generated)\n", (unsigned long long)tot->expert_loads,
             tot->expert_bytes / 1e6, r->n_out ? tot->expert_bytes / 1e6 / r->n_out : 0.0);
     if (r->o.opt.expert_mode != MOE_EXPERTS_CACHE) return;

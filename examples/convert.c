@@ -1268,7 +1268,7 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
                        "  \"bos_token_id\": 1, \"eos_token_id\": 2, \"pad_token_id\": 0, \"tie_word_embeddings\": false,\n"
                        "  \"text_config\": {\n    \"model_type\": \"kimi_linear\", \"architectures\": [\"KimiLinearForCausalLM\"],\n"
                        "    \"vocab_size\": %lld, \"hidden_size\": %lld, \"intermediate_size\": %lld, \"num_hidden_layers\": %d,\n"
-                       "    \"rms_norm_eps\": %g, \"hidden_act\": \"situ\", \"activation_situ_beta\": 4.0, \"activation_situ_linear_beta\": 25.0,\n"
+                       "    \"max_position_embeddings\": 1048576, \"rms_norm_eps\": %g, \"hidden_act\": \"situ\", \"activation_situ_beta\": 4.0, \"activation_situ_linear_beta\": 25.0,\n"
                        "    \"num_attention_heads\": %lld, \"num_key_value_heads\": %lld, \"q_lora_rank\": %lld, \"kv_lora_rank\": %lld,\n"
                        "    \"qk_nope_head_dim\": %lld, \"qk_rope_head_dim\": %lld, \"v_head_dim\": %lld, \"mla_use_nope\": true, \"mla_use_output_gate\": true,\n"
                        "    \"linear_attn_config\": {\"kda_layers\": [%s], \"full_attn_layers\": [%s], \"num_heads\": %lld, \"head_dim\": %lld,\n"

@@ -30,6 +30,29 @@ static inline char *slurp(const char *path, size_t *len) {
     return b;
 }
 
+/* Bytes this process has read from storage so far (Linux's /proc/self/io read_bytes: reads and
+ * page faults on mapped files that went to the disk, not the page cache), or -1 where the system
+ * does not say. */
+static inline long long storage_read_bytes(void) {
+    FILE *f = fopen("/proc/self/io", "r");
+    if (!f) return -1;
+    long long v = -1;
+    char line[128];
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "read_bytes: %lld", &v) == 1) break;
+    fclose(f);
+    return v;
+}
+
+/* 1 when path is a file that begins with GGUF's magic ("GGUF"). */
+static inline int is_gguf_file(const char *path) {
+    FILE *f = fopen(path, "rb");
+    char m[4] = {0};
+    const int yes = f && fread(m, 1, 4, f) == 4 && !memcmp(m, "GGUF", 4);
+    if (f) fclose(f);
+    return yes;
+}
+
 /* Reads whitespace-separated token ids (decimal, 0..INT32_MAX) from path into *out (caller
  * frees; NULL when none). Returns how many (0 for an empty file), or -1 with *why saying what
  * went wrong: the open's error, a read error, out of memory, or something not a token id. */

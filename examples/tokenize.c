@@ -2,7 +2,7 @@
  *
  *   moe-tokenize --ranks FILE --pre kimi|o200k|cl100k [--config tokenizer_config.json]
  *                [--special] [--raw-bytes] [FILE]
- *   moe-tokenize -m MODEL [--special] [--raw-bytes] [FILE]
+ *   moe-tokenize -m MODEL|FILE.gguf [--special] [--raw-bytes] [FILE]
  *   moe-tokenize ... --decode [FILE]
  *
  * Encodes the whole file (or stdin) and prints the ids space-separated on one line. --decode
@@ -25,7 +25,8 @@ static int usage(const char *msg) {
             "  --pre NAME      pre-tokenizer: kimi (Kimi K2/Linear/K3), o200k (o200k_base), cl100k (cl100k_base)\n"
             "  --config FILE   kimi: tokenizer_config.json naming the special tokens\n"
             "  --n-special N   kimi: special ids after the ranks (default 256 for K3, 258 for K2/Kimi-Linear)\n"
-            "  -m MODEL        use the tokenizer a model ships (tiktoken.model beside config.json, or a GGUF's)\n"
+            "  -m MODEL        use the tokenizer a model ships (tiktoken.model beside config.json), or a GGUF's\n"
+            "                  vocabulary (a model's, or a vocabulary-only file)\n"
             "  --special       special-token names in the text become their ids (default: plain text)\n"
             "  --raw-bytes     accept invalid UTF-8 (each stray byte is a symbol); default: an error\n"
             "  --decode        read ids, write their bytes\n"
@@ -111,6 +112,8 @@ int main(int argc, char **argv) {
     moe_status st;
     if (o.ranks) {
         st = moe_tokenizer_load(&tok, o.ranks, o.pretok, o.config, o.n_special, err, sizeof err);
+    } else if (is_gguf_file(o.model)) { /* a model's or a vocabulary-only file: no weights needed */
+        st = moe_tokenizer_from_gguf(&tok, o.model, err, sizeof err);
     } else {
         moe_options mo = moe_default_options();
         st = moe_model_open(&m, o.model, &mo, err, sizeof err);

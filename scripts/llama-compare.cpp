@@ -1,7 +1,9 @@
 // Runs token ids through llama.cpp's CPU path, for scripts/llama-compare: the logits of every
 // position (--all) or the last, written as float32 rows to OUT, then N greedy decode steps;
-// prefill and decode timings on stderr. Built against llama.h (llama.cpp's public API).
-//   llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all]
+// prefill and decode timings and the bytes read from storage on stderr. Built against llama.h
+// (llama.cpp's public API). --no-repack: no weight repacking (llama-cli's --no-repack), the
+// weights used where they are mapped.
+//   llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all] [--no-repack]
 //   llama-compare-run --tokenize VOCAB.gguf TEXT_FILE
 #include "llama.h"
 #include <chrono>
@@ -9,6 +11,19 @@
 #include <cstdlib>
 #include <cstring>
 #include <vector>
+
+// bytes this process has read from storage so far (Linux's /proc/self/io read_bytes: page
+// faults on the mapped model included), or -1 where that is not available
+static long long storage_read_bytes() {
+    FILE *f = fopen("/proc/self/io", "r");
+    if (!f) return -1;
+    long long v = -1;
+    char line[128];
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "read_bytes: %lld", &v) == 1) break;
+    fclose(f);
+    return v;
+}
 
 static double secs(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
     return std::chrono::duration<double>(b - a).count();
@@ -38,12 +53,18 @@ static int tokenize(const char *vocab_path, const char *text_path) {
 
 int main(int argc, char **argv) {
     if (argc == 4 && !strcmp(argv[1], "--tokenize")) return tokenize(argv[2], argv[3]);
-    if (argc < 5) {
-        fprintf(stderr, "usage: llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all]\n");
+    bool all = false, no_repack = false;
+    int n_pos = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--all")) all = true;
+        else if (!strcmp(argv[i], "--no-repack")) no_repack = true;
+        else argv[++n_pos] = argv[i];
+    }
+    if (n_pos < 4) {
+        fprintf(stderr, "usage: llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all] [--no-repack]\n");
         return 2;
     }
-    const int threads = atoi(argv[4]), n_decode = argc > 5 ? atoi(argv[5]) : 0;
-    const bool all = argc > 6 && !strcmp(argv[6], "--all");
+    const int threads = atoi(argv[4]), n_decode = n_pos > 4 ? atoi(argv[5]) : 0;
     std::vector<llama_token> ids;
     FILE *f = fopen(argv[2], "r");
     if (!f) { perror(argv[2]); return 1; }
@@ -53,8 +74,11 @@ int main(int argc, char **argv) {
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
+    mp.use_extra_bufts = !no_repack;
+    const auto tl = std::chrono::steady_clock::now();
     llama_model *model = llama_model_load_from_file(argv[1], mp);
     if (!model) { fprintf(stderr, "%s: llama.cpp could not load it\n", argv[1]); return 1; }
+    fprintf(stderr, "llama.cpp: loaded in %.3f s\n", secs(tl, std::chrono::steady_clock::now()));
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = (uint32_t)(ids.size() + n_decode + 16);
     cp.n_batch = (uint32_t)ids.size();
@@ -68,6 +92,7 @@ int main(int argc, char **argv) {
         b.logits[i] = all || i + 1 == ids.size();
     }
     b.n_tokens = (int32_t)ids.size();
+    const long long r0 = storage_read_bytes();
     const auto t0 = std::chrono::steady_clock::now();
     if (llama_decode(ctx, b)) { fprintf(stderr, "llama_decode failed\n"); return 1; }
     const auto t1 = std::chrono::steady_clock::now();
@@ -75,7 +100,9 @@ int main(int argc, char **argv) {
     if (!o) { perror(argv[3]); return 1; }
     for (size_t i = all ? 0 : ids.size() - 1; i < ids.size(); i++) fwrite(llama_get_logits_ith(ctx, (int32_t)i), 4, (size_t)nv, o);
     if (fclose(o)) { perror(argv[3]); return 1; }
-    fprintf(stderr, "llama.cpp: prefill %zu tokens %.3f s = %.2f tok/s\n", ids.size(), secs(t0, t1), ids.size() / secs(t0, t1));
+    const long long r1 = storage_read_bytes();
+    fprintf(stderr, "llama.cpp: prefill %zu tokens %.3f s = %.2f tok/s, %lld bytes read from storage (%lld while loading)\n", ids.size(),
+            secs(t0, t1), ids.size() / secs(t0, t1), r1 - r0, r0);
     if (n_decode > 0) {
         llama_token tok = 0;
         const auto t2 = std::chrono::steady_clock::now();
@@ -89,7 +116,8 @@ int main(int argc, char **argv) {
             if (llama_decode(ctx, one)) { fprintf(stderr, "llama_decode failed\n"); return 1; }
         }
         const auto t3 = std::chrono::steady_clock::now();
-        fprintf(stderr, "llama.cpp: decode %d tokens %.3f s = %.2f tok/s\n", n_decode, secs(t2, t3), n_decode / secs(t2, t3));
+        fprintf(stderr, "llama.cpp: decode %d tokens %.3f s = %.2f tok/s, %lld bytes read from storage\n", n_decode, secs(t2, t3),
+                n_decode / secs(t2, t3), storage_read_bytes() - r1);
     }
     llama_batch_free(b);
     llama_free(ctx);

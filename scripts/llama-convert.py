@@ -13,9 +13,21 @@
 # gets its vocabulary written as tokenizer.ggml.model = "none", which llama.cpp loads as "no
 # vocabulary"; LLAMA_CONVERT_NO_VOCAB=1 does the same for any checkpoint (the Kimi tokenizer path
 # of the converter needs transformers and the checkpoint's tokenization_kimi.py).
+#
+# With transformers and tiktoken installed, the converter writes the Kimi vocabulary itself
+# (KimiLinearModel.set_vocab: tokens, types, merges, specials, eos, chat template), through the
+# checkpoint's own tokenization_kimi.py. For a checkpoint that ships tiktoken.model but not that
+# code (moe's shipped model), KIMI_TOKENIZER_CODE=FILE names a tokenization_kimi.py from a Kimi
+# checkpoint: the converter then reads a copy of the directory (links to its files) with FILE and
+# an auto_map for it added to tokenizer_config.json. LLAMA_CONVERT_PRE=NAME answers for the
+# converter's pre-tokenizer check when it does not know the vocabulary: that check hashes the ids
+# of a fixed text, so it knows Kimi's own 163,584 ranks as "kimi-k2" but no smaller vocabulary
+# cut by the same pattern (the shipped model's 4,096 ranks).
 import os
 import sys
 import types
+
+import kimi_tokenizer  # scripts/kimi_tokenizer.py
 
 src = os.environ.get("LLAMA_SRC")
 if not src or not os.path.isfile(os.path.join(src, "convert_hf_to_gguf.py")):
@@ -33,6 +45,7 @@ for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz
 
 try:
     import transformers  # noqa: F401
+    kimi_tokenizer.transformers_compat()
 except ImportError:
     shim = types.ModuleType("transformers")
 
@@ -47,6 +60,27 @@ except ImportError:
 import convert_hf_to_gguf  # noqa: E402
 
 model_dir = sys.argv[1]
+code = os.environ.get("KIMI_TOKENIZER_CODE")
+if code and not os.path.exists(os.path.join(model_dir, "tokenization_kimi.py")):
+    copy = kimi_tokenizer.with_tokenizer_code(model_dir, code)
+    print("llama-convert.py: %s read as %s, with %s as its tokenization_kimi.py" % (model_dir, copy, code), file=sys.stderr)
+    sys.argv[1] = model_dir = copy
+
+pre = os.environ.get("LLAMA_CONVERT_PRE")
+if pre:
+    from conversion import base  # noqa: E402
+
+    known_pre = base.TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer):
+        try:
+            return known_pre(self, tokenizer)
+        except NotImplementedError:
+            print("llama-convert.py: pre-tokenizer taken as %r (LLAMA_CONVERT_PRE)" % pre, file=sys.stderr)
+            return pre
+
+    base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+
 tokenizer_files = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 if os.environ.get("LLAMA_CONVERT_NO_VOCAB") or not any(os.path.exists(os.path.join(model_dir, f)) for f in tokenizer_files):
     from conversion import kimi_k3, kimi_linear  # noqa: E402

@@ -658,6 +658,67 @@ static void test_llama_k3(void) {
     golden_free(&g);
 }
 
+/* ids of text by two tokenizers, compared; 1 when equal (with and without special names) */
+static int same_ids(const moe_tokenizer *a, const moe_tokenizer *b, const char *text, size_t len) {
+    int32_t *ia = malloc((len + 1) * sizeof *ia), *ib = malloc((len + 1) * sizeof *ib);
+    int same = ia && ib;
+    char err[300];
+    for (unsigned flags = 0; same && flags <= MOE_TOK_SPECIAL; flags += MOE_TOK_SPECIAL) {
+        size_t na = 0, nb = 0;
+        same = moe_tokenize(a, text, len, flags, ia, len + 1, &na, err, sizeof err) == MOE_OK &&
+               moe_tokenize(b, text, len, flags, ib, len + 1, &nb, err, sizeof err) == MOE_OK && na == nb && !memcmp(ia, ib, na * sizeof *ia);
+    }
+    free(ia), free(ib);
+    return same;
+}
+
+/* the vocabulary llama.cpp's converter writes for the shipped model (test/llama/README.md): the
+ * same ids as the model's tiktoken file on the tokenizer corpus and README.md, the same specials,
+ * K3's chat format, the configured end of message as eos; a file without a vocabulary is named so */
+static void test_llama_k3_vocab(void) {
+    char err[400];
+    moe_tokenizer *g = NULL, *d = NULL;
+    CHECKF(moe_tokenizer_from_gguf(&g, "test/llama/kimi-k3-tiny-vocab.gguf", err, sizeof err) == MOE_OK, "%s", err);
+    moe_model *m = open_path(shipped_dir(), 0, 1);
+    CHECK(m && moe_tokenizer_for_model(&d, m, err, sizeof err) == MOE_OK);
+    if (g && d) {
+        CHECKF(moe_tokenizer_n_ids(g) == moe_tokenizer_n_ids(d), "%d ids, the tiktoken file %d", moe_tokenizer_n_ids(g), moe_tokenizer_n_ids(d));
+        int differ = 0;
+        for (int32_t id = 0; id < moe_tokenizer_n_ids(d); id++) {
+            size_t la = 0, lb = 0;
+            const char *a = moe_token_bytes(g, id, &la), *b = moe_token_bytes(d, id, &lb);
+            differ += !a != !b || la != lb || (a && memcmp(a, b, la)) || moe_token_is_special(g, id) != moe_token_is_special(d, id);
+        }
+        CHECKF(!differ, "%d ids with other bytes", differ);
+        const char *texts[] = {"test/tokenizer/corpus.txt", "README.md"};
+        for (int i = 0; i < 2; i++) {
+            size_t len = 0;
+            char *text = read_all(texts[i], &len);
+            CHECKF(text && same_ids(g, d, text, len), "%s", texts[i]);
+            free(text);
+        }
+        CHECK(moe_chat_format_of(g) == MOE_CHAT_K3);
+        const char *req = "{\"messages\": [{\"role\": \"user\", \"content\": \"What is 2+2?\"}]}";
+        int32_t a[256], b[256];
+        size_t na = 0, nb = 0;
+        moe_chat_options o = moe_chat_default_options();
+        CHECK(moe_chat_encode(g, req, strlen(req), &o, a, 256, &na, err, sizeof err) == MOE_OK);
+        CHECK(moe_chat_encode(d, req, strlen(req), &o, b, 256, &nb, err, sizeof err) == MOE_OK && na == nb && !memcmp(a, b, na * sizeof *a));
+    }
+    moe__st_file f;
+    if (moe__gguf_open(&f, "test/llama/kimi-k3-tiny-vocab.gguf", err, sizeof err) == MOE_OK) {
+        const moe__gguf_kv *eos = moe__gguf_get(&f, "tokenizer.ggml.eos_token_id");
+        uint32_t e = 0;
+        if (eos && eos->type == MOE_GGUF_U32) memcpy(&e, eos->data, 4);
+        CHECKF(d && (int32_t)e == moe_token_id(d, "<|end_of_msg|>"), "eos %u", e);
+        moe__st_close(&f);
+    }
+    moe_tokenizer_free(g), moe_tokenizer_free(d);
+    moe_model_close(m);
+    g = NULL;
+    CHECK(moe_tokenizer_from_gguf(&g, "test/llama/k3mx.gguf", err, sizeof err) == MOE_ERR_FORMAT && !g && strstr(err, "no vocabulary"));
+}
+
 /* A kimi-k3 GGUF in the names moe-convert wrote before it took llama.cpp's (test/moe-v0/README.md)
  * still opens, and gives bit for bit the logits of the same case converted by today's moe-convert */
 static void test_k3_earlier_names(void) {
@@ -690,6 +751,7 @@ const test_case gguf_tests[] = {
     {"gguf.kquants", test_gguf_kquants, "k-quant GGUF files load and run against their F32 decode", 0},
     {"gguf.k3_slice", test_k3_slice, "moe-convert --k3-slice writes a K3 layout that loads and runs", 0},
     {"gguf.k3_earlier_names", test_k3_earlier_names, "a K3 GGUF in moe's earlier names gives today's logits bit for bit", 0},
+    {"gguf.llama_k3_vocab", test_llama_k3_vocab, "llama.cpp's K3 vocabulary: the tiktoken file's ids, specials and chat format", 0},
     {"gguf.llama_k3", test_llama_k3, "llama.cpp's own K3 GGUF of the k3mx case: its names and keys, golden logits", 0},
     {0}
 };
