@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <pthread.h>
 #include <sched.h>
@@ -811,6 +812,8 @@ struct moe_model {
     moe__weight embed, lm_head;
     float *final_norm, *out_res_w;
     moe_model_info info;
+    moe_plan plan; /* under MOE_FLAG_PLAN: what moe_model_open followed */
+    int planned;
     char *path;
     void **owned; /* weights converted at load */
     int n_owned, cap_owned;
@@ -1703,6 +1706,7 @@ static void count_params(moe_model *m) {
 /* PART 2 decides where the bound weights live (binding calls these last) */
 static void choose_streamed(moe_model *m);
 static moe_status convert_weight(moe_model *m, moe__weight *w, int to);
+static int converted_type(const moe__weight *w, int to);
 static moe_status convert_weights(moe_model *m);
 static moe_status repack_weights(moe_model *m);
 
@@ -1713,24 +1717,38 @@ static void count_dense_bytes(moe_model *m) {
                                              "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"};
     _Static_assert(MOE_T_COUNT == 35, "a name for each weight type");
     uint64_t per_type[MOE_T_COUNT] = {0};
-    uint64_t b = weight_bytes(&m->lm_head) + (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
     per_type[m->lm_head.type] += weight_bytes(&m->lm_head);
     for (int i = 0; i < m->cfg.n_layers; i++) {
         layer *L = &m->layers[i];
-        b += weight_bytes(&L->router), per_type[L->router.type] += weight_bytes(&L->router);
-        for (size_t k = 0; k < N_DENSE_FIELDS; k++) {
-            const moe__weight *w = layer_matrix(L, k);
-            b += weight_bytes(w), per_type[w->type] += weight_bytes(w);
-        }
-        if (L->k_b.data) /* decode reads these in place of kv_b (absorbed MLA) */
-            b += weight_bytes(&L->k_b) + weight_bytes(&L->v_b) - weight_bytes(&L->kv_b);
+        per_type[L->router.type] += weight_bytes(&L->router);
+        for (size_t k = 0; k < N_DENSE_FIELDS; k++) per_type[layer_matrix(L, k)->type] += weight_bytes(layer_matrix(L, k));
         for (int e = 0; L->experts && e < m->cfg.n_experts; e++) per_type[L->experts[e].w1.type] += expert_bytes(&L->experts[e]);
     }
     int best = 0;
     for (int t = 1; t < MOE_T_COUNT; t++)
         if (per_type[t] > per_type[best]) best = t;
-    m->info.dense_bytes_per_token = b;
     m->info.weight_type = names[best];
+    /* what a decoded token reads of them for each dense_type, as convert_weights converts: the
+     * LM head (Q8_0 under Q4_0) and the layers' matrices but kv_b; the router, one embedding row,
+     * kv_b and the absorbed k_b/v_b as they are */
+    for (int to = MOE_WTYPE_ASIS; to <= MOE_WTYPE_Q4_0; to++) {
+        const int head_to = to == MOE_WTYPE_Q4_0 ? MOE_WTYPE_Q8_0 : to;
+        uint64_t b = (uint64_t)m->lm_head.rows * (uint64_t)moe__row_bytes(converted_type(&m->lm_head, head_to), m->lm_head.cols) +
+                     (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
+        for (int i = 0; i < m->cfg.n_layers; i++) {
+            layer *L = &m->layers[i];
+            b += weight_bytes(&L->router);
+            for (size_t k = 0; k < N_DENSE_FIELDS; k++) {
+                const moe__weight *w = layer_matrix(L, k);
+                const int t = dense_fields[k] == offsetof(layer, kv_b) ? w->type : converted_type(w, to);
+                b += w->data ? (uint64_t)w->rows * (uint64_t)moe__row_bytes(t, w->cols) : 0;
+            }
+            if (L->k_b.data) /* decode reads these in place of kv_b (absorbed MLA) */
+                b += weight_bytes(&L->k_b) + weight_bytes(&L->v_b) - weight_bytes(&L->kv_b);
+        }
+        m->info.dense_bytes_as[to] = b;
+    }
+    m->info.dense_bytes_per_token = m->info.dense_bytes_as[m->opt.dense_type >= MOE_WTYPE_ASIS && m->opt.dense_type <= MOE_WTYPE_Q4_0 ? m->opt.dense_type : 0];
 }
 
 static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
@@ -2003,6 +2021,11 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
     moe_model *m = xcalloc(1, sizeof *m);
     if (!m) return MOE_ERR_NOMEM;
     m->opt = opt ? *opt : moe_default_options();
+    if (m->opt.flags & MOE_FLAG_PLAN) {
+        moe_status pst = moe_plan_make(&m->plan, path, &m->opt, err, errlen);
+        if (pst) { free(m); return pst; }
+        m->opt = m->plan.opt, m->planned = 1;
+    }
     if (m->opt.n_threads < 1) m->opt.n_threads = 1;
     /* long chunks rebuild MLA's expanded keys less often and serve more rows per weight read (a
      * 16384-token prompt 1.34x faster at 2048 rows than at 512), but their working memory (about
@@ -3337,6 +3360,321 @@ static moe_status dense_get(const moe_model *m, int li, layer *view, moe_step_st
 static void dense_put(const moe_model *m, int li) {
     if (m->cache && m->layers[li].stream) cache_put(m, li, m->cfg.n_experts);
 }
+
+/* ==== the resource plan ========================================================================
+ * What this process may use (memory, CPUs, the disk under the model) and, from that and the
+ * model's byte counts, the options the caller did not choose: moe_plan_make, which
+ * moe_model_open follows under MOE_FLAG_PLAN and moe-plan prints. */
+
+/* A number from the first line of a small file; 0 when it cannot be read or says "max". */
+static uint64_t file_u64(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    unsigned long long v = 0;
+    if (fscanf(f, "%llu", &v) != 1) v = 0;
+    fclose(f);
+    return v;
+}
+
+/* This process's cgroup path for a v1 controller (or the v2 hierarchy when controller is "")
+ * from /proc/self/cgroup, e.g. "/moe-bench.123"; 0 when it has none. */
+static int cgroup_of(const char *controller, char *out, size_t n) {
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    if (!f) return 0;
+    char line[1024];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        char *a = strchr(line, ':'), *b = a ? strchr(a + 1, ':') : NULL;
+        if (!b) continue;
+        *b = 0;
+        const char *ctl = a + 1;
+        int match = !*controller ? !*ctl : 0;
+        for (const char *c = ctl; *controller && *c;) { /* "cpu,cpuacct" lists several */
+            size_t l = strcspn(c, ",");
+            if (l == strlen(controller) && !strncmp(c, controller, l)) match = 1;
+            c += l + (c[l] == ',');
+        }
+        if (match) {
+            b[1 + strcspn(b + 1, "\n")] = 0;
+            snprintf(out, n, "%s", b + 1);
+            found = 1;
+        }
+    }
+    fclose(f);
+    return found;
+}
+
+/* The smallest value of FILE in the cgroup at ROOT + path and its ancestors (limits nest); 0: none. */
+static uint64_t cgroup_limit(const char *root, const char *path, const char *file) {
+    char dir[1024], full[1200];
+    snprintf(dir, sizeof dir, "%s", path);
+    uint64_t best = 0;
+    for (;;) {
+        snprintf(full, sizeof full, "%s%s/%s", root, strcmp(dir, "/") ? dir : "", file);
+        const uint64_t v = file_u64(full);
+        if (v && v < (1ull << 60) && (!best || v < best)) best = v; /* v1 says "no limit" as ~2^63 */
+        char *slash = strrchr(dir, '/');
+        if (!slash || slash == dir) {
+            if (!strcmp(dir, "/")) break;
+            strcpy(dir, "/");
+        } else {
+            *slash = 0;
+        }
+    }
+    return best;
+}
+
+/* the memory this process may use, and which limit says so */
+static uint64_t plan_memory(const char **from) {
+    uint64_t best = 0;
+    *from = "MemAvailable";
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    while (f && fgets(line, sizeof line, f)) {
+        unsigned long long kb;
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) best = (uint64_t)kb * 1024;
+    }
+    if (f) fclose(f);
+    if (!best) best = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+    char cg[1024];
+    uint64_t v;
+    if (cgroup_of("", cg, sizeof cg) && (v = cgroup_limit("/sys/fs/cgroup", cg, "memory.max")) && v < best) best = v, *from = "cgroup v2";
+    if (cgroup_of("memory", cg, sizeof cg) && (v = cgroup_limit("/sys/fs/cgroup/memory", cg, "memory.limit_in_bytes")) && v < best)
+        best = v, *from = "cgroup v1";
+    struct rlimit rl;
+    if (!getrlimit(RLIMIT_AS, &rl) && rl.rlim_cur != RLIM_INFINITY && (uint64_t)rl.rlim_cur < best) best = rl.rlim_cur, *from = "RLIMIT_AS";
+    return best;
+}
+
+/* the CPUs this process may use (affinity, cgroup CPU quota) and the physical cores among them */
+static void plan_cpus(int *cpus, int *cores) {
+    int n = 0, nc = 0;
+    static int core_key[1024];
+#ifdef CPU_SETSIZE
+    cpu_set_t set;
+    if (!sched_getaffinity(0, sizeof set, &set))
+        for (int c = 0; c < CPU_SETSIZE; c++) {
+            if (!CPU_ISSET(c, &set)) continue;
+            n++;
+            char p[128];
+            snprintf(p, sizeof p, "/sys/devices/system/cpu/cpu%d/topology/core_id", c);
+            FILE *f = fopen(p, "r");
+            int core = -1, pkg = 0;
+            if (f) { if (fscanf(f, "%d", &core) != 1) core = -1; fclose(f); }
+            snprintf(p, sizeof p, "/sys/devices/system/cpu/cpu%d/topology/physical_package_id", c);
+            if ((f = fopen(p, "r"))) { if (fscanf(f, "%d", &pkg) != 1) pkg = 0; fclose(f); }
+            const int key = core < 0 ? -1 - c : pkg * 65536 + core; /* no topology: each CPU a core */
+            int seen = 0;
+            for (int i = 0; i < nc && !seen; i++) seen = core_key[i] == key;
+            if (!seen && nc < 1024) core_key[nc++] = key;
+        }
+#endif
+    if (n < 1) n = nc = (int)sysconf(_SC_NPROCESSORS_ONLN) > 0 ? (int)sysconf(_SC_NPROCESSORS_ONLN) : 1;
+    char cg[1024], path[1200];
+    long quota = 0, period = 0;
+    if (cgroup_of("", cg, sizeof cg)) { /* v2: "max 100000" or "200000 100000" */
+        snprintf(path, sizeof path, "/sys/fs/cgroup%s/cpu.max", strcmp(cg, "/") ? cg : "");
+        FILE *f = fopen(path, "r");
+        if (f) { if (fscanf(f, "%ld %ld", &quota, &period) != 2) quota = 0; fclose(f); }
+    }
+    if (!quota && cgroup_of("cpu", cg, sizeof cg)) {
+        snprintf(path, sizeof path, "/sys/fs/cgroup/cpu%s/cpu.cfs_quota_us", strcmp(cg, "/") ? cg : "");
+        FILE *f = fopen(path, "r");
+        if (f) { if (fscanf(f, "%ld", &quota) != 1) quota = 0; fclose(f); }
+        snprintf(path, sizeof path, "/sys/fs/cgroup/cpu%s/cpu.cfs_period_us", strcmp(cg, "/") ? cg : "");
+        period = (long)file_u64(path);
+    }
+    if (quota > 0 && period > 0) {
+        const int q = (int)((quota + period - 1) / period);
+        n = q < n ? q : n;
+    }
+    *cpus = n, *cores = nc < 1 ? 1 : nc > n ? n : nc;
+}
+
+typedef struct {
+    int fd, seed;
+    off_t size;
+    size_t bytes;
+    int failed;
+} disk_reader;
+
+static void *disk_read_blocks(void *arg) {
+    disk_reader *r = arg;
+    enum { BLOCK = 2 << 20 };
+    void *buf = NULL;
+    if (posix_memalign(&buf, 4096, BLOCK)) { r->failed = 1; return NULL; }
+    uint64_t x = 0x9E3779B97F4A7C15ull * (uint64_t)(r->seed + 1);
+    const uint64_t blocks = (uint64_t)r->size / BLOCK;
+    for (size_t done = 0; done < r->bytes && blocks; done += BLOCK) {
+        x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
+        const off_t at = (off_t)((x * 0x2545F4914F6CDD1Dull >> 11) % blocks) * BLOCK;
+        if (pread(r->fd, buf, BLOCK, at) != BLOCK) { r->failed = 1; break; }
+    }
+    free(buf);
+    return NULL;
+}
+
+/* GB/s of `readers` threads reading 64 MB of path in 2 MB blocks at random offsets with
+ * O_DIRECT; 0 where that cannot be done (no O_DIRECT, a file under 64 MB, a read failing) */
+static double disk_probe(const char *path, int readers) {
+#ifdef O_DIRECT
+    int fd = open(path, O_RDONLY | O_DIRECT);
+    struct stat sb;
+    if (fd < 0) return 0;
+    if (fstat(fd, &sb) || sb.st_size < (64 << 20)) { close(fd); return 0; }
+    disk_reader r[16];
+    pthread_t th[16];
+    const double t0 = now_sec();
+    int started = 0, failed = 0;
+    for (int i = 0; i < readers && i < 16; i++) {
+        r[i] = (disk_reader){fd, i, sb.st_size, (size_t)(64 << 20) / (size_t)readers, 0};
+        if (!pthread_create(&th[i], NULL, disk_read_blocks, &r[i])) started++;
+        else failed = 1;
+    }
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL), failed |= r[i].failed;
+    const double dt = now_sec() - t0;
+    close(fd);
+    return failed || dt <= 0 ? 0 : (64 << 20) / dt / 1e9;
+#else
+    (void)path, (void)readers;
+    return 0;
+#endif
+}
+
+/* disk_probe by 4 and 16 readers, once per device in this process */
+static void plan_disk(const char *path, double gbps[2]) {
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    static struct { dev_t dev; double gbps[2]; } seen[8];
+    static int n_seen;
+    struct stat sb;
+    gbps[0] = gbps[1] = 0;
+    if (stat(path, &sb)) return;
+    pthread_mutex_lock(&lock);
+    int i = 0;
+    while (i < n_seen && seen[i].dev != sb.st_dev) i++;
+    if (i == n_seen) {
+        gbps[0] = disk_probe(path, 4), gbps[1] = disk_probe(path, 16);
+        if (n_seen < 8) seen[n_seen].dev = sb.st_dev, seen[n_seen].gbps[0] = gbps[0], seen[n_seen].gbps[1] = gbps[1], n_seen++;
+    } else {
+        gbps[0] = seen[i].gbps[0], gbps[1] = seen[i].gbps[1];
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* the largest of a model's mapped files (the disk probe reads it) */
+static const char *largest_file(const moe_model *m) {
+    int best = 0;
+    for (int i = 1; i < m->n_files; i++)
+        if (m->files[i].size > m->files[best].size) best = i;
+    return m->n_files ? m->files[best].path : NULL;
+}
+
+static const char *wtype_name(int t) {
+    static const char *names[] = {"as stored", "F32", "BF16", "Q8_0", "Q4_0"};
+    return t >= 0 && t <= MOE_WTYPE_Q4_0 ? names[t] : "?";
+}
+
+/* The choices from the machine (p's memory and cores) and the open model m's byte counts. */
+static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options *given, char *err, size_t errlen) {
+    const moe_config *c = &m->cfg;
+    const moe_model_info *in = &m->info;
+    moe_options *o = &p->opt;
+    const unsigned set = given->set;
+    int n_moe = 0, n_kda = 0;
+    for (int l = 0; l < c->n_layers; l++) n_moe += c->layer_moe[l], n_kda += c->layer_kind[l] == MOE_LAYER_KDA;
+    const double G = 1e9, mem = (double)p->mem_bytes;
+    const double one_expert = n_moe && c->n_experts ? (double)in->expert_bytes / ((double)n_moe * c->n_experts) : 0;
+    if (!(set & MOE_SET_THREADS)) o->n_threads = p->cores;
+    /* one prompt chunk's working memory (moe-plan's estimate) and one sequence's state at 4096 tokens */
+    const double blocks = c->attn_res_block ? c->n_layers / c->attn_res_block + 2 : 0;
+    const double work_cache = 512.0 * c->hidden_size * 4 * (16 + blocks), work_mmap = 4 * work_cache;
+    const double state = (double)n_kda * c->kda_heads * (double)c->kda_head_dim * c->kda_head_dim * 4 +
+                         (double)(c->n_layers - n_kda) * (c->kv_lora_rank + c->qk_rope_dim) * 4.0 * 4096;
+    const double reserve = 256.0 * 1048576 + mem / 32;
+    const double all = (double)in->dense_bytes_as[MOE_WTYPE_ASIS] + (double)in->expert_bytes;
+    if (!(set & MOE_SET_EXPERT_MODE))
+        o->expert_mode = all + work_mmap + state + reserve <= mem || !in->expert_bytes ? MOE_EXPERTS_MMAP : MOE_EXPERTS_CACHE;
+    char disk[96] = "";
+    if (o->expert_mode == MOE_EXPERTS_MMAP) {
+        if (!(set & MOE_SET_DENSE_TYPE)) o->dense_type = given->dense_type;
+        p->dense_bytes = in->dense_bytes_as[o->dense_type >= 0 && o->dense_type <= MOE_WTYPE_Q4_0 ? o->dense_type : 0];
+        snprintf(p->summary, sizeof p->summary,
+                 "%.2f GB of memory (%s), %d CPUs, %d cores: the weights (%.2f GB) fit, so they are used where they are mapped; "
+                 "dense %s, %d threads", mem / G, p->mem_from, p->cpus, p->cores, all / G, wtype_name(o->dense_type), o->n_threads);
+        return MOE_OK;
+    }
+    const double avail = mem - reserve - work_cache - state;
+    const double min_cache = ((double)o->n_threads + 2.0 * c->n_active) * one_expert; /* a step's experts and the next layer's */
+    /* floats shrink by quantizing them at load; quantized files stay as they are (mapped, and
+     * then the page cache must hold them beside the expert cache) */
+    const int floats = in->dense_bytes_as[MOE_WTYPE_Q8_0] < in->dense_bytes_as[MOE_WTYPE_ASIS];
+    if (!(set & MOE_SET_DENSE_TYPE))
+        o->dense_type = !floats ? MOE_WTYPE_ASIS
+                      : (double)in->dense_bytes_as[MOE_WTYPE_Q8_0] + min_cache <= avail ? MOE_WTYPE_Q8_0 : MOE_WTYPE_Q4_0;
+    const int dt = o->dense_type >= 0 && o->dense_type <= MOE_WTYPE_Q4_0 ? o->dense_type : 0;
+    p->dense_bytes = in->dense_bytes_as[dt];
+    double dense_ram = (double)p->dense_bytes;
+    if (!(set & MOE_SET_DENSE_BUDGET)) {
+        o->dense_budget = 0;
+        if (dense_ram + min_cache > avail) {
+            /* the LM head and routers stay resident; the layers' matrices get what is left, and
+             * the cache must also hold two streamed layers as stored */
+            const double head = (double)c->vocab_size * c->hidden_size * (dt == MOE_WTYPE_Q4_0 || dt == MOE_WTYPE_Q8_0 ? 1.0625 : 2.0);
+            const double layer_stored = ((double)in->dense_bytes_as[MOE_WTYPE_ASIS] - head) / c->n_layers;
+            const double budget = avail - min_cache - 2 * layer_stored - head;
+            if (budget <= 0)
+                return fail(err, errlen, MOE_ERR_NOMEM, "%.2f GB of memory (%s) cannot hold the LM head, two layers and a step's experts "
+                            "(%.2f GB)", mem / G, p->mem_from, (head + 2 * layer_stored + min_cache + reserve) / G);
+            o->dense_budget = (size_t)budget;
+            dense_ram = head + budget + 2 * layer_stored;
+        }
+    }
+    if (!(set & MOE_SET_EXPERT_BUDGET)) {
+        const double budget = avail - dense_ram;
+        if (budget < min_cache)
+            return fail(err, errlen, MOE_ERR_NOMEM, "%.2f GB of memory (%s) leave %.2f GB for experts after the dense matrices (%.2f GB "
+                        "%s); a step needs %.2f GB: set --dense-budget or a smaller --dense type", mem / G, p->mem_from,
+                        budget > 0 ? budget / G : 0.0, dense_ram / G, wtype_name(dt), min_cache / G);
+        o->expert_budget = (size_t)budget;
+    }
+    if (!(set & MOE_SET_IO_THREADS)) {
+        const char *f = largest_file(m);
+        if (f) plan_disk(f, p->disk_gbps);
+        o->io_threads = p->disk_gbps[1] >= 1.1 * p->disk_gbps[0] ? 16 : 4;
+        if (p->disk_gbps[0] > 0) snprintf(disk, sizeof disk, ", disk %.2f GB/s by 4 readers and %.2f by 16", p->disk_gbps[0], p->disk_gbps[1]);
+    }
+    if (!(set & MOE_SET_PREFETCH)) o->prefetch = 1;
+    char streamed[96] = "";
+    if (o->dense_budget) snprintf(streamed, sizeof streamed, " (%.2f GB of layers resident, the rest read every step)", o->dense_budget / G);
+    snprintf(p->summary, sizeof p->summary,
+             "%.2f GB of memory (%s), %d CPUs, %d cores%s: the weights (%.2f GB) do not fit, so experts (%.2f GB) stream through a "
+             "%.2f GB cache; dense %s, %.2f GB%s; %d I/O threads, prefetch %s, %d threads",
+             mem / G, p->mem_from, p->cpus, p->cores, disk, all / G, (double)in->expert_bytes / G, o->expert_budget / G,
+             wtype_name(dt), (double)p->dense_bytes / G, streamed, o->io_threads, o->prefetch ? "on" : "off", o->n_threads);
+    return MOE_OK;
+}
+
+moe_status moe_plan_make(moe_plan *p, const char *path, const moe_options *opt, char *err, size_t errlen) {
+    if (!p || !path) return fail(err, errlen, MOE_ERR_ARG, "moe_plan_make: bad argument");
+    memset(p, 0, sizeof *p);
+    const moe_options given = opt ? *opt : moe_default_options();
+    p->opt = given;
+    p->opt.flags &= ~(unsigned)MOE_FLAG_PLAN;
+    p->mem_bytes = plan_memory(&p->mem_from);
+    plan_cpus(&p->cpus, &p->cores);
+    /* the headers alone: mapped, nothing converted or repacked */
+    moe_options peek = moe_default_options();
+    peek.flags |= MOE_FLAG_NO_REPACK;
+    moe_model *m = NULL;
+    moe_status st = moe_model_open(&m, path, &peek, err, errlen);
+    if (st) return st;
+    p->expert_bytes = m->info.expert_bytes;
+    st = plan_choose(p, m, &given, err, errlen);
+    moe_model_close(m);
+    return st;
+}
+
+const moe_plan *moe_model_plan(const moe_model *m) { return m && m->planned ? &m->plan : NULL; }
 
 /* =================================================================================================
  * PART 3: THREADS AND MATMUL

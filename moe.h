@@ -78,13 +78,15 @@ enum {
                                          (2 E2M1 is an exact int8: integer dot products, as for
                                          Q8_0), instead of f32 input (exact, the default); they
                                          are interleaved like Q4_0 (unless MOE_FLAG_NO_REPACK) */
-    MOE_FLAG_ACT16 = 1u << 8          /* integer-format matrices meet their input as two 8-bit
+    MOE_FLAG_ACT16 = 1u << 8,         /* integer-format matrices meet their input as two 8-bit
                                          parts: the blocks as quantized, plus their rounding error
                                          quantized the same way (its scale ~1/254 of the first),
                                          through the same kernels, the two products summed: about
                                          16-bit input for twice the arithmetic (decode still reads
                                          each weight once). On the shipped model it halves Q8_0's
                                          KL divergence (README) */
+    MOE_FLAG_PLAN = 1u << 9           /* moe_model_open chooses the options the caller did not set
+                                         (moe_options.set) by the resource plan (moe_plan_make) */
 };
 
 /* How routed experts reach memory. MMAP: through the files' mapping (the page cache caches).
@@ -158,7 +160,41 @@ typedef struct {
      * opening fails with MOE_ERR_ARG, naming the ones it has, for any other. Overrides
      * MOE_FLAG_FORCE_SCALAR. */
     const char *kernels;
+    unsigned set;           /* MOE_SET_*: the fields the caller chose, which MOE_FLAG_PLAN keeps */
 } moe_options;
+
+enum {
+    MOE_SET_THREADS = 1u << 0, MOE_SET_EXPERT_MODE = 1u << 1, MOE_SET_EXPERT_BUDGET = 1u << 2,
+    MOE_SET_DENSE_BUDGET = 1u << 3, MOE_SET_DENSE_TYPE = 1u << 4, MOE_SET_IO_THREADS = 1u << 5,
+    MOE_SET_PREFETCH = 1u << 6
+};
+
+/* The resource plan: what this process may use, and the options that follow for a model. */
+typedef struct {
+    uint64_t mem_bytes;   /* memory it may use: the smallest of the cgroup's limit (v2 memory.max,
+                             v1 memory.limit_in_bytes, the nearest ancestor's too), MemAvailable
+                             and RLIMIT_AS */
+    const char *mem_from; /* which of them: "cgroup v2", "cgroup v1", "MemAvailable", "RLIMIT_AS" */
+    int cpus;             /* CPUs it may run on: its affinity, and the cgroup's CPU quota */
+    int cores;            /* physical cores among them (the default thread count) */
+    double disk_gbps[2];  /* the model's largest file read with O_DIRECT by 4 and by 16 readers
+                             (blocks of 2 MB at random offsets, 64 MB each, once per device and
+                             process); 0: not probed (only the cache mode reads the disk itself) */
+    uint64_t dense_bytes; /* non-expert bytes a decoded token reads, in the chosen dense_type */
+    uint64_t expert_bytes;/* routed experts as stored */
+    moe_options opt;      /* the options to open the model with */
+    char summary[480];    /* the choices and the figures behind them, one line */
+} moe_plan;
+
+/* Plans the options opt did not set (opt->set) for the model at path: threads (the physical
+ * cores), the expert mode (mmap where the weights fit in memory, else the expert cache), the
+ * dense matrices' format (as stored where mapped; quantized to Q8_0 at load where they are
+ * floats and Q8_0 leaves room for the experts a step needs, else Q4_0, with a dense budget when
+ * even that does not fit), the expert budget (the rest), I/O threads (16 where 16 readers read
+ * the model's disk at least 1.1x faster than 4, else 4) and prefetch (on). Reads the model's
+ * headers, and with the cache mode probes its disk. */
+MOE_API moe_status moe_plan_make(moe_plan *plan, const char *path, const moe_options *opt, char *err,
+                                 size_t errlen);
 
 /* Defaults: 1 thread, n_batch by the expert mode, mmap experts, weights as stored, no flags. The router,
  * the embedding and MLA's kv_b stay as stored whatever dense_type says; so does a matrix whose
@@ -207,6 +243,7 @@ typedef struct {
     uint64_t expert_bytes;    /* bytes of routed-expert weights as stored */
     uint64_t dense_bytes_per_token; /* non-expert weight bytes one decoded token reads, in the
                                        formats used after load (one embedding row) */
+    uint64_t dense_bytes_as[5];     /* the same were dense_type each moe_wtype (ASIS: as stored) */
     int streamed_layers;      /* CACHE mode: layers whose dense matrices are read every step */
     uint64_t streamed_bytes;  /* bytes of those matrices as stored (read once per step) */
     int n_files;              /* weight files mapped (safetensors shards, GGUF parts) */
@@ -231,6 +268,8 @@ MOE_API void moe_model_close(moe_model *m);
 /* Valid until moe_model_close. */
 MOE_API const moe_config *moe_model_config(const moe_model *m);
 MOE_API moe_model_info moe_model_get_info(const moe_model *m);
+/* The plan moe_model_open followed under MOE_FLAG_PLAN; NULL without it. */
+MOE_API const moe_plan *moe_model_plan(const moe_model *m);
 
 /* ---- sessions --------------------------------------------------------------------------- */
 

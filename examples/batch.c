@@ -46,12 +46,12 @@ static int usage(const char *msg) {
             "  -i IN.jsonl      OpenAI Batch input: one request per line\n"
             "  -o OUT.jsonl     answers are appended here; rerun to finish an interrupted job\n"
             "  --shard I/N      answer only the requests whose custom_id falls in shard I of N (0 <= I < N)\n"
-            "  -t THREADS       worker threads (default 1)\n"
+            "  -t THREADS       worker threads (default: the physical cores)\n"
             "  --parallel P     requests decoded at once in lockstep (default 8)\n"
             "  -c CTX           context per request: prompt + max_tokens must fit (default 4096)\n"
             "  --max-tokens N   for requests without max_tokens (default 256)\n"
             "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
-            "  --load-mode M, --expert-budget SIZE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
+            "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
             "  --kv-type f32|bf16|q8, --mxfp4 f32|int8, --act 8|16,\n"
             "  --kernels NAME   as in moe-cli\n");
     return msg ? 2 : 0;
@@ -648,6 +648,7 @@ typedef struct {
 static int parse_args(int argc, char **argv, options *o, int *done) {
     *o = (options){.shard_n = 1, .parallel = 8, .ctx = 4096, .default_max = 256, .opt = moe_default_options()};
     *done = 1;
+    o->opt.flags |= MOE_FLAG_PLAN; /* what the command line does not set, the resource plan does */
     for (int i = 1; i < argc; i++) {
         const char *why = NULL;
         int ck;
@@ -658,7 +659,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         else if (!strcmp(a, "-i") && more) o->in_path = argv[++i];
         else if (!strcmp(a, "-o") && more) o->out_path = argv[++i];
         else if (!strcmp(a, "--shard") && more) { if (!parse_shard(argv[++i], &o->shard_i, &o->shard_n)) return usage("--shard is I/N with 0 <= I < N"); }
-        else if (!strcmp(a, "-t") && more) { o->opt.n_threads = (int)strtol(argv[++i], &e, 10); if (*e || o->opt.n_threads < 1 || o->opt.n_threads > 1024) return usage("bad -t"); }
+        else if (!strcmp(a, "-t") && more) { o->opt.n_threads = (int)strtol(argv[++i], &e, 10); if (*e || o->opt.n_threads < 1 || o->opt.n_threads > 1024) return usage("bad -t"); o->opt.set |= MOE_SET_THREADS; }
         else if (!strcmp(a, "--parallel") && more) { o->parallel = (int)strtol(argv[++i], &e, 10); if (*e || o->parallel < 1 || o->parallel > 1024) return usage("bad --parallel"); }
         else if (!strcmp(a, "-c") && more) { o->ctx = (int)strtol(argv[++i], &e, 10); if (*e || o->ctx < 2 || o->ctx > 100000000) return usage("bad -c"); }
         else if (!strcmp(a, "--max-tokens") && more) { o->default_max = (int)strtol(argv[++i], &e, 10); if (*e || o->default_max < 1) return usage("bad --max-tokens"); }
@@ -727,6 +728,8 @@ static int open_output_and_model(job *jb) {
     if (load_answers(jb->o.out_path, &jb->done)) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, strerror(errno)), 1;
     moe_status st = moe_model_open(&jb->m, jb->o.model, &jb->o.opt, jb->err, sizeof jb->err);
     if (st) return fprintf(stderr, "moe-batch: %s: %s\n", moe_status_str(st), jb->err), 1;
+    print_plan_line("moe-batch", jb->m);
+    if (moe_model_plan(jb->m)) jb->o.opt = moe_model_plan(jb->m)->opt;
     if (moe_tokenizer_for_model(&jb->tok, jb->m, jb->err, sizeof jb->err)) {
         fprintf(stderr, "moe-batch: %s: only completion requests with token-id prompts can be answered\n", jb->err);
         jb->tok = NULL;

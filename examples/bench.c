@@ -334,27 +334,27 @@ static void print_rss(const char *when) {
 }
 
 static int stream_bench(const char *model, int argc, char **argv) {
-    int threads = 2, n_decode = 8, n_prefill = 64, seqs[8] = {1, 16, 64}, n_seqs = 3;
+    int n_decode = 8, n_prefill = 64, seqs[8] = {1, 16, 64}, n_seqs = 3;
+    /* the expert cache is what this measures; the rest as the resource plan chooses, but what
+     * the command line sets */
     moe_options o = moe_default_options();
     o.expert_mode = MOE_EXPERTS_CACHE;
-    o.expert_budget = (size_t)2 << 30;
+    o.flags |= MOE_FLAG_PLAN, o.set |= MOE_SET_EXPERT_MODE;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *why;
         int more = i + 1 < argc, k;
-        if (!strcmp(a, "-t") && more) threads = atoi(argv[++i]);
+        if (!strcmp(a, "-t") && more) {
+            if ((o.n_threads = atoi(argv[++i])) < 1) return usage("-t is a thread count of at least 1");
+            o.set |= MOE_SET_THREADS;
+        }
         else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
         else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
         else if (!strcmp(a, "--batch") && more) { if ((o.n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
         else if (!strcmp(a, "--seqs") && more) { if ((n_seqs = parse_list(argv[++i], seqs, 8)) < 1) return usage("bad --seqs"); }
         else if ((k = cache_flag(argc, argv, &i, &o, &why)) != 0) { if (k < 0) return usage(why); }
-        else if (!strcmp(a, "--dense") && more) {
-            const char *v = argv[++i];
-            o.dense_type = !strcmp(v, "q8_0") ? MOE_WTYPE_Q8_0 : !strcmp(v, "q4_0") ? MOE_WTYPE_Q4_0 : !strcmp(v, "bf16") ? MOE_WTYPE_BF16 : -1;
-            if (o.dense_type < 0) return usage("--dense is bf16, q8_0 or q4_0");
-        } else if (!strcmp(a, "-m") && more) i++;
+        else if (!strcmp(a, "-m") && more) i++;
         else if (strcmp(a, "--stream")) return usage("unknown argument in --stream mode");
     }
-    o.n_threads = threads < 1 ? 1 : threads;
     /* the disk, on the biggest file of the checkpoint (or the model file itself: GGUF) */
     char biggest[4400] = "";
     off_t bsize = 0;
@@ -388,6 +388,8 @@ static int stream_bench(const char *model, int argc, char **argv) {
     moe_status st = moe_model_open(&m, model, &o, err, sizeof err);
     if (st) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
     const double open_s = now() - t0;
+    print_plan_line("moe-bench", m);
+    o = moe_model_plan(m)->opt;
     const moe_config *c = moe_model_config(m);
     const moe_model_info mi = moe_model_get_info(m);
     int n_moe = 0;

@@ -1,9 +1,13 @@
 /* cache_flags.h - the expert-store and latent-cache flags every program takes, parsed one way
  * (included by the examples; not part of the runtime):
  *   --load-mode mmap|cache   --expert-budget SIZE   --dense-budget SIZE   --io-threads N
- *   --prefetch on|off   --kv-type f32|bf16|q8   --mxfp4 f32|int8   --act 8|16   --kernels NAME */
+ *   --prefetch on|off   --dense auto|asis|f32|bf16|q8_0|q4_0   --kv-type f32|bf16|q8
+ *   --mxfp4 f32|int8   --act 8|16   --kernels NAME
+ * Each of the first six it is given is marked in moe_options.set, so that the resource plan
+ * (MOE_FLAG_PLAN, which the programs set) keeps it; "auto" leaves the choice to the plan. */
 #ifndef MOE_EXAMPLES_CACHE_FLAGS_H
 #define MOE_EXAMPLES_CACHE_FLAGS_H
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -37,7 +41,7 @@ static inline int parse_act(const char *s) { return !strcmp(s, "16") ? 1 : !strc
 static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--dense-budget") && strcmp(a, "--io-threads") &&
-        strcmp(a, "--prefetch") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4") && strcmp(a, "--act") &&
+        strcmp(a, "--prefetch") && strcmp(a, "--dense") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4") && strcmp(a, "--act") &&
         strcmp(a, "--kernels"))
         return 0;
     if (!v) return *why = "a flag needs a value", -1;
@@ -46,15 +50,25 @@ static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, cons
         if (!strcmp(v, "mmap")) o->expert_mode = MOE_EXPERTS_MMAP;
         else if (!strcmp(v, "cache")) o->expert_mode = MOE_EXPERTS_CACHE;
         else return *why = "--load-mode is mmap or cache", -1;
+        o->set |= MOE_SET_EXPERT_MODE;
     } else if (!strcmp(a, "--expert-budget")) {
         if (!parse_size(v, &o->expert_budget)) return *why = "--expert-budget needs a size such as 8G", -1;
+        o->set |= MOE_SET_EXPERT_BUDGET;
     } else if (!strcmp(a, "--dense-budget")) {
         if (!parse_size(v, &o->dense_budget)) return *why = "--dense-budget needs a size such as 20G", -1;
+        o->set |= MOE_SET_DENSE_BUDGET;
     } else if (!strcmp(a, "--io-threads")) {
         char *e;
         long n = strtol(v, &e, 10);
         if (*e || e == v || n < 0 || n > 256) return *why = "--io-threads is 0..256", -1;
         o->io_threads = (int)n;
+        o->set |= MOE_SET_IO_THREADS;
+    } else if (!strcmp(a, "--dense")) {
+        const int t = !strcmp(v, "asis") ? MOE_WTYPE_ASIS : !strcmp(v, "f32") ? MOE_WTYPE_F32 : !strcmp(v, "bf16") ? MOE_WTYPE_BF16
+                    : !strcmp(v, "q8_0") ? MOE_WTYPE_Q8_0 : !strcmp(v, "q4_0") ? MOE_WTYPE_Q4_0 : !strcmp(v, "auto") ? -1 : -2;
+        if (t == -2) return *why = "--dense is auto, asis, f32, bf16, q8_0 or q4_0", -1;
+        if (t >= 0) o->dense_type = t, o->set |= MOE_SET_DENSE_TYPE;
+        else o->dense_type = MOE_WTYPE_ASIS, o->set &= ~(unsigned)MOE_SET_DENSE_TYPE;
     } else if (!strcmp(a, "--kernels")) {
         o->kernels = v; /* a name moe_model_open checks against the CPU's levels */
     } else if (!strcmp(a, "--kv-type")) {
@@ -70,7 +84,13 @@ static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, cons
     } else {
         if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
         o->prefetch = !strcmp(v, "on");
+        o->set |= MOE_SET_PREFETCH;
     }
     return 1;
+}
+/* the plan a model was opened with, as one line on stderr (nothing without MOE_FLAG_PLAN) */
+static inline void print_plan_line(const char *prog, const moe_model *m) {
+    const moe_plan *p = moe_model_plan(m);
+    if (p) fprintf(stderr, "%s: plan: %s\n", prog, p->summary);
 }
 #endif

@@ -59,16 +59,23 @@ static int usage(const char *msg) {
             "  --presence-penalty P   subtract P from recent tokens' logits (default 0)\n"
             "  --frequency-penalty P  subtract P per occurrence among recent tokens (default 0)\n"
             "  --repeat-last-n N      how many recent tokens the penalties look at (default 64)\n"
-            "\n"
-            "performance:\n"
-            "  -t THREADS      worker threads (default 1)\n"
+            "\n");
+    fprintf(stderr,
+            "performance (what is not given, the resource plan chooses from the memory, CPUs and disk this\n"
+            "process may use and the model's size; its choices are printed in one line, \"plan:\"):\n"
+            "  -t THREADS      worker threads (default: the physical cores)\n"
             "  --batch N       rows per internal forward chunk (default 2048; 512 with --load-mode cache)\n"
-            "  --load-mode M   routed experts through the file mapping (mmap, default) or read into a\n"
-            "                  cache of --expert-budget bytes (cache)\n"
-            "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode)\n"
+            "  --load-mode M   routed experts through the file mapping (mmap) or read into a cache of\n"
+            "                  --expert-budget bytes (cache); default mmap where the weights fit in memory\n"
+            "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode; default what the rest leaves)\n"
+            "  --dense TYPE    the dense matrices (attention, shared experts, LM head) converted at load: asis,\n"
+            "                  f32, bf16, q8_0, q4_0, or auto (default: as stored where the weights fit, else\n"
+            "                  floats quantized to q8_0, or q4_0 where q8_0 leaves too little for experts)\n"
             "  --dense-budget SIZE   cache mode: RAM for the layers' dense matrices; the layers beyond it\n"
-            "                        are read from disk every step through the cache (default: all resident)\n"
-            "  --io-threads N        cache mode: threads reading experts from disk, in file order (default 4)\n"
+            "                        are read from disk every step through the cache (default: all resident\n"
+            "                        where they fit)\n"
+            "  --io-threads N        cache mode: threads reading experts from disk, in file order (default\n"
+            "                        16 where 16 readers beat 4 on the model's disk, else 4)\n"
             "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
             "  --kv-type f32|bf16|q8 MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16\n"
             "                        products; q8 quarters it, int8 products, lossy: README)\n"
@@ -239,6 +246,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
                    .sp = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f, .repeat_penalty = 1.0f},
                    .opt = moe_default_options()};
     const char *tmpl = NULL;
+    o->opt.flags |= MOE_FLAG_PLAN; /* what the command line does not set, the resource plan does */
     *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *why = NULL;
@@ -250,7 +258,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         else if (!strcmp(a, "-p") && more) o->prompt = argv[++i];
         else if (!strcmp(a, "-f") && more) o->file = argv[++i];
         else if (!strcmp(a, "-n") && more && num_arg(argv[++i], -1, 1e8, &v)) o->n_gen = (int)v;
-        else if (!strcmp(a, "-t") && more && num_arg(argv[++i], 1, 1024, &v)) o->opt.n_threads = (int)v;
+        else if (!strcmp(a, "-t") && more && num_arg(argv[++i], 1, 1024, &v)) o->opt.n_threads = (int)v, o->opt.set |= MOE_SET_THREADS;
         else if (!strcmp(a, "--scalar")) o->opt.flags |= MOE_FLAG_FORCE_SCALAR;
         else if (!strcmp(a, "-c") && more && num_arg(argv[++i], 1, 1e9, &v)) o->n_ctx = (int)v;
         else if (!strcmp(a, "--temp") && more && num_arg(argv[++i], 0, 100, &v)) o->sp.temperature = (float)v;
@@ -344,6 +352,8 @@ static int open_model(cli *r) {
     moe_status st = moe_model_open(&r->m, o->model, &o->opt, r->err, sizeof r->err);
     if (o->opt.progress) fprintf(stderr, "\r\033[K");
     if (st) return fprintf(stderr, "moe-cli: %s: %s\n", moe_status_str(st), r->err), 1;
+    print_plan_line("moe-cli", r->m);
+    if (moe_model_plan(r->m)) o->opt = moe_model_plan(r->m)->opt;
     const moe_config *c = r->c = moe_model_config(r->m);
     moe_model_info info = moe_model_get_info(r->m);
     const long long r1 = storage_read_bytes();

@@ -20,18 +20,17 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-logits: %s\n", msg);
     fprintf(stderr,
             "usage: moe-logits -m MODEL --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]\n"
-            "                  [-t THREADS] [--scalar] [--kernels NAME] [--load-mode mmap|cache] [--expert-budget SIZE] [--dense-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
+            "                  [-t THREADS] [--scalar] [--kernels NAME] [--load-mode mmap|cache] [--expert-budget SIZE] [--dense TYPE] [--dense-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
             "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
             "  --tokens FILE   whitespace-separated token ids\n"
             "  --out FILE      write float32 little-endian logits, rows x vocab\n"
             "  --all           logits for every prompt position (default: the last one)\n"
             "  --greedy N      then decode N tokens greedily; ids printed on the last stdout line\n"
-            "  -t THREADS      worker threads (default 1)\n"
+            "  -t THREADS      worker threads (default: the physical cores)\n"
             "  --scalar        use the scalar reference kernels\n"
             "  --kernels NAME  a kernel set this CPU runs by name (avx2, avxvnni, ...) instead of its best\n"
-            "  --load-mode M   mmap (default) or cache: routed experts read into a cache of\n"
-            "  --expert-budget SIZE bytes (e.g. 512M); --io-threads N reading threads (default 4);\n"
-            "  --prefetch on|off (cache mode, default on)\n"
+            "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N,\n"
+            "  --prefetch on|off: as in moe-cli (by default the resource plan's choices)\n"
             "  --kv-type f32|bf16|q8  MLA latent cache element (default f32)\n"
             "  --mxfp4 f32|int8  MXFP4 matrices times f32 input (default) or int8-quantized input\n"
             "  --act 8|16        integer formats' input in 8 bits (default) or two 8-bit parts (moe-cli --help)\n");
@@ -61,6 +60,7 @@ typedef struct {
 static int parse_args(int argc, char **argv, options *o, int *done) {
     *o = (options){.opt = moe_default_options()};
     *done = 1;
+    o->opt.flags |= MOE_FLAG_PLAN; /* what the command line does not set, the resource plan does */
     for (int i = 1; i < argc; i++) {
         const char *why = NULL;
         int ck;
@@ -79,7 +79,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
             char *end;
             long v = strtol(argv[++i], &end, 10);
             if (*end || v < 1 || v > 1024) return usage("-t needs a thread count >= 1");
-            o->opt.n_threads = (int)v;
+            o->opt.n_threads = (int)v, o->opt.set |= MOE_SET_THREADS;
         } else if (!strcmp(a, "--scalar")) o->opt.flags |= MOE_FLAG_FORCE_SCALAR;
         else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
@@ -130,6 +130,7 @@ static int run(const options *o, const int32_t *ids, int n) {
     float *logits = NULL;
     int rc = 1;
     moe_status st = moe_model_open(&m, o->model, &o->opt, err, sizeof err);
+    if (!st) print_plan_line("moe-logits", m);
     const int V = st ? 0 : moe_model_config(m)->vocab_size;
     const size_t rows = (size_t)(o->all ? n : 1);
     if (!st) st = moe_session_new(&s, m, n + o->greedy + 1, err, sizeof err);

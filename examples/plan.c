@@ -58,6 +58,7 @@ typedef struct {
     const char *model, *config;
     double ram, disk, membw, gflops, ebv, dbv, dense_budget; /* dense_budget -1: what fits */
     int dbv_given, threads, ctx, seqs, batch;
+    int ram_given, disk_given, threads_given;
     double kv_bytes; /* per cached latent value: f32, 2 with --kv-type bf16, 1 with q8 (and a 16-byte row meta) */
     int kv_q8;
 } options;
@@ -74,14 +75,14 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         int more = i + 1 < argc;
         if (!strcmp(a, "-m") && more) o->model = argv[++i];
         else if (!strcmp(a, "--config") && more) o->config = argv[++i];
-        else if (!strcmp(a, "--ram") && more) { if (!parse_size(argv[++i], &o->ram)) return usage("bad --ram"); }
+        else if (!strcmp(a, "--ram") && more) { if (!parse_size(argv[++i], &o->ram)) return usage("bad --ram"); o->ram_given = 1; }
         else if (!strcmp(a, "--dense-budget") && more) { if (!parse_size(argv[++i], &o->dense_budget)) return usage("bad --dense-budget"); }
-        else if (!strcmp(a, "--disk-gbps") && more) o->disk = atof(argv[++i]);
+        else if (!strcmp(a, "--disk-gbps") && more) o->disk = atof(argv[++i]), o->disk_given = 1;
         else if (!strcmp(a, "--membw-gbps") && more) o->membw = atof(argv[++i]);
         else if (!strcmp(a, "--gflops") && more) o->gflops = atof(argv[++i]);
         else if (!strcmp(a, "--expert-bytes-per-value") && more) o->ebv = atof(argv[++i]);
         else if (!strcmp(a, "--dense-bytes-per-value") && more) o->dbv = atof(argv[++i]), o->dbv_given = 1;
-        else if (!strcmp(a, "-t") && more) o->threads = atoi(argv[++i]);
+        else if (!strcmp(a, "-t") && more) o->threads = atoi(argv[++i]), o->threads_given = 1;
         else if (!strcmp(a, "--ctx") && more) o->ctx = atoi(argv[++i]);
         else if (!strcmp(a, "--seqs") && more) o->seqs = atoi(argv[++i]);
         else if (!strcmp(a, "--batch") && more) o->batch = atoi(argv[++i]);
@@ -96,7 +97,6 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
     }
     if (!!o->model == !!o->config) return usage("give exactly one of -m and --config");
     if (!(o->disk > 0) || !(o->membw > 0) || o->threads < 1 || o->ctx < 1 || o->seqs < 1 || o->batch < 1) return usage("bad machine description");
-    if (!(o->gflops > 0)) o->gflops = 50.0 * o->threads;
     *done = 0;
     return 0;
 }
@@ -236,10 +236,34 @@ static void print_plan(const options *o, const model_sizes *z) {
            batch, pread / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
 }
 
+/* With -m: the runtime's own resource plan for the model on this machine (moe_plan_make, what
+ * moe-cli and the other programs do with no flags), printed, and its memory, threads, disk speed
+ * and dense format taken for what the command line does not give. */
+static int runtime_plan(options *o) {
+    moe_options mo = moe_default_options();
+    if (o->threads_given) mo.n_threads = o->threads, mo.set |= MOE_SET_THREADS;
+    if (o->dense_budget >= 0) mo.dense_budget = (size_t)o->dense_budget, mo.set |= MOE_SET_DENSE_BUDGET;
+    moe_plan p;
+    char err[512];
+    moe_status st = moe_plan_make(&p, o->model, &mo, err, sizeof err);
+    if (st) return fprintf(stderr, "moe-plan: %s: %s\n", moe_status_str(st), err), 1;
+    printf("runtime plan (no flags): %s\n", p.summary);
+    if (!o->ram_given) o->ram = (double)p.mem_bytes;
+    if (!o->threads_given) o->threads = p.opt.n_threads;
+    const double disk = p.disk_gbps[0] > p.disk_gbps[1] ? p.disk_gbps[0] : p.disk_gbps[1];
+    if (!o->disk_given && disk > 0) o->disk = disk;
+    if (!o->dbv_given && (p.opt.dense_type == MOE_WTYPE_Q8_0 || p.opt.dense_type == MOE_WTYPE_Q4_0))
+        o->dbv = p.opt.dense_type == MOE_WTYPE_Q8_0 ? 1.0625 : 0.5625, o->dbv_given = 1;
+    if (o->dense_budget < 0 && p.opt.dense_budget) o->dense_budget = (double)p.opt.dense_budget;
+    return 0;
+}
+
 int main(int argc, char **argv) {
     options o;
     int stop, rc = parse_args(argc, argv, &o, &stop);
     if (stop) return rc;
+    if (o.model && runtime_plan(&o)) return 1;
+    if (!(o.gflops > 0)) o.gflops = 50.0 * o.threads;
     model_sizes z;
     moe_model *m = NULL;
     if (o.model ? sizes_of_model(&o, &z, &m) : sizes_of_config(&o, &z)) return 1;
