@@ -3640,7 +3640,7 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
     if (!(set & MOE_SET_IO_THREADS)) {
         const char *f = largest_file(m);
         if (f) plan_disk(f, p->disk_gbps);
-        o->io_threads = p->disk_gbps[1] >= 1.1 * p->disk_gbps[0] ? 16 : 4;
+        o->io_threads = p->disk_gbps[1] > 0 && p->disk_gbps[1] >= 1.1 * p->disk_gbps[0] ? 16 : 4;
         if (p->disk_gbps[0] > 0) snprintf(disk, sizeof disk, ", disk %.2f GB/s by 4 readers and %.2f by 16", p->disk_gbps[0], p->disk_gbps[1]);
     }
     if (!(set & MOE_SET_PREFETCH)) o->prefetch = 1;
@@ -3672,6 +3672,13 @@ moe_status moe_plan_make(moe_plan *p, const char *path, const moe_options *opt, 
     st = plan_choose(p, m, &given, err, errlen);
     moe_model_close(m);
     return st;
+}
+
+moe_status moe__plan_choose(moe_plan *p, const moe_model *m, const moe_options *given, char *err, size_t errlen) {
+    p->opt = *given;
+    p->opt.flags &= ~(unsigned)MOE_FLAG_PLAN;
+    p->expert_bytes = m->info.expert_bytes;
+    return plan_choose(p, m, given, err, errlen);
 }
 
 const moe_plan *moe_model_plan(const moe_model *m) { return m && m->planned ? &m->plan : NULL; }

@@ -783,6 +783,11 @@ int moe__type_of_ggml(uint32_t id);
 moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size, int gguf, char *err, size_t errlen);
 /* ---- internal: hooks for tests and the example programs (moe.c) ------------------------- */
 
+/* Test hook: moe_plan_make's choices for an open model m (opened as the plan peeks: mapped,
+ * nothing converted) on the machine plan->mem_bytes, cpus and cores describe (the caller sets
+ * them; mem_from names them); the disk is probed only where the cache mode needs I/O threads. */
+moe_status moe__plan_choose(moe_plan *plan, const moe_model *m, const moe_options *given, char *err, size_t errlen);
+
 /* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);

@@ -428,6 +428,74 @@ static void test_rss_dense_streaming(void) {
 
 /* the seed model with a 600-token prompt stays under 100 MB resident (measured in a child, so
  * the test process's own mappings do not count) */
+/* The resource plan: the machine as this process sees it, and the shipped model's choices as
+ * the memory given shrinks: mapped as stored where everything fits (and at any more memory), the
+ * expert cache below that with the dense matrices quantized at load (Q8_0, then Q4_0 with less)
+ * and an expert budget that fits beside them, then a clear error; what the caller set is kept;
+ * moe_model_open under MOE_FLAG_PLAN follows the plan. */
+static void test_plan(void) {
+    char err[400];
+    moe_plan p;
+    moe_options o = moe_default_options();
+    CHECKF(moe_plan_make(&p, shipped_dir(), &o, err, sizeof err) == MOE_OK, "%s", err);
+    CHECK(p.mem_bytes > 0 && p.mem_from && p.cpus >= 1 && p.cores >= 1 && p.cores <= p.cpus && p.opt.n_threads == p.cores && p.summary[0]);
+    CHECK(!(p.opt.flags & MOE_FLAG_PLAN));
+    moe_options peek = moe_default_options();
+    peek.flags |= MOE_FLAG_NO_REPACK;
+    moe_model *m = NULL;
+    CHECKF(moe_model_open(&m, shipped_dir(), &peek, err, sizeof err) == MOE_OK, "%s", err);
+    if (!m) return;
+    int saw_mmap = 0, saw_cache = 0, saw_q4 = 0, saw_error = 0, order_ok = 1;
+    int last_type = -1; /* cache mode's dense type at the previous (larger) memory */
+    for (uint64_t mem = (uint64_t)2 << 30; mem >= (uint64_t)200 << 20; mem -= (uint64_t)2 << 20) {
+        moe_plan q = {.mem_bytes = mem, .mem_from = "test", .cpus = 4, .cores = 2};
+        const moe_status st = moe__plan_choose(&q, m, &o, err, sizeof err);
+        if (st) {
+            CHECKF(st == MOE_ERR_NOMEM && strstr(err, "GB of memory (test)"), "%s", err);
+            saw_error = 1;
+            continue;
+        }
+        order_ok &= !saw_error && q.opt.n_threads == 2; /* no plan below one that failed */
+        if (q.opt.expert_mode == MOE_EXPERTS_MMAP) {
+            order_ok &= !saw_cache && q.opt.dense_type == MOE_WTYPE_ASIS && !strcmp(q.summary + strlen(q.summary) - 9, "2 threads");
+            saw_mmap = 1;
+            continue;
+        }
+        saw_cache = 1;
+        const int t = q.opt.dense_type;
+        order_ok &= (t == MOE_WTYPE_Q8_0 || t == MOE_WTYPE_Q4_0) && (last_type != MOE_WTYPE_Q4_0 || t == MOE_WTYPE_Q4_0);
+        order_ok &= q.opt.expert_budget > 0 && q.dense_bytes + q.opt.expert_budget < mem && q.opt.prefetch == 1;
+        order_ok &= q.opt.io_threads == 4 || q.opt.io_threads == 16;
+        saw_q4 |= t == MOE_WTYPE_Q4_0;
+        last_type = t;
+    }
+    CHECKF(saw_mmap && saw_cache && saw_q4 && saw_error && order_ok, "mmap %d cache %d q4 %d error %d in order %d", saw_mmap, saw_cache,
+           saw_q4, saw_error, order_ok);
+    /* what the caller set stays, in the cache mode too */
+    moe_options given = moe_default_options();
+    given.n_threads = 3, given.dense_type = MOE_WTYPE_BF16, given.io_threads = 7, given.expert_mode = MOE_EXPERTS_CACHE;
+    given.set = MOE_SET_THREADS | MOE_SET_DENSE_TYPE | MOE_SET_IO_THREADS | MOE_SET_EXPERT_MODE;
+    moe_plan q = {.mem_bytes = (uint64_t)2 << 30, .mem_from = "test", .cpus = 4, .cores = 2};
+    CHECKF(moe__plan_choose(&q, m, &given, err, sizeof err) == MOE_OK, "%s", err);
+    CHECK(q.opt.n_threads == 3 && q.opt.dense_type == MOE_WTYPE_BF16 && q.opt.io_threads == 7 && q.opt.expert_mode == MOE_EXPERTS_CACHE &&
+          q.opt.expert_budget > 0);
+    moe_model_close(m);
+    /* opened under the plan: the same logits as opened plainly (the plan maps it, as it fits) */
+    moe_options planned = moe_default_options();
+    planned.flags |= MOE_FLAG_PLAN;
+    moe_model *a = NULL, *b = open_path(shipped_dir(), 0, 2);
+    CHECKF(moe_model_open(&a, shipped_dir(), &planned, err, sizeof err) == MOE_OK, "%s", err);
+    CHECK(a && moe_model_plan(a) && !moe_model_plan(b) && moe_model_plan(a)->opt.expert_mode == MOE_EXPERTS_MMAP);
+    if (a && b) {
+        int32_t ids[5] = {1, 2, 3, 4, 5};
+        float *la = logits_routed(a, ids, 5, NULL, NULL, NULL), *lb = logits_routed(b, ids, 5, NULL, NULL, NULL);
+        const int V = moe_model_config(a)->vocab_size;
+        CHECK(la && lb && max_abs_diff(la, lb, (size_t)5 * V) < 1e-4);
+        free(la), free(lb);
+    }
+    moe_model_close(a), moe_model_close(b);
+}
+
 static void test_rss_seed_600(void) {
     golden g;
     if (!golden_load(&g, "seed")) return;
@@ -461,6 +529,7 @@ static void test_rss_seed_600(void) {
 
 const test_case cache_tests[] = {
     {"cache.rss_seed_600", test_rss_seed_600, "the seed model with a 600-token prompt stays under 100 MB resident", 1},
+    {"cache.plan", test_plan, "the resource plan: mapped where it fits, then the cache with dense Q8_0, Q4_0, an error", 0},
     {"cache.kquants", test_cache_kquants, "k-quant experts interleaved as the cache reads them: same logits", 0},
     {"cache.equivalence", test_cache_equivalence, "a two-expert budget gives the mapping's logits, within budget", 0},
     {"cache.prefetch", test_cache_prefetch, "read-ahead on the I/O threads: same logits, guesses counted", 0},

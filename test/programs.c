@@ -416,6 +416,13 @@ static void test_shipped_cli(void) {
     CHECK(run_cmd(cmd, a, sizeof a) == 1 && strstr(a, "UTF-8"));
     snprintf(cmd, sizeof cmd, "%s/moe-cli --help", exe_dir);
     CHECK(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "--chat-template") && strstr(a, "--stop"));
+    /* the resource plan's line, with the flags given kept in it */
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'And God said' -n 4 --temp 0 2>&1 >/dev/null", exe_dir, shipped_dir());
+    CHECKF(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "moe-cli: plan: ") && strstr(a, "used where they are mapped"), "%s", a);
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'And God said' -n 4 --temp 0 -t 1 --dense q8_0 2>&1 >/dev/null", exe_dir, shipped_dir());
+    CHECKF(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "dense Q8_0, 1 threads"), "%s", a);
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p x --dense q5_0 2>&1", exe_dir, shipped_dir());
+    CHECK(run_cmd(cmd, a, sizeof a) == 2 && strstr(a, "--dense is"));
 }
 
 /* moe-perplexity on the shipped model against the same figures computed here through the
