@@ -3626,7 +3626,7 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
                 return fail(err, errlen, MOE_ERR_NOMEM, "%.2f GB of memory (%s) cannot hold the LM head, two layers and a step's experts "
                             "(%.2f GB)", mem / G, p->mem_from, (head + 2 * layer_stored + min_cache + reserve) / G);
             o->dense_budget = (size_t)budget;
-            dense_ram = head + budget + 2 * layer_stored;
+            dense_ram = head + budget; /* the streamed layers pass through the expert cache */
         }
     }
     if (!(set & MOE_SET_EXPERT_BUDGET)) {

@@ -95,7 +95,8 @@ static int usage(const char *msg) {
     if (msg) fprintf(stderr, "moe-convert: %s\n", msg);
     fprintf(stderr, "usage: moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE]\n"
                     "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
-                    "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N]   (random, released K3 layout)\n"
+                    "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N] [--sparse]   (random, released K3 layout;\n"
+                    "                      --sparse: only vectors, routers and the embedding written, the rest holes)\n"
                     "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0\n"
                     "                  q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs (bf16); with --random also\n"
                     "                  iq1_s iq1_m iq2_xxs iq2_xs iq2_s iq3_xxs iq3_s (random blocks)\n"
@@ -1137,7 +1138,15 @@ static void k3_fill(const kt *t, unsigned char *out, uint64_t n_el, uint64_t fir
     }
 }
 
-static int k3_write_shard(const char *dir, const char *file, kt *t, int n, uint64_t seed, int64_t kda_heads, uint64_t *data_bytes) {
+/* --sparse keeps real (random) bytes only where the routing needs them to vary: the vectors, the
+ * routers and the embedding; every other matrix and every expert is a hole of zeros */
+static int k3_sparse_hole(const kt *t, int sparse) {
+    return sparse && t->nd >= 2 && !strstr(t->name, "embed_tokens") && !strstr(t->name, ".gate.weight") &&
+           !(t->nd == 2 && t->shape[0] == 1); /* AttnRes projections [1, d] */
+}
+
+static int k3_write_shard(const char *dir, const char *file, kt *t, int n, uint64_t seed, int64_t kda_heads, int sparse,
+                          uint64_t *data_bytes) {
     qsort(t, (size_t)n, sizeof *t, kcmp);
     buf h = {0};
     const char *dn[3] = {"F32", "BF16", "U8"};
@@ -1164,6 +1173,10 @@ static int k3_write_shard(const char *dir, const char *file, kt *t, int n, uint6
     unsigned char *chunk = malloc(CHUNK);
     for (int i = 0; ok && chunk && i < n; i++) {
         const uint64_t es = t[i].dtype == 0 ? 4 : t[i].dtype == 1 ? 2 : 1, total = kbytes(&t[i]) / es;
+        if (k3_sparse_hole(&t[i], sparse)) { /* skipped: the file's size is set at the end */
+            ok = !fseeko(f, (off_t)kbytes(&t[i]), SEEK_CUR);
+            continue;
+        }
         for (uint64_t at = 0; ok && at < total; at += CHUNK / es) {
             const uint64_t m = total - at < CHUNK / es ? total - at : CHUNK / es;
             k3_fill(&t[i], chunk, m, at, seed, kda_heads);
@@ -1172,12 +1185,13 @@ static int k3_write_shard(const char *dir, const char *file, kt *t, int n, uint6
     }
     free(chunk);
     free(h.b);
+    if (ok && sparse) ok = !fflush(f) && !ftruncate(fileno(f), (off_t)(8 + hl + off)); /* a trailing hole */
     if (fclose(f) || !ok) return die("%s: write failed: %s", path, strerror(errno));
-    fprintf(stderr, "moe-convert: wrote %s (%d tensors, %.2f GB)\n", path, n, (8 + hl + off) / 1e9);
+    fprintf(stderr, "moe-convert: wrote %s (%d tensors, %.2f GB%s)\n", path, n, (8 + hl + off) / 1e9, sparse ? ", sparse" : "");
     return 0;
 }
 
-static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
+static int k3_slice(const char *shape, const char *dir, uint64_t seed, int sparse) {
     FILE *f = fopen(shape, "rb");
     if (!f) return die("%s: %s", shape, strerror(errno));
     char *text = malloc(1 << 22);
@@ -1218,7 +1232,7 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
         files[li] = malloc(64);
         snprintf(files[li], 64, "model-%05d-of-%06d.safetensors", li + 1, L + 1);
         uint64_t db;
-        if ((rc = k3_write_shard(dir, files[li], l.t, l.n, seed, k.kh, &db))) break;
+        if ((rc = k3_write_shard(dir, files[li], l.t, l.n, seed, k.kh, sparse, &db))) break;
         for (const moe__json *sh = shards ? shards->child : NULL; sh; sh = sh->next) {
             const moe__json *fn = moe__json_get(sh, "file"), *by = moe__json_get(sh, "data_bytes");
             if (fn && fn->str && by && !strcmp(fn->str, files[li]) && (double)db != by->num) {
@@ -1244,7 +1258,7 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
         files[L] = malloc(64);
         snprintf(files[L], 64, "model-%05d-of-%06d.safetensors", L + 1, L + 1);
         uint64_t db;
-        rc = k3_write_shard(dir, files[L], h.t, h.n, seed, k.kh, &db);
+        rc = k3_write_shard(dir, files[L], h.t, h.n, seed, k.kh, sparse, &db);
         for (int i = 0; !rc && i < h.n; i++) {
             char e[512];
             int m = snprintf(e, sizeof e, ",\n    \"%s\": \"%s\"", h.t[i].name, files[L]);
@@ -1305,7 +1319,7 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed) {
 
 typedef struct {
     const char *in, *out, *shape, *k3shape;
-    int dense, experts, ctx, no_tensor_first;
+    int dense, experts, ctx, no_tensor_first, sparse;
     uint64_t seed;
     size_t split_max;
 } options;
@@ -1324,6 +1338,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         } else if (!strcmp(a, "--experts") && more) {
             if ((o->experts = parse_type(argv[++i], 1)) < -1) return usage("unknown --experts type");
         } else if (!strcmp(a, "--seed") && more) o->seed = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--sparse")) o->sparse = 1;
         else if (!strcmp(a, "--ctx") && more) o->ctx = atoi(argv[++i]);
         else if (!strcmp(a, "--no-tensor-first-split")) o->no_tensor_first = 1;
         else if (!strcmp(a, "--alignment") && more) {
@@ -1493,7 +1508,7 @@ int main(int argc, char **argv) {
     options o;
     int stop, rc = parse_args(argc, argv, &o, &stop);
     if (stop) return rc;
-    if (o.k3shape) return o.out ? k3_slice(o.k3shape, o.out, o.seed) : usage("--k3-slice SHAPE.json needs OUT_DIR");
+    if (o.k3shape) return o.out ? k3_slice(o.k3shape, o.out, o.seed, o.sparse) : usage("--k3-slice SHAPE.json needs OUT_DIR");
     if (!o.out || (!o.in && !o.shape)) return usage("need MODEL_DIR (or --random SHAPE.json) and OUT.gguf");
     if (!o.shape && (moe__is_iq(o.dense) || moe__is_iq(o.experts)))
         return usage("the IQ1_S .. IQ3_S formats are written with --random only: quantizing to them takes llama.cpp's grid search "

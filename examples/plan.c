@@ -246,6 +246,14 @@ static int runtime_plan(options *o) {
     moe_plan p;
     char err[512];
     moe_status st = moe_plan_make(&p, o->model, &mo, err, sizeof err);
+    if (!st && o->ram_given) { /* the same choices for the memory --ram gives */
+        moe_options peek = moe_default_options();
+        peek.flags |= MOE_FLAG_NO_REPACK;
+        moe_model *m = NULL;
+        p.mem_bytes = (uint64_t)o->ram, p.mem_from = "--ram";
+        if (!(st = moe_model_open(&m, o->model, &peek, err, sizeof err))) st = moe__plan_choose(&p, m, &mo, err, sizeof err);
+        moe_model_close(m);
+    }
     if (st) return fprintf(stderr, "moe-plan: %s: %s\n", moe_status_str(st), err), 1;
     printf("runtime plan (no flags): %s\n", p.summary);
     if (!o->ram_given) o->ram = (double)p.mem_bytes;
