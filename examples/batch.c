@@ -728,8 +728,7 @@ static int open_output_and_model(job *jb) {
     if (load_answers(jb->o.out_path, &jb->done)) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, strerror(errno)), 1;
     moe_status st = moe_model_open(&jb->m, jb->o.model, &jb->o.opt, jb->err, sizeof jb->err);
     if (st) return fprintf(stderr, "moe-batch: %s: %s\n", moe_status_str(st), jb->err), 1;
-    print_plan_line("moe-batch", jb->m);
-    if (moe_model_plan(jb->m)) jb->o.opt = moe_model_plan(jb->m)->opt;
+    use_plan("moe-batch", jb->m, &jb->o.opt);
     if (moe_tokenizer_for_model(&jb->tok, jb->m, jb->err, sizeof jb->err)) {
         fprintf(stderr, "moe-batch: %s: only completion requests with token-id prompts can be answered\n", jb->err);
         jb->tok = NULL;

@@ -388,8 +388,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
     moe_status st = moe_model_open(&m, model, &o, err, sizeof err);
     if (st) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
     const double open_s = now() - t0;
-    print_plan_line("moe-bench", m);
-    o = moe_model_plan(m)->opt;
+    use_plan("moe-bench", m, &o);
     const moe_config *c = moe_model_config(m);
     const moe_model_info mi = moe_model_get_info(m);
     int n_moe = 0;

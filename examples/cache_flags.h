@@ -88,9 +88,12 @@ static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, cons
     }
     return 1;
 }
-/* the plan a model was opened with, as one line on stderr (nothing without MOE_FLAG_PLAN) */
-static inline void print_plan_line(const char *prog, const moe_model *m) {
+/* The plan a model was opened with (nothing without MOE_FLAG_PLAN): one line on stderr, and the
+ * options it chose into *o where o is not NULL, so that the program sees what it runs with. */
+static inline void use_plan(const char *prog, const moe_model *m, moe_options *o) {
     const moe_plan *p = moe_model_plan(m);
-    if (p) fprintf(stderr, "%s: plan: %s\n", prog, p->summary);
+    if (!p) return;
+    fprintf(stderr, "%s: plan: %s\n", prog, p->summary);
+    if (o) *o = p->opt;
 }
 #endif

@@ -352,8 +352,7 @@ static int open_model(cli *r) {
     moe_status st = moe_model_open(&r->m, o->model, &o->opt, r->err, sizeof r->err);
     if (o->opt.progress) fprintf(stderr, "\r\033[K");
     if (st) return fprintf(stderr, "moe-cli: %s: %s\n", moe_status_str(st), r->err), 1;
-    print_plan_line("moe-cli", r->m);
-    if (moe_model_plan(r->m)) o->opt = moe_model_plan(r->m)->opt;
+    use_plan("moe-cli", r->m, &o->opt);
     const moe_config *c = r->c = moe_model_config(r->m);
     moe_model_info info = moe_model_get_info(r->m);
     const long long r1 = storage_read_bytes();

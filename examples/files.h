@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "storage_reads.h"
+
 /* The whole of path ("-": stdin), NUL-terminated, its length in *len; NULL when it cannot be
  * read (errno says why when it could not be opened). */
 static inline char *slurp(const char *path, size_t *len) {
@@ -28,20 +30,6 @@ static inline char *slurp(const char *path, size_t *len) {
     if (b) b[n] = 0, *len = n;
     if (f != stdin) fclose(f);
     return b;
-}
-
-/* Bytes this process has read from storage so far (Linux's /proc/self/io read_bytes: reads and
- * page faults on mapped files that went to the disk, not the page cache), or -1 where the system
- * does not say. */
-static inline long long storage_read_bytes(void) {
-    FILE *f = fopen("/proc/self/io", "r");
-    if (!f) return -1;
-    long long v = -1;
-    char line[128];
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "read_bytes: %lld", &v) == 1) break;
-    fclose(f);
-    return v;
 }
 
 /* 1 when path is a file that begins with GGUF's magic ("GGUF"). */

@@ -130,7 +130,7 @@ static int run(const options *o, const int32_t *ids, int n) {
     float *logits = NULL;
     int rc = 1;
     moe_status st = moe_model_open(&m, o->model, &o->opt, err, sizeof err);
-    if (!st) print_plan_line("moe-logits", m);
+    if (!st) use_plan("moe-logits", m, NULL);
     const int V = st ? 0 : moe_model_config(m)->vocab_size;
     const size_t rows = (size_t)(o->all ? n : 1);
     if (!st) st = moe_session_new(&s, m, n + o->greedy + 1, err, sizeof err);

@@ -6,24 +6,12 @@
 //   llama-compare-run MODEL.gguf IDS_FILE OUT.bin THREADS [N_DECODE] [--all] [--no-repack]
 //   llama-compare-run --tokenize VOCAB.gguf TEXT_FILE
 #include "llama.h"
+#include "../examples/storage_reads.h"
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
-
-// bytes this process has read from storage so far (Linux's /proc/self/io read_bytes: page
-// faults on the mapped model included), or -1 where that is not available
-static long long storage_read_bytes() {
-    FILE *f = fopen("/proc/self/io", "r");
-    if (!f) return -1;
-    long long v = -1;
-    char line[128];
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "read_bytes: %lld", &v) == 1) break;
-    fclose(f);
-    return v;
-}
 
 static double secs(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
     return std::chrono::duration<double>(b - a).count();
