@@ -71,8 +71,27 @@ const char *moe_status_str(moe_status st) {
     case MOE_ERR_ARG: return "bad argument";
     case MOE_ERR_CTX_FULL: return "context full";
     case MOE_ERR_RANGE: return "output buffer too small";
+    case MOE_ERR_NUMERIC: return "not a finite number";
     }
     return "unknown status";
+}
+
+/* 1 when x[0..n) holds a NaN or an infinity (by the exponent bits: immune to -ffast-math) */
+static int has_nonfinite(const float *x, size_t n) {
+    uint32_t any = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t b;
+        memcpy(&b, &x[i], 4);
+        any |= (b & 0x7f800000u) == 0x7f800000u;
+    }
+    return any != 0;
+}
+
+/* 1 when n 16-bit floats (exponent mask: F16 0x7c00, BF16 0x7f80) hold a NaN or an infinity */
+static int has_nonfinite16(const uint16_t *x, size_t n, uint16_t mask) {
+    uint32_t any = 0;
+    for (size_t i = 0; i < n; i++) any |= (x[i] & mask) == mask;
+    return any != 0;
 }
 
 /* a*b (and a*b*c) with overflow detection against INT64_MAX/2 */
@@ -242,6 +261,34 @@ static moe__json *jnode(jparser *p, int type) {
     return j;
 }
 
+static int jkey_cmp(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+
+/* 1 (the parse failed) when object j has a key twice: which value was meant is ambiguous
+ * (Python's json takes the last, a first-match lookup the first), so such a document is refused */
+static int jdup_key(jparser *p, const moe__json *j) {
+    if (j->n < 2) return 0;
+    const char *dup = NULL;
+    if (j->n <= 16) {
+        for (const moe__json *a = j->child; a && !dup; a = a->next)
+            for (const moe__json *b = a->next; b && !dup; b = b->next)
+                if (!strcmp(a->key, b->key)) dup = a->key;
+    } else {
+        const char **keys = malloc(sizeof *keys * (size_t)j->n);
+        if (!keys) return p->st = MOE_ERR_NOMEM, 1;
+        size_t n = 0;
+        for (const moe__json *a = j->child; a; a = a->next) keys[n++] = a->key;
+        qsort(keys, n, sizeof *keys, jkey_cmp);
+        for (size_t i = 1; i < n && !dup; i++)
+            if (!strcmp(keys[i - 1], keys[i])) dup = keys[i];
+        free(keys);
+    }
+    if (!dup) return 0;
+    char what[160];
+    snprintf(what, sizeof what, "key \"%.100s\" appears twice in one object (ambiguous)", dup);
+    jerr(p, what);
+    return 1;
+}
+
 static moe__json *jcontainer(jparser *p, int obj) {
     if (++p->depth > JSON_MAX_DEPTH) return jerr(p, "nesting too deep");
     moe__json *j = jnode(p, obj ? MOE_JSON_OBJ : MOE_JSON_ARR), *last = NULL;
@@ -277,7 +324,7 @@ static moe__json *jcontainer(jparser *p, int obj) {
         return jerr(p, obj ? "expected ',' or '}'" : "expected ',' or ']'");
     }
     p->depth--;
-    return j;
+    return obj && jdup_key(p, j) ? NULL : j;
 }
 
 static moe__json *jnumber(jparser *p) {
@@ -503,20 +550,43 @@ done:
     return st;
 }
 
+static const char *file_kind(mode_t mode) {
+    return S_ISDIR(mode) ? "a directory" : S_ISFIFO(mode) ? "a FIFO" : S_ISCHR(mode) ? "a character device"
+         : S_ISBLK(mode) ? "a block device" : S_ISSOCK(mode) ? "a socket" : "not a regular file";
+}
+
+/* Opens path read-only (plus flags) only if it is a regular file. The open is non-blocking, so a
+ * FIFO without a writer or a device cannot hang it; fstat then refuses anything but a regular
+ * file, and the descriptor is made blocking again. *fd, or an error naming the path and why. */
+static moe_status open_regular(const char *path, int flags, int *fd, char *err, size_t errlen) {
+    *fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC | flags);
+    if (*fd < 0) return fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(*fd, &sb) || !S_ISREG(sb.st_mode) || fcntl(*fd, F_SETFL, fcntl(*fd, F_GETFL) & ~O_NONBLOCK)) {
+        const int was_reg = S_ISREG(sb.st_mode);
+        close(*fd);
+        *fd = -1;
+        return was_reg ? fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno))
+                       : fail(err, errlen, MOE_ERR_IO, "%s: not a regular file (%s)", path, file_kind(sb.st_mode));
+    }
+    return MOE_OK;
+}
+
 static moe_status map_file(moe__st_file *f, const char *path, char *err, size_t errlen) {
     memset(f, 0, sizeof *f);
     if (!(f->path = strdup(path))) return MOE_ERR_NOMEM;
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) {
-        moe_status st = fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    int fd;
+    moe_status st = open_regular(path, 0, &fd, err, errlen);
+    if (st) {
         moe__st_close(f);
         return st;
     }
     struct stat sb;
-    if (fstat(fd, &sb) || !S_ISREG(sb.st_mode)) {
+    if (fstat(fd, &sb)) {
+        st = fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno));
         close(fd);
         moe__st_close(f);
-        return fail(err, errlen, MOE_ERR_IO, "%s: not a regular file", path);
+        return st;
     }
     f->size = (size_t)sb.st_size;
     if (f->size) {
@@ -573,9 +643,11 @@ typedef struct {
     const uint8_t *b;
     size_t n, pos;
     int bad;
+    int cut; /* a read ran past the end: the file is truncated */
 } gcur;
 
 static int g_take(gcur *c, void *out, size_t k) {
+    if (!c->bad && k > c->n - c->pos) c->cut = 1;
     if (c->bad || k > c->n - c->pos) { c->bad = 1; return 0; }
     if (out) memcpy(out, c->b + c->pos, k);
     c->pos += k;
@@ -617,21 +689,47 @@ int moe__type_of_ggml(uint32_t id) {
     return -1;
 }
 
+/* a metadata key twice is ambiguous (a first-match lookup takes one, other readers the other):
+ * refused */
+static moe_status gguf_dup_keys(const moe__st_file *f, char *err, size_t errlen) {
+    if (f->n_kv < 2) return MOE_OK;
+    const char **keys = malloc(sizeof *keys * (size_t)f->n_kv);
+    if (!keys) return MOE_ERR_NOMEM;
+    for (int64_t i = 0; i < f->n_kv; i++) keys[i] = f->kv[i].key;
+    qsort(keys, (size_t)f->n_kv, sizeof *keys, jkey_cmp);
+    const char *dup = NULL;
+    for (int64_t i = 1; i < f->n_kv && !dup; i++)
+        if (!strcmp(keys[i - 1], keys[i])) dup = keys[i];
+    moe_status st = dup ? fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata key %.200s appears twice (ambiguous)", f->path, dup) : MOE_OK;
+    free(keys);
+    return st;
+}
+
 static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
     const char *path = f->path;
     moe_status st = MOE_OK;
     f->is_gguf = 1;
     f->alignment = 32;
-    gcur c = {f->map, f->size, 0, 0};
+    gcur c = {f->map, f->size, 0, 0, 0};
     uint32_t magic = g_u32(&c), version = g_u32(&c);
     uint64_t n_tensors = g_u64(&c), n_kv = g_u64(&c);
     moe__st_tensor **order = NULL;
+    if (f->size >= 4 && !memcmp(f->map, "GGUF", 4) && c.bad) {
+        st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated: %zu bytes, less than a GGUF header", path, f->size);
+        goto out;
+    }
     if (c.bad || magic != 0x46554747u) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: not a GGUF file (bad magic)", path); goto out; }
     if (version < 2 || version > 3) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: GGUF version %u (2 and 3 are read)", path, version); goto out; }
-    /* a key/value needs >= 13 bytes, a tensor info >= 24: counts beyond that are lies */
-    if (n_kv > (c.n - c.pos) / 13 || n_tensors > (c.n - c.pos) / 24 || n_tensors > (1u << 24)) {
+    if (n_tensors > (1u << 24) || n_kv > (1u << 24)) {
         st = fail(err, errlen, MOE_ERR_FORMAT, "%s: absurd counts (%llu tensors, %llu keys)", path,
                   (unsigned long long)n_tensors, (unsigned long long)n_kv);
+        goto out;
+    }
+    /* a key/value needs >= 13 bytes, a tensor info >= 24: counts that the rest cannot hold mean
+     * the file was cut short (or its counts are wrong) */
+    if (n_kv > (c.n - c.pos) / 13 || n_tensors > (c.n - c.pos) / 24 || n_kv * 13 + n_tensors * 24 > c.n - c.pos) {
+        st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated: %llu tensors and %llu keys cannot fit in the %zu bytes after the header", path,
+                  (unsigned long long)n_tensors, (unsigned long long)n_kv, c.n - c.pos);
         goto out;
     }
     f->kv = xcalloc((size_t)n_kv, sizeof *f->kv);
@@ -648,7 +746,8 @@ static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
             uint64_t klen;
             const uint8_t *k = g_str(&c, &klen);
             uint32_t t = g_u32(&c);
-            if (c.bad || klen > 65535) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata key %llu truncated or too long", path, (unsigned long long)i); goto out; }
+            if (c.cut) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated in metadata key %llu of %llu", path, (unsigned long long)i, (unsigned long long)n_kv); goto out; }
+            if (c.bad || klen > 65535) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata key %llu too long", path, (unsigned long long)i); goto out; }
             moe__gguf_kv kv = {NULL, t, 0, 0, c.b + c.pos};
             if (t == MOE_GGUF_STRING) {
                 kv.data = g_str(&c, &kv.n);
@@ -670,7 +769,8 @@ static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
             } else {
                 c.bad = 1;
             }
-            if (c.bad) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata %.*s: bad type or truncated", path, (int)klen, (const char *)k); goto out; }
+            if (c.cut) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated in the value of metadata %.*s", path, (int)klen, (const char *)k); goto out; }
+            if (c.bad) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: metadata %.*s: bad type or count", path, (int)klen, (const char *)k); goto out; }
             if (pass == 0) {
                 keybytes += klen + 1;
             } else {
@@ -684,6 +784,7 @@ static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
         if (pass == 0 && !(f->keys = malloc(keybytes + 1))) { st = MOE_ERR_NOMEM; goto out; }
     }
     f->n_kv = (int64_t)n_kv;
+    if ((st = gguf_dup_keys(f, err, errlen))) goto out;
     const moe__gguf_kv *al = moe__gguf_get(f, "general.alignment");
     if (al) {
         uint32_t a = 0;
@@ -696,6 +797,7 @@ static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
         uint64_t nlen;
         const uint8_t *nm = g_str(&c, &nlen);
         uint32_t nd = g_u32(&c);
+        if (c.cut) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated in tensor info %llu of %llu", path, (unsigned long long)i, (unsigned long long)n_tensors); goto out; }
         if (c.bad || nlen >= sizeof t->name || nd < 1 || nd > 4) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor info %llu: bad name or dimension count", path, (unsigned long long)i); goto out; }
         memcpy(t->name, nm, nlen);
         t->name[nlen] = 0;
@@ -707,6 +809,7 @@ static moe_status gguf_parse(moe__st_file *f, char *err, size_t errlen) {
         }
         uint32_t gt = g_u32(&c);
         uint64_t off = g_u64(&c);
+        if (c.cut) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: truncated in the tensor info of %s", path, t->name); goto out; }
         if (c.bad) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: tensor %s: bad or overflowing dimensions", path, t->name); goto out; }
         int ti = -1;
         for (size_t k = 0; k < sizeof ggml_types / sizeof *ggml_types; k++)
@@ -1265,8 +1368,9 @@ static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json 
     uint32_t bv = 0, ev = 0;
     if (bos && bos->type == MOE_GGUF_U32) memcpy(&bv, bos->data, 4);
     if (eos && eos->type == MOE_GGUF_U32) memcpy(&ev, eos->data, 4);
-    sb_printf(&b, "\"bos_token_id\": %d, \"eos_token_id\": %d, \"tie_word_embeddings\": %s}", bos ? (int)bv : -1, eos ? (int)ev : -1,
-              gguf_tensor(files, nf, "output.weight", 0) ? "false" : "true");
+    /* never tied: the Kimi models' LM head is a matrix of its own (spec/MODEL.md section 2), so a
+     * file without output.weight is refused by name rather than run on the embedding */
+    sb_printf(&b, "\"bos_token_id\": %d, \"eos_token_id\": %d, \"tie_word_embeddings\": false}", bos ? (int)bv : -1, eos ? (int)ev : -1);
     if (!b.s) return MOE_ERR_NOMEM;
     char e2[200];
     moe_status st = moe__json_parse(b.s, b.n, out, e2, sizeof e2);
@@ -1420,7 +1524,7 @@ static void bind_mat(binder *b, moe__weight *w, int64_t rows, int64_t cols, cons
     if (!rp || !rs) {
         char full[340];
         bname(b, name, full, sizeof full);
-        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s", full);
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: missing tensor %s", b->m->path, full);
         return;
     }
     const moe__st_tensor *p = rp->t, *s = rs->t;
@@ -1460,7 +1564,7 @@ static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...)
     if (!r) {
         char full[340];
         bname(b, name, full, sizeof full);
-        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s", full);
+        b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: missing tensor %s", b->m->path, full);
         return NULL;
     }
     const moe__st_tensor *t = r->t;
@@ -1477,6 +1581,11 @@ static float *bind_vec(binder *b, int64_t n, int pad_zero, const char *fmt, ...)
     float *v = malloc((size_t)count * sizeof *v);
     if (!v) { b->st = MOE_ERR_NOMEM; return NULL; }
     moe__row_to_f32(t->type, t->data, NULL, v, count);
+    if (has_nonfinite(v, (size_t)count)) {
+        free(v);
+        b->st = fail(b->err, b->errlen, MOE_ERR_NUMERIC, "%s: tensor %s holds a NaN or an infinity", bfile(b, r), t->name);
+        return NULL;
+    }
     for (int64_t i = n; pad_zero != 2 && i < count; i++)
         if (v[i] != 0.0f) {
             free(v);
@@ -1508,7 +1617,7 @@ static void bind_merged_experts(binder *b, layer *L, int li, int64_t E, int64_t 
         snprintf(nm, sizeof nm, "blk.%d.%s.weight", li, names[w]);
         const tensor_ref *r = lookup(b->m, nm);
         const int64_t rows = w == 1 ? de : Ie, cols = w == 1 ? Ie : de;
-        if (!r) { b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "missing tensor %s", nm); return; }
+        if (!r) { b->st = fail(b->err, b->errlen, MOE_ERR_FORMAT, "%s: missing tensor %s", b->m->path, nm); return; }
         const moe__st_tensor *t = r->t;
         if (t->ndim != 3 || t->shape[0] != E || t->shape[1] != rows || t->shape[2] != cols ||
             (t->type != MOE_T_F32 && t->type != MOE_T_F16 && t->type != MOE_T_BF16 && !moe__is_quant(t->type) &&
@@ -1705,9 +1814,9 @@ static void count_params(moe_model *m) {
 
 /* PART 2 decides where the bound weights live (binding calls these last) */
 static void choose_streamed(moe_model *m);
-static moe_status convert_weight(moe_model *m, moe__weight *w, int to);
+static moe_status convert_weight(moe_model *m, moe__weight *w, int to, char *err, size_t errlen);
 static int converted_type(const moe__weight *w, int to);
-static moe_status convert_weights(moe_model *m);
+static moe_status convert_weights(moe_model *m, char *err, size_t errlen);
 static moe_status repack_weights(moe_model *m);
 
 static void count_dense_bytes(moe_model *m) {
@@ -1751,9 +1860,31 @@ static void count_dense_bytes(moe_model *m) {
     m->info.dense_bytes_per_token = m->info.dense_bytes_as[m->opt.dense_type >= MOE_WTYPE_ASIS && m->opt.dense_type <= MOE_WTYPE_Q4_0 ? m->opt.dense_type : 0];
 }
 
+/* MOE_FLAG_CHECK_TENSORS: every float tensor of the files read once, in parallel; the first
+ * (in file order) holding a NaN or an infinity is named */
+static moe_status check_tensors(const moe_model *m, char *err, size_t errlen) {
+    for (int f = 0; f < m->n_files; f++) {
+        const moe__st_file *F = &m->files[f];
+        int bad = F->n_tensors;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(m->opt.n_threads) schedule(dynamic) reduction(min : bad)
+#endif
+        for (int i = 0; i < F->n_tensors; i++) {
+            const moe__st_tensor *t = &F->tensors[i];
+            const size_t n = t->type == MOE_T_F32 ? t->nbytes / 4 : t->nbytes / 2;
+            const int nf = t->type == MOE_T_F32 ? has_nonfinite(t->data, n)
+                         : t->type == MOE_T_F16 || t->type == MOE_T_BF16 ? has_nonfinite16(t->data, n, t->type == MOE_T_F16 ? 0x7c00 : 0x7f80) : 0;
+            if (nf && i < bad) bad = i;
+        }
+        if (bad < F->n_tensors) return fail(err, errlen, MOE_ERR_NUMERIC, "%s: tensor %s holds a NaN or an infinity", F->path, F->tensors[bad].name);
+    }
+    return MOE_OK;
+}
+
 static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     const moe_config *c = &m->cfg;
     binder b = {m, err, errlen, MOE_OK};
+    if (m->opt.flags & MOE_FLAG_CHECK_TENSORS) b.st = check_tensors(m, err, errlen);
     const int d = c->hidden_size;
     bind_mat(&b, &m->embed, c->vocab_size, d, "model.embed_tokens");
     if (c->tie_embeddings && !bfind(&b, "lm_head.weight")) m->lm_head = m->embed;
@@ -1763,12 +1894,12 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     if (!b.st && !(m->layers = xcalloc((size_t)c->n_layers, sizeof *m->layers))) b.st = MOE_ERR_NOMEM;
     for (int i = 0; i < c->n_layers && !b.st; i++) bind_layer(&b, i);
     for (int i = 0; i < c->n_layers && !b.st; i++) /* absorbed MLA decodes kv_b rows as floats */
-        if (m->layers[i].kind == MOE_LAYER_MLA && !m->k.dot[m->layers[i].kv_b.type]) b.st = convert_weight(m, &m->layers[i].kv_b, MOE_WTYPE_F32);
+        if (m->layers[i].kind == MOE_LAYER_MLA && !m->k.dot[m->layers[i].kv_b.type]) b.st = convert_weight(m, &m->layers[i].kv_b, MOE_WTYPE_F32, err, errlen);
     if (!b.st && (m->embed.type == MOE_T_MXFP4 || m->embed.type == MOE_T_MXFP4_GGML))
         b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
     if (!b.st) count_params(m);
     if (!b.st) choose_streamed(m);
-    if (!b.st && (b.st = convert_weights(m))) fail(err, errlen, b.st, "out of memory converting weights at load");
+    if (!b.st && (b.st = convert_weights(m, err, errlen)) == MOE_ERR_NOMEM) fail(err, errlen, b.st, "out of memory converting weights at load");
     if (!b.st && !(m->opt.flags & MOE_FLAG_NO_REPACK) && (b.st = repack_weights(m)))
         fail(err, errlen, b.st, "out of memory interleaving weights at load (MOE_FLAG_NO_REPACK keeps them mapped)");
     if (!b.st) count_dense_bytes(m);
@@ -1779,8 +1910,20 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
 
 static moe_status read_file(const char *path, char **out, size_t *len, size_t max, char *err,
                             size_t errlen) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return fail(err, errlen, MOE_ERR_IO, "%s: %s", path, strerror(errno));
+    int fd;
+    moe_status st = open_regular(path, 0, &fd, err, errlen);
+    if (st) return st;
+    struct stat sb;
+    if (!fstat(fd, &sb) && (uint64_t)sb.st_size > max) { /* refused before reading any of it */
+        close(fd);
+        return fail(err, errlen, MOE_ERR_FORMAT, "%s: %llu bytes, larger than the %zu allowed", path,
+                    (unsigned long long)sb.st_size, max);
+    }
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return fail(err, errlen, MOE_ERR_NOMEM, "%s: %s", path, strerror(errno));
+    }
     char *buf = NULL;
     size_t n = 0, cap = 0;
     for (;;) {
@@ -1872,16 +2015,22 @@ moe_options moe_default_options(void) {
     return o;
 }
 
-/* by magic, or by name (so a damaged .gguf gets a GGUF error rather than a config.json one) */
-static int is_gguf_file(const char *path) {
-    size_t l = strlen(path);
-    if (l > 5 && !strcmp(path + l - 5, ".gguf")) return 1;
-    FILE *f = fopen(path, "rb");
-    char magic[4] = {0};
-    if (!f) return 0;
-    size_t r = fread(magic, 1, 4, f);
-    fclose(f);
-    return r == 4 && !memcmp(magic, "GGUF", 4);
+/* What a model path that is not a directory holds, by its first bytes (or, for a damaged .gguf,
+ * its name, so that it gets a GGUF error rather than a config.json one): 'g' GGUF, 's' a
+ * safetensors file (8-byte header length, then '{'), 0 anything else; MOE_ERR_IO when it cannot
+ * be opened or is not a regular file. */
+static moe_status model_file_kind(const char *path, int *kind, char *err, size_t errlen) {
+    int fd;
+    moe_status st = open_regular(path, 0, &fd, err, errlen);
+    if (st) return st;
+    unsigned char head[9] = {0};
+    const ssize_t r = pread(fd, head, sizeof head, 0);
+    close(fd);
+    const size_t l = strlen(path);
+    if ((r >= 4 && !memcmp(head, "GGUF", 4)) || (l > 5 && !strcmp(path + l - 5, ".gguf"))) *kind = 'g';
+    else if (r == 9 && head[8] == '{') *kind = 's';
+    else *kind = 0;
+    return MOE_OK;
 }
 
 /* PREFIX-NNNNN-of-MMMMM.gguf, the names of a split GGUF's parts (llama.cpp's gguf-split and
@@ -1953,7 +2102,8 @@ static moe_status open_gguf(moe_model *m, const char *path, char *err, size_t er
     char e2[400];
     st = parse_config(m, cfg, e2, sizeof e2);
     moe__json_free(cfg);
-    if (st) return fail(err, errlen, st, "%s: %s", m->files[0].path, e2);
+    /* parse_config names config.json's fields; here they came from the file's metadata */
+    if (st) return fail(err, errlen, st, "%s: metadata (as config.json's fields): %s", m->files[0].path, strncmp(e2, "config.json: ", 13) ? e2 : e2 + 13);
     return build_table(m, err, errlen);
 }
 
@@ -1961,7 +2111,14 @@ static moe_status open_files(moe_model *m, const char *path, char *err, size_t e
     char dir[4096], buf[4400];
     moe_status st;
     if (strlen(path) >= sizeof dir - 1) return fail(err, errlen, MOE_ERR_ARG, "path too long");
-    if (!is_dir(path) && is_gguf_file(path)) return open_gguf(m, path, err, errlen);
+    if (!is_dir(path)) {
+        int kind;
+        if ((st = model_file_kind(path, &kind, err, errlen))) return st;
+        if (kind == 'g') return open_gguf(m, path, err, errlen);
+        if (!kind)
+            return fail(err, errlen, MOE_ERR_FORMAT, "%s: not a model (a model is a directory with config.json, a GGUF file, "
+                        "or a .safetensors file with config.json beside it)", path);
+    }
     moe__json *cfg = NULL, *idx = NULL;
     char **shards = NULL, *single[1];
     int n_shards = 0;
@@ -2160,6 +2317,14 @@ static int in_mapping(const moe_model *m, const void *p) { return mapped_file(m,
 /* ---- streamed layers (CACHE mode, dense_budget) ---- */
 
 static uint64_t weight_data_bytes(const moe__weight *w) { return (uint64_t)w->rows * (uint64_t)moe__row_bytes(w->type, w->cols); }
+
+/* 1 when an F32, F16 or BF16 matrix holds a NaN or an infinity (other types: 0) */
+static int weight_nonfinite(const moe__weight *w) {
+    const size_t n = (size_t)w->rows * (size_t)w->cols;
+    if (w->type == MOE_T_F32) return has_nonfinite(w->data, n);
+    if (w->type == MOE_T_F16 || w->type == MOE_T_BF16) return has_nonfinite16(w->data, n, w->type == MOE_T_F16 ? 0x7c00 : 0x7f80);
+    return 0;
+}
 static uint64_t weight_scale_bytes(const moe__weight *w) { return w->scale ? (uint64_t)(w->rows * (w->cols / 32)) : 0; }
 
 #define UNIT_MAX 20 /* matrices in one cache unit: an expert's 3, or a layer's dense ones */
@@ -2219,8 +2384,17 @@ static void choose_streamed(moe_model *m) {
     }
 }
 
-/* Converts one weight matrix to `to` (a MOE_WTYPE_*) into memory the model owns. */
-static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
+/* The name of the file tensor a matrix was bound from (found by its data), for messages */
+static const char *weight_name(const moe_model *m, const moe__weight *w) {
+    for (int f = 0; f < m->n_files; f++)
+        for (int i = 0; i < m->files[f].n_tensors; i++)
+            if (m->files[f].tensors[i].data == w->data) return m->files[f].tensors[i].name;
+    return "a weight matrix";
+}
+
+/* Converts one weight matrix to `to` (a MOE_WTYPE_*) into memory the model owns; a matrix holding
+ * a NaN or an infinity is refused (MOE_ERR_NUMERIC, naming it and the row). */
+static moe_status convert_weight(moe_model *m, moe__weight *w, int to, char *err, size_t errlen) {
     const int t = converted_type(w, to);
     if (!w->data || t == w->type) return MOE_OK;
     const int64_t rb_in = moe__row_bytes(w->type, w->cols), rb = moe__row_bytes(t, w->cols);
@@ -2228,18 +2402,29 @@ static moe_status convert_weight(moe_model *m, moe__weight *w, int to) {
     unsigned char *dst = malloc((size_t)(rb * w->rows));
     float *tmp = malloc(sizeof(float) * (size_t)w->cols * (size_t)m->opt.n_threads);
     if (!dst || !tmp) { free(dst); free(tmp); return MOE_ERR_NOMEM; }
+    int64_t bad_row = w->rows; /* the first row holding a NaN or an infinity */
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(m->opt.n_threads) schedule(static) if (m->opt.n_threads > 1)
 #endif
     for (int64_t r = 0; r < w->rows; r++) {
         float *row = tmp + (size_t)w->cols * (size_t)thread_id();
         moe__row_to_f32(w->type, (const unsigned char *)w->data + r * rb_in, w->scale ? w->scale + r * sb : NULL, row, w->cols);
+        if (has_nonfinite(row, (size_t)w->cols) && r < bad_row) {
+#ifdef _OPENMP
+#pragma omp critical(moe_bad_row)
+#endif
+            if (r < bad_row) bad_row = r;
+        }
         unsigned char *o = dst + r * rb;
         if (t == MOE_T_F32) memcpy(o, row, sizeof(float) * (size_t)w->cols);
         else if (t == MOE_T_BF16) for (int64_t i = 0; i < w->cols; i++) ((uint16_t *)o)[i] = moe__f32_to_bf16(row[i]);
         else moe__quantize_row(t, row, o, w->cols);
     }
     free(tmp);
+    if (bad_row < w->rows) {
+        free(dst);
+        return fail(err, errlen, MOE_ERR_NUMERIC, "%s: row %lld holds a NaN or an infinity", weight_name(m, w), (long long)bad_row);
+    }
     if (own(m, dst)) { free(dst); return MOE_ERR_NOMEM; }
     if (in_mapping(m, w->data)) {
         drop_mapped(w->data, (size_t)(rb_in * w->rows));
@@ -2407,21 +2592,21 @@ static moe_status repack_weights(moe_model *m) {
     return each_repackable(m, repack_one, &p, "interleaving");
 }
 
-static moe_status convert_weights(moe_model *m) {
+static moe_status convert_weights(moe_model *m, char *err, size_t errlen) {
     const int dt = m->opt.dense_type, et = m->opt.expert_type;
     moe_status st = MOE_OK;
     /* the LM head gets Q8_0 when the rest is Q4_0 (as llama.cpp keeps output.weight at higher
      * precision): on the shipped model it takes Q4_0's KL from 2.6e-2 to 1.9e-2 nats/token */
-    if (dt) st = convert_weight(m, &m->lm_head, dt == MOE_WTYPE_Q4_0 ? MOE_WTYPE_Q8_0 : dt);
+    if (dt) st = convert_weight(m, &m->lm_head, dt == MOE_WTYPE_Q4_0 ? MOE_WTYPE_Q8_0 : dt, err, errlen);
     for (int i = 0; i < m->cfg.n_layers && !st && (dt || et); i++) {
         layer *L = &m->layers[i];
         progress(m, "converting", i, m->cfg.n_layers);
         for (size_t k = 0; k < N_DENSE_FIELDS && !st && dt && !L->stream; k++) /* kv_b stays as stored (moe.h) */
-            if (dense_fields[k] != offsetof(layer, kv_b)) st = convert_weight(m, layer_matrix(L, k), dt);
+            if (dense_fields[k] != offsetof(layer, kv_b)) st = convert_weight(m, layer_matrix(L, k), dt, err, errlen);
         for (int e = 0; L->experts && et && e < m->cfg.n_experts && !st; e++) {
-            st = convert_weight(m, &L->experts[e].w1, et);
-            if (!st) st = convert_weight(m, &L->experts[e].w2, et);
-            if (!st) st = convert_weight(m, &L->experts[e].w3, et);
+            st = convert_weight(m, &L->experts[e].w1, et, err, errlen);
+            if (!st) st = convert_weight(m, &L->experts[e].w2, et, err, errlen);
+            if (!st) st = convert_weight(m, &L->experts[e].w3, et, err, errlen);
         }
     }
     return st;
@@ -2497,7 +2682,8 @@ typedef struct cache_entry {
     int li, e, pins, loading; /* e: an expert, or units - 1 for the layer's dense matrices;
                                  loading: being read by one thread, the others wait */
     int prefetched;           /* read by an I/O thread and not used yet (2: for the layer computing) */
-    int failed;               /* an I/O thread's read of it failed: the step that asks gets the error */
+    int failed;               /* an I/O thread's read of it failed (its errno value, EDOM: non-finite
+                                 weights): the step that asks gets the error */
     int kx8;                  /* its k-quant/IQ4_XS matrices interleaved as read (unit_repack_kx8) */
     uint64_t last_use;
     size_t bytes;
@@ -2536,6 +2722,7 @@ struct expert_cache {
     int qn, qcap;
     int cur_layer, next_layer; /* expert read-ahead for these: unused, it is not evicted by I/O threads */
     moe__expert_history *hist; /* the eviction policy's view of the router */
+    int nonfinite_li, nonfinite_e; /* the last unit whose read met a NaN or an infinity (EDOM) */
 };
 
 
@@ -2663,16 +2850,17 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen) {
     k->hist = moe__history_new(c->n_layers, k->units, MOE_HISTORY_HALF_LIFE);
     if (!k->fds || !k->slot || !k->hist) return MOE_ERR_NOMEM;
     for (int i = 0; i < m->n_files; i++) k->fds[i] = -1;
-    for (int i = 0; i < m->n_files; i++)
-        if ((k->fds[i] = open(m->files[i].path, O_RDONLY)) < 0)
-            return fail(err, errlen, MOE_ERR_IO, "%s: %s", m->files[i].path, strerror(errno));
+    for (int i = 0; i < m->n_files; i++) {
+        moe_status st = open_regular(m->files[i].path, 0, &k->fds[i], err, errlen);
+        if (st) return st;
+    }
     /* O_DIRECT where the file system allows it: unit reads bypass the page cache, so the cache
      * the caller budgeted is the only copy (no double caching) */
     if (!(k->dfds = malloc(sizeof(int) * (size_t)m->n_files))) return MOE_ERR_NOMEM;
     for (int i = 0; i < m->n_files; i++) {
         k->dfds[i] = -1;
 #ifdef O_DIRECT
-        if (!(m->opt.flags & MOE_FLAG_NO_DIRECT_IO)) k->dfds[i] = open(m->files[i].path, O_RDONLY | O_DIRECT);
+        if (!(m->opt.flags & MOE_FLAG_NO_DIRECT_IO) && open_regular(m->files[i].path, O_DIRECT, &k->dfds[i], NULL, 0)) k->dfds[i] = -1;
 #endif
     }
     /* what one step holds at once: an expert per compute thread (experts run in parallel) and
@@ -3020,10 +3208,17 @@ static int unit_fill(const moe_model *m, struct expert_cache *k, const moe__weig
     }
     /* a routed expert's matrices (a streamed layer's dense ones stay as stored, as at load, where
      * the absorbed MLA reads kv_b's rows) */
+    /* a unit's float matrices are checked as they arrive, so a NaN or an infinity on disk is
+     * reported by the read that meets it (EDOM), like a failed read, not computed with */
+    for (int i = 0; i < nw && !rc; i++)
+        if (weight_nonfinite(&v->w[i])) rc = EDOM;
     if (!rc && v->e < m->cfg.n_experts && !(m->opt.flags & MOE_FLAG_NO_REPACK)) rc = unit_repack(m, v, nw);
     if (nw == 3) v->ex = (expert){v->w[0], v->w[1], v->w[2]};
     return rc;
 }
+
+/* what a failed unit read (unit_fill's errno value) reports */
+static moe_status unit_status(int rc) { return rc == EDOM ? MOE_ERR_NUMERIC : MOE_ERR_IO; }
 
 /* makes unit (li, e) resident and pinned; *out is valid until cache_put. Counted in stats: an
  * expert as a hit or a miss, dense matrices as a read when they came from disk for this use. */
@@ -3047,9 +3242,11 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
                 continue;
             }
             if (v->failed) { /* read by an I/O thread, which failed: this step reports it */
+                const int rc = v->failed;
+                if (rc == EDOM) k->nonfinite_li = li, k->nonfinite_e = e;
                 cache_evict(k, v);
                 pthread_mutex_unlock(&k->lock);
-                return MOE_ERR_IO;
+                return unit_status(rc);
             }
             v->pins++;
             v->last_use = ++k->clock;
@@ -3099,10 +3296,11 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
     if (stats) stats->io_seconds += dt;
     if (!rc) k->bytes_read += bytes, k->kx8_count += (uint64_t)v->kx8;
     if (rc) { /* a failed read leaves nothing behind: the slot is free for a later try */
+        if (rc == EDOM) k->nonfinite_li = li, k->nonfinite_e = e;
         cache_evict(k, v);
         pthread_cond_broadcast(&k->unpinned);
         pthread_mutex_unlock(&k->lock);
-        return MOE_ERR_IO;
+        return unit_status(rc);
     }
     v->loading = 0;
     if (stats && dense) stats->dense_reads++;
@@ -3204,7 +3402,7 @@ static void *cache_io_main(void *arg) {
         v->loading = 0;
         if (rc) { /* kept as an empty marker (no budget), so that the step that wants it reports the error */
             entry_free(v->buf, v->bytes);
-            v->buf = NULL, v->failed = 1, v->prefetched = 0;
+            v->buf = NULL, v->failed = rc, v->prefetched = 0;
             k->used -= v->bytes;
             v->bytes = 0;
         } else {
@@ -3518,9 +3716,9 @@ static void *disk_read_blocks(void *arg) {
  * O_DIRECT; 0 where that cannot be done (no O_DIRECT, a file under 64 MB, a read failing) */
 static double disk_probe(const char *path, int readers) {
 #ifdef O_DIRECT
-    int fd = open(path, O_RDONLY | O_DIRECT);
+    int fd;
     struct stat sb;
-    if (fd < 0) return 0;
+    if (open_regular(path, O_DIRECT, &fd, NULL, 0)) return 0;
     if (fstat(fd, &sb) || sb.st_size < (64 << 20)) { close(fd); return 0; }
     disk_reader r[16];
     pthread_t th[16];
@@ -5477,6 +5675,21 @@ static moe_status forward(moe_model *m, segment *sg, int nsg, int R, moe_step_st
     return forward_layers(m, sg, nsg, R, stats);
 }
 
+/* moe_step's last check: each sequence's logits are finite numbers (a NaN or an infinity in a
+ * weight or an activation reaches them), marked per sequence */
+static moe_status check_logits(const moe_model *m, moe_seq *seqs, int n_seqs, char *err, size_t errlen) {
+    const size_t V = (size_t)m->cfg.vocab_size;
+    int first = -1;
+    for (int i = 0; i < n_seqs; i++) {
+        moe_seq *q = &seqs[i];
+        q->nonfinite = q->logits && q->n > 0 && has_nonfinite(q->logits, (q->logits_all ? (size_t)q->n : 1) * V);
+        if (q->nonfinite && first < 0) first = i;
+    }
+    if (first < 0) return MOE_OK;
+    return fail(err, errlen, MOE_ERR_NUMERIC, "moe_step: sequence %d (at position %d): the logits hold a NaN or an infinity "
+                "(a non-finite weight or activation)", first, moe_session_pos(seqs[first].s));
+}
+
 moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *stats, char *err,
                     size_t errlen) {
     if (err && errlen) err[0] = 0;
@@ -5542,12 +5755,18 @@ moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *sta
         left -= R;
         local.n_chunks++;
     }
-    if (st) {
+    if (st == MOE_ERR_NUMERIC && m->cache) {
+        const int li = m->cache->nonfinite_li, e = m->cache->nonfinite_e;
+        for (int i = 0; i < n_seqs; i++) moe_session_reset(seqs[i].s);
+        if (e < m->cfg.n_experts) fail(err, errlen, st, "moe_step: layer %d, routed expert %d: its weights (read from disk) hold a NaN or an infinity; the sessions were reset", li, e);
+        else fail(err, errlen, st, "moe_step: layer %d: its dense weights (read from disk) hold a NaN or an infinity; the sessions were reset", li);
+    } else if (st) {
         for (int i = 0; i < n_seqs; i++) moe_session_reset(seqs[i].s);
         fail(err, errlen, st, "moe_step: %s during the forward pass; the sessions were reset", moe_status_str(st));
     }
     free(sg);
     free(done_tok);
+    if (!st) st = check_logits(m, seqs, n_seqs, err, errlen);
     local.n_tokens = total;
     local.seconds = now_sec() - t0;
     local.bytes_read = moe__expert_bytes_read(m) - read0;
@@ -6928,46 +7147,50 @@ moe_status moe_tokenize(const moe_tokenizer *t, const char *text, size_t len, un
     if (!t || (!text && len) || (!ids && cap) || !n_ids || len > (size_t)INT32_MAX / 2)
         return fail(err, errlen, MOE_ERR_ARG, "moe_tokenize: bad argument");
     const unsigned char *s = (const unsigned char *)text;
-    uint32_t *cp = malloc((len + 1) * sizeof *cp), *bo = malloc((len + 1) * sizeof *bo);
-    uint8_t *cls = malloc(len + 1);
+    /* The vendor cuts the text into windows of 400,000 code points and tokenizes each on its own
+     * (spec 2.1 step 2), so a window at a time is decoded: the work arrays (9 bytes a code point)
+     * stay the size of a window however long the text. The other pre-tokenizers take the text whole. */
+    const size_t W = t->pretok == MOE_PRETOK_KIMI && len > 400000 ? 400000 : len;
+    uint32_t *cp = malloc((W + 1) * sizeof *cp), *bo = malloc((W + 1) * sizeof *bo);
+    uint8_t *cls = malloc(W + 1);
     tok_out o = {ids, 0, cap, NULL, NULL, NULL, NULL, 0};
     moe_status st = MOE_OK;
     if (!cp || !bo || !cls) { st = MOE_ERR_NOMEM; goto done; }
-    int n = 0;
-    for (size_t i = 0; i < len; n++) {
-        int k = utf8_decode(s + i, len - i, &cp[n]);
-        if (!k) {
-            if (!(flags & MOE_TOK_RAW_BYTES)) {
-                st = fail(err, errlen, MOE_ERR_ARG, "text is not valid UTF-8 at byte %zu", i);
-                goto done;
-            }
-            cp[n] = 0x110000u + s[i], k = 1; /* a stray byte: a symbol of its own */
-        }
-        cls[n] = (uint8_t)uni_class(cp[n]);
-        bo[n] = (uint32_t)i;
-        i += (size_t)k;
-    }
-    bo[n] = (uint32_t)len;
-    ptext x = {cp, cls, n, t->pretok};
     const int allow = (flags & MOE_TOK_SPECIAL) != 0;
-    if (t->pretok != MOE_PRETOK_KIMI) {
-        st = tok_chunk(t, s, bo, &x, 0, n, allow, &o);
-    } else {
-        /* the vendor's chunking (spec 2.1 step 2): windows of 400,000 code points, cut again so
-         * no run of (Python) whitespace or non-whitespace is longer than 25,000 */
-        for (int w = 0; w < n && !st; w += 400000) {
-            int we = n - w > 400000 ? w + 400000 : n, start = w, run = 0, prev_space = -1;
-            for (int i = w; i < we && !st; i++) {
-                int sp = py_isspace(cp[i] < 0x110000 ? cp[i] : 0x21);
-                run = sp == prev_space ? run + 1 : 1;
-                prev_space = sp;
-                if (run > 25000) {
-                    st = tok_chunk(t, s, bo, &x, start, i, allow, &o);
-                    start = i, run = 1;
+    for (size_t i = 0; i < len && !st;) {
+        int n = 0;
+        for (; i < len && (size_t)n < W; n++) {
+            int k = utf8_decode(s + i, len - i, &cp[n]);
+            if (!k) {
+                if (!(flags & MOE_TOK_RAW_BYTES)) {
+                    st = fail(err, errlen, MOE_ERR_ARG, "text is not valid UTF-8 at byte %zu", i);
+                    goto done;
                 }
+                cp[n] = 0x110000u + s[i], k = 1; /* a stray byte: a symbol of its own */
             }
-            if (!st) st = tok_chunk(t, s, bo, &x, start, we, allow, &o);
+            cls[n] = (uint8_t)uni_class(cp[n]);
+            bo[n] = (uint32_t)i;
+            i += (size_t)k;
         }
+        bo[n] = (uint32_t)i;
+        ptext x = {cp, cls, n, t->pretok};
+        if (t->pretok != MOE_PRETOK_KIMI) {
+            st = tok_chunk(t, s, bo, &x, 0, n, allow, &o);
+            continue;
+        }
+        /* the window cut again so no run of (Python) whitespace or non-whitespace is longer than
+         * 25,000 */
+        int start = 0, run = 0, prev_space = -1;
+        for (int j = 0; j < n && !st; j++) {
+            int sp = py_isspace(cp[j] < 0x110000 ? cp[j] : 0x21);
+            run = sp == prev_space ? run + 1 : 1;
+            prev_space = sp;
+            if (run > 25000) {
+                st = tok_chunk(t, s, bo, &x, start, j, allow, &o);
+                start = j, run = 1;
+            }
+        }
+        if (!st) st = tok_chunk(t, s, bo, &x, start, n, allow, &o);
     }
     if (!st && t->model_vocab > 0)
         for (size_t i = 0; i < o.n && i < cap; i++)

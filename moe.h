@@ -55,7 +55,8 @@ typedef enum {
     MOE_ERR_NOMEM,       /* allocation failed */
     MOE_ERR_ARG,         /* a bad argument: NULL, token id out of range, wrong model, ... */
     MOE_ERR_CTX_FULL,    /* the step would exceed the session's context size */
-    MOE_ERR_RANGE        /* an output buffer is too small (the size needed is reported) */
+    MOE_ERR_RANGE,       /* an output buffer is too small (the size needed is reported) */
+    MOE_ERR_NUMERIC      /* a weight or a step's logits hold a NaN or an infinity */
 } moe_status;
 
 /* Static string describing a status; never NULL. */
@@ -85,8 +86,14 @@ enum {
                                          16-bit input for twice the arithmetic (decode still reads
                                          each weight once). On the shipped model it halves Q8_0's
                                          KL divergence (README) */
-    MOE_FLAG_PLAN = 1u << 9           /* moe_model_open chooses the options the caller did not set
+    MOE_FLAG_PLAN = 1u << 9,          /* moe_model_open chooses the options the caller did not set
                                          (moe_options.set) by the resource plan (moe_plan_make) */
+    MOE_FLAG_CHECK_TENSORS = 1u << 10 /* read every F32/F16/BF16 tensor at open and refuse one that
+                                         holds a NaN or an infinity, by name (MOE_ERR_NUMERIC).
+                                         Without it the check is where the data is read anyway:
+                                         matrices converted at load, vectors, units the expert
+                                         cache reads, and every step's logits (moe_step); matrices
+                                         used in place from the mapping are not read at open */
 };
 
 /* How routed experts reach memory. MMAP: through the files' mapping (the page cache caches).
@@ -307,6 +314,7 @@ typedef struct {
     int logits_all;
     int32_t *routes;
     const int32_t *force_routes;
+    int nonfinite; /* set by moe_step: 1 when this sequence's logits hold a NaN or an infinity */
 } moe_seq;
 
 typedef struct {
@@ -330,7 +338,9 @@ typedef struct {
 /* Runs the tokens of n_seqs sequences through the model in one batched forward pass: a prefill
  * chunk of one sequence, one token from each of many sequences, or any mix. Each session may
  * appear once. On error no session has advanced unless the error is MOE_ERR_IO/NOMEM during the
- * forward pass, in which case the sessions involved are reset (their state is undefined).
+ * forward pass, in which case the sessions involved are reset (their state is undefined), or
+ * MOE_ERR_NUMERIC: every session has advanced, and the sequences whose logits hold a NaN or an
+ * infinity (a non-finite weight or activation) have nonfinite set; the others' logits are good.
  * stats may be NULL. */
 MOE_API moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *stats,
                             char *err, size_t errlen);

@@ -26,6 +26,7 @@
 #define MOE_INTERNAL
 #include "../moe.h"
 #include "cache_flags.h"
+#include "files.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -53,7 +54,7 @@ static int usage(const char *msg) {
             "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
             "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
             "  --kv-type f32|bf16|q8, --mxfp4 f32|int8, --act 8|16,\n"
-            "  --kernels NAME   as in moe-cli\n");
+            "  --kernels NAME, --check-tensors  as in moe-cli\n");
     return msg ? 2 : 0;
 }
 
@@ -202,6 +203,30 @@ static void line_key(char *out, size_t n, const char *custom_id, long lineno) {
 }
 
 /* Reads the answers already in OUT: cuts a torn last line off, and collects their keys. */
+/* 1 when j is a whole answer line as moe-batch writes them, with its request's key: a custom_id
+ * and a response {"status_code", "body"} whose body holds "choices" (200) or an "error" (others),
+ * or (a line without a custom_id string) its input_line and an error {"message"} */
+static int answer_key(const moe__json *j, char *key, size_t kn) {
+    if (j->type != MOE_JSON_OBJ) return 0;
+    const moe__json *cid = moe__json_get(j, "custom_id"), *ln = moe__json_get(j, "input_line");
+    const moe__json *resp = moe__json_get(j, "response"), *error = moe__json_get(j, "error");
+    if (cid && cid->type == MOE_JSON_STR && *cid->str) {
+        const moe__json *code = resp && resp->type == MOE_JSON_OBJ ? moe__json_get(resp, "status_code") : NULL;
+        const moe__json *body = resp && resp->type == MOE_JSON_OBJ ? moe__json_get(resp, "body") : NULL;
+        if (!code || code->type != MOE_JSON_NUM || !body || body->type != MOE_JSON_OBJ) return 0;
+        const moe__json *part = moe__json_get(body, code->num == 200 ? "choices" : "error");
+        if (!part || part->type != (code->num == 200 ? MOE_JSON_ARR : MOE_JSON_OBJ)) return 0;
+        line_key(key, kn, cid->str, 0);
+        return 1;
+    }
+    const moe__json *msg = error && error->type == MOE_JSON_OBJ ? moe__json_get(error, "message") : NULL;
+    if (!ln || ln->type != MOE_JSON_NUM || !(ln->num >= 1 && ln->num <= 1e15) || ln->num != (double)(long)ln->num || !msg ||
+        msg->type != MOE_JSON_STR)
+        return 0;
+    line_key(key, kn, NULL, (long)ln->num);
+    return 1;
+}
+
 static int load_answers(const char *path, keyset *done) {
     struct stat sb;
     if (fstat(out_fd, &sb) != 0) return -1;
@@ -227,15 +252,12 @@ static int load_answers(const char *path, keyset *done) {
         size_t len = (size_t)(e - (text + i));
         lineno++;
         moe__json *j = NULL;
-        if (moe__json_parse(text + i, len, &j, NULL, 0) == MOE_OK && j->type == MOE_JSON_OBJ) {
-            const moe__json *cid = moe__json_get(j, "custom_id"), *ln = moe__json_get(j, "input_line");
-            char key[1100];
-            if (cid && cid->type == MOE_JSON_STR) line_key(key, sizeof key, cid->str, 0);
-            else if (ln && ln->type == MOE_JSON_NUM && ln->num >= 1 && ln->num <= 1e15) line_key(key, sizeof key, NULL, (long)ln->num);
-            else key[0] = 0;
-            if (key[0] && !ks_add(done, key)) { moe__json_free(j); free(text); return -1; }
+        char key[1100];
+        if (moe__json_parse(text + i, len, &j, NULL, 0) == MOE_OK && answer_key(j, key, sizeof key)) {
+            if (!ks_add(done, key)) { moe__json_free(j); free(text); return -1; }
         } else {
-            fprintf(stderr, "moe-batch: %s:%ld: not an answer line; left as it is\n", path, lineno);
+            fprintf(stderr, "moe-batch: %s:%ld: not a complete answer line; left as it is, and its request (if any) answered again\n", path,
+                    lineno);
         }
         moe__json_free(j);
         i += len + 1;
@@ -265,6 +287,7 @@ typedef struct {
     int lead;       /* the slot of its first choice, while the others assigned with it wait for its prompt */
     long lead_pass; /* the assignment pass that gave the first choice its slot */
     int gen_total;  /* their sampled tokens */
+    int failed;     /* a step gave one of its choices logits that are not finite: answered with an error */
     buf *choices;   /* each finished choice's JSON object, until the last one finishes */
 } request;
 
@@ -309,6 +332,47 @@ static int num_field(const moe__json *body, const char *key, double lo, double h
     return 1;
 }
 
+/* The longest token's bytes (a special's name included): a text of B bytes is at least
+ * B / longest tokens, so a prompt longer than ctx times that cannot fit and is refused before it
+ * is tokenized (what one line can cost in memory is then bounded by the context) */
+static size_t longest_token(const moe_tokenizer *tok) {
+    static const moe_tokenizer *of;
+    static size_t longest;
+    if (tok != of) {
+        longest = 1;
+        for (int32_t id = 0; id < moe_tokenizer_n_ids(tok); id++) {
+            size_t l = 0;
+            if (moe_token_bytes(tok, id, &l) && l > longest) longest = l;
+        }
+        of = tok;
+    }
+    return longest;
+}
+
+/* the bytes of the texts a chat request's messages hold (string contents and text parts): all of
+ * them are in the rendered prompt */
+static size_t message_bytes(const moe__json *msgs) {
+    size_t b = 0;
+    for (const moe__json *m = msgs->child; m; m = m->next) {
+        const moe__json *c = moe__json_get(m, "content");
+        if (c && c->type == MOE_JSON_STR) b += strlen(c->str);
+        for (const moe__json *part = c && c->type == MOE_JSON_ARR ? c->child : NULL; part; part = part->next) {
+            const moe__json *t = moe__json_get(part, "text");
+            if (t && t->type == MOE_JSON_STR) b += strlen(t->str);
+        }
+    }
+    return b;
+}
+
+/* 0 with a message when a text of `bytes` bytes cannot fit the context in any tokenization */
+static int text_may_fit(const moe_tokenizer *tok, size_t bytes, int ctx, char *why, size_t wn) {
+    const size_t longest = longest_token(tok);
+    if (bytes / longest <= (size_t)ctx) return 1;
+    snprintf(why, wn, "the prompt's %zu bytes are at least %zu tokens (no token is longer than %zu bytes), more than the context of %d",
+             bytes, bytes / longest, longest, ctx);
+    return 0;
+}
+
 /* Turns one parsed line into a request; 0 with a message in why when it is not a valid one. */
 static int parse_request(request *r, const moe__json *j, const moe_tokenizer *tok, int ctx, int default_max, char *why, size_t wn) {
     const moe__json *method = moe__json_get(j, "method"), *url = moe__json_get(j, "url"), *body = moe__json_get(j, "body");
@@ -320,7 +384,10 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
     double v;
     r->max_tokens = default_max;
     if (!num_field(body, "max_completion_tokens", 1, 1e9, &v, why, wn) || !num_field(body, "max_tokens", 1, 1e9, &v, why, wn)) return 0;
-    if (moe__json_get(body, "max_tokens") || moe__json_get(body, "max_completion_tokens")) r->max_tokens = (int)v;
+    if (moe__json_get(body, "max_tokens") || moe__json_get(body, "max_completion_tokens")) {
+        if (v != (double)(int)v) return snprintf(why, wn, "max_tokens must be an integer"), 0;
+        r->max_tokens = (int)v;
+    }
     r->sp = (moe_sampler){.temperature = 1.0f, .top_p = 1.0f, .repeat_penalty = 1.0f};
     v = 1.0;
     if (!num_field(body, "temperature", 0, 2, &v, why, wn)) return 0;
@@ -392,8 +459,11 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
     if (!(r->prompt = malloc(cap * sizeof *r->prompt))) return snprintf(why, wn, "out of memory"), 0;
     moe_status st;
     if (r->chat) {
-        if (!moe__json_get(body, "messages")) return snprintf(why, wn, "a chat request needs body.messages"), 0;
+        const moe__json *msgs = moe__json_get(body, "messages");
+        if (!msgs) return snprintf(why, wn, "a chat request needs body.messages"), 0;
+        if (msgs->type != MOE_JSON_ARR || !msgs->n) return snprintf(why, wn, "messages must be a non-empty list of messages"), 0;
         if (!tok) return snprintf(why, wn, "the model ships no tokenizer, so chat requests cannot be encoded"), 0;
+        if (!text_may_fit(tok, message_bytes(msgs), ctx, why, wn)) return 0;
         r->co = moe_chat_default_options();
         const moe__json *eff = moe__json_get(body, "reasoning_effort");
         if (eff && eff->type == MOE_JSON_STR) {
@@ -406,14 +476,17 @@ static int parse_request(request *r, const moe__json *j, const moe_tokenizer *to
         if (p && p->type == MOE_JSON_ARR) { /* token ids */
             st = MOE_OK;
             for (const moe__json *e = p->child; e && !st; e = e->next) {
-                if (e->type != MOE_JSON_NUM || e->num < 0 || e->num > 2147483647.0 || e->num != (double)(int32_t)e->num)
+                if (e->type == MOE_JSON_ARR || e->type == MOE_JSON_STR)
                     return snprintf(why, wn, "prompt: a list of prompts is not supported; give a string or one list of token ids"), 0;
+                if (e->type != MOE_JSON_NUM || e->num < 0 || e->num > 2147483647.0 || e->num != (double)(int32_t)e->num)
+                    return snprintf(why, wn, "prompt[%zu]: a token id is an integer >= 0", n), 0;
                 if (n < cap) r->prompt[n] = (int32_t)e->num;
                 n++;
             }
             if (n > cap) st = MOE_ERR_RANGE;
         } else if (p && p->type == MOE_JSON_STR) {
             if (!tok) return snprintf(why, wn, "the model ships no tokenizer; give the prompt as token ids"), 0;
+            if (!text_may_fit(tok, strlen(p->str), ctx, why, wn)) return 0;
             st = moe_tokenize(tok, p->str, strlen(p->str), 0, r->prompt, cap, &n, err, sizeof err);
         } else {
             return snprintf(why, wn, "a completion request needs body.prompt (a string or a list of token ids)"), 0;
@@ -684,7 +757,7 @@ typedef struct {
     keyset done, seen;  /* keys answered before; custom_ids in the input */
     request *reqs;      /* this shard's requests still to answer */
     size_t n_reqs, cap_reqs;
-    long n_lines, n_before, n_errors;
+    long n_lines, n_before, n_errors, n_failed; /* n_failed: answered with an error after running */
     int lcp;             /* tokens of the prefix every prompt shares (0: none worth sharing) */
     moe_session *prefix; /* its state */
     slot *slots;         /* [parallel] */
@@ -708,8 +781,9 @@ static int failed(const job *jb) { return fprintf(stderr, "moe-batch: %s\n", jb-
 
 /* the input, read whole and checked before anything is written */
 static int read_input(job *jb) {
-    FILE *f = fopen(jb->o.in_path, "rb");
-    if (!f) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.in_path, strerror(errno)), 1;
+    const char *why;
+    FILE *f = open_input(jb->o.in_path, &why);
+    if (!f) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.in_path, why), 1;
     buf inb = {0};
     char chunk[1 << 16];
     size_t r;
@@ -721,10 +795,33 @@ static int read_input(job *jb) {
     return 0;
 }
 
-/* the output opened for appending, the answers already in it collected; then the model */
+/* The output opened for appending and locked for this run: a regular file (made if missing) that
+ * is not the input, which no other moe-batch holds. */
+static int open_output(job *jb) {
+    const char *out = jb->o.out_path;
+    out_fd = open(out, O_RDWR | O_CREAT | O_APPEND | O_NONBLOCK | O_CLOEXEC, 0644);
+    if (out_fd < 0) return fprintf(stderr, "moe-batch: %s: %s\n", out, strerror(errno)), 1;
+    struct stat so, si;
+    if (fstat(out_fd, &so) || fcntl(out_fd, F_SETFL, fcntl(out_fd, F_GETFL) & ~O_NONBLOCK))
+        return fprintf(stderr, "moe-batch: %s: %s\n", out, strerror(errno)), 1;
+    if (!S_ISREG(so.st_mode)) return fprintf(stderr, "moe-batch: %s: the output must be a regular file\n", out), 1;
+    if (!stat(jb->o.in_path, &si) && si.st_dev == so.st_dev && si.st_ino == so.st_ino)
+        return fprintf(stderr, "moe-batch: %s is the input file %s (the same file); answers go to a file of their own\n", out,
+                       jb->o.in_path), 1;
+    /* a POSIX write lock on the whole file, held until exit (also over NFS, unlike flock) */
+    struct flock lk = {.l_type = F_WRLCK, .l_whence = SEEK_SET, .l_start = 0, .l_len = 0};
+    if (fcntl(out_fd, F_SETLK, &lk)) {
+        if (errno == EACCES || errno == EAGAIN)
+            return fprintf(stderr, "moe-batch: %s: another moe-batch is writing this output (it holds the file's lock); wait for it "
+                           "to end, or give another -o\n", out), 1;
+        fprintf(stderr, "moe-batch: %s: cannot lock the output (%s); make sure no other moe-batch writes it\n", out, strerror(errno));
+    }
+    return 0;
+}
+
+/* the output opened, the answers already in it collected; then the model */
 static int open_output_and_model(job *jb) {
-    out_fd = open(jb->o.out_path, O_RDWR | O_CREAT | O_APPEND, 0644);
-    if (out_fd < 0) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, strerror(errno)), 1;
+    if (open_output(jb)) return 1;
     if (load_answers(jb->o.out_path, &jb->done)) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, strerror(errno)), 1;
     moe_status st = moe_model_open(&jb->m, jb->o.model, &jb->o.opt, jb->err, sizeof jb->err);
     if (st) return fprintf(stderr, "moe-batch: %s: %s\n", moe_status_str(st), jb->err), 1;
@@ -737,6 +834,31 @@ static int open_output_and_model(job *jb) {
     return 0;
 }
 
+/* Parses one input line (0 with j set), or says in why why it is not a request: not UTF-8, not
+ * JSON, or more JSON values than a request can need. The last is decided by counting the commas
+ * and brackets outside strings before parsing, since each value costs a parse node (about 50
+ * bytes, where "1," is 2): a line is parsed only when it holds at most the context's worth of
+ * token ids and 65,536 more values, so the memory one line takes is bounded by the line and ctx. */
+static int parse_line(const char *text, size_t len, int ctx, moe__json **j, char *why, size_t wn) {
+    *j = NULL;
+    if (moe_utf8_valid_prefix(text, len) != len) return snprintf(why, wn, "the line is not valid UTF-8"), 1;
+    size_t values = 1;
+    for (size_t i = 0, in_str = 0; i < len; i++) {
+        const char c = text[i];
+        if (in_str) {
+            if (c == '\\') i++;
+            else if (c == '"') in_str = 0;
+        } else if (c == '"') {
+            in_str = 1;
+        } else {
+            values += c == ',' || c == '[' || c == '{';
+        }
+    }
+    if (values > (size_t)ctx + 65536)
+        return snprintf(why, wn, "the line holds %zu JSON values: more than any request that fits the context of %d tokens", values, ctx), 1;
+    return moe__json_parse(text, len, j, why, wn) != MOE_OK;
+}
+
 /* pass 1: duplicate custom_ids anywhere in the input are refused before any work */
 static int check_unique_ids(job *jb) {
     long lineno = 0;
@@ -746,7 +868,8 @@ static int check_unique_ids(job *jb) {
         lineno++;
         moe__json *j = NULL;
         int rc = 0;
-        if (len && moe_utf8_valid_prefix(p, len) == len && moe__json_parse(p, len, &j, NULL, 0) == MOE_OK && j->type == MOE_JSON_OBJ) {
+        char why[600];
+        if (len && !parse_line(p, len, jb->o.ctx, &j, why, sizeof why) && j->type == MOE_JSON_OBJ) {
             const moe__json *cid = moe__json_get(j, "custom_id");
             if (cid && cid->type == MOE_JSON_STR && ks_has(&jb->seen, cid->str)) {
                 fprintf(stderr, "moe-batch: %s:%ld: custom_id \"%.200s\" appears twice; every request needs its own custom_id\n", jb->o.in_path,
@@ -815,13 +938,10 @@ static int collect_requests(job *jb) {
         moe__json *j = NULL;
         char why[600] = "", key[1100];
         const char *custom_id = NULL;
-        int valid_utf8 = moe_utf8_valid_prefix(text, len) == len;
-        if (valid_utf8 && moe__json_parse(text, len, &j, why, sizeof why) == MOE_OK) {
+        if (!parse_line(text, len, jb->o.ctx, &j, why, sizeof why)) {
             const moe__json *cid = j->type == MOE_JSON_OBJ ? moe__json_get(j, "custom_id") : NULL;
             if (cid && cid->type == MOE_JSON_STR && *cid->str) custom_id = cid->str;
             else snprintf(why, sizeof why, "the line has no custom_id string");
-        } else if (!valid_utf8) {
-            snprintf(why, sizeof why, "the line is not valid UTF-8");
         }
         line_key(key, sizeof key, custom_id, lineno);
         const int mine = (int)(fnv(key, strlen(key)) % (uint64_t)jb->o.shard_n) == jb->o.shard_i;
@@ -923,8 +1043,14 @@ static int step_slots(job *jb, int *active) {
         else q->tokens = &sl->last, q->n = 1;
     }
     if (!*active) return 0;
-    if (ns && moe_step(jb->m, jb->seqs, ns, &jb->stats, jb->err, sizeof jb->err))
+    const moe_status st = ns ? moe_step(jb->m, jb->seqs, ns, &jb->stats, jb->err, sizeof jb->err) : MOE_OK;
+    if (st == MOE_ERR_NUMERIC) { /* only those requests fail; the others' logits are good */
+        for (int k = 0; k < ns; k++)
+            for (int i = 0; jb->seqs[k].nonfinite && i < jb->o.parallel; i++)
+                if (jb->slots[i].r && jb->slots[i].s == jb->seqs[k].s) jb->slots[i].r->failed = 1;
+    } else if (st) {
         return fprintf(stderr, "moe-batch: %s (the requests in flight get no answer; rerun to finish)\n", jb->err), 1;
+    }
     for (int i = 0; i < jb->o.parallel; i++) { /* the waiting choices take their first choice's prompt and logits */
         slot *sl = &jb->slots[i];
         if (!sl->r || sl->leader == -1) continue;
@@ -945,7 +1071,7 @@ static void sample_slots(job *jb, int active) {
 #endif
     for (int i = 0; i < jb->o.parallel; i++) {
         slot *sl = &jb->slots[i];
-        if (!sl->r) continue;
+        if (!sl->r || sl->r->failed) continue;
         request *rq = sl->r;
         sl->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
         sl->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
@@ -995,12 +1121,38 @@ static int finish_choice(job *jb, slot *sl) {
     return 0;
 }
 
+/* slot sl's request failed (its logits were not finite): the slot freed, the choices not started
+ * given up, and once no choice of it runs, an error line written for it */
+static int fail_choice(job *jb, slot *sl) {
+    request *rq = sl->r;
+    sl->r = NULL;
+    rq->done++;
+    if (rq->started < rq->n) { /* only reqs[next] has choices waiting for a slot */
+        rq->done += rq->n - rq->started, rq->started = rq->n;
+        jb->next++;
+    }
+    if (rq->done < rq->n) return 0;
+    buf *line = &jb->line;
+    line->n = 0;
+    error_line(line, rq->custom_id, rq->lineno, 500, "server_error",
+               "the model's logits held a NaN or an infinity (a non-finite weight or activation); no answer was generated");
+    if (line->oom || append_line(line)) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, line->oom ? "out of memory" : strerror(errno)), 1;
+    fprintf(stderr, "\nmoe-batch: %s: non-finite logits; answered with an error\n", rq->custom_id);
+    jb->n_failed++;
+    jb->finished++;
+    return 0;
+}
+
 /* each slot's pick appended to its text; finished choices written */
 static int advance_slots(job *jb) {
     const moe_tokenizer *tok = jb->tok;
     for (int i = 0; i < jb->o.parallel; i++) {
         slot *sl = &jb->slots[i];
         if (!sl->r) continue;
+        if (sl->r->failed) {
+            if (fail_choice(jb, sl)) return 1;
+            continue;
+        }
         request *rq = sl->r;
         sl->fed = rq->n_prompt;
         int32_t t = sl->pick;
@@ -1061,8 +1213,8 @@ static int decode(job *jb) {
             last_report = tn;
         }
     }
-    fprintf(stderr, "\nmoe-batch: %zu requests answered by the model, %ld refused, %llu prompt tokens computed, %llu tokens in %.2f s\n",
-            jb->finished, jb->n_errors, (unsigned long long)jb->prompt_tokens, (unsigned long long)jb->tokens, now() - t0);
+    fprintf(stderr, "\nmoe-batch: %zu requests answered by the model, %ld failed, %ld refused, %llu prompt tokens computed, %llu tokens in %.2f s\n",
+            jb->finished - (size_t)jb->n_failed, jb->n_failed, jb->n_errors, (unsigned long long)jb->prompt_tokens, (unsigned long long)jb->tokens, now() - t0);
     return 0;
 }
 

@@ -40,6 +40,10 @@ static inline int parse_act(const char *s) { return !strcmp(s, "16") ? 1 : !strc
  * with *why set when its value is bad; 0 when it is not one of them. */
 static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
+    if (!strcmp(a, "--check-tensors")) { /* llama.cpp's name for it */
+        o->flags |= MOE_FLAG_CHECK_TENSORS;
+        return 1;
+    }
     if (strcmp(a, "--load-mode") && strcmp(a, "--expert-budget") && strcmp(a, "--dense-budget") && strcmp(a, "--io-threads") &&
         strcmp(a, "--prefetch") && strcmp(a, "--dense") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4") && strcmp(a, "--act") &&
         strcmp(a, "--kernels"))

@@ -87,6 +87,8 @@ static int usage(const char *msg) {
             "                  in use is printed after loading)\n"
             "  --kernels NAME  a kernel set this CPU runs by name (scalar, avx2, avxvnni, avx512, avx512vnni,\n"
             "                  amx, neon, neon-dotprod) instead of its best\n"
+            "  --check-tensors read every float tensor at load and refuse a NaN or an infinity by name\n"
+            "                  (without it: the ones converted or read at load, and every step's logits)\n"
             "  -h, --help      this text\n");
     return msg ? 2 : 0;
 }
@@ -581,9 +583,10 @@ int main(int argc, char **argv) {
     int stop, rc = parse_args(argc, argv, &r.o, &stop);
     if (stop) return rc;
     r.plen = r.o.prompt ? strlen(r.o.prompt) : 0;
-    r.text = r.o.prompt || r.o.chat ? NULL : slurp(r.o.file, &r.plen);
+    const char *why = NULL;
+    r.text = r.o.prompt || r.o.chat ? NULL : slurp(r.o.file, &r.plen, &why);
     if (!r.o.prompt && !r.o.chat && !r.text) {
-        fprintf(stderr, "moe-cli: cannot read %s: %s\n", r.o.file, errno ? strerror(errno) : "read error");
+        fprintf(stderr, "moe-cli: cannot read %s: %s\n", r.o.file, why);
         return 1;
     }
     if (r.o.prompt) r.text = strdup(r.o.prompt);

@@ -30,6 +30,7 @@
 #define MOE_INTERNAL
 #include "../moe.h"
 #include "cache_flags.h"
+#include "files.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -38,6 +39,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -89,6 +91,19 @@ static int die(const char *fmt, ...) {
     fprintf(stderr, "\n");
     va_end(ap);
     return 1;
+}
+
+/* An output name must be free or hold a regular file (which the conversion replaces); a symbolic
+ * link (its target would be replaced or written through), a directory, a device, a FIFO or a
+ * socket is refused. */
+static int check_output_name(const char *path) {
+    struct stat sb;
+    if (lstat(path, &sb)) return errno == ENOENT ? 0 : die("%s: %s", path, strerror(errno));
+    if (S_ISLNK(sb.st_mode)) return die("%s is a symbolic link: moe-convert neither replaces links nor writes through them; give the real path", path);
+    if (!S_ISREG(sb.st_mode))
+        return die("%s exists and is not a regular file (%s); give another output name", path,
+                   S_ISDIR(sb.st_mode) ? "a directory" : S_ISFIFO(sb.st_mode) ? "a FIFO" : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "a device" : "a socket");
+    return 0;
 }
 
 static int usage(const char *msg) {
@@ -953,8 +968,9 @@ static double now(void) {
 
 /* a moe_config from a benchmark shape file (shared/bench/kimi-linear-bench.json format) */
 static int config_from_shape(const char *path, moe_config *c, unsigned char **kinds, unsigned char **moe) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return die("%s: %s", path, strerror(errno));
+    const char *why;
+    FILE *f = open_input(path, &why);
+    if (!f) return die("%s: %s", path, why);
     char *text = malloc(1 << 20);
     size_t n = text ? fread(text, 1, (1 << 20) - 1, f) : 0;
     fclose(f);
@@ -1166,6 +1182,7 @@ static int k3_write_shard(const char *dir, const char *file, kt *t, int n, uint6
     *data_bytes = off;
     char path[4400];
     snprintf(path, sizeof path, "%s/%s", dir, file);
+    if (check_output_name(path)) return 1;
     FILE *f = fopen(path, "wb");
     if (!f) return die("%s: %s", path, strerror(errno));
     uint64_t hl = h.n;
@@ -1192,8 +1209,9 @@ static int k3_write_shard(const char *dir, const char *file, kt *t, int n, uint6
 }
 
 static int k3_slice(const char *shape, const char *dir, uint64_t seed, int sparse) {
-    FILE *f = fopen(shape, "rb");
-    if (!f) return die("%s: %s", shape, strerror(errno));
+    const char *why;
+    FILE *f = open_input(shape, &why);
+    if (!f) return die("%s: %s", shape, why);
     char *text = malloc(1 << 22);
     size_t n = text ? fread(text, 1, (1 << 22) - 1, f) : 0;
     fclose(f);
@@ -1273,10 +1291,10 @@ static int k3_slice(const char *shape, const char *dir, uint64_t seed, int spars
         put(&idx, e, (size_t)m);
         char path[4400];
         snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-        FILE *o = fopen(path, "wb");
+        FILE *o = check_output_name(path) ? NULL : fopen(path, "wb");
         if (!o || fwrite(idx.b, 1, idx.n, o) != idx.n || fclose(o)) rc = die("%s: write failed", path);
         snprintf(path, sizeof path, "%s/config.json", dir);
-        o = fopen(path, "wb");
+        o = check_output_name(path) ? NULL : fopen(path, "wb");
         if (!rc && o) {
             fprintf(o, "{\n  \"architectures\": [\"KimiK3ForConditionalGeneration\"],\n  \"model_type\": \"kimi_k3\",\n"
                        "  \"bos_token_id\": 1, \"eos_token_id\": 2, \"pad_token_id\": 0, \"tie_word_embeddings\": false,\n"
@@ -1404,21 +1422,39 @@ static part *make_parts(const options *o, const meta *mt, plan *p, int nparts, u
     return parts;
 }
 
+/* Every output name checked (check_output_name); each part's partial file opened (made if
+ * missing, kept as it is), the first one locked for the run so that a second moe-convert writing
+ * the same output stops at once. */
+static int open_parts(part *parts, int nparts, const char *donef, const char *out) {
+    char tmpd[4400];
+    snprintf(tmpd, sizeof tmpd, "%s.tmp", donef);
+    if (check_output_name(donef) || check_output_name(tmpd)) return 1;
+    for (int k = 0; k < nparts; k++) {
+        part *pt = &parts[k];
+        if (check_output_name(pt->path) || check_output_name(pt->partial)) return 1;
+        pt->fd = open(pt->partial, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0644);
+        if (pt->fd < 0) return die("%s: %s", pt->partial, strerror(errno));
+        if (k == 0 && flock(pt->fd, LOCK_EX | LOCK_NB))
+            return errno == EWOULDBLOCK ? die("%s: another moe-convert is writing this output; wait for it to end", out)
+                                        : die("%s: cannot lock %s: %s", out, pt->partial, strerror(errno));
+    }
+    return 0;
+}
+
 /* Where an interrupted conversion resumes: the tensor count its progress file records, when
  * every part's partial file starts with exactly its header; else 0. */
 static int resume_point(const char *donef, const part *parts, int nparts, uint64_t hdr_bytes, const plan *p, const char *out) {
-    FILE *df = fopen(donef, "r");
+    const char *why;
+    FILE *df = open_input(donef, &why);
     if (!df) return 0;
     int start = 0, k, np;
     unsigned long long hn;
     if (fscanf(df, "%d %llu %d", &k, &hn, &np) == 3 && np == nparts && hn == hdr_bytes && k >= 0 && k <= p->n) {
         start = k;
         for (int i = 0; i < nparts && start; i++) {
-            int pfd = open(parts[i].partial, O_RDONLY);
             unsigned char *old = malloc(parts[i].hdr.n);
-            if (!(pfd >= 0 && old && pread(pfd, old, parts[i].hdr.n, 0) == (ssize_t)parts[i].hdr.n && !memcmp(old, parts[i].hdr.b, parts[i].hdr.n)))
+            if (!(old && pread(parts[i].fd, old, parts[i].hdr.n, 0) == (ssize_t)parts[i].hdr.n && !memcmp(old, parts[i].hdr.b, parts[i].hdr.n)))
                 start = 0;
-            if (pfd >= 0) close(pfd);
             free(old);
         }
     }
@@ -1427,15 +1463,12 @@ static int resume_point(const char *donef, const part *parts, int nparts, uint64
     return start;
 }
 
-/* the partial files opened; when not resuming, sized and given their headers */
-static int open_parts(part *parts, int nparts, int resuming) {
-    for (int k = 0; k < nparts; k++) {
+/* the partial files, when not resuming, emptied, sized and given their headers */
+static int start_parts(part *parts, int nparts, int resuming) {
+    for (int k = 0; k < nparts && !resuming; k++) {
         part *pt = &parts[k];
-        pt->fd = open(pt->partial, O_WRONLY | O_CREAT | (resuming ? 0 : O_TRUNC), 0644);
-        if (pt->fd < 0) return die("%s: %s", pt->partial, strerror(errno));
-        if (resuming) continue;
         const uint64_t size = pt->hdr.n + pt->data_bytes;
-        if (ftruncate(pt->fd, (off_t)size)) return die("%s: cannot size to %llu bytes: %s", pt->partial, (unsigned long long)size, strerror(errno));
+        if (ftruncate(pt->fd, 0) || ftruncate(pt->fd, (off_t)size)) return die("%s: cannot size to %llu bytes: %s", pt->partial, (unsigned long long)size, strerror(errno));
         if (pwrite(pt->fd, pt->hdr.b, pt->hdr.n, 0) != (ssize_t)pt->hdr.n) return die("%s: header write failed: %s", pt->partial, strerror(errno));
     }
     return 0;
@@ -1520,36 +1553,52 @@ int main(int argc, char **argv) {
     char name[256];
     if (open_source(&o, &src, &cfg, &kinds, &moes, name, sizeof name, &expert_src_type)) return 1;
     plan p = {0};
-    build_plan(&p, &cfg, o.dense, o.experts, expert_src_type);
-    for (int i = 0; src.m && i < p.n; i++)
-        if ((p.t[i].kind == SRC_VEC || p.t[i].kind == SRC_ALOG || p.t[i].kind == SRC_RES) && !vec_ok(&src, &p.t[i]))
-            return die("%s: source tensor %s%s missing or of another size", p.t[i].name, src.prefix, p.t[i].src);
     meta mt = {0};
+    part *parts = NULL;
+    int nparts = 0;
+    rc = 0;
+    build_plan(&p, &cfg, o.dense, o.experts, expert_src_type);
+    for (int i = 0; src.m && i < p.n && !rc; i++)
+        if ((p.t[i].kind == SRC_VEC || p.t[i].kind == SRC_ALOG || p.t[i].kind == SRC_RES) && !vec_ok(&src, &p.t[i]))
+            rc = die("%s: source tensor %s%s missing or of another size", p.t[i].name, src.prefix, p.t[i].src);
+    if (rc) goto done;
     moe_tokenizer *tok = NULL;
     char terr[300];
     if (src.m && moe_tokenizer_for_model(&tok, src.m, terr, sizeof terr) == MOE_OK)
         fprintf(stderr, "moe-convert: writing the vocabulary (%d ids) into the GGUF\n", (int)moe_tokenizer_n_ids(tok));
     write_meta(&mt, &cfg, name, o.ctx, o.shape != NULL, tok);
     moe_tokenizer_free(tok);
-    const int nparts = assign_parts(&p, o.split_max, o.no_tensor_first);
-    if (nparts > 65535) return die("--split-max-size %zu makes %d parts (GGUF's split.count is 16 bits)", o.split_max, nparts);
+    nparts = assign_parts(&p, o.split_max, o.no_tensor_first);
+    if (nparts > 65535) {
+        rc = die("--split-max-size %zu makes %d parts (GGUF's split.count is 16 bits)", o.split_max, nparts);
+        goto done;
+    }
     uint64_t total = 0, data_bytes = 0, hdr_bytes = 0;
-    part *parts = make_parts(&o, &mt, &p, nparts, &total, &data_bytes, &hdr_bytes);
-    if (!parts) return 1;
+    if (!(parts = make_parts(&o, &mt, &p, nparts, &total, &data_bytes, &hdr_bytes))) {
+        rc = 1;
+        goto done;
+    }
     char donef[4300];
     snprintf(donef, sizeof donef, "%s.partial.done", o.out);
+    if (open_parts(parts, nparts, donef, o.out)) {
+        rc = 1;
+        goto done;
+    }
     const int start = resume_point(donef, parts, nparts, hdr_bytes, &p, o.out);
     const double t0 = now();
-    if (open_parts(parts, nparts, start) || write_tensors(&p, parts, start, &src, donef, hdr_bytes, nparts, data_bytes) ||
-        finish_parts(parts, nparts, donef))
-        return 1;
+    if (start_parts(parts, nparts, start) || write_tensors(&p, parts, start, &src, donef, hdr_bytes, nparts, data_bytes) ||
+        finish_parts(parts, nparts, donef)) {
+        rc = 1;
+        goto done;
+    }
     if (nparts > 1)
         fprintf(stderr, "moe-convert: wrote %s .. %s (%d parts, %.3f GB, %d tensors, %s) in %.1f s\n", parts[0].path,
                 parts[nparts - 1].path, nparts, total / 1e9, p.n, mt.arch, now() - t0);
     else
         fprintf(stderr, "moe-convert: wrote %s (%.3f GB, %d tensors, %s) in %.1f s\n", o.out, total / 1e9, p.n, mt.arch, now() - t0);
-    for (int k = 0; k < nparts; k++) free(parts[k].hdr.b);
+done:
+    for (int k = 0; parts && k < nparts; k++) free(parts[k].hdr.b);
     free(parts), free(mt.b.b), free(p.t), free(kinds), free(moes);
     moe_model_close(src.m);
-    return 0;
+    return rc;
 }

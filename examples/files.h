@@ -2,17 +2,37 @@
 #ifndef MOE_EXAMPLES_FILES_H
 #define MOE_EXAMPLES_FILES_H
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "storage_reads.h"
 
-/* The whole of path ("-": stdin), NUL-terminated, its length in *len; NULL when it cannot be
- * read (errno says why when it could not be opened). */
-static inline char *slurp(const char *path, size_t *len) {
-    FILE *f = strcmp(path, "-") ? fopen(path, "rb") : stdin;
+/* fopen(path, "rb") for an input that must be a regular file. The open does not block, so a FIFO
+ * without a writer or a device cannot hang the program, and anything but a regular file is
+ * refused. NULL with *why saying why. */
+static inline FILE *open_input(const char *path, const char **why) {
+    const int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return *why = strerror(errno), NULL;
+    struct stat sb;
+    FILE *f = NULL;
+    if (fstat(fd, &sb)) *why = strerror(errno);
+    else if (!S_ISREG(sb.st_mode))
+        *why = S_ISDIR(sb.st_mode) ? "a directory, not a file" : S_ISFIFO(sb.st_mode) ? "not a regular file (a FIFO)"
+             : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "not a regular file (a device)" : "not a regular file";
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) || !(f = fdopen(fd, "rb"))) *why = strerror(errno);
+    if (!f) close(fd);
+    return f;
+}
+
+/* The whole of path ("-": standard input, which may be a pipe), NUL-terminated, its length in
+ * *len; NULL with *why saying why when it cannot be read. */
+static inline char *slurp(const char *path, size_t *len, const char **why) {
+    FILE *f = strcmp(path, "-") ? open_input(path, why) : stdin;
     if (!f) return NULL;
     size_t n = 0, cap = 4096;
     char *b = malloc(cap);
@@ -26,15 +46,17 @@ static inline char *slurp(const char *path, size_t *len) {
         if (!r) break;
         n += r;
     }
-    if (b && ferror(f)) { free(b); b = NULL; }
+    if (!b) *why = "out of memory";
+    else if (ferror(f)) { free(b); b = NULL; *why = "read error"; }
     if (b) b[n] = 0, *len = n;
     if (f != stdin) fclose(f);
     return b;
 }
 
-/* 1 when path is a file that begins with GGUF's magic ("GGUF"). */
+/* 1 when path is a regular file that begins with GGUF's magic ("GGUF"). */
 static inline int is_gguf_file(const char *path) {
-    FILE *f = fopen(path, "rb");
+    const char *why;
+    FILE *f = open_input(path, &why);
     char m[4] = {0};
     const int yes = f && fread(m, 1, 4, f) == 4 && !memcmp(m, "GGUF", 4);
     if (f) fclose(f);
@@ -46,11 +68,8 @@ static inline int is_gguf_file(const char *path) {
  * went wrong: the open's error, a read error, out of memory, or something not a token id. */
 static inline int read_ids(const char *path, int32_t **out, const char **why) {
     *out = NULL;
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        *why = strerror(errno);
-        return -1;
-    }
+    FILE *f = open_input(path, why);
+    if (!f) return -1;
     int n = 0, cap = 0, len = 0;
     int32_t *ids = NULL;
     char word[64];

@@ -7,6 +7,7 @@
  * float32 logits (rows x vocab): every position with --all, else the last one. With --greedy N
  * it then decodes N tokens greedily with the caches and prints their ids, space-separated, as the
  * last line of stdout. Exit 0 on success, 1 on any error, 2 on usage errors. */
+#define _POSIX_C_SOURCE 200809L /* open, fstat, fcntl (files.h) */
 #include "../moe.h"
 #include "cache_flags.h"
 #include "files.h"
@@ -30,7 +31,7 @@ static int usage(const char *msg) {
             "  --scalar        use the scalar reference kernels\n"
             "  --kernels NAME  a kernel set this CPU runs by name (avx2, avxvnni, ...) instead of its best\n"
             "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N,\n"
-            "  --prefetch on|off: as in moe-cli (by default the resource plan's choices)\n"
+            "  --prefetch on|off, --check-tensors: as in moe-cli (by default the resource plan's choices)\n"
             "  --kv-type f32|bf16|q8  MLA latent cache element (default f32)\n"
             "  --mxfp4 f32|int8  MXFP4 matrices times f32 input (default) or int8-quantized input\n"
             "  --act 8|16        integer formats' input in 8 bits (default) or two 8-bit parts (moe-cli --help)\n");

@@ -22,6 +22,7 @@
  * with --ref-routing) to FILE; --ref-logits FILE then stands in for the reference model, so a
  * large original runs once for many quantized files (as llama-perplexity's
  * --kl-divergence-base). Exit 0, 1 on errors, 2 on usage. */
+#define _POSIX_C_SOURCE 200809L /* open, fstat, fcntl (files.h) */
 #include "../moe.h"
 #include "cache_flags.h"
 #include "files.h"
@@ -130,10 +131,10 @@ static void score_window(tally *y, const float *ref, const float *test, const fl
 static int32_t *tokenize_file(const moe_model *m, const char *path, int *n) {
     char err[512];
     size_t len = 0, got = 0;
-    errno = 0; /* slurp sets it only when the open fails */
-    char *text = slurp(path, &len);
+    const char *why = NULL;
+    char *text = slurp(path, &len, &why);
     if (!text) {
-        fprintf(stderr, "moe-perplexity: %s: %s\n", path, errno ? strerror(errno) : "read error");
+        fprintf(stderr, "moe-perplexity: %s: %s\n", path, why);
         return NULL;
     }
     moe_tokenizer *tk = NULL;
@@ -169,11 +170,11 @@ static int write_ref_header(FILE *f, const ref_header *h, const int32_t *ids) {
 /* opens a reference file, checks its header against its size (a truncated or foreign file is
  * refused), reads its ids (caller frees); NULL with a message on errors */
 static FILE *open_ref(const char *path, ref_header *h, int32_t **ids) {
-    FILE *f = fopen(path, "rb");
+    const char *why = NULL;
+    FILE *f = open_input(path, &why);
     int32_t v[6];
     char magic[8];
-    const char *why = NULL;
-    if (!f) { fprintf(stderr, "moe-perplexity: %s: %s\n", path, strerror(errno)); return NULL; }
+    if (!f) { fprintf(stderr, "moe-perplexity: %s: %s\n", path, why); return NULL; }
     if (fread(magic, 8, 1, f) != 1 || memcmp(magic, REF_MAGIC, 8) || fread(v, sizeof v, 1, f) != 1) why = "not a moe-perplexity reference file";
     else if (v[0] != 0x01020304) why = "written on a machine of the other byte order";
     *h = (ref_header){v[1], v[2], v[3], v[4], v[5]};

@@ -24,6 +24,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "files.h"
 
 #include <errno.h>
 #include <math.h>
@@ -132,8 +133,9 @@ static int sizes_of_model(const options *o, model_sizes *z, moe_model **mp) {
 static int sizes_of_config(options *o, model_sizes *z) {
     static unsigned char kinds[4096], moes[4096];
     char err[512];
-    FILE *f = fopen(o->config, "rb");
-    if (!f) return fprintf(stderr, "moe-plan: %s: %s\n", o->config, strerror(errno)), 1;
+    const char *why;
+    FILE *f = open_input(o->config, &why);
+    if (!f) return fprintf(stderr, "moe-plan: %s: %s\n", o->config, why), 1;
     char *text = malloc(1 << 22);
     size_t n = text ? fread(text, 1, (1 << 22) - 1, f) : 0;
     fclose(f);

@@ -8,6 +8,7 @@
  * Encodes the whole file (or stdin) and prints the ids space-separated on one line. --decode
  * reads whitespace-separated ids instead and writes their bytes to stdout. Exit 0 on success,
  * 1 on any error, 2 on usage errors. */
+#define _POSIX_C_SOURCE 200809L /* open, fstat, fcntl (files.h) */
 #include "../moe.h"
 #include "files.h"
 
@@ -123,9 +124,8 @@ int main(int argc, char **argv) {
     char *text = NULL;
     if (st) fprintf(stderr, "moe-tokenize: %s\n", err);
     else {
-        errno = 0;
-        if (!(text = slurp(o.in ? o.in : "-", &len)))
-            fprintf(stderr, "moe-tokenize: %s: %s\n", o.in ? o.in : "stdin", errno ? strerror(errno) : "read error");
+        const char *why = NULL;
+        if (!(text = slurp(o.in ? o.in : "-", &len, &why))) fprintf(stderr, "moe-tokenize: %s: %s\n", o.in ? o.in : "stdin", why);
     }
     rc = !text ? 1 : o.decode ? decode_ids(tok, text) : encode_text(tok, &o, text, len);
     if (text && (fflush(stdout) || ferror(stdout))) {

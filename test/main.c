@@ -32,6 +32,7 @@ static const struct {
     {"text", "text and chat", text_tests},
     {"programs", "programs and batch", programs_tests},
     {"faults", "faults", faults_tests},
+    {"hostile", "hostile inputs", hostile_tests},
 };
 #define N_AREAS (int)(sizeof areas / sizeof *areas)
 

@@ -2,7 +2,8 @@
  * -DFUZZ_JSON, -DFUZZ_SAFETENSORS, -DFUZZ_GGUF, -DFUZZ_CONFIG, -DFUZZ_RANKS (tokenizer rank file,
  * then "\0" and a tokenizer_config.json), -DFUZZ_TOKENIZE (text through the three pre-tokenizers
  * and rank BPE; decode must give the text back), -DFUZZ_CHAT (a chat request rendered and encoded
- * in the K2 and K3 formats), -DFUZZ_BATCH (one moe-batch input line). `make fuzz` builds them with
+ * in the K2 and K3 formats), -DFUZZ_BATCH (one moe-batch input line, also read as an answer line of
+ * its output). `make fuzz` builds them with
  * clang -fsanitize=fuzzer,address,undefined; test/fuzz/main.c is a plain driver that replays
  * files through the same entry point, so this builds without libFuzzer too. A crash, a sanitizer
  * report or a hang is a bug; any status code is an acceptable answer. */
@@ -146,7 +147,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
 #elif defined(FUZZ_BATCH)
     moe__json *j = NULL;
-    if (moe_utf8_valid_prefix((const char *)data, size) == size && moe__json_parse((const char *)data, size, &j, err, sizeof err) == MOE_OK) {
+    char line_why[600];
+    if (!parse_line((const char *)data, size, 512, &j, line_why, sizeof line_why)) {
+        char key[1100]; /* the line read as an answer line of an earlier run's output */
+        (void)answer_key(j, key, sizeof key);
         const moe__json *cid = j->type == MOE_JSON_OBJ ? moe__json_get(j, "custom_id") : NULL;
         if (cid && cid->type == MOE_JSON_STR && *cid->str) {
             request rq = {0};
