@@ -2,9 +2,11 @@
  * devices where files belong, moe-batch's output shared or equal to its input, one huge input
  * line, moe-convert's output names, NaN and infinity in weights, a dropped tensor, and the lesser
  * parser cases (truncated GGUF headers, duplicate keys, precise batch errors). */
+#define _XOPEN_SOURCE 700 /* mknod */
 #include "test.h"
 
 #include <sys/file.h>
+#include <sys/sysmacros.h> /* makedev */
 
 /* ---- helpers ------------------------------------------------------------------------------ */
 
@@ -292,6 +294,13 @@ static void test_convert_output(void) {
     char *t = read_all(target, &n);
     CHECK(exists_as(out, S_IFLNK) && t && n == 4 && !memcmp(t, "keep", 4));
     free(t);
+    /* a device node (where this runs as root): left a device, as /dev/null's twin */
+    char dev[600];
+    tmp_path(dev, sizeof dev, "conv-dev.gguf");
+    if (mknod(dev, S_IFCHR | 0600, makedev(1, 3)) == 0) {
+        CHECK(convert_expect(seed, dev, "", 1) == 1 && exists_as(dev, S_IFCHR));
+        CHECK(remove(dev) == 0);
+    }
     CHECK(remove(out) == 0 && mkfifo(partial, 0600) == 0);
     CHECK(convert_expect(seed, out, "", 1) == 1 && exists_as(partial, S_IFIFO) && !exists_as(out, S_IFREG));
     CHECK(remove(partial) == 0);
