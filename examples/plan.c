@@ -106,6 +106,8 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
 typedef struct {
     moe_config c;
     double dense_bytes, expert_total, n_params, n_active;
+    double stored_per_dense; /* bytes of the dense matrices as stored per byte of dense_bytes: streamed
+                                layers are read from disk as stored, not as converted */
 } model_sizes;
 
 /* the exact byte counts of a checkpoint's files; the model stays open (*mp) while z->c is used,
@@ -124,7 +126,9 @@ static int sizes_of_model(const options *o, model_sizes *z, moe_model **mp) {
     z->n_params = (double)info.n_params, z->n_active = (double)info.n_params_active;
     /* weights converted at load (--dense-bytes-per-value with -m: the stored dense values are
      * BF16 in the released checkpoints, 2 bytes each) */
+    const double stored = z->dense_bytes;
     if (o->dbv_given) z->dense_bytes = z->dense_bytes / 2.0 * o->dbv;
+    z->stored_per_dense = z->dense_bytes > 0 ? stored / z->dense_bytes : 1.0;
     *mp = m;
     return 0;
 }
@@ -166,6 +170,7 @@ static int sizes_of_config(options *o, model_sizes *z) {
     z->n_params = dense + experts;
     z->n_active = dense + (E ? experts / E * c.n_active : 0);
     z->dense_bytes = dense * o->dbv;
+    z->stored_per_dense = 2.0 / o->dbv; /* the released checkpoints store BF16 */
     z->expert_total = experts * o->ebv;
     return 0;
 }
@@ -196,7 +201,7 @@ static void print_plan(const options *o, const model_sizes *z) {
     const double min_cache = threads * one_expert + 2 * layer_dense / c.n_layers; /* a step's experts, this layer and the next */
     double dense_res = o->dense_budget >= 0 ? o->dense_budget : ram - reserve - fixed - state_per_seq * seqs - working - min_cache;
     dense_res = dense_res < 0 ? 0 : dense_res > layer_dense ? layer_dense : dense_res;
-    const double streamed = layer_dense - dense_res;
+    const double streamed = layer_dense - dense_res, streamed_read = streamed * z->stored_per_dense;
     const double resident = fixed + dense_res + state_per_seq * seqs + working;
     const double cache = ram - reserve - resident > 0 ? ram - reserve - resident : 0;
     const double f = expert_total > 0 ? (cache < expert_total ? cache / expert_total : 1.0) : 1.0;
@@ -211,17 +216,17 @@ static void print_plan(const options *o, const model_sizes *z) {
     printf("plan: resident %.2f GB (dense weights but the mapped embedding and streamed layers, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
            resident / 1e9, seqs, reserve / 1e9, cache / 1e9, 100 * f);
     if (streamed > 0)
-        printf("plan: layers' dense matrices %.2f GB resident, %.2f GB (about %d of %d layers) read from disk every step (--dense-budget %.2fG)\n",
-               dense_res / 1e9, streamed / 1e9, (int)ceil(streamed / (layer_dense / c.n_layers)), c.n_layers, dense_res / 1073741824.0);
+        printf("plan: layers' dense matrices %.2f GB resident, about %d of %d layers read from disk every step as stored, %.2f GB (--dense-budget %.2fG)\n",
+               dense_res / 1e9, (int)ceil(streamed / (layer_dense / c.n_layers)), c.n_layers, streamed_read / 1e9, dense_res / 1073741824.0);
     /* a decode token at position ctx: absorbed MLA reads the latent cache and does per head
      * (2 r + d_r) multiply-adds per cached token (scores and context); KDA reads and writes its state */
     const double cw = c.kv_lora_rank + c.qk_rope_dim;
     const double attn_bytes = (double)n_mla * ctx * (cw * kv_bytes + (kv_q8 ? 16 : 0)) + 2.0 * n_kda * c.kda_heads * c.kda_head_dim * c.kda_head_dim * 4;
     const double attn_flops = 2.0 * n_mla * c.mla_heads * (double)ctx * (2.0 * c.kv_lora_rank + c.qk_rope_dim);
     const int ns[2] = {1, seqs};
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < (seqs > 1 ? 2 : 1); i++) {
         const double N = ns[i], distinct = E ? E * (1 - pow(1 - k / E, N)) : 0;
-        const double read = n_moe * distinct * one_expert * (1 - f) + streamed;
+        const double read = n_moe * distinct * one_expert * (1 - f) + streamed_read;
         const double touched = dense_bytes - embed + n_moe * distinct * one_expert + N * attn_bytes;
         /* compute: the bytes touched at memory speed, or the multiply-adds of N tokens (weights
          * and attention at position ctx) at the machine's throughput when that is longer */
@@ -232,7 +237,7 @@ static void print_plan(const options *o, const model_sizes *z) {
                N / (io + comp), N / (io > comp ? io : comp));
     }
     const double T = batch, dT = E ? E * (1 - pow(1 - k / E, T)) : 0;
-    const double pread = n_moe * dT * one_expert * (1 - f) + streamed;
+    const double pread = n_moe * dT * one_expert * (1 - f) + streamed_read;
     const double pio = pread / (o->disk * 1e9), pcomp = 2 * z->n_active * T / (o->gflops * 1e9);
     printf("prefill, %d-token chunk: %.2f GB read (%.0f experts per MoE layer), io %.2f s + compute %.2f s: %.1f tok/s serial, %.1f overlapped\n",
            batch, pread / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
