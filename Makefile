@@ -1,6 +1,11 @@
 # moe - build the runtime objects, the example programs and the tests into build/.
 # Override anything on the command line: make CC=clang CFLAGS="-O3 -std=c11".
 
+# as many jobs as processors unless told otherwise (make -j1: one at a time)
+ifeq ($(filter -j%,$(MAKEFLAGS)),)
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 2)
+endif
+
 CC ?= cc
 CFLAGS ?= -O2 -std=c11 -Wall -Wextra -pedantic
 LDLIBS = -lm -lpthread
@@ -20,14 +25,14 @@ TESTS = $(BUILD)/moe-test
 # every compile writes the headers it read (-MMD) into a .d file beside its output, read below
 DEPFLAGS = -MMD -MP
 
-.PHONY: all examples test test-scalar test-avxvnni-evex asan tsan bench fuzz clean help
+.PHONY: FORCE all examples lib install uninstall test test-scalar test-avxvnni-evex test-neon asan tsan bench fuzz clean help
 
 # where make bench keeps its random benchmark-shape models (about 9 GB; made once)
 BENCH_MODELS ?= bench/models
 BENCH_ARGS ?= -t 1,2 --depth 0,4096 --prefill 512
 
-# all: the library objects and every example program
-all: $(LIB) $(EXAMPLES) $(TESTS)
+# all: the library objects, every example program and the test suite
+all: $(LIB) $(EXAMPLES) $(BUILD)/simple $(TESTS)
 
 # examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert, moe-bench, moe-plan, moe-tokenize, moe-batch, moe-cachesim)
 examples: $(EXAMPLES)
@@ -38,6 +43,52 @@ $(BUILD)/%.o: %.c | $(BUILD)
 $(BUILD)/moe-%: examples/%.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $(DEPFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
+# examples/simple.c, the smallest program (README's embedding example), as build/simple
+$(BUILD)/simple: examples/simple.c $(LIB)
+	$(CC) $(ALL_CFLAGS) -I. $(DEPFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+# the library to link against: libmoe.a, and libmoe.so (soname libmoe.so.$(SOVERSION)) from
+# position-independent objects in $(BUILD)/pic/
+SOVERSION = 0
+VERSION = 0.1.0
+$(BUILD)/libmoe.a: $(LIB)
+	rm -f $@
+	ar rcs $@ $(LIB)
+
+$(BUILD)/pic/%.o: %.c | $(BUILD)
+	@mkdir -p $(BUILD)/pic
+	$(CC) $(ALL_CFLAGS) -fPIC $(DEPFLAGS) -c $< -o $@
+
+$(BUILD)/libmoe.so.$(VERSION): $(BUILD)/pic/moe.o $(BUILD)/pic/quant.o
+	$(CC) $(ALL_CFLAGS) -shared -Wl,-soname,libmoe.so.$(SOVERSION) $^ $(LDLIBS) -o $@
+
+# pkg-config's description of the installed library (written anew each time: PREFIX may change)
+$(BUILD)/moe.pc: FORCE | $(BUILD)
+	printf '%s\n' 'prefix=$(PREFIX)' 'includedir=$${prefix}/include' 'libdir=$${prefix}/lib' '' 'Name: moe' \
+	  'Description: CPU inference for sparse Mixture-of-Experts models (Kimi Linear, Kimi K3)' 'Version: $(VERSION)' \
+	  'Cflags: -I$${includedir}' 'Libs: -L$${libdir} -lmoe' 'Libs.private: $(OPENMP) $(LDLIBS)' > $@
+
+# lib: libmoe.a, libmoe.so and moe.pc in $(BUILD)/
+lib: $(BUILD)/libmoe.a $(BUILD)/libmoe.so.$(VERSION) $(BUILD)/moe.pc
+
+# install: the header, the libraries, moe.pc and the programs under $(DESTDIR)$(PREFIX) (default /usr/local)
+PREFIX ?= /usr/local
+install: lib $(EXAMPLES)
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
+	install -m 644 moe.h $(DESTDIR)$(PREFIX)/include/moe.h
+	install -m 644 $(BUILD)/libmoe.a $(DESTDIR)$(PREFIX)/lib/libmoe.a
+	install -m 755 $(BUILD)/libmoe.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libmoe.so.$(VERSION)
+	ln -sf libmoe.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libmoe.so.$(SOVERSION)
+	ln -sf libmoe.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/libmoe.so
+	install -m 644 $(BUILD)/moe.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/moe.pc
+	install -m 755 $(EXAMPLES) $(DESTDIR)$(PREFIX)/bin/
+
+# uninstall: remove what install put there
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/include/moe.h $(DESTDIR)$(PREFIX)/lib/libmoe.a $(DESTDIR)$(PREFIX)/lib/libmoe.so \
+	  $(DESTDIR)$(PREFIX)/lib/libmoe.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/libmoe.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/pkgconfig/moe.pc \
+	  $(EXAMPLE_NAMES:%=$(DESTDIR)$(PREFIX)/bin/moe-%)
+
 $(BUILD)/test/%.o: test/%.c | $(BUILD)
 	@mkdir -p $(BUILD)/test
 	$(CC) $(ALL_CFLAGS) $(DEPFLAGS) -c $< -o $@
@@ -45,7 +96,7 @@ $(BUILD)/test/%.o: test/%.c | $(BUILD)
 $(BUILD)/moe-test: $(TEST_OBJ) $(LIB)
 	$(CC) $(ALL_CFLAGS) $(TEST_OBJ) $(LIB) $(LDLIBS) -o $@
 
--include $(wildcard $(BUILD)/*.d $(BUILD)/test/*.d)
+-include $(wildcard $(BUILD)/*.d $(BUILD)/test/*.d $(BUILD)/pic/*.d)
 
 $(BUILD):
 	mkdir -p $(BUILD)
@@ -59,9 +110,9 @@ test: all
 test-scalar:
 	$(MAKE) --no-print-directory BUILD=build-scalar EXTRA_CFLAGS=-DMOE_NO_SIMD test
 
-# test-avxvnni-evex: the suite with the AVX-VNNI level's kernels built in the EVEX encoding and
-# offered on AVX-512 VNNI CPUs (-DMOE_AVXVNNI_AS_EVEX), in build-avxvnni-evex/: their logic checked
-# on a machine without AVX-VNNI (such as a Zen 4; qemu lacks it too)
+# test-avxvnni-evex: the suite with the AVX-VNNI kernels in the EVEX encoding, in build-avxvnni-evex/
+# (-DMOE_AVXVNNI_AS_EVEX: offered on AVX-512 VNNI CPUs, so their logic is checked on a machine
+# without AVX-VNNI, such as a Zen 4; qemu lacks it too)
 test-avxvnni-evex:
 	$(MAKE) --no-print-directory BUILD=build-avxvnni-evex EXTRA_CFLAGS=-DMOE_AVXVNNI_AS_EVEX test
 
@@ -76,8 +127,8 @@ test-neon:
 
 QEMU_AARCH64 ?= qemu-aarch64 -L /usr/aarch64-linux-gnu -cpu max
 
-# asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, built with OpenMP (the
-# step's team of threads) in build-asan-omp/, then without it (the serial paths) in build-asan/
+# asan: the suite under AddressSanitizer + UndefinedBehaviorSanitizer, with OpenMP and without
+# (build-asan-omp/: the step's team of threads; build-asan/: the serial paths)
 ASAN_FLAGS = EXTRA_CFLAGS="-g -O1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined" LDLIBS="-lm -lpthread -fsanitize=address,undefined"
 asan:
 	$(MAKE) --no-print-directory BUILD=build-asan-omp $(ASAN_FLAGS) test
@@ -116,8 +167,8 @@ FUZZ_TARGETS = json safetensors gguf config ranks tokenize chat batch
 
 # clean: remove every build folder
 clean:
-	rm -rf build build-scalar build-asan build-asan-omp build-neon build-fuzz build-tsan
+	rm -rf build build-scalar build-asan build-asan-omp build-avxvnni-evex build-neon build-neon-omp build-fuzz build-tsan
 
-# help: list the targets
+# help: list the targets (every one has a "# NAME: what it does" line above it)
 help:
 	@grep -E '^# [a-z-]+: ' Makefile | sed 's/^# /  /'

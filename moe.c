@@ -4,6 +4,8 @@
  * formats live in quant.c; this file owns model logic only and calls the kernels through the
  * model's kernel table (m->k). It prints nothing and never exits: every failure is a moe_status
  * with a message in the caller's buffer.
+ * Copyright (c) 2026 the moe authors. MIT License: see LICENSE (the three runtime files are
+ * under it whole; keep this notice in copies).
  *
  * The file reads front to back in the order data flows. Each part opens with a banner; grep
  * for its exact string:
@@ -3780,7 +3782,7 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
     const unsigned set = given->set;
     int n_moe = 0, n_kda = 0;
     for (int l = 0; l < c->n_layers; l++) n_moe += c->layer_moe[l], n_kda += c->layer_kind[l] == MOE_LAYER_KDA;
-    const double G = 1e9, mem = (double)p->mem_bytes;
+    const double G = 1073741824.0, /* sizes in GiB, as moe-plan prints them */ mem = (double)p->mem_bytes;
     const double one_expert = n_moe && c->n_experts ? (double)in->expert_bytes / ((double)n_moe * c->n_experts) : 0;
     if (!(set & MOE_SET_THREADS)) o->n_threads = p->cores;
     /* one prompt chunk's working memory (moe-plan's estimate) and one sequence's state at 4096 tokens */
@@ -3797,7 +3799,7 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
         if (!(set & MOE_SET_DENSE_TYPE)) o->dense_type = given->dense_type;
         p->dense_bytes = in->dense_bytes_as[o->dense_type >= 0 && o->dense_type <= MOE_WTYPE_Q4_0 ? o->dense_type : 0];
         snprintf(p->summary, sizeof p->summary,
-                 "%.2f GB of memory (%s), %d CPUs, %d cores: the weights (%.2f GB) fit, so they are used where they are mapped; "
+                 "%.2f GiB of memory (%s), %d CPUs, %d cores: the weights (%.2f GiB) fit, so they are used where they are mapped; "
                  "dense %s, %d threads", mem / G, p->mem_from, p->cpus, p->cores, all / G, wtype_name(o->dense_type), o->n_threads);
         return MOE_OK;
     }
@@ -3821,8 +3823,8 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
             const double layer_stored = ((double)in->dense_bytes_as[MOE_WTYPE_ASIS] - head) / c->n_layers;
             const double budget = avail - min_cache - 2 * layer_stored - head;
             if (budget <= 0)
-                return fail(err, errlen, MOE_ERR_NOMEM, "%.2f GB of memory (%s) cannot hold the LM head, two layers and a step's experts "
-                            "(%.2f GB)", mem / G, p->mem_from, (head + 2 * layer_stored + min_cache + reserve) / G);
+                return fail(err, errlen, MOE_ERR_NOMEM, "%.2f GiB of memory (%s) cannot hold the LM head, two layers and a step's experts "
+                            "(%.2f GiB)", mem / G, p->mem_from, (head + 2 * layer_stored + min_cache + reserve) / G);
             o->dense_budget = (size_t)budget;
             dense_ram = head + budget; /* the streamed layers pass through the expert cache */
         }
@@ -3830,8 +3832,8 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
     if (!(set & MOE_SET_EXPERT_BUDGET)) {
         const double budget = avail - dense_ram;
         if (budget < min_cache)
-            return fail(err, errlen, MOE_ERR_NOMEM, "%.2f GB of memory (%s) leave %.2f GB for experts after the dense matrices (%.2f GB "
-                        "%s); a step needs %.2f GB: set --dense-budget or a smaller --dense type", mem / G, p->mem_from,
+            return fail(err, errlen, MOE_ERR_NOMEM, "%.2f GiB of memory (%s) leave %.2f GiB for experts after the dense matrices (%.2f GiB "
+                        "%s); a step needs %.2f GiB: set --dense-budget or a smaller --dense type", mem / G, p->mem_from,
                         budget > 0 ? budget / G : 0.0, dense_ram / G, wtype_name(dt), min_cache / G);
         o->expert_budget = (size_t)budget;
     }
@@ -3843,10 +3845,10 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
     }
     if (!(set & MOE_SET_PREFETCH)) o->prefetch = 1;
     char streamed[96] = "";
-    if (o->dense_budget) snprintf(streamed, sizeof streamed, " (%.2f GB of layers resident, the rest read every step)", o->dense_budget / G);
+    if (o->dense_budget) snprintf(streamed, sizeof streamed, " (%.2f GiB of layers resident, the rest read every step)", o->dense_budget / G);
     snprintf(p->summary, sizeof p->summary,
-             "%.2f GB of memory (%s), %d CPUs, %d cores%s: the weights (%.2f GB) do not fit, so experts (%.2f GB) stream through a "
-             "%.2f GB cache; dense %s, %.2f GB%s; %d I/O threads, prefetch %s, %d threads",
+             "%.2f GiB of memory (%s), %d CPUs, %d cores%s: the weights (%.2f GiB) do not fit, so experts (%.2f GiB) stream through a "
+             "%.2f GiB cache; dense %s, %.2f GiB%s; %d I/O threads, prefetch %s, %d threads",
              mem / G, p->mem_from, p->cpus, p->cores, disk, all / G, (double)in->expert_bytes / G, o->expert_budget / G,
              wtype_name(dt), (double)p->dense_bytes / G, streamed, o->io_threads, o->prefetch ? "on" : "off", o->n_threads);
     return MOE_OK;
@@ -7244,6 +7246,15 @@ int32_t moe_token_id(const moe_tokenizer *t, const char *name) {
     for (int i = 0; i < t->n_sp; i++)
         if (t->sp[i].len == n && !memcmp(t->sp[i].name, name, n)) return t->sp[i].id;
     return -1;
+}
+
+int moe_token_is_eog(const moe_model *m, const moe_tokenizer *t, int32_t id) {
+    static const char *const ends[] = {"[EOS]", "<|im_end|>", "<|end_of_msg|>"};
+    if (id < 0) return 0;
+    if (m && id == m->cfg.eos_token_id) return 1;
+    for (size_t i = 0; t && i < sizeof ends / sizeof *ends; i++)
+        if (id == moe_token_id(t, ends[i])) return 1;
+    return 0;
 }
 
 int32_t moe_tokenizer_n_ids(const moe_tokenizer *t) { return t ? t->n_ids : 0; }

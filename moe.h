@@ -1,5 +1,7 @@
 /* moe.h - CPU inference for sparse Mixture-of-Experts language models of the Kimi Linear /
  * Kimi K3 family (KDA linear attention, gated MLA, block attention residuals, latent MoE).
+ * Copyright (c) 2026 the moe authors. MIT License: see LICENSE (the three runtime files are
+ * under it whole; keep this notice in copies).
  *
  * Drop-in: copy moe.h, moe.c and quant.c into your tree and compile them with your own flags
  * (C11, libc + libm; OpenMP used when the compiler has it). Minimal use:
@@ -264,10 +266,13 @@ typedef struct {
     int n_batch;              /* rows per forward chunk in use (moe_options.n_batch, or its default) */
 } moe_model_info;
 
-/* Opens a model: a Hugging Face checkpoint directory (config.json + model.safetensors or shards
- * with model.safetensors.index.json) or a single .safetensors file with config.json beside it.
- * Files are memory-mapped read-only and validated before use. opt may be NULL (defaults).
- * On success *out owns the model; free it with moe_model_close. On failure *out is NULL. */
+/* Opens a model: a GGUF file (llama.cpp's converter's or moe-convert's; the first part of a
+ * split GGUF, PREFIX-00001-of-0000N.gguf, brings the other parts), a Hugging Face checkpoint
+ * directory (config.json + model.safetensors, or shards with model.safetensors.index.json), or a
+ * single .safetensors file with config.json beside it. Files must be regular files; they are
+ * memory-mapped read-only and validated before use. opt may be NULL (defaults). On success *out
+ * owns the model; free it with moe_model_close. On failure *out is NULL and err says what is
+ * wrong, naming the path. */
 MOE_API moe_status moe_model_open(moe_model **out, const char *path, const moe_options *opt,
                                   char *err, size_t errlen);
 MOE_API void moe_model_close(moe_model *m);
@@ -394,6 +399,11 @@ MOE_API moe_status moe_detokenize(const moe_tokenizer *t, const int32_t *ids, si
                                   char *buf, size_t cap, size_t *len, char *err, size_t errlen);
 /* The id of a special token by name, or -1. */
 MOE_API int32_t moe_token_id(const moe_tokenizer *t, const char *name);
+/* 1 when id ends generation: the model's eos_token_id (m may be NULL), or one of the
+ * vocabulary's end markers (t may be NULL): "[EOS]" (the base models' end of text),
+ * "<|im_end|>" (the end of a K2-format turn), "<|end_of_msg|>" (the end of a K3 message).
+ * llama.cpp's llama_vocab_is_eog. */
+MOE_API int moe_token_is_eog(const moe_model *m, const moe_tokenizer *t, int32_t id);
 MOE_API int moe_token_is_special(const moe_tokenizer *t, int32_t id);
 /* One past the largest id. */
 MOE_API int32_t moe_tokenizer_n_ids(const moe_tokenizer *t);

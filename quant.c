@@ -2,6 +2,8 @@
  * (decode, quantize, interleave), dot products and matrix tiles of a stored weight row with
  * activation rows, the elementwise functions, and the KDA and MLA cores. No model logic and no
  * threads here: callers split rows across threads.
+ * Copyright (c) 2026 the moe authors. MIT License: see LICENSE (the three runtime files are
+ * under it whole; keep this notice in copies).
  *
  * Every kernel has a scalar reference (*_ref, always compiled). The SIMD kernels of each level
  * are compiled with per-function target attributes and chosen at run time (moe__kernels_init),

@@ -1160,7 +1160,7 @@ static int advance_slots(job *jb) {
         sl->hist[rq->n_prompt + sl->gen++] = t;
         sl->last = t;
         jb->tokens++;
-        int end = t == jb->c->eos_token_id;
+        int end = rq->chat ? t == jb->c->eos_token_id : moe_token_is_eog(jb->m, tok, t);
         if (tok) {
             size_t bl = 0;
             const char *b = moe_token_bytes(tok, t, &bl);
@@ -1169,7 +1169,6 @@ static int advance_slots(job *jb) {
             if (ch == MOE_REPLY_END) end = 1;
             else if (ch == MOE_REPLY_CONTENT && b) bput(&sl->content, b, bl);
             else if (ch == MOE_REPLY_REASONING && b) bput(&sl->reasoning, b, bl);
-            if (!rq->chat && (t == moe_token_id(tok, "[EOS]"))) end = 1;
         } else {
             bprintf(&sl->content, sl->gen > 1 ? " %d" : "%d", (int)t); /* no tokenizer: the ids */
             if (rq->logprobs >= 0 && sl->gen > 1) sl->offset[sl->gen - 1]++; /* past the space */

@@ -11,13 +11,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* "8G", "512M", "64K", "65536": bytes; 0 when not a positive size */
+/* A size with its unit, binary: "8G" (or "8GiB", "8GB") is 8 GiB, "512M", "64K", "1T", "4096B".
+ * 0 when it is not a positive size or has no unit. */
 static inline int parse_size(const char *s, size_t *out) {
     char *end;
-    double v = strtod(s, &end);
-    double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
-               : *end == 'T' || *end == 't' ? 1099511627776.0 : 1.0;
-    if (mul != 1.0) end++;
+    const double v = strtod(s, &end);
+    const double mul = *end == 'K' || *end == 'k' ? 1024.0 : *end == 'M' || *end == 'm' ? 1048576.0 : *end == 'G' || *end == 'g' ? 1073741824.0
+                     : *end == 'T' || *end == 't' ? 1099511627776.0 : *end == 'B' ? 1.0 : 0.0;
+    if (!mul || end == s) return 0; /* a size needs its unit: a bare 256 is not taken as bytes */
+    end++;
+    if (mul > 1.0 && (!strcmp(end, "iB") || !strcmp(end, "B"))) end += strlen(end); /* 8G, 8GiB and 8GB all mean 8 GiB */
     if (*end || !(v > 0) || v * mul > 1e18) return 0;
     *out = (size_t)(v * mul);
     return 1;

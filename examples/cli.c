@@ -306,7 +306,6 @@ typedef struct {
     moe_tokenizer *tok;
     moe_chat_options co;
     moe_chat_reply rep;
-    int32_t eos[4]; /* end-of-turn ids */
     float *logits;
     int32_t *hist; /* the session's tokens: prompt and generated */
     int nh;
@@ -367,9 +366,6 @@ static int open_model(cli *r) {
                         "(row kernels; --load-mode cache streams them through a fixed budget instead)\n");
     if (!o->ids_mode && moe_tokenizer_for_model(&r->tok, r->m, r->err, sizeof r->err))
         return fprintf(stderr, "moe-cli: %s (use --ids to give token ids)\n", r->err), 1;
-    /* end-of-turn ids: the config's, and the vocabulary's [EOS] / turn markers */
-    r->eos[0] = c->eos_token_id, r->eos[1] = r->eos[2] = r->eos[3] = -1;
-    if (r->tok) r->eos[1] = moe_token_id(r->tok, "[EOS]"), r->eos[2] = moe_token_id(r->tok, "<|im_end|>"), r->eos[3] = moe_token_id(r->tok, "<|end_of_msg|>");
     if (r->tok && o->templated) {
         int f = o->format ? o->format : moe_chat_format_of(r->tok);
         if (f < 0) return fprintf(stderr, "moe-cli: the vocabulary has no chat markers; use --chat-template none\n"), 1;
@@ -510,8 +506,7 @@ static int generate(cli *r, int ctx) {
         o->sp.n_recent = r->nh < o->repeat_last_n ? r->nh : o->repeat_last_n;
         int32_t t = moe_sample(r->logits, r->c->vocab_size, &o->sp, &o->seed);
         r->hist[r->nh++] = t;
-        const int32_t *eos = r->eos;
-        int end = !o->ignore_eos && (t == eos[0] || t == eos[1] || t == eos[2] || t == eos[3]);
+        int end = !o->ignore_eos && moe_token_is_eog(r->m, r->tok, t);
         show_token(r, t, &was_reasoning);
         if (end || r->q.stopped || (o->n_gen >= 0 && gen + 1 >= o->n_gen)) { gen++; break; }
         if (moe_session_pos(r->s) + 1 >= ctx) { fprintf(stderr, "\nmoe-cli: context full\n"); gen++; break; }

@@ -5,7 +5,9 @@
  *                  [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json] [--ref-routing] [expert-cache flags]
  *   moe-perplexity -m MODEL --ref-logits FILE [the same options but the input's]
  *
- * Runs the tokens through the reference (MODEL as stored, or MODEL2) and through the test model
+ * Alone (`moe-perplexity -m MODEL -f TEXT`, nothing converted, no reference) it runs the model
+ * once and reports its perplexity, as llama-perplexity does. Otherwise it
+ * runs the tokens through the reference (MODEL as stored, or MODEL2) and through the test model
  * (MODEL with its matrices converted at load to TYPE: f32, bf16, q8_0, q4_0), then reports the
  * mean KL divergence KL(ref || test) per token in nats, top-1 agreement, and the perplexity of
  * each (position t predicting token t+1). Without -c the whole stream is one sequence and every
@@ -219,10 +221,15 @@ static int32_t *input_ids(moe_model *mt, const char *tokens, const char *text, i
     return ids;
 }
 
-static void report(const tally *y, int json, int nwin, int win, int routed) {
+static void report(const tally *y, int json, int nwin, int win, int routed, int alone) {
     const double mkl = y->kl / (double)y->scored, top1 = (double)y->agree / (double)y->scored;
     const double ppl_a = exp(y->nll_ref / (double)y->predicted), ppl_b = exp(y->nll / (double)y->predicted);
-    if (json) {
+    if (alone && json) {
+        printf("{\"tokens\": %d, \"windows\": %d, \"ctx\": %d, \"scored\": %ld, \"ppl\": %.6f}\n", nwin * win, nwin, win, y->scored, ppl_b);
+    } else if (alone) {
+        printf("tokens %d (%d window%s of %d, %ld positions scored)\nperplexity %.4f\n", nwin * win, nwin, nwin == 1 ? "" : "s", win,
+               y->scored, ppl_b);
+    } else if (json) {
         printf("{\"tokens\": %d, \"windows\": %d, \"ctx\": %d, \"scored\": %ld, \"kl_mean\": %.6g, \"kl_max\": %.6g, \"top1_agree\": %.6f, "
                "\"ppl_ref\": %.6f, \"ppl\": %.6f",
                nwin * win, nwin, win, y->scored, mkl, y->kl_max, top1, ppl_a, ppl_b);
@@ -284,6 +291,13 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
     return 0;
 }
 
+/* 1 when the command asks for no comparison: no second model or reference file, the model
+ * as stored with the reference's caches, input and kernels; then it runs once, for its perplexity */
+static int alone(const options *o) {
+    return !o->ref && !o->load && !o->save && !o->fixed && !o->stepwise && o->opt.dense_type == MOE_WTYPE_ASIS &&
+           o->opt.expert_type == MOE_WTYPE_ASIS && !o->opt.kernels && !(o->opt.flags & (MOE_FLAG_MXFP4_INT8 | MOE_FLAG_ACT16));
+}
+
 /* Everything a run holds. Functions below return 0, or 1 after printing what went wrong. */
 typedef struct {
     const options *o;
@@ -317,8 +331,9 @@ static int open_inputs(run *r) {
             return fprintf(stderr, "moe-perplexity: %s: no routing of this model's shape (saved without --ref-routing?)\n", o->load), 1;
     } else {
         int n = 0;
-        if (!(r->mr = open_model(o->ref ? o->ref : o->model, &ro)) || !(r->ids = input_ids(r->mt, o->tokens, o->text, &n))) return 1;
-        const moe_config *cr = moe_model_config(r->mr);
+        if ((!alone(o) && !(r->mr = open_model(o->ref ? o->ref : o->model, &ro))) || !(r->ids = input_ids(r->mt, o->tokens, o->text, &n)))
+            return 1;
+        const moe_config *cr = moe_model_config(r->mr ? r->mr : r->mt);
         if (cr->vocab_size != V) return fprintf(stderr, "moe-perplexity: the models have different vocabularies\n"), 1;
         const int win = o->ctx ? o->ctx : n, nwin = n >= 2 && n >= win ? (o->chunks && o->chunks < n / win ? o->chunks : n / win) : 0;
         if (nwin < 1) return fprintf(stderr, "moe-perplexity: need at least %d token ids, got %d\n", o->ctx ? o->ctx : 2, n), 1;
@@ -355,6 +370,11 @@ static int score_windows(run *r, tally *y) {
     const ref_header *h = &r->h;
     for (int w = 0; w < h->nwin; w++) {
         const int32_t *wi = r->ids + (size_t)w * h->win;
+        if (!r->rf && !r->mr) { /* alone: the model's own perplexity, one run */
+            if (window_logits(r->mt, wi, h->win, 0, r->b, NULL, NULL)) return 1;
+            score_window(y, r->b, r->b, NULL, wi, h->win, h->first, r->V, r->la, r->lb);
+            continue;
+        }
         if (r->rf ? read_ref_window(r->rf, h, r->a, r->routed ? r->routes : NULL) : window_logits(r->mr, wi, h->win, 0, r->a, r->routes, NULL)) {
             if (r->rf) fprintf(stderr, "moe-perplexity: %s: read error\n", o->load);
             return 1;
@@ -385,7 +405,7 @@ int main(int argc, char **argv) {
     tally y = {0};
     rc = open_inputs(&r) || alloc_windows(&r) || score_windows(&r, &y);
     if (!rc) {
-        report(&y, o.json, r.h.nwin, r.h.win, r.routed);
+        report(&y, o.json, r.h.nwin, r.h.win, r.routed, !r.mr && !r.rf);
         rc = fflush(stdout) ? 1 : 0;
     }
     if (r.sf) fclose(r.sf), remove(r.tmp);

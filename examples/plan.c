@@ -24,6 +24,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "cache_flags.h"
 #include "files.h"
 
 #include <errno.h>
@@ -45,21 +46,16 @@ static int usage(const char *msg) {
     return 2;
 }
 
-static int parse_size(const char *s, double *out) {
-    char *end;
-    double v = strtod(s, &end);
-    double mul = *end == 'K' ? 1024.0 : *end == 'M' ? 1048576.0 : *end == 'G' ? 1073741824.0 : *end == 'T' ? 1099511627776.0 : 1.0;
-    if (mul != 1.0) end++;
-    if (*end || !(v > 0)) return 0;
-    *out = v * mul;
-    return 1;
-}
+/* sizes are read and printed in binary units (GiB, MiB), rates in GB/s */
+#define GIB 1073741824.0
+#define MIB 1048576.0
 
 typedef struct {
     const char *model, *config;
     double ram, disk, membw, gflops, ebv, dbv, dense_budget; /* dense_budget -1: what fits */
     int dbv_given, threads, ctx, seqs, batch;
-    int ram_given, disk_given, threads_given;
+    int disk_measured; /* the runtime's plan timed the model's own files */
+    int ram_given, disk_given, threads_given, membw_given, gflops_given, ctx_given, seqs_given, ebv_given;
     double kv_bytes; /* per cached latent value: f32, 2 with --kv-type bf16, 1 with q8 (and a 16-byte row meta) */
     int kv_q8;
 } options;
@@ -76,16 +72,23 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         int more = i + 1 < argc;
         if (!strcmp(a, "-m") && more) o->model = argv[++i];
         else if (!strcmp(a, "--config") && more) o->config = argv[++i];
-        else if (!strcmp(a, "--ram") && more) { if (!parse_size(argv[++i], &o->ram)) return usage("bad --ram"); o->ram_given = 1; }
-        else if (!strcmp(a, "--dense-budget") && more) { if (!parse_size(argv[++i], &o->dense_budget)) return usage("bad --dense-budget"); }
+        else if (!strcmp(a, "--ram") && more) {
+            size_t v;
+            if (!parse_size(argv[++i], &v)) return usage("--ram needs a size with its unit, such as 256G (GiB)");
+            o->ram = (double)v, o->ram_given = 1;
+        } else if (!strcmp(a, "--dense-budget") && more) {
+            size_t v;
+            if (!parse_size(argv[++i], &v)) return usage("--dense-budget needs a size with its unit, such as 20G (GiB)");
+            o->dense_budget = (double)v;
+        }
         else if (!strcmp(a, "--disk-gbps") && more) o->disk = atof(argv[++i]), o->disk_given = 1;
-        else if (!strcmp(a, "--membw-gbps") && more) o->membw = atof(argv[++i]);
-        else if (!strcmp(a, "--gflops") && more) o->gflops = atof(argv[++i]);
-        else if (!strcmp(a, "--expert-bytes-per-value") && more) o->ebv = atof(argv[++i]);
+        else if (!strcmp(a, "--membw-gbps") && more) o->membw = atof(argv[++i]), o->membw_given = 1;
+        else if (!strcmp(a, "--gflops") && more) o->gflops = atof(argv[++i]), o->gflops_given = 1;
+        else if (!strcmp(a, "--expert-bytes-per-value") && more) o->ebv = atof(argv[++i]), o->ebv_given = 1;
         else if (!strcmp(a, "--dense-bytes-per-value") && more) o->dbv = atof(argv[++i]), o->dbv_given = 1;
         else if (!strcmp(a, "-t") && more) o->threads = atoi(argv[++i]), o->threads_given = 1;
-        else if (!strcmp(a, "--ctx") && more) o->ctx = atoi(argv[++i]);
-        else if (!strcmp(a, "--seqs") && more) o->seqs = atoi(argv[++i]);
+        else if (!strcmp(a, "--ctx") && more) o->ctx = atoi(argv[++i]), o->ctx_given = 1;
+        else if (!strcmp(a, "--seqs") && more) o->seqs = atoi(argv[++i]), o->seqs_given = 1;
         else if (!strcmp(a, "--batch") && more) o->batch = atoi(argv[++i]);
         else if (!strcmp(a, "--kv-type") && more) {
             const char *v = argv[++i];
@@ -206,18 +209,33 @@ static void print_plan(const options *o, const model_sizes *z) {
     const double cache = ram - reserve - resident > 0 ? ram - reserve - resident : 0;
     const double f = expert_total > 0 ? (cache < expert_total ? cache / expert_total : 1.0) : 1.0;
 
+    /* what the figures rest on that the command line did not say */
+    char assumed[600] = "";
+    size_t an = 0;
+#define ASSUME(...) (an += (size_t)snprintf(assumed + an, an < sizeof assumed ? sizeof assumed - an : 0, __VA_ARGS__))
+    if (!o->ram_given) ASSUME(", RAM %.1f GiB (%s; --ram)", ram / GIB, o->model ? "the runtime's plan" : "this machine's");
+    if (!o->disk_given) ASSUME(", disk %.2f GB/s (%s; --disk-gbps)", o->disk, o->disk_measured ? "measured on the model's files" : "a guess");
+    if (!o->membw_given) ASSUME(", memory %.1f GB/s (--membw-gbps)", o->membw);
+    if (!o->gflops_given) ASSUME(", %.0f GFLOP/s (50 a thread; --gflops)", o->gflops);
+    if (!o->threads_given) ASSUME(", %d thread%s (-t)", threads, threads == 1 ? "" : "s");
+    if (!o->ctx_given) ASSUME(", context %d (--ctx)", ctx);
+    if (!o->seqs_given) ASSUME(", %d sequences (--seqs)", seqs);
+    if (!o->dbv_given) ASSUME(", dense matrices as stored%s (--dense-bytes-per-value)", o->model ? "" : ", BF16");
+    if (!o->ebv_given && !o->model) ASSUME(", experts as the config says (--expert-bytes-per-value)");
+#undef ASSUME
+    if (an) printf("assumed: %s\n", assumed + 2);
     printf("model: %d layers (%d KDA, %d MLA), %d MoE layers, %d experts top-%d; %.1f B parameters, %.2f B active per token\n",
            c.n_layers, n_kda, n_mla, n_moe, c.n_experts, c.n_active, z->n_params / 1e9, z->n_active / 1e9);
-    printf("bytes: dense %.2f GB, experts %.2f GB (%.2f MB each), state %.3f GB per sequence at %d tokens\n", dense_bytes / 1e9,
-           expert_total / 1e9, one_expert / 1e6, state_per_seq / 1e9, ctx);
-    printf("machine: RAM %.1f GB, disk %.2f GB/s, memory %.1f GB/s, %.0f GFLOP/s (%d threads)\n", ram / 1e9, o->disk, o->membw, o->gflops, threads);
+    printf("bytes: dense %.2f GiB, experts %.2f GiB (%.2f MiB each), state %.3f GiB per sequence at %d tokens\n", dense_bytes / GIB,
+           expert_total / GIB, one_expert / MIB, state_per_seq / GIB, ctx);
+    printf("machine: RAM %.1f GiB, disk %.2f GB/s, memory %.1f GB/s, %.0f GFLOP/s (%d threads)\n", ram / GIB, o->disk, o->membw, o->gflops, threads);
     if (resident + reserve + min_cache > ram)
-        printf("plan: what stays resident (%.1f GB) leaves no room for a step's expert cache: not planned further\n", resident / 1e9);
-    printf("plan: resident %.2f GB (dense weights but the mapped embedding and streamed layers, %d sequence states, buffers); reserve %.2f GB; expert cache %.2f GB = %.1f%% of the experts\n",
-           resident / 1e9, seqs, reserve / 1e9, cache / 1e9, 100 * f);
+        printf("plan: what stays resident (%.1f GiB) leaves no room for a step's expert cache: not planned further\n", resident / GIB);
+    printf("plan: resident %.2f GiB (dense weights but the mapped embedding and streamed layers, %d sequence states, buffers); reserve %.2f GiB; expert cache %.2f GiB = %.1f%% of the experts\n",
+           resident / GIB, seqs, reserve / GIB, cache / GIB, 100 * f);
     if (streamed > 0)
-        printf("plan: layers' dense matrices %.2f GB resident, about %d of %d layers read from disk every step as stored, %.2f GB (--dense-budget %.2fG)\n",
-               dense_res / 1e9, (int)ceil(streamed / (layer_dense / c.n_layers)), c.n_layers, streamed_read / 1e9, dense_res / 1073741824.0);
+        printf("plan: layers' dense matrices %.2f GiB resident, about %d of %d layers read from disk every step as stored, %.2f GiB (--dense-budget %.2fG)\n",
+               dense_res / GIB, (int)ceil(streamed / (layer_dense / c.n_layers)), c.n_layers, streamed_read / GIB, dense_res / GIB);
     /* a decode token at position ctx: absorbed MLA reads the latent cache and does per head
      * (2 r + d_r) multiply-adds per cached token (scores and context); KDA reads and writes its state */
     const double cw = c.kv_lora_rank + c.qk_rope_dim;
@@ -231,16 +249,16 @@ static void print_plan(const options *o, const model_sizes *z) {
         /* compute: the bytes touched at memory speed, or the multiply-adds of N tokens (weights
          * and attention at position ctx) at the machine's throughput when that is longer */
         const double io = read / (o->disk * 1e9), comp = fmax(touched / (o->membw * 1e9), (2 * z->n_active + attn_flops) * N / (o->gflops * 1e9));
-        printf("decode, %d sequence%s: %.2f GB read per step (%.0f experts per MoE layer), io %.3f s + compute %.3f s: "
+        printf("decode, %d sequence%s: %.2f GiB read per step (%.0f experts per MoE layer), io %.3f s + compute %.3f s: "
                "%.3f s/token serial, %.3f s/token overlapped (%.2f / %.2f tok/s aggregate)\n",
-               ns[i], N > 1 ? "s in lockstep" : "", read / 1e9, distinct, io, comp, (io + comp) / N, (io > comp ? io : comp) / N,
+               ns[i], N > 1 ? "s in lockstep" : "", read / GIB, distinct, io, comp, (io + comp) / N, (io > comp ? io : comp) / N,
                N / (io + comp), N / (io > comp ? io : comp));
     }
     const double T = batch, dT = E ? E * (1 - pow(1 - k / E, T)) : 0;
     const double pread = n_moe * dT * one_expert * (1 - f) + streamed_read;
     const double pio = pread / (o->disk * 1e9), pcomp = 2 * z->n_active * T / (o->gflops * 1e9);
-    printf("prefill, %d-token chunk: %.2f GB read (%.0f experts per MoE layer), io %.2f s + compute %.2f s: %.1f tok/s serial, %.1f overlapped\n",
-           batch, pread / 1e9, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
+    printf("prefill, %d-token chunk: %.2f GiB read (%.0f experts per MoE layer), io %.2f s + compute %.2f s: %.1f tok/s serial, %.1f overlapped\n",
+           batch, pread / GIB, dT, pio, pcomp, T / (pio + pcomp), T / (pio > pcomp ? pio : pcomp));
 }
 
 /* With -m: the runtime's own resource plan for the model on this machine (moe_plan_make, what
@@ -266,7 +284,7 @@ static int runtime_plan(options *o) {
     if (!o->ram_given) o->ram = (double)p.mem_bytes;
     if (!o->threads_given) o->threads = p.opt.n_threads;
     const double disk = p.disk_gbps[0] > p.disk_gbps[1] ? p.disk_gbps[0] : p.disk_gbps[1];
-    if (!o->disk_given && disk > 0) o->disk = disk;
+    if (!o->disk_given && disk > 0) o->disk = disk, o->disk_measured = 1;
     if (!o->dbv_given && (p.opt.dense_type == MOE_WTYPE_Q8_0 || p.opt.dense_type == MOE_WTYPE_Q4_0))
         o->dbv = p.opt.dense_type == MOE_WTYPE_Q8_0 ? 1.0625 : 0.5625, o->dbv_given = 1;
     if (o->dense_budget < 0 && p.opt.dense_budget) o->dense_budget = (double)p.opt.dense_budget;

@@ -451,7 +451,7 @@ static void test_plan(void) {
         moe_plan q = {.mem_bytes = mem, .mem_from = "test", .cpus = 4, .cores = 2};
         const moe_status st = moe__plan_choose(&q, m, &o, err, sizeof err);
         if (st) {
-            CHECKF(st == MOE_ERR_NOMEM && strstr(err, "GB of memory (test)"), "%s", err);
+            CHECKF(st == MOE_ERR_NOMEM && strstr(err, "GiB of memory (test)"), "%s", err);
             saw_error = 1;
             continue;
         }
