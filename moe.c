@@ -1,6 +1,6 @@
 /* moe.c - the moe runtime: loading checkpoints (safetensors, GGUF), keeping their weights in
  * memory or streaming them from disk, the forward pass of the Kimi Linear / Kimi K3 family
- * (spec/MODEL.md), sessions, and text (tokenizer, chat formats, sampling). Kernels and number
+ * (docs/spec/MODEL.md), sessions, and text (tokenizer, chat formats, sampling). Kernels and number
  * formats live in quant.c; this file owns model logic only and calls the kernels through the
  * model's kernel table (m->k). It prints nothing and never exits: every failure is a moe_status
  * with a message in the caller's buffer.
@@ -953,7 +953,7 @@ static moe__weight *layer_matrix(layer *L, size_t i) { return (moe__weight *)(vo
 #define N_DENSE_FIELDS (sizeof dense_fields / sizeof *dense_fields)
 
 /* ==== config ==================================================================================
- * Moonshot's field names (spec/MODEL.md section 1), with transformers' aliases as fallbacks.
+ * Moonshot's field names (docs/spec/MODEL.md section 1), with transformers' aliases as fallbacks.
  * Unknown keys of any type are ignored; every value we use is range-checked. */
 
 typedef struct {
@@ -1174,7 +1174,7 @@ static const char *const global_map[][2] = {
     {"model.output_attn_res_score.weight", "output_res_score.weight"},
 };
 
-/* The names llama.cpp's Kimi-K3 converter gives some of those tensors (spec/GGUF-KIMI.md section
+/* The names llama.cpp's Kimi-K3 converter gives some of those tensors (docs/spec/GGUF-KIMI.md section
  * 2), tried where the name above is absent: its full-rank KDA gate, its latent MoE projections. */
 static const char *const llama_k3_map[][2] = {
     {"self_attn.g_proj.weight", "ssm_g.weight"},
@@ -1301,7 +1301,7 @@ static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json 
     sb_printf(&b, "{\"vocab_size\": %lld, \"hidden_size\": %lld, \"num_hidden_layers\": %lld, \"rms_norm_eps\": %.9g,",
               (long long)vocab, (long long)gk_int(f, arch, "embedding_length", -1), (long long)L,
               gk_float(f, arch, "attention.layer_norm_rms_epsilon", -1));
-    /* llama.cpp's Kimi-K3 keys first (spec/GGUF-KIMI.md 1.1), then the ones moe-convert wrote
+    /* llama.cpp's Kimi-K3 keys first (docs/spec/GGUF-KIMI.md 1.1), then the ones moe-convert wrote
      * before it wrote llama.cpp's */
     double situ = gk_float(f, arch, "activation.situ_beta", gk_float(f, arch, "situ_beta", 0));
     sb_printf(&b, "\"hidden_act\": \"%s\", \"activation_situ_beta\": %.9g, \"activation_situ_linear_beta\": %.9g,",
@@ -1370,7 +1370,7 @@ static moe_status gguf_config_json(const moe__st_file *files, int nf, moe__json 
     uint32_t bv = 0, ev = 0;
     if (bos && bos->type == MOE_GGUF_U32) memcpy(&bv, bos->data, 4);
     if (eos && eos->type == MOE_GGUF_U32) memcpy(&ev, eos->data, 4);
-    /* never tied: the Kimi models' LM head is a matrix of its own (spec/MODEL.md section 2), so a
+    /* never tied: the Kimi models' LM head is a matrix of its own (docs/spec/MODEL.md section 2), so a
      * file without output.weight is refused by name rather than run on the embedding */
     sb_printf(&b, "\"bos_token_id\": %d, \"eos_token_id\": %d, \"tie_word_embeddings\": false}", bos ? (int)bv : -1, eos ? (int)ev : -1);
     if (!b.s) return MOE_ERR_NOMEM;
@@ -4484,7 +4484,7 @@ static moe_status matmul(const moe_model *m, float *y, const float *x, int T, co
 /* =================================================================================================
  * PART 4: THE FORWARD PASS
  * =================================================================================================
- * spec/MODEL.md in code order: norms and activations, the two token mixers (KDA linear attention,
+ * docs/spec/MODEL.md in code order: norms and activations, the two token mixers (KDA linear attention,
  * section 6; MLA latent attention, section 7), the FFN and the routed MoE (section 8), attention
  * residuals (section 5.2), and the step that runs the layers over the rows of several sequences
  * at once (forward_layers). Mixers read and update their session's state; the FFN and MoE run on
@@ -5889,11 +5889,11 @@ moe_status moe_session_fork(moe_session **out, const moe_session *src, char *err
  * PART 6: TEXT
  * =================================================================================================
  * What turns text into token ids and back, and logits into tokens: the tiktoken-compatible
- * tokenizer (spec/TOKENIZER.md), the vendors' chat templates and the parsing of replies (tool
+ * tokenizer (docs/spec/TOKENIZER.md), the vendors' chat templates and the parsing of replies (tool
  * calls, channels), and sampling. Independent of the weights: a tokenizer can be opened alone. */
 
 /* ==== tokenizer ================================================================================
- * tiktoken's rank BPE (spec/TOKENIZER.md section 2): text -> (Kimi: chunks) -> special-token scan
+ * tiktoken's rank BPE (docs/spec/TOKENIZER.md section 2): text -> (Kimi: chunks) -> special-token scan
  * -> pre-tokenizer pieces -> byte-pair merge by lowest rank of the concatenation, leftmost on
  * ties, with the whole-piece shortcut. The pre-tokenizers are hand-written matchers that follow
  * the regex engine's leftmost-first semantics (spec section 3.3) over the class table below. */
@@ -7279,7 +7279,7 @@ moe_status moe_detokenize(const moe_tokenizer *t, const int32_t *ids, size_t n, 
 
 /* ==== chat formats =============================================================================
  * OpenAI-style requests ({"messages": [...], "tools": [...], ...}) rendered as the vendor
- * templates do (spec/TOKENIZER.md section 5): Kimi-Linear/K2 (the K2-Instruct-0905 template,
+ * templates do (docs/spec/TOKENIZER.md section 5): Kimi-Linear/K2 (the K2-Instruct-0905 template,
  * "T1") and K3's XTML (encoding_k3.py's build_chat_segments). A prompt is a list of segments,
  * each encoded on its own: control markers with specials allowed, text with specials as plain
  * text. JSON inside prompts is written as Python's json.dumps writes it. */

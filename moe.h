@@ -216,7 +216,7 @@ MOE_API moe_options moe_default_options(void);
 enum { MOE_LAYER_KDA = 0, MOE_LAYER_MLA = 1 };
 enum { MOE_ACT_SILU = 0, MOE_ACT_SITU = 1 };
 
-/* The text model's configuration, after defaults are applied (spec/MODEL.md section 1). */
+/* The text model's configuration, after defaults are applied (docs/spec/MODEL.md section 1). */
 typedef struct {
     int vocab_size, hidden_size, n_layers;
     float rms_norm_eps;
@@ -350,7 +350,7 @@ typedef struct {
 MOE_API moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *stats,
                             char *err, size_t errlen);
 
-/* ---- tokenizer (spec/TOKENIZER.md) ------------------------------------------------------
+/* ---- tokenizer (docs/spec/TOKENIZER.md) ------------------------------------------------------
  * tiktoken's rank BPE: a rank file ("base64-bytes rank" per line; a token's id is its rank),
  * special tokens after the ranks, and a pre-tokenizer that cuts text into pieces first. Kimi's
  * pre-tokenizer adds Han runs and the vendor's 400,000 / 25,000 chunking; o200k_base and
@@ -416,7 +416,7 @@ MOE_API size_t moe_utf8_valid_prefix(const char *s, size_t n);
 MOE_API size_t moe_text_ready(const char *buf, size_t n, const char *const *stops, int n_stops,
                               int final, int *stopped);
 
-/* ---- chat formats (spec/TOKENIZER.md section 5) ---------------------------------------
+/* ---- chat formats (docs/spec/TOKENIZER.md section 5) ---------------------------------------
  * An OpenAI-style request, {"messages": [...], "tools": [...], "tool_choice": ...,
  * "response_format": ...} (or a bare messages list), rendered as the vendor templates do:
  * Kimi-Linear/K2 (<|im_user|>user<|im_middle|>...<|im_end|>) or K3's XTML (<|open|>message

@@ -1770,7 +1770,7 @@ static void axpy_ref(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-/* ---- KDA core (spec/MODEL.md section 6) ------------------------------------------------ */
+/* ---- KDA core (docs/spec/MODEL.md section 6) ------------------------------------------------ */
 
 /* Per token: S <- diag(e^g) S; u = beta (v - S^T k); S <- S + k u^T; o = S^T q.
  * S is [D key rows, D value columns]. */

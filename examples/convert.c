@@ -244,7 +244,7 @@ static void add_res(plan *p, const char *gg, const char *hfnorm, int64_t d) {
 }
 
 /* the tensors of the model, in the order the runtime reads them; kimi-k3 under the names and
- * layouts of llama.cpp's Kimi-K3 support (spec/GGUF-KIMI.md section 2) */
+ * layouts of llama.cpp's Kimi-K3 support (docs/spec/GGUF-KIMI.md section 2) */
 static void build_plan(plan *p, const moe_config *c, int dense, int experts, int expert_src_type) {
     char hf[200], gg[96];
     const int64_t d = c->hidden_size, V = c->vocab_size;

@@ -136,7 +136,7 @@ static int sizes_of_model(const options *o, model_sizes *z, moe_model **mp) {
     return 0;
 }
 
-/* parameter counts from a config alone, by the shapes of spec/MODEL.md section 2 */
+/* parameter counts from a config alone, by the shapes of docs/spec/MODEL.md section 2 */
 static int sizes_of_config(options *o, model_sizes *z) {
     static unsigned char kinds[4096], moes[4096];
     char err[512];

@@ -11,7 +11,7 @@ plus flag 8 = Script=Han (the Script property, not Script_Extensions) and 16 = W
 The table is a sorted list of runs (first code point, byte), searched by bisection.
 
 The CJK ideograph ranges assigned after UCD 15.0 (Ext. I in 15.1, Ext. J in 17.0, and the other
-Han additions listed in shared/spec/TOKENIZER.md section 3.2) are added as Lo + Han so that the
+Han additions listed in docs/spec/TOKENIZER.md section 3.2) are added as Lo + Han so that the
 tables agree with the vendor engine's (Unicode 16.0 or newer) on them.
 
 Usage: scripts/gen-unicode-tables.py [UCD_DIR] [moe.c]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes test/tokenizer/random.jsonl: 3000 random strings (JSON, one per line) of 1-24 code
-points from a palette chosen to hit the pre-tokenizers' edge cases (spec/TOKENIZER.md 6.3):
+points from a palette chosen to hit the pre-tokenizers' edge cases (docs/spec/TOKENIZER.md 6.3):
 letters of every case class, contractions, digits, CR/LF/TAB/VT/FF, NBSP, U+3000, U+2028,
 U+001C, combining marks, Han (with the Script=Han oddities), kana, Hangul, other scripts,
 titlecase, fullwidth Latin, emoji with VS16 and ZWJ, Nl/No numbers. U+0085 and U+FEFF are left

@@ -8,7 +8,7 @@
 //   node tokenizer-reference.mjs kimi-pieces FILE       Kimi pieces of each line of FILE, JSON
 //
 // The Kimi pattern has no JavaScript engine of its own: kimiRegex below is our translation of
-// the vendor's pat_str (spec/TOKENIZER.md 3.1) into JavaScript syntax: \p{Script=Han} for
+// the vendor's pat_str (docs/spec/TOKENIZER.md 3.1) into JavaScript syntax: \p{Script=Han} for
 // \p{Han}, the v flag for the && set intersections, (?i:...) written out case by case with
 // U+017F for s, and \s replaced by an explicit White_Space class (JS \s adds U+FEFF and lacks
 // U+0085). It is a translation, not vendor code.

@@ -8,7 +8,7 @@ Steps, all here on the CPU machine, output in OUT_DIR (default build/train):
      whitespace collapsed, fortunes split on their '%' lines), one document per paragraph;
   2. tiktoken.model: a byte-level BPE vocabulary trained on the corpus (256 single bytes, then
      merges in the order learned; the rank of a token is its id), --vocab entries in all;
-  3. tokenizer_config.json: K3's special tokens after the base ranks (spec/TOKENIZER.md 1.3);
+  3. tokenizer_config.json: K3's special tokens after the base ranks (docs/spec/TOKENIZER.md 1.3);
   4. train.bin / valid.bin: the corpus tokenized by our own C tokenizer (build/moe-tokenize,
      Kimi pre-tokenizer), uint16 little-endian, documents joined by [EOS]; valid is 1% held out.
 
@@ -128,7 +128,7 @@ with open(os.path.join(args.out, "tiktoken.model"), "w") as f:
 n_base = len(vocab)
 print(f"vocabulary: {n_base} tokens")
 
-# ---- 3. K3 special tokens (spec/TOKENIZER.md 1.3), at their offsets from the base ----
+# ---- 3. K3 special tokens (docs/spec/TOKENIZER.md 1.3), at their offsets from the base ----
 special = {0: ("[BOS]", True), 1: ("[EOS]", False), 2: ("<|end_of_msg|>", True), 3: ("<|open|>", False),
            4: ("<|close|>", False), 5: ("<|sep|>", False), 18: ("<|media_begin|>", True),
            19: ("<|media_content|>", True), 20: ("<|media_end|>", True), 21: ("<|media_pad|>", True),

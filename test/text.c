@@ -141,7 +141,7 @@ static void check_pieces(int pretok, const char *text, const char *const *want) 
     CHECK(ok);
 }
 
-/* spec/TOKENIZER.md 6.1 (Kimi) and 6.2 (o200k, cl100k): verified there against tiktoken */
+/* docs/spec/TOKENIZER.md 6.1 (Kimi) and 6.2 (o200k, cl100k): verified there against tiktoken */
 static void test_tokenizer_spec_pieces(void) {
     enum { K = MOE_PRETOK_KIMI, O = MOE_PRETOK_O200K, C = MOE_PRETOK_CL100K };
 #define P(pre, text, ...) do { const char *w_[] = {__VA_ARGS__, NULL}; check_pieces(pre, text, w_); } while (0)
@@ -479,7 +479,7 @@ static void test_text_ready(void) {
 }
 
 /* writes a tokenizer_config.json naming Kimi's specials at their offsets from the base ids (the
- * K2 / Kimi-Linear table or the K3 table of spec/TOKENIZER.md 1.3) */
+ * K2 / Kimi-Linear table or the K3 table of docs/spec/TOKENIZER.md 1.3) */
 static void write_kimi_config(const char *path, int base, int k3) {
     static const char *k2n[] = {"[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", NULL, "<|start_header_id|>",
                                 "<|end_header_id|>", NULL, "[EOT]", "<|im_system|>", "<|tool_calls_section_begin|>",
@@ -505,7 +505,7 @@ static moe_tokenizer *kimi_test_tokenizer(const char *ranks, int base, int k3) {
     return t;
 }
 
-/* the worked examples of spec/TOKENIZER.md 5.2 (KL-1..5, rendered with the K2-Instruct-0905
+/* the worked examples of docs/spec/TOKENIZER.md 5.2 (KL-1..5, rendered with the K2-Instruct-0905
  * template through transformers) and 5.4 (K3-1..6, the vendor's encoding_k3.py), extracted into
  * test/chat/spec-cases.jsonl: rendered text must be identical */
 static void test_chat_spec_cases(void) {
@@ -680,13 +680,13 @@ static void test_chat_json_dumps(void) {
 }
 
 const test_case text_tests[] = {
-    {"text.tokenizer_spec_pieces", test_tokenizer_spec_pieces, "pre-tokenizer pieces of spec/TOKENIZER.md 6.1-6.2", 0},
+    {"text.tokenizer_spec_pieces", test_tokenizer_spec_pieces, "pre-tokenizer pieces of docs/spec/TOKENIZER.md 6.1-6.2", 0},
     {"text.tokenizer_random_pieces", test_tokenizer_random_pieces, "Kimi pieces of 3000 random strings against a regex reference", 0},
     {"text.tokenizer_openai_ids", test_tokenizer_openai_ids, "o200k and cl100k ids against js-tiktoken on a multilingual corpus", 0},
     {"text.tokenizer_roundtrip", test_tokenizer_roundtrip, "decode(encode(x)) == x for arbitrary bytes; strict UTF-8; output sizes", 0},
     {"text.tokenizer_kimi_specials", test_tokenizer_kimi_specials, "Kimi's special tokens: encoded, refused or plain as asked", 0},
     {"text.text_ready", test_text_ready, "streaming output: whole characters only, stop strings held back", 0},
-    {"text.chat_spec_cases", test_chat_spec_cases, "chat templates render the worked examples of spec/TOKENIZER.md 5.2 and 5.4", 0},
+    {"text.chat_spec_cases", test_chat_spec_cases, "chat templates render the worked examples of docs/spec/TOKENIZER.md 5.2 and 5.4", 0},
     {"text.chat_ids", test_chat_ids, "chat prompts to ids: K3 by segments, K2 whole, specials in user text", 0},
     {"text.chat_json_dumps", test_chat_json_dumps, "Python's json.dumps formatting of numbers and strings", 0},
     {"text.sampling", test_sampling, "samplers against a reference implementation of the same rules", 0},
