@@ -16,7 +16,7 @@ int main(int argc, char **argv) {
     moe_tokenizer *t = NULL;
     moe_session *s = NULL;
     moe_options o = moe_default_options();
-    o.flags |= MOE_FLAG_PLAN; /* memory, threads and streaming as this machine allows */
+    o.flags |= MOE_FLAG_PLAN; /* memory, threads and streaming as the machine allows */
     if (moe_model_open(&m, argv[1], &o, err, sizeof err) || moe_tokenizer_for_model(&t, m, err, sizeof err) ||
         moe_session_new(&s, m, 4096, err, sizeof err))
         return fprintf(stderr, "simple: %s\n", err), 1;
