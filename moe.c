@@ -1013,6 +1013,12 @@ static moe_status parse_config(moe_model *m, const moe__json *root, char *err, s
         j = tc;
         strcpy(m->prefix, "language_model.");
     }
+    /* the family moe runs: Kimi Linear ("kimi_linear", also the model_type of K3's text_config)
+     * under K3's wrapper ("kimi_k3"); a config without model_type is read as one */
+    const moe__json *mt = moe__json_get(j, "model_type");
+    if (mt && mt->type == MOE_JSON_STR && strcmp(mt->str, "kimi_linear") && strcmp(mt->str, "kimi_k3"))
+        return fail(err, errlen, MOE_ERR_UNSUPPORTED, "config.json: model_type \"%.60s\" is not a model moe runs (kimi_linear: Kimi Linear and "
+                    "Kimi K3)", mt->str);
     moe_config *g = &m->cfg;
     g->vocab_size = cint(&c, j, "vocab_size", NULL, -1, 1, 1 << 24);
     g->hidden_size = cint(&c, j, "hidden_size", NULL, -1, 1, 1 << 16);
@@ -2006,10 +2012,22 @@ static moe_status index_shards(const char *dir, const char *index_path, char ***
 static moe_status cache_open(moe_model *m, char *err, size_t errlen); /* PART 2, section "expert cache" */
 static void cache_free(moe_model *m);
 
+static void plan_cpus(int *cpus, int *cores); /* PART 2, section "the resource plan" */
+
+/* the physical cores this process may use, found once */
+static int default_threads = 1;
+static void find_default_threads(void) {
+    int cpus, cores;
+    plan_cpus(&cpus, &cores);
+    default_threads = cores > 0 ? cores : 1;
+}
+
 moe_options moe_default_options(void) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, find_default_threads);
     moe_options o;
     memset(&o, 0, sizeof o);
-    o.n_threads = 1;
+    o.n_threads = default_threads;
     o.n_batch = 0; /* by the expert mode, at open */
     o.expert_mode = MOE_EXPERTS_MMAP;
     o.io_threads = 4;
@@ -2144,7 +2162,11 @@ static moe_status open_files(moe_model *m, const char *path, char *err, size_t e
     snprintf(buf, sizeof buf, "%s/config.json", dir);
     if ((st = parse_json_file(buf, &cfg, err, errlen))) goto out;
     if (cfg->type != MOE_JSON_OBJ) { st = fail(err, errlen, MOE_ERR_FORMAT, "%s: not an object", buf); goto out; }
-    if ((st = parse_config(m, cfg, err, errlen))) goto out;
+    char e2[400];
+    if ((st = parse_config(m, cfg, e2, sizeof e2))) { /* its messages name config.json: give the path */
+        fail(err, errlen, st, "%s: %s", buf, strncmp(e2, "config.json: ", 13) ? e2 : e2 + 13);
+        goto out;
+    }
     if (!(m->files = xcalloc((size_t)n_shards, sizeof *m->files))) { st = MOE_ERR_NOMEM; goto out; }
     for (int i = 0; i < n_shards; i++) {
         snprintf(buf, sizeof buf, "%s/%s", dir, shards[i]);
@@ -3649,7 +3671,7 @@ static uint64_t plan_memory(const char **from) {
 /* the CPUs this process may use (affinity, cgroup CPU quota) and the physical cores among them */
 static void plan_cpus(int *cpus, int *cores) {
     int n = 0, nc = 0;
-    static int core_key[1024];
+    int core_key[1024];
 #ifdef CPU_SETSIZE
     cpu_set_t set;
     if (!sched_getaffinity(0, sizeof set, &set))

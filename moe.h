@@ -19,7 +19,8 @@
  * Threading: no global mutable state. A moe_model is read-only after moe_model_open and may be
  * shared by any number of threads and sessions. A moe_session is used by one thread at a time;
  * a moe_step call may include several sessions, each at most once. Worker threads (OpenMP) are
- * created per call, sized by moe_options.n_threads; none outlive a call.
+ * created per call, sized by moe_options.n_threads; none outlive a call. OpenMP's threads do not
+ * survive fork(): a child forked after a multi-threaded call steps with n_threads 1 (or execs).
  *
  * Ownership: every object is created through a `**out` constructor and freed by its *_free or
  * *_close function, which accept NULL. Pointers returned by accessors stay valid until the object
@@ -126,7 +127,8 @@ typedef enum {
 } moe_wtype;
 
 typedef struct {
-    int n_threads;          /* worker threads per call; <= 0 means 1 */
+    int n_threads;          /* worker threads per call (default: the physical cores this process
+                               may use, as the resource plan counts them); <= 0 means 1 */
     int n_batch;            /* rows per internal forward chunk (bounds activation memory; larger
                                chunks read each weight, and each routed expert from disk, once for
                                more rows, and rebuild MLA's expanded keys less often); <= 0 (the

@@ -25,6 +25,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "args.h"
 #include "cache_flags.h"
 #include "files.h"
 
@@ -39,24 +40,22 @@
 #include <time.h>
 #include <unistd.h>
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-batch: %s\n", msg);
-    fprintf(msg ? stderr : stdout,
-            "usage: moe-batch -m MODEL -i IN.jsonl -o OUT.jsonl [options]\n"
-            "  -m MODEL         checkpoint directory, .safetensors file or .gguf (with its tokenizer)\n"
-            "  -i IN.jsonl      OpenAI Batch input: one request per line\n"
-            "  -o OUT.jsonl     answers are appended here; rerun to finish an interrupted job\n"
-            "  --shard I/N      answer only the requests whose custom_id falls in shard I of N (0 <= I < N)\n"
-            "  -t THREADS       worker threads (default: the physical cores)\n"
-            "  --parallel P     requests decoded at once in lockstep (default 8)\n"
-            "  -c CTX           context per request: prompt + max_tokens must fit (default 4096)\n"
-            "  --max-tokens N   for requests without max_tokens (default 256)\n"
-            "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
-            "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
-            "  --kv-type f32|bf16|q8, --mxfp4 f32|int8, --act 8|16,\n"
-            "  --kernels NAME, --check-tensors  as in moe-cli\n");
-    return msg ? 2 : 0;
-}
+static arg_help help = {
+    "usage: moe-batch -m MODEL -i IN.jsonl -o OUT.jsonl [options]\n"
+    "  -m MODEL         checkpoint directory, .safetensors file or .gguf (with its tokenizer)\n"
+    "  -i IN.jsonl      OpenAI Batch input: one request per line\n"
+    "  -o OUT.jsonl     answers are appended here; rerun to finish an interrupted job\n"
+    "  --shard I/N      answer only the requests whose custom_id falls in shard I of N (0 <= I < N)\n"
+    "  -t THREADS       worker threads (default: the physical cores)\n"
+    "  --parallel P     requests decoded at once in lockstep (default 8)\n"
+    "  -c CTX           context per request: prompt + max_tokens must fit (default 4096)\n"
+    "  --max-tokens N   for requests without max_tokens (default 256)\n"
+    "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
+    "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
+    "  --kv-type f32|bf16|q8, --mxfp4 f32|int8, --act 8|16,\n"
+    "  --kernels NAME, --check-tensors  as in moe-cli\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-batch", help, msg); }
 
 static double now(void) {
     struct timespec ts;
@@ -727,20 +726,30 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         int ck;
         const char *a = argv[i];
         int more = i + 1 < argc;
-        char *e;
+        double v;
+        char bad[300];
         if (!strcmp(a, "-m") && more) o->model = argv[++i];
         else if (!strcmp(a, "-i") && more) o->in_path = argv[++i];
         else if (!strcmp(a, "-o") && more) o->out_path = argv[++i];
         else if (!strcmp(a, "--shard") && more) { if (!parse_shard(argv[++i], &o->shard_i, &o->shard_n)) return usage("--shard is I/N with 0 <= I < N"); }
-        else if (!strcmp(a, "-t") && more) { o->opt.n_threads = (int)strtol(argv[++i], &e, 10); if (*e || o->opt.n_threads < 1 || o->opt.n_threads > 1024) return usage("bad -t"); o->opt.set |= MOE_SET_THREADS; }
-        else if (!strcmp(a, "--parallel") && more) { o->parallel = (int)strtol(argv[++i], &e, 10); if (*e || o->parallel < 1 || o->parallel > 1024) return usage("bad --parallel"); }
-        else if (!strcmp(a, "-c") && more) { o->ctx = (int)strtol(argv[++i], &e, 10); if (*e || o->ctx < 2 || o->ctx > 100000000) return usage("bad -c"); }
-        else if (!strcmp(a, "--max-tokens") && more) { o->default_max = (int)strtol(argv[++i], &e, 10); if (*e || o->default_max < 1) return usage("bad --max-tokens"); }
+        else if (!strcmp(a, "-t") && more) {
+            if (arg_number(a, argv[++i], 1, 1024, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->opt.n_threads = (int)v, o->opt.set |= MOE_SET_THREADS;
+        } else if (!strcmp(a, "--parallel") && more) {
+            if (arg_number(a, argv[++i], 1, 1024, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->parallel = (int)v;
+        } else if (!strcmp(a, "-c") && more) {
+            if (arg_number(a, argv[++i], 2, 1e8, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->ctx = (int)v;
+        } else if (!strcmp(a, "--max-tokens") && more) {
+            if (arg_number(a, argv[++i], 1, 1e9, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->default_max = (int)v;
+        }
         else if (!strcmp(a, "--model-name") && more) model_name = argv[++i];
         else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
-        else return usage("unknown, incomplete or out-of-range argument");
+        else return arg_unknown("moe-batch", help, a, more ? argv[i + 1] : NULL);
     }
     if (!o->model || !o->in_path || !o->out_path) return usage("-m, -i and -o are required");
     *done = 0;

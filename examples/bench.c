@@ -25,6 +25,7 @@
 #define _GNU_SOURCE /* O_DIRECT (glibc declares it only then; other libcs ignore this) */
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "args.h"
 #include "cache_flags.h"
 
 #include <errno.h>
@@ -47,19 +48,18 @@ static double now(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-bench: %s\n", msg);
-    fprintf(stderr, "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
-                    "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--mxfp4 f32|int8] [--act 8|16] [--batch ROWS]\n"
-                    "                 [--kernels NAME]\n"
-                    "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
-                    "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--batch ROWS]\n"
-                    "                 [--prefetch on|off]\n"
-                    "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n"
-                    "  --kernels NAME: a kernel set this CPU runs (avx2, avxvnni, ...; default its best), for the\n"
-                    "  model and the int8 peak\n");
-    return 2;
-}
+static arg_help help = {
+    "usage: moe-bench -m MODEL [-m MODEL...] [-t T[,T...]] [--depth D[,D...]] [-n TOKENS]\n"
+    "                 [--prefill N] [--reps R] [--kv-type f32|bf16|q8] [--mxfp4 f32|int8] [--act 8|16] [--batch ROWS]\n"
+    "                 [--kernels NAME]\n"
+    "       moe-bench --stream -m DIR [-n TOKENS] [-t T] [--expert-budget SIZE] [--io-threads N]\n"
+    "                 [--dense bf16|q8_0|q4_0] [--dense-budget SIZE] [--seqs 1,16,64] [--prefill N] [--batch ROWS]\n"
+    "                 [--prefetch on|off]\n"
+    "  defaults: -t 1,2  --depth 0,4096  -n 16 decoded tokens  --prefill 512  --reps 3\n"
+    "  --kernels NAME: a kernel set this CPU runs (avx2, avxvnni, ...; default its best), for the\n"
+    "  model and the int8 peak\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-bench", help, msg); }
 
 /* Read bandwidth: each thread streams its share of a large buffer with the widest loads the CPU
  * has (the kernels do), with and without software prefetch 8 KB ahead (on a shared VM
@@ -496,8 +496,8 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
             const int act16 = parse_act(argv[++i]);
             if (act16 < 0) return usage("--act is 8 or 16");
             o->flags = act16 ? o->flags | MOE_FLAG_ACT16 : o->flags & ~(unsigned)MOE_FLAG_ACT16;
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
-        else return usage("unknown or incomplete argument");
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
+        else return arg_unknown("moe-bench", help, a, more ? argv[i + 1] : NULL);
     }
     if (!o->n_models || o->n_decode < 1 || o->n_prefill < 1 || o->reps < 1) return usage("need -m MODEL");
     *done = 0;

@@ -40,7 +40,8 @@ static inline int parse_mxfp4(const char *s) { return !strcmp(s, "int8") ? 1 : !
 static inline int parse_act(const char *s) { return !strcmp(s, "16") ? 1 : !strcmp(s, "8") ? 0 : -1; }
 
 /* If argv[*i] is one of the flags, consumes it (and its value) into o and returns 1; returns -1
- * with *why set when its value is bad; 0 when it is not one of them. */
+ * with *why set when its value is bad (a message naming the flag and the value); 0 when it is not
+ * one of them. */
 static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, const char **why) {
     const char *a = argv[*i], *v = *i + 1 < argc ? argv[*i + 1] : NULL;
     if (!strcmp(a, "--check-tensors")) { /* llama.cpp's name for it */
@@ -51,48 +52,51 @@ static inline int cache_flag(int argc, char **argv, int *i, moe_options *o, cons
         strcmp(a, "--prefetch") && strcmp(a, "--dense") && strcmp(a, "--kv-type") && strcmp(a, "--mxfp4") && strcmp(a, "--act") &&
         strcmp(a, "--kernels"))
         return 0;
-    if (!v) return *why = "a flag needs a value", -1;
+    static char msg[300]; /* "FLAG VALUE: what it takes" (the programs are single-threaded here) */
+#define CACHE_FLAG_BAD(what) return snprintf(msg, sizeof msg, "%s %s: %s", a, v, what), *why = msg, -1
+    if (!v) return snprintf(msg, sizeof msg, "%s needs a value", a), *why = msg, -1;
     ++*i;
     if (!strcmp(a, "--load-mode")) {
         if (!strcmp(v, "mmap")) o->expert_mode = MOE_EXPERTS_MMAP;
         else if (!strcmp(v, "cache")) o->expert_mode = MOE_EXPERTS_CACHE;
-        else return *why = "--load-mode is mmap or cache", -1;
+        else CACHE_FLAG_BAD("must be mmap or cache");
         o->set |= MOE_SET_EXPERT_MODE;
     } else if (!strcmp(a, "--expert-budget")) {
-        if (!parse_size(v, &o->expert_budget)) return *why = "--expert-budget needs a size such as 8G", -1;
+        if (!parse_size(v, &o->expert_budget)) CACHE_FLAG_BAD("not a size with its unit, such as 8G");
         o->set |= MOE_SET_EXPERT_BUDGET;
     } else if (!strcmp(a, "--dense-budget")) {
-        if (!parse_size(v, &o->dense_budget)) return *why = "--dense-budget needs a size such as 20G", -1;
+        if (!parse_size(v, &o->dense_budget)) CACHE_FLAG_BAD("not a size with its unit, such as 20G");
         o->set |= MOE_SET_DENSE_BUDGET;
     } else if (!strcmp(a, "--io-threads")) {
         char *e;
         long n = strtol(v, &e, 10);
-        if (*e || e == v || n < 0 || n > 256) return *why = "--io-threads is 0..256", -1;
+        if (*e || e == v || n < 0 || n > 256) CACHE_FLAG_BAD("must be a whole number from 0 to 256");
         o->io_threads = (int)n;
         o->set |= MOE_SET_IO_THREADS;
     } else if (!strcmp(a, "--dense")) {
         const int t = !strcmp(v, "asis") ? MOE_WTYPE_ASIS : !strcmp(v, "f32") ? MOE_WTYPE_F32 : !strcmp(v, "bf16") ? MOE_WTYPE_BF16
                     : !strcmp(v, "q8_0") ? MOE_WTYPE_Q8_0 : !strcmp(v, "q4_0") ? MOE_WTYPE_Q4_0 : !strcmp(v, "auto") ? -1 : -2;
-        if (t == -2) return *why = "--dense is auto, asis, f32, bf16, q8_0 or q4_0", -1;
+        if (t == -2) CACHE_FLAG_BAD("must be auto, asis, f32, bf16, q8_0 or q4_0");
         if (t >= 0) o->dense_type = t, o->set |= MOE_SET_DENSE_TYPE;
         else o->dense_type = MOE_WTYPE_ASIS, o->set &= ~(unsigned)MOE_SET_DENSE_TYPE;
     } else if (!strcmp(a, "--kernels")) {
         o->kernels = v; /* a name moe_model_open checks against the CPU's levels */
     } else if (!strcmp(a, "--kv-type")) {
-        if ((o->kv_type = parse_kv_type(v)) < 0) return *why = "--kv-type is f32, bf16 or q8", -1;
+        if ((o->kv_type = parse_kv_type(v)) < 0) CACHE_FLAG_BAD("must be f32, bf16 or q8");
     } else if (!strcmp(a, "--mxfp4")) {
         const int int8 = parse_mxfp4(v);
-        if (int8 < 0) return *why = "--mxfp4 is f32 or int8", -1;
+        if (int8 < 0) CACHE_FLAG_BAD("must be f32 or int8");
         o->flags = int8 ? o->flags | MOE_FLAG_MXFP4_INT8 : o->flags & ~(unsigned)MOE_FLAG_MXFP4_INT8;
     } else if (!strcmp(a, "--act")) {
         const int act16 = parse_act(v);
-        if (act16 < 0) return *why = "--act is 8 or 16", -1;
+        if (act16 < 0) CACHE_FLAG_BAD("must be 8 or 16");
         o->flags = act16 ? o->flags | MOE_FLAG_ACT16 : o->flags & ~(unsigned)MOE_FLAG_ACT16;
     } else {
-        if (strcmp(v, "on") && strcmp(v, "off")) return *why = "--prefetch is on or off", -1;
+        if (strcmp(v, "on") && strcmp(v, "off")) CACHE_FLAG_BAD("must be on or off");
         o->prefetch = !strcmp(v, "on");
         o->set |= MOE_SET_PREFETCH;
     }
+#undef CACHE_FLAG_BAD
     return 1;
 }
 /* The plan a model was opened with (nothing without MOE_FLAG_PLAN): one line on stderr, and the

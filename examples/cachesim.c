@@ -19,17 +19,17 @@
 #define _POSIX_C_SOURCE 200809L
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "args.h"
 #include "files.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-cachesim: %s\n", msg);
-    fprintf(stderr, "usage: moe-cachesim -m MODEL --tokens IDS_FILE [--cache F,F,...] [--seqs N] [-t THREADS] [--half-life H]\n");
-    return 2;
-}
+static arg_help help = {
+    "usage: moe-cachesim -m MODEL --tokens IDS_FILE [--cache F,F,...] [--seqs N] [-t THREADS] [--half-life H]\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-cachesim", help, msg); }
 
 typedef struct {
     const char *model, *tokens;
@@ -155,9 +155,11 @@ static int parse_args(int argc, char **argv, options *o) {
                 o->fracs[o->n_fracs++] = strtod(p, &e);
                 if (e == p) return usage("bad --cache");
             }
-        } else return usage("unknown or incomplete argument");
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL), -1; /* -1: the help printed, exit 0 */
+        else return arg_unknown("moe-cachesim", help, a, more ? argv[i + 1] : NULL);
     }
-    if (!o->model || !o->tokens || o->seqs < 1 || o->opt.n_threads < 1 || !(o->half_life > 0)) return usage("-m and --tokens are required");
+    if (!o->model || !o->tokens) return usage("-m and --tokens are required");
+    if (o->seqs < 1 || o->opt.n_threads < 1 || !(o->half_life > 0)) return usage("--seqs and -t are at least 1, --half-life above 0");
     return 0;
 }
 
@@ -219,7 +221,7 @@ static int report(const options *o, const char *name, const trace *tr, int moe_l
 int main(int argc, char **argv) {
     options o;
     int rc = parse_args(argc, argv, &o);
-    if (rc) return rc;
+    if (rc) return rc < 0 ? 0 : rc;
     int32_t *ids;
     const char *why;
     const int n = read_ids(o.tokens, &ids, &why);

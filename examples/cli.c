@@ -13,85 +13,85 @@
 #include "../moe.h"
 #include "files.h"
 #include "cache_flags.h"
+#include "args.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-cli: %s\n", msg);
-    fprintf(msg ? stderr : stdout,
-            "usage: moe-cli -m MODEL [-p TEXT | -f FILE] [options]\n"
-            "\n"
-            "prompt and output:\n"
-            "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
-            "  -p TEXT         the prompt\n"
-            "  -f FILE         read the prompt from FILE ('-' = stdin); with neither -p nor -f the prompt\n"
-            "                  is read from stdin when it is not a terminal\n"
-            "  --ids           the prompt is space-separated token ids, and ids are printed (models\n"
-            "                  without a tokenizer)\n"
-            "  -n N            tokens to generate (default 128; -1 = until the end token or context)\n"
-            "  -c CTX          context size in tokens (default: prompt + n, 4096 in chat mode)\n"
-            "  --stop STR      stop when the output contains STR (repeatable; STR is not printed)\n"
-            "  --ignore-eos    keep generating after the end-of-turn token\n"
-            "  --show-special  print special tokens (markers) by name\n"
-            "  --no-display-prompt  do not echo the prompt before the generated text\n"
-            "\n"
-            "chat:\n"
-            "  -cnv, --chat    interactive chat: read user turns from stdin, one per line; empty line or\n"
-            "                  EOF ends; /reset starts over\n"
-            "  --chat-template NAME  auto (from the vocabulary: K3 XTML when it has <|open|>, else Kimi K2),\n"
-            "                  k2, k3, or none (raw completion; default without -cnv)\n"
-            "  -sys TEXT       system prompt (chat)\n"
-            "  --no-think      K3: thinking off (the reply starts in the response channel)\n"
-            "  --effort E      K3: thinking effort low|high|max (default max)\n"
-            "\n"
-            "sampling:\n"
-            "  --temp T        temperature, 0 = greedy (default 0.8)\n"
-            "  --top-k K       keep the K most likely tokens (default 40, 0 = off)\n"
-            "  --top-p P       nucleus sampling (default 0.95, 1 = off)\n"
-            "  --min-p P       drop tokens below P x the top probability (default 0.05, 0 = off)\n"
-            "  -s SEED         sampling seed (default: time); the same seed gives the same text\n"
-            "  --repeat-penalty P     divide/multiply the logits of recent tokens by P (default 1 = off)\n"
-            "  --presence-penalty P   subtract P from recent tokens' logits (default 0)\n"
-            "  --frequency-penalty P  subtract P per occurrence among recent tokens (default 0)\n"
-            "  --repeat-last-n N      how many recent tokens the penalties look at (default 64)\n"
-            "\n");
-    fprintf(stderr,
-            "performance (what is not given, the resource plan chooses from the memory, CPUs and disk this\n"
-            "process may use and the model's size; its choices are printed in one line, \"plan:\"):\n"
-            "  -t THREADS      worker threads (default: the physical cores)\n"
-            "  --batch N       rows per internal forward chunk (default 2048; 512 with --load-mode cache)\n"
-            "  --load-mode M   routed experts through the file mapping (mmap) or read into a cache of\n"
-            "                  --expert-budget bytes (cache); default mmap where the weights fit in memory\n"
-            "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode; default what the rest leaves)\n"
-            "  --dense TYPE    the dense matrices (attention, shared experts, LM head) converted at load: asis,\n"
-            "                  f32, bf16, q8_0, q4_0, or auto (default: as stored where the weights fit, else\n"
-            "                  floats quantized to q8_0, or q4_0 where q8_0 leaves too little for experts)\n"
-            "  --dense-budget SIZE   cache mode: RAM for the layers' dense matrices; the layers beyond it\n"
-            "                        are read from disk every step through the cache (default: all resident\n"
-            "                        where they fit)\n"
-            "  --io-threads N        cache mode: threads reading experts from disk, in file order (default\n"
-            "                        16 where 16 readers beat 4 on the model's disk, else 4)\n"
-            "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
-            "  --kv-type f32|bf16|q8 MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16\n"
-            "                        products; q8 quarters it, int8 products, lossy: README)\n"
-            "  --mxfp4 f32|int8      MXFP4 experts times f32 input (exact, default) or int8-quantized input (faster)\n"
-            "  --act 8|16            input of the integer formats (Q8_0, Q4_0, ...) quantized to 8 bits (default)\n"
-            "                        or to two 8-bit parts, about 16 bits: half Q8_0's KL divergence, twice the\n"
-            "                        arithmetic (prefill slower, decode reads the same bytes)\n"
-            "  --scalar        the scalar reference kernels instead of the CPU's SIMD ones (the kernel set\n"
-            "                  in use is printed after loading)\n"
-            "  --kernels NAME  a kernel set this CPU runs by name (scalar, avx2, avxvnni, avx512, avx512vnni,\n"
-            "                  amx, neon, neon-dotprod) instead of its best\n"
-            "  --check-tensors read every float tensor at load and refuse a NaN or an infinity by name\n"
-            "                  (without it: the ones converted or read at load, and every step's logits)\n"
-            "  -h, --help      this text\n");
-    return msg ? 2 : 0;
-}
+static arg_help help = {
+    "usage: moe-cli -m MODEL [-p TEXT | -f FILE] [options]\n"
+    "\n"
+    "prompt and output:\n"
+    "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
+    "  -p TEXT         the prompt\n"
+    "  -f FILE         read the prompt from FILE ('-' = stdin); with neither -p nor -f the prompt\n"
+    "                  is read from stdin when it is not a terminal\n"
+    "  --ids           the prompt is space-separated token ids, and ids are printed (models\n"
+    "                  without a tokenizer)\n"
+    "  -n N            tokens to generate (default 128; -1 = until the end token or context; 0 = the\n"
+    "                  prompt only, for its timing)\n"
+    "  -c CTX          context size in tokens (default: prompt + n, 4096 in chat mode)\n"
+    "  --stop STR      stop when the output contains STR (repeatable; STR is not printed)\n"
+    "  --ignore-eos    keep generating after the end-of-turn token\n"
+    "  --show-special  print special tokens (markers) by name\n"
+    "  --no-display-prompt  do not echo the prompt before the generated text\n"
+    "\n"
+    "chat:\n"
+    "  -cnv, --chat    interactive chat: read user turns from stdin, one per line; empty line or\n"
+    "                  EOF ends; /reset starts over\n"
+    "  --chat-template NAME  auto (from the vocabulary: K3 XTML when it has <|open|>, else Kimi K2),\n"
+    "                  k2, k3, or none (raw completion; default without -cnv)\n"
+    "  -sys TEXT       system prompt (chat)\n"
+    "  --no-think      K3: thinking off (the reply starts in the response channel)\n"
+    "  --effort E      K3: thinking effort low|high|max (default max)\n"
+    "\n"
+    "sampling:\n"
+    "  --temp T        temperature, 0 = greedy (default 0.8)\n"
+    "  --top-k K       keep the K most likely tokens (default 40, 0 = off)\n"
+    "  --top-p P       nucleus sampling (default 0.95, 1 = off)\n"
+    "  --min-p P       drop tokens below P x the top probability (default 0.05, 0 = off)\n"
+    "  -s SEED         sampling seed (default: time); the same seed gives the same text\n"
+    "  --repeat-penalty P     divide/multiply the logits of recent tokens by P (default 1 = off)\n"
+    "  --presence-penalty P   subtract P from recent tokens' logits (default 0)\n"
+    "  --frequency-penalty P  subtract P per occurrence among recent tokens (default 0)\n"
+    "  --repeat-last-n N      how many recent tokens the penalties look at (default 64)\n"
+    "\n",
+    "performance (what is not given, the resource plan chooses from the memory, CPUs and disk this\n"
+    "process may use and the model's size; its choices are printed in one line, \"plan:\"):\n"
+    "  -t THREADS      worker threads (default: the physical cores)\n"
+    "  --batch N       rows per internal forward chunk (default 2048; 512 with --load-mode cache)\n"
+    "  --load-mode M   routed experts through the file mapping (mmap) or read into a cache of\n"
+    "                  --expert-budget bytes (cache); default mmap where the weights fit in memory\n"
+    "  --expert-budget SIZE  cache size, e.g. 512M or 8G (cache mode; default what the rest leaves)\n"
+    "  --dense TYPE    the dense matrices (attention, shared experts, LM head) converted at load: asis,\n"
+    "                  f32, bf16, q8_0, q4_0, or auto (default: as stored where the weights fit, else\n"
+    "                  floats quantized to q8_0, or q4_0 where q8_0 leaves too little for experts)\n"
+    "  --dense-budget SIZE   cache mode: RAM for the layers' dense matrices; the layers beyond it\n"
+    "                        are read from disk every step through the cache (default: all resident\n"
+    "                        where they fit)\n"
+    "  --io-threads N        cache mode: threads reading experts from disk, in file order (default\n"
+    "                        16 where 16 readers beat 4 on the model's disk, else 4)\n"
+    "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
+    "  --kv-type f32|bf16|q8 MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16\n"
+    "                        products; q8 quarters it, int8 products, lossy: README)\n"
+    "  --mxfp4 f32|int8      MXFP4 experts times f32 input (exact, default) or int8-quantized input (faster)\n"
+    "  --act 8|16            input of the integer formats (Q8_0, Q4_0, ...) quantized to 8 bits (default)\n"
+    "                        or to two 8-bit parts, about 16 bits: half Q8_0's KL divergence, twice the\n"
+    "                        arithmetic (prefill slower, decode reads the same bytes)\n"
+    "  --scalar        the scalar reference kernels instead of the CPU's SIMD ones (the kernel set\n"
+    "                  in use is printed after loading)\n"
+    "  --kernels NAME  a kernel set this CPU runs by name (scalar, avx2, avxvnni, avx512, avx512vnni,\n"
+    "                  amx, neon, neon-dotprod) instead of its best\n"
+    "  --check-tensors read every float tensor at load and refuse a NaN or an infinity by name\n"
+    "                  (without it: the ones converted or read at load, and every step's logits)\n"
+    "  -h, --help      this text\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-cli", help, msg); }
 
 static double now(void) {
     struct timespec ts;
@@ -125,13 +125,6 @@ static int parse_ids(const char *text, int32_t **out) {
 }
 
 
-static int num_arg(const char *s, double lo, double hi, double *out) {
-    char *end;
-    double v = strtod(s, &end);
-    if (*end || !(v >= lo && v <= hi)) return 0;
-    *out = v;
-    return 1;
-}
 
 
 static void on_progress(void *ud, const char *stage, float frac) {
@@ -252,6 +245,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
     *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *why = NULL;
+        char bad[300];
         int ck;
         const char *a = argv[i];
         double v;
@@ -259,20 +253,59 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         if (!strcmp(a, "-m") && more) o->model = argv[++i];
         else if (!strcmp(a, "-p") && more) o->prompt = argv[++i];
         else if (!strcmp(a, "-f") && more) o->file = argv[++i];
-        else if (!strcmp(a, "-n") && more && num_arg(argv[++i], -1, 1e8, &v)) o->n_gen = (int)v;
-        else if (!strcmp(a, "-t") && more && num_arg(argv[++i], 1, 1024, &v)) o->opt.n_threads = (int)v, o->opt.set |= MOE_SET_THREADS;
+        else if (!strcmp(a, "-n") && more) {
+            if (arg_number(a, argv[++i], -1, 1e8, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->n_gen = (int)v;
+        }
+        else if (!strcmp(a, "-t") && more) {
+            if (arg_number(a, argv[++i], 1, 1024, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->opt.n_threads = (int)v, o->opt.set |= MOE_SET_THREADS;
+        }
         else if (!strcmp(a, "--scalar")) o->opt.flags |= MOE_FLAG_FORCE_SCALAR;
-        else if (!strcmp(a, "-c") && more && num_arg(argv[++i], 1, 1e9, &v)) o->n_ctx = (int)v;
-        else if (!strcmp(a, "--temp") && more && num_arg(argv[++i], 0, 100, &v)) o->sp.temperature = (float)v;
-        else if (!strcmp(a, "--top-k") && more && num_arg(argv[++i], 0, 1e9, &v)) o->sp.top_k = (int)v;
-        else if (!strcmp(a, "--top-p") && more && num_arg(argv[++i], 0, 1, &v)) o->sp.top_p = (float)v;
-        else if (!strcmp(a, "--min-p") && more && num_arg(argv[++i], 0, 1, &v)) o->sp.min_p = (float)v;
-        else if (!strcmp(a, "-s") && more && num_arg(argv[++i], 0, 1.8e19, &v)) o->seed = (uint64_t)v;
-        else if (!strcmp(a, "--batch") && more && num_arg(argv[++i], 1, 1e6, &v)) o->opt.n_batch = (int)v;
-        else if (!strcmp(a, "--repeat-penalty") && more && num_arg(argv[++i], 0, 10, &v)) o->sp.repeat_penalty = (float)v;
-        else if (!strcmp(a, "--presence-penalty") && more && num_arg(argv[++i], -10, 10, &v)) o->sp.presence_penalty = (float)v;
-        else if (!strcmp(a, "--frequency-penalty") && more && num_arg(argv[++i], -10, 10, &v)) o->sp.frequency_penalty = (float)v;
-        else if (!strcmp(a, "--repeat-last-n") && more && num_arg(argv[++i], 0, 1e6, &v)) o->repeat_last_n = (int)v;
+        else if (!strcmp(a, "-c") && more) {
+            if (arg_number(a, argv[++i], 1, 1e9, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->n_ctx = (int)v;
+        }
+        else if (!strcmp(a, "--temp") && more) {
+            if (arg_number(a, argv[++i], 0, 100, 0, &v, bad, sizeof bad)) return usage(bad);
+            o->sp.temperature = (float)v;
+        }
+        else if (!strcmp(a, "--top-k") && more) {
+            if (arg_number(a, argv[++i], 0, 1e9, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->sp.top_k = (int)v;
+        }
+        else if (!strcmp(a, "--top-p") && more) {
+            if (arg_number(a, argv[++i], 0, 1, 0, &v, bad, sizeof bad)) return usage(bad);
+            o->sp.top_p = (float)v;
+        }
+        else if (!strcmp(a, "--min-p") && more) {
+            if (arg_number(a, argv[++i], 0, 1, 0, &v, bad, sizeof bad)) return usage(bad);
+            o->sp.min_p = (float)v;
+        }
+        else if (!strcmp(a, "-s") && more) {
+            if (arg_number(a, argv[++i], 0, 1.8e19, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->seed = (uint64_t)v;
+        }
+        else if (!strcmp(a, "--batch") && more) {
+            if (arg_number(a, argv[++i], 1, 1e6, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->opt.n_batch = (int)v;
+        }
+        else if (!strcmp(a, "--repeat-penalty") && more) {
+            if (arg_number(a, argv[++i], 0, 10, 0, &v, bad, sizeof bad)) return usage(bad);
+            o->sp.repeat_penalty = (float)v;
+        }
+        else if (!strcmp(a, "--presence-penalty") && more) {
+            if (arg_number(a, argv[++i], -10, 10, 0, &v, bad, sizeof bad)) return usage(bad);
+            o->sp.presence_penalty = (float)v;
+        }
+        else if (!strcmp(a, "--frequency-penalty") && more) {
+            if (arg_number(a, argv[++i], -10, 10, 0, &v, bad, sizeof bad)) return usage(bad);
+            o->sp.frequency_penalty = (float)v;
+        }
+        else if (!strcmp(a, "--repeat-last-n") && more) {
+            if (arg_number(a, argv[++i], 0, 1e6, 1, &v, bad, sizeof bad)) return usage(bad);
+            o->repeat_last_n = (int)v;
+        }
         else if (!strcmp(a, "--stop") && more) {
             if (o->n_stops == 16 || !*argv[i + 1]) return usage("--stop: at most 16 non-empty strings");
             o->stops[o->n_stops++] = argv[++i];
@@ -288,7 +321,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
-        else return usage("unknown, incomplete or out-of-range argument");
+        else return arg_unknown("moe-cli", help, a, more ? argv[i + 1] : NULL);
     }
     int rc = check_options(o, tmpl);
     *done = rc != 0;
@@ -386,6 +419,33 @@ static int open_model(cli *r) {
 
 /* The user's text for this turn into *text: 1 a turn, 0 the end (chat: an empty line or EOF), 2
  * nothing to compute (/reset). */
+/* Ctrl-C (SIGINT) while a reply is computed stops it: the flag is checked between tokens, and the
+ * handler runs once (SA_RESETHAND), so a second Ctrl-C ends the program at once. At the chat
+ * prompt Ctrl-C ends the program, as Ctrl-D does. */
+static volatile sig_atomic_t interrupted;
+
+static void on_interrupt(int sig) {
+    (void)sig;
+    interrupted = 1;
+}
+
+/* stop = 1: Ctrl-C stops the reply from now on; 0: it ends the program (the default action) */
+static void ctrl_c_stops_reply(int stop) {
+    static int ignored = -1; /* started with SIGINT ignored (a background job): left so */
+    if (ignored < 0) {
+        struct sigaction was;
+        ignored = !sigaction(SIGINT, NULL, &was) && was.sa_handler == SIG_IGN;
+    }
+    if (ignored) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sigemptyset(&sa.sa_mask);
+    sa.sa_handler = stop ? on_interrupt : SIG_DFL;
+    sa.sa_flags = stop ? SA_RESETHAND : 0;
+    interrupted = 0;
+    sigaction(SIGINT, &sa, NULL);
+}
+
 static int next_turn(cli *r, const char **text, size_t *len) {
     if (!r->o.chat) return *text = r->text, *len = r->plen, 1;
     fprintf(stderr, "\n> ");
@@ -448,7 +508,8 @@ static int feed_prompt(cli *r, const char *text, size_t len, size_t nid, int *ct
     }
     memcpy(r->hist + r->nh, r->ids + r->nh, sizeof *r->ids * (nid - (size_t)r->nh));
     int feed = (int)nid - keep;
-    if (moe_session_pos(r->s) + feed >= *ctx)
+    /* the prompt must fit, and leave room for a generated token unless none is asked for (-n 0) */
+    if (moe_session_pos(r->s) + feed > *ctx || (o->n_gen != 0 && moe_session_pos(r->s) + feed >= *ctx))
         return fprintf(stderr, "moe-cli: the prompt (%d tokens) does not fit the context of %d\n", (int)nid, *ctx), 1;
     if (o->display_prompt && !o->chat) {
         if (o->ids_mode)
@@ -501,7 +562,7 @@ static int generate(cli *r, int ctx) {
     if (r->q.reply) r->q.reply[0] = 0;
     if (o->templated) moe_chat_reply_init(&r->rep, r->tok, &r->co);
     int was_reasoning = 0, gen = 0;
-    for (; o->n_gen < 0 || gen < o->n_gen; gen++) {
+    for (; (o->n_gen < 0 || gen < o->n_gen) && !interrupted; gen++) {
         o->sp.recent = r->hist + (r->nh > o->repeat_last_n ? r->nh - o->repeat_last_n : 0);
         o->sp.n_recent = r->nh < o->repeat_last_n ? r->nh : o->repeat_last_n;
         int32_t t = moe_sample(r->logits, r->c->vocab_size, &o->sp, &o->seed);
@@ -518,6 +579,7 @@ static int generate(cli *r, int ctx) {
     outq_push(&r->q, "", 0, 1);
     printf("\n");
     fflush(stdout);
+    if (interrupted) fprintf(stderr, "moe-cli: interrupted (Ctrl-C)%s\n", o->chat ? "; Ctrl-C or Ctrl-D at the prompt ends the chat" : "");
     r->t_gen += now() - td, r->n_out += gen;
     add_read(&r->read_gen, rd);
     return 0;
@@ -549,6 +611,7 @@ static void print_summary(const cli *r) {
 /* the turns: one for a prompt, or a chat read from stdin */
 static int run(cli *r) {
     if (open_model(r)) return 1;
+    int was_interrupted = 0;
     for (;;) {
         const char *text;
         size_t len, nid;
@@ -560,7 +623,10 @@ static int run(cli *r) {
             if (r->o.chat) continue;
             return 1;
         }
+        ctrl_c_stops_reply(1);
         if (prompt_ids(r, text, len, &nid) || feed_prompt(r, text, len, nid, &ctx) || generate(r, ctx)) return 1;
+        was_interrupted = interrupted;
+        ctrl_c_stops_reply(0);
         if (!r->o.chat) break;
         /* the reply joins the conversation; the session holds the generated tokens, which the
          * next render normally reproduces, so only the new user turn is computed */
@@ -570,7 +636,7 @@ static int run(cli *r) {
     }
     print_summary(r);
     if (ferror(stdout)) return fprintf(stderr, "moe-cli: write error on stdout\n"), 1;
-    return 0;
+    return was_interrupted && !r->o.chat ? 130 : 0; /* 128 + SIGINT, as a shell reports it */
 }
 
 int main(int argc, char **argv) {

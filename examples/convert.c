@@ -29,6 +29,7 @@
 #define _DEFAULT_SOURCE
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "args.h"
 #include "cache_flags.h"
 #include "files.h"
 
@@ -106,23 +107,22 @@ static int check_output_name(const char *path) {
     return 0;
 }
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-convert: %s\n", msg);
-    fprintf(stderr, "usage: moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE]\n"
-                    "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
-                    "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N] [--sparse]   (random, released K3 layout;\n"
-                    "                      --sparse: only vectors, routers and the embedding written, the rest holes)\n"
-                    "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0\n"
-                    "                  q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs (bf16); with --random also\n"
-                    "                  iq1_s iq1_m iq2_xxs iq2_xs iq2_s iq3_xxs iq3_s (random blocks)\n"
-                    "  --experts TYPE  routed experts: asis mxfp4 or any of those (asis)\n"
-                    "  --split-max-size SIZE  parts of at most SIZE of tensor data (e.g. 48G, binary units), written as\n"
-                    "                  OUT-00001-of-0000N.gguf ... as llama.cpp splits GGUF files (a larger tensor gets a part alone)\n"
-                    "  --no-tensor-first-split  the first part holds only the metadata (as llama.cpp's gguf-split option)\n"
-                    "  --alignment N   general.alignment (4096): 32 for a file that llama-quantize or another tool\n"
-                    "                  writing through ggml's GGUF writer will copy (that writer pads to 32 whatever the key says)\n");
-    return 2;
-}
+static arg_help help = {
+    "usage: moe-convert MODEL_DIR OUT.gguf [--dense TYPE] [--experts TYPE]\n"
+    "       moe-convert --random SHAPE.json OUT.gguf [--dense TYPE] [--experts TYPE] [--seed N]\n"
+    "       moe-convert --k3-slice SHAPE.json OUT_DIR [--seed N] [--sparse]   (random, released K3 layout;\n"
+    "                      --sparse: only vectors, routers and the embedding written, the rest holes)\n"
+    "  --dense TYPE    attention, dense FFN, shared experts, embedding, LM head: f32 bf16 q8_0 q4_0\n"
+    "                  q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs (bf16); with --random also\n"
+    "                  iq1_s iq1_m iq2_xxs iq2_xs iq2_s iq3_xxs iq3_s (random blocks)\n"
+    "  --experts TYPE  routed experts: asis mxfp4 or any of those (asis)\n"
+    "  --split-max-size SIZE  parts of at most SIZE of tensor data (e.g. 48G, binary units), written as\n"
+    "                  OUT-00001-of-0000N.gguf ... as llama.cpp splits GGUF files (a larger tensor gets a part alone)\n"
+    "  --no-tensor-first-split  the first part holds only the metadata (as llama.cpp's gguf-split option)\n"
+    "  --alignment N   general.alignment (4096): 32 for a file that llama-quantize or another tool\n"
+    "                  writing through ggml's GGUF writer will copy (that writer pads to 32 whatever the key says)\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-convert", help, msg); }
 
 static int parse_type(const char *s, int experts) {
     if (!strcmp(s, "f32")) return MOE_T_F32;
@@ -1366,8 +1366,8 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         } else if (!strcmp(a, "--split-max-size") && more) {
             if (!parse_size(argv[++i], &o->split_max) || o->split_max < gguf_align) return usage("--split-max-size needs a size such as 48G");
         }
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
-        else if (a[0] == '-') return usage("unknown or incomplete option");
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
+        else if (a[0] == '-') return arg_unknown("moe-convert", help, a, more ? argv[i + 1] : NULL);
         else if (!o->in && !o->shape && !o->k3shape) o->in = a;
         else if (!o->out) o->out = a;
         else return usage("too many arguments");

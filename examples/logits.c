@@ -9,6 +9,7 @@
  * last line of stdout. Exit 0 on success, 1 on any error, 2 on usage errors. */
 #define _POSIX_C_SOURCE 200809L /* open, fstat, fcntl (files.h) */
 #include "../moe.h"
+#include "args.h"
 #include "cache_flags.h"
 #include "files.h"
 
@@ -17,26 +18,24 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-logits: %s\n", msg);
-    fprintf(stderr,
-            "usage: moe-logits -m MODEL --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]\n"
-            "                  [-t THREADS] [--scalar] [--kernels NAME] [--load-mode mmap|cache] [--expert-budget SIZE] [--dense TYPE] [--dense-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
-            "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
-            "  --tokens FILE   whitespace-separated token ids\n"
-            "  --out FILE      write float32 little-endian logits, rows x vocab\n"
-            "  --all           logits for every prompt position (default: the last one)\n"
-            "  --greedy N      then decode N tokens greedily; ids printed on the last stdout line\n"
-            "  -t THREADS      worker threads (default: the physical cores)\n"
-            "  --scalar        use the scalar reference kernels\n"
-            "  --kernels NAME  a kernel set this CPU runs by name (avx2, avxvnni, ...) instead of its best\n"
-            "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N,\n"
-            "  --prefetch on|off, --check-tensors: as in moe-cli (by default the resource plan's choices)\n"
-            "  --kv-type f32|bf16|q8  MLA latent cache element (default f32)\n"
-            "  --mxfp4 f32|int8  MXFP4 matrices times f32 input (default) or int8-quantized input\n"
-            "  --act 8|16        integer formats' input in 8 bits (default) or two 8-bit parts (moe-cli --help)\n");
-    return 2;
-}
+static arg_help help = {
+    "usage: moe-logits -m MODEL --tokens IDS_FILE [--out LOGITS_FILE] [--all] [--greedy N]\n"
+    "                  [-t THREADS] [--scalar] [--kernels NAME] [--load-mode mmap|cache] [--expert-budget SIZE] [--dense TYPE] [--dense-budget SIZE] [--io-threads N] [--prefetch on|off]\n"
+    "  -m MODEL        checkpoint directory, .safetensors file (config.json beside it) or .gguf\n"
+    "  --tokens FILE   whitespace-separated token ids\n"
+    "  --out FILE      write float32 little-endian logits, rows x vocab\n"
+    "  --all           logits for every prompt position (default: the last one)\n"
+    "  --greedy N      then decode N tokens greedily; ids printed on the last stdout line\n"
+    "  -t THREADS      worker threads (default: the physical cores)\n"
+    "  --scalar        use the scalar reference kernels\n"
+    "  --kernels NAME  a kernel set this CPU runs by name (avx2, avxvnni, ...) instead of its best\n"
+    "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N,\n"
+    "  --prefetch on|off, --check-tensors: as in moe-cli (by default the resource plan's choices)\n"
+    "  --kv-type f32|bf16|q8  MLA latent cache element (default f32)\n"
+    "  --mxfp4 f32|int8  MXFP4 matrices times f32 input (default) or int8-quantized input\n"
+    "  --act 8|16        integer formats' input in 8 bits (default) or two 8-bit parts (moe-cli --help)\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-logits", help, msg); }
 
 static int write_floats(FILE *f, const float *x, size_t n) {
     const unsigned one = 1;
@@ -84,8 +83,8 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         } else if (!strcmp(a, "--scalar")) o->opt.flags |= MOE_FLAG_FORCE_SCALAR;
         else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
-        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
-        else return usage("unknown or incomplete argument");
+        } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
+        else return arg_unknown("moe-logits", help, a, more ? argv[i + 1] : NULL);
     }
     if (!o->model || !o->tokens) return usage("-m and --tokens are required");
     *done = 0;

@@ -26,6 +26,7 @@
  * --kl-divergence-base). Exit 0, 1 on errors, 2 on usage. */
 #define _POSIX_C_SOURCE 200809L /* open, fstat, fcntl (files.h) */
 #include "../moe.h"
+#include "args.h"
 #include "cache_flags.h"
 #include "files.h"
 
@@ -35,23 +36,22 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-perplexity: %s\n", msg);
-    fprintf(stderr, "usage: moe-perplexity -m MODEL (--tokens IDS_FILE | -f TEXT_FILE) [--dense TYPE] [--experts TYPE]\n"
-                    "                      [--ref MODEL2] [-c CTX] [--chunks N] [--save-ref FILE] [--kv-type f32|bf16|q8]\n"
-                    "                      [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json] [--ref-routing] [--kernels NAME]\n"
-                    "                      [--load-mode mmap|cache] [--expert-budget SIZE] [--dense-budget SIZE]\n"
-                    "                      [--io-threads N] [--prefetch on|off]\n"
-                    "       moe-perplexity -m MODEL --ref-logits FILE [the same options but the input's and the reference's]\n"
-                    "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n"
-                    "  -c CTX: windows of CTX tokens, each a fresh sequence, the second half of each scored\n"
-                    "  (default: the whole stream as one sequence, every position scored); --chunks N: the first N\n"
-                    "  --save-ref FILE: also write the reference's ids, windows and scored logits (and routing, with\n"
-                    "  --ref-routing); --ref-logits FILE: take them from such a file instead of running the reference\n"
-                    "  --kv-type, --mxfp4, --act, --kernels: the model under test only (the reference keeps f32\n"
-                    "  caches and input and the CPU's best kernels); the expert-cache flags apply to both\n");
-    return 2;
-}
+static arg_help help = {
+    "usage: moe-perplexity -m MODEL (--tokens IDS_FILE | -f TEXT_FILE) [--dense TYPE] [--experts TYPE]\n"
+    "                      [--ref MODEL2] [-c CTX] [--chunks N] [--save-ref FILE] [--kv-type f32|bf16|q8]\n"
+    "                      [--mxfp4 int8] [--act 8|16] [-t THREADS] [--json] [--ref-routing] [--kernels NAME]\n"
+    "                      [--load-mode mmap|cache] [--expert-budget SIZE] [--dense-budget SIZE]\n"
+    "                      [--io-threads N] [--prefetch on|off]\n"
+    "       moe-perplexity -m MODEL --ref-logits FILE [the same options but the input's and the reference's]\n"
+    "  TYPE: f32, bf16, q8_0, q4_0 (converted at load; default: as stored)\n"
+    "  -c CTX: windows of CTX tokens, each a fresh sequence, the second half of each scored\n"
+    "  (default: the whole stream as one sequence, every position scored); --chunks N: the first N\n"
+    "  --save-ref FILE: also write the reference's ids, windows and scored logits (and routing, with\n"
+    "  --ref-routing); --ref-logits FILE: take them from such a file instead of running the reference\n"
+    "  --kv-type, --mxfp4, --act, --kernels: the model under test only (the reference keeps f32\n"
+    "  caches and input and the CPU's best kernels); the expert-cache flags apply to both\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-perplexity", help, msg); }
 
 static int parse_type(const char *s) {
     const char *names[] = {"asis", "f32", "bf16", "q8_0", "q4_0"};
@@ -278,9 +278,9 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
             o->stepwise = 1;
         } else if (!strcmp(a, "--json")) o->json = 1;
         else if (!strcmp(a, "--ref-routing")) o->fixed = 1;
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) { if (ck < 0) return usage(why); }
-        else return usage("unknown or incomplete argument");
+        else return arg_unknown("moe-perplexity", help, a, more ? argv[i + 1] : NULL);
     }
     if (!o->model) return usage("-m is required");
     if (o->load && (o->tokens || o->text || o->ref || o->save || o->ctx || o->chunks))

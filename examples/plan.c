@@ -24,6 +24,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define MOE_INTERNAL
 #include "../moe.h"
+#include "args.h"
 #include "cache_flags.h"
 #include "files.h"
 
@@ -34,17 +35,16 @@
 #include <string.h>
 #include <unistd.h>
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-plan: %s\n", msg);
-    fprintf(stderr, "usage: moe-plan (-m MODEL | --config CONFIG.json) [--ram SIZE] [--disk-gbps X] [--membw-gbps Y]\n"
-                    "                [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]\n"
-                    "                [--dense-bytes-per-value B]   (2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n"
-                "                [--dense-budget SIZE]         (RAM for the layers' dense matrices; default: what fits)\n"
-                "                [--kv-type f32|bf16|q8]          (MLA latent cache element, as the runtime's option)\n"
-                "                [--batch N]                   (prompt rows per forward chunk, as moe_options.n_batch; default 512,\n"
-                "                                               the cache mode's)\n");
-    return 2;
-}
+static arg_help help = {
+    "usage: moe-plan (-m MODEL | --config CONFIG.json) [--ram SIZE] [--disk-gbps X] [--membw-gbps Y]\n"
+    "                [--gflops Z] [-t THREADS] [--ctx N] [--seqs N] [--expert-bytes-per-value B]\n"
+    "                [--dense-bytes-per-value B]   (2 = BF16, 1.0625 = Q8_0, 0.5625 = Q4_0)\n"
+    "                [--dense-budget SIZE]         (RAM for the layers' dense matrices; default: what fits)\n"
+    "                [--kv-type f32|bf16|q8]          (MLA latent cache element, as the runtime's option)\n"
+    "                [--batch N]                   (prompt rows per forward chunk, as moe_options.n_batch; default 512,\n"
+    "                                               the cache mode's)\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-plan", help, msg); }
 
 /* sizes are read and printed in binary units (GiB, MiB), rates in GB/s */
 #define GIB 1073741824.0
@@ -96,8 +96,8 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
             o->kv_bytes = !strcmp(v, "bf16") ? 2 : !strcmp(v, "q8") ? 1 : 4;
             o->kv_q8 = !strcmp(v, "q8");
         }
-        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(NULL); return 0; }
-        else return usage("unknown or incomplete argument");
+        else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
+        else return arg_unknown("moe-plan", help, a, more ? argv[i + 1] : NULL);
     }
     if (!!o->model == !!o->config) return usage("give exactly one of -m and --config");
     if (!(o->disk > 0) || !(o->membw > 0) || o->threads < 1 || o->ctx < 1 || o->seqs < 1 || o->batch < 1) return usage("bad machine description");

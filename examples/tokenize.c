@@ -10,6 +10,7 @@
  * 1 on any error, 2 on usage errors. */
 #define _POSIX_C_SOURCE 200809L /* open, fstat, fcntl (files.h) */
 #include "../moe.h"
+#include "args.h"
 #include "files.h"
 
 #include <errno.h>
@@ -17,23 +18,21 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int usage(const char *msg) {
-    if (msg) fprintf(stderr, "moe-tokenize: %s\n", msg);
-    fprintf(stderr,
-            "usage: moe-tokenize --ranks FILE --pre kimi|o200k|cl100k [options] [FILE]\n"
-            "       moe-tokenize -m MODEL [options] [FILE]\n"
-            "  --ranks FILE    tiktoken rank file (base64 bytes and rank per line; tiktoken.model)\n"
-            "  --pre NAME      pre-tokenizer: kimi (Kimi K2/Linear/K3), o200k (o200k_base), cl100k (cl100k_base)\n"
-            "  --config FILE   kimi: tokenizer_config.json naming the special tokens\n"
-            "  --n-special N   kimi: special ids after the ranks (default 256 for K3, 258 for K2/Kimi-Linear)\n"
-            "  -m MODEL        use the tokenizer a model ships (tiktoken.model beside config.json), or a GGUF's\n"
-            "                  vocabulary (a model's, or a vocabulary-only file)\n"
-            "  --special       special-token names in the text become their ids (default: plain text)\n"
-            "  --raw-bytes     accept invalid UTF-8 (each stray byte is a symbol); default: an error\n"
-            "  --decode        read ids, write their bytes\n"
-            "  FILE            input (default: stdin)\n");
-    return 2;
-}
+static arg_help help = {
+    "usage: moe-tokenize --ranks FILE --pre kimi|o200k|cl100k [options] [FILE]\n"
+    "       moe-tokenize -m MODEL [options] [FILE]\n"
+    "  --ranks FILE    tiktoken rank file (base64 bytes and rank per line; tiktoken.model)\n"
+    "  --pre NAME      pre-tokenizer: kimi (Kimi K2/Linear/K3), o200k (o200k_base), cl100k (cl100k_base)\n"
+    "  --config FILE   kimi: tokenizer_config.json naming the special tokens\n"
+    "  --n-special N   kimi: special ids after the ranks (default 256 for K3, 258 for K2/Kimi-Linear)\n"
+    "  -m MODEL        use the tokenizer a model ships (tiktoken.model beside config.json), or a GGUF's\n"
+    "                  vocabulary (a model's, or a vocabulary-only file)\n"
+    "  --special       special-token names in the text become their ids (default: plain text)\n"
+    "  --raw-bytes     accept invalid UTF-8 (each stray byte is a symbol); default: an error\n"
+    "  --decode        read ids, write their bytes\n"
+    "  FILE            input (default: stdin)\n", NULL};
+
+static int usage(const char *msg) { return arg_usage("moe-tokenize", help, msg); }
 
 
 typedef struct {
@@ -58,7 +57,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         else if (!strcmp(a, "--raw-bytes")) o->raw = 1;
         else if (!strcmp(a, "--decode")) o->decode = 1;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
-        else if (a[0] == '-' && a[1]) return usage("unknown option or missing value");
+        else if (a[0] == '-' && a[1]) return arg_unknown("moe-tokenize", help, a, more ? argv[i + 1] : NULL);
         else if (!o->in) o->in = a;
         else return usage("more than one input file");
     }

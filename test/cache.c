@@ -338,6 +338,7 @@ static void test_rss_cache_budget(void) {
     pid_t pid = fork();
     if (pid == 0) {
         moe_options o = moe_default_options();
+        o.n_threads = 1; /* one thread in a forked child: the parent's OpenMP threads do not survive fork */
         o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 6 * 3 * (1024 * 512 + 1024 * 32) + 12 * 4096, o.io_threads = 16;
         moe_model *m;
         moe_session *s;
@@ -385,7 +386,9 @@ static void test_rss_dense_streaming(void) {
     if (!make_slice("bigdense", js, dir, sizeof dir)) return;
     int32_t ids[12] = {1, 2, 3, 4, 5, 299, 7, 8, 9, 10, 11, 12};
     moe_model *ref = NULL;
-    CHECK(moe_model_open(&ref, dir, NULL, NULL, 0) == MOE_OK);
+    moe_options one = moe_default_options();
+    one.n_threads = 1; /* the child's thread count: the logits compared bit for bit */
+    CHECK(moe_model_open(&ref, dir, &one, NULL, 0) == MOE_OK);
     int *ones = malloc(sizeof(int) * 12);
     for (int i = 0; i < 12; i++) ones[i] = 1;
     float *a = ref ? logits_in_pieces(ref, ids, 12, ones) : NULL;
@@ -396,6 +399,7 @@ static void test_rss_dense_streaming(void) {
     pid_t pid = fork();
     if (pid == 0) {
         moe_options o = moe_default_options();
+        o.n_threads = 1; /* as above: no OpenMP after fork */
         o.expert_mode = MOE_EXPERTS_CACHE, o.expert_budget = 14 << 20, o.dense_budget = 1, o.io_threads = 4;
         moe_model *m;
         moe_session *s;
@@ -511,7 +515,9 @@ static void test_rss_seed_600(void) {
         snprintf(path, sizeof path, "%s/seed", golden_dir());
         moe_model *m;
         moe_session *s;
-        if (moe_model_open(&m, path, NULL, NULL, 0) || moe_session_new(&s, m, 700, NULL, 0)) _exit(2);
+        moe_options o = moe_default_options();
+        o.n_threads = 1; /* as above: no OpenMP after fork */
+        if (moe_model_open(&m, path, &o, NULL, 0) || moe_session_new(&s, m, 700, NULL, 0)) _exit(2);
         float *lg = malloc(sizeof(float) * moe_model_config(m)->vocab_size);
         moe_seq q = {.s = s, .tokens = ids, .n = n, .logits = lg};
         if (moe_step(m, &q, 1, NULL, NULL, 0)) _exit(3);

@@ -422,7 +422,7 @@ static void test_shipped_cli(void) {
     snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'And God said' -n 4 --temp 0 -t 1 --dense q8_0 2>&1 >/dev/null", exe_dir, shipped_dir());
     CHECKF(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "dense Q8_0, 1 threads"), "%s", a);
     snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p x --dense q5_0 2>&1", exe_dir, shipped_dir());
-    CHECK(run_cmd(cmd, a, sizeof a) == 2 && strstr(a, "--dense is"));
+    CHECKF(run_cmd(cmd, a, sizeof a) == 2 && strstr(a, "--dense q5_0: must be"), "%s", a);
 }
 
 /* moe-perplexity on the shipped model against the same figures computed here through the
@@ -698,6 +698,90 @@ static void test_cachesim(void) {
     CHECKF(lines == 3, "%s", a);
 }
 
+/* moe-cli started on a long generation and sent SIGINT once it has printed text: the exit
+ * status, and stderr */
+static int cli_interrupted(char *err, size_t en) {
+    char out[600], errp[600];
+    tmp_path(out, sizeof out, "sigint-out.txt");
+    tmp_path(errp, sizeof errp, "sigint-err.txt");
+    char exe[700];
+    snprintf(exe, sizeof exe, "%s/moe-cli", exe_dir);
+    fflush(NULL);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        const int o = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0600), e = open(errp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (o < 0 || e < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0) _exit(127);
+        signal(SIGINT, SIG_DFL);
+        execl(exe, exe, "-m", shipped_dir(), "-p", "In the beginning", "-n", "1000000", "--ignore-eos", "-t", "1", (char *)NULL);
+        _exit(127);
+    }
+    struct stat sb;
+    for (int waited = 0; waited < 600 && (stat(out, &sb) || sb.st_size < 200); waited++) { /* up to a minute for text */
+        struct timespec ts = {0, 100000000};
+        nanosleep(&ts, NULL);
+    }
+    kill(pid, SIGINT);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    size_t n = 0;
+    char *e = read_all(errp, &n);
+    snprintf(err, en, "%s", e ? e : "");
+    free(e);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* what every program does with a bad command line: the flag and the value named, the nearest
+ * option suggested, one line pointing at --help (the help itself only for --help, on stdout,
+ * exit 0); model paths that are not models; -n 0; Ctrl-C stopping generation with the timings */
+static void test_cli_manners(void) {
+    char cmd[2400], a[8192];
+    const struct { const char *prog, *args, *want; } bad[] = {
+        {"moe-cli", "-m M -p x --temprature 0.5", "unknown option --temprature (did you mean --temp?)"},
+        {"moe-cli", "-m M -p x -n abc", "-n abc: not a number"},
+        {"moe-cli", "-m M -p x -t 0", "-t 0: must be at least 1"},
+        {"moe-cli", "-m M -p x --dense q5_0", "--dense q5_0: must be auto, asis"},
+        {"moe-cli", "-m M -p x -c", "-c needs a value"},
+        {"moe-batch", "-m M -i x -o y --paralel 2", "unknown option --paralel (did you mean --parallel?)"},
+        {"moe-batch", "-m M -i x -o y -t 0", "-t 0: must be at least 1"},
+        {"moe-plan", "--config x --ram 256", "--ram needs a size with its unit"},
+        {"moe-perplexity", "-m M --tokns x", "unknown option --tokns (did you mean --tokens?)"},
+        {"moe-tokenize", "--spcial", "unknown option --spcial (did you mean --special?)"},
+        {"moe-convert", "a b --dnse q8_0", "unknown option --dnse (did you mean --dense?)"},
+        {"moe-logits", "-m M --tokens x --expert-budget 3", "--expert-budget 3: not a size with its unit"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        snprintf(cmd, sizeof cmd, "%s/%s %s 2>&1 >/dev/null", exe_dir, bad[i].prog, bad[i].args);
+        const int rc = run_cmd(cmd, a, sizeof a);
+        int lines = 0;
+        for (const char *p = a; *p; p++) lines += *p == '\n';
+        CHECKF(rc == 2 && strstr(a, bad[i].want) && strstr(a, "--help' lists the options") && lines == 2, "%s %s: rc %d:\n%s", bad[i].prog, bad[i].args, rc, a);
+    }
+    const char *progs[] = {"moe-cli", "moe-batch", "moe-plan", "moe-perplexity", "moe-tokenize", "moe-convert", "moe-logits", "moe-bench", "moe-cachesim"};
+    for (size_t i = 0; i < sizeof progs / sizeof *progs; i++) {
+        snprintf(cmd, sizeof cmd, "%s/%s --help 2>&1 >/dev/null | wc -c; %s/%s --help | grep -c usage", exe_dir, progs[i], exe_dir, progs[i]);
+        CHECKF(run_cmd(cmd, a, sizeof a) == 0 && atoi(a) == 0 && atoi(strchr(a, '\n') + 1) >= 1, "%s --help: %s", progs[i], a);
+    }
+    /* model paths */
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m models/nope -p x 2>&1", exe_dir);
+    CHECKF(run_cmd(cmd, a, sizeof a) == 1 && strstr(a, "models/nope: No such file or directory"), "%s", a);
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m README.md -p x 2>&1", exe_dir);
+    CHECKF(run_cmd(cmd, a, sizeof a) == 1 && strstr(a, "README.md: not a model"), "%s", a);
+    char dir[600], cfg[700];
+    tmp_path(dir, sizeof dir, "llama");
+    mkdir(dir, 0700);
+    snprintf(cfg, sizeof cfg, "%s/config.json", dir);
+    CHECK(write_all(cfg, "{\"model_type\": \"llama\", \"vocab_size\": 32000}", 44));
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p x 2>&1", exe_dir, dir);
+    CHECKF(run_cmd(cmd, a, sizeof a) == 1 && strstr(a, cfg) && strstr(a, "model_type \"llama\" is not a model moe runs"), "%s", a);
+    /* -n 0: the prompt alone */
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p 'In the beginning' -n 0 2>&1", exe_dir, shipped_dir());
+    CHECKF(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "generated 0 tokens"), "%s", a);
+    /* Ctrl-C: generation stops, the timings are printed, exit status 130 */
+    if (getenv("MOE_TEST_RUNNER")) return;
+    const int rc = cli_interrupted(a, sizeof a);
+    CHECKF(rc == 130 && strstr(a, "interrupted (Ctrl-C)") && strstr(a, "tokens in"), "rc %d: %s", rc, a);
+}
+
 /* examples/simple.c gives moe-cli's greedy text; `make install` puts the header, both libraries,
  * moe.pc and the programs under PREFIX, simple.c built from them through pkg-config runs against
  * the shared library (its soname), and `make uninstall` takes all of it away */
@@ -724,6 +808,7 @@ static void test_simple_install(void) {
 }
 
 const test_case programs_tests[] = {
+    {"programs.cli_manners", test_cli_manners, "bad flags named with the value and the nearest option; --help; model paths; -n 0; Ctrl-C", 0},
     {"programs.simple_install", test_simple_install, "examples/simple.c, and built through pkg-config against make install's library", 0},
     {"programs.moe_tokenize", test_moe_tokenize_cli, "moe-tokenize: the interface the checks use", 0},
     {"programs.batch_basic", test_batch_basic, "moe-batch: requests answered once each, in any order, resumable", 0},
