@@ -107,4 +107,11 @@ static inline int arg_number(const char *flag, const char *s, double lo, double 
     *v = x;
     return 0;
 }
+
+/* arg_number for a program: 0 with *v, or arg_usage's status (2) after naming the flag and value */
+static inline int arg_num(const char *prog, const char *const *help, const char *flag, const char *s, double lo, double hi, int integer,
+                          double *v) {
+    char why[300];
+    return arg_number(flag, s, lo, hi, integer, v, why, sizeof why) ? arg_usage(prog, help, why) : 0;
+}
 #endif

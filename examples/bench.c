@@ -341,14 +341,21 @@ static int stream_bench(const char *model, int argc, char **argv) {
     o.expert_mode = MOE_EXPERTS_CACHE;
     o.flags |= MOE_FLAG_PLAN, o.set |= MOE_SET_EXPERT_MODE;
     for (int i = 1; i < argc; i++) {
+        double v;
         const char *a = argv[i], *why;
         int more = i + 1 < argc, k;
         if (!strcmp(a, "-t") && more) {
             if ((o.n_threads = atoi(argv[++i])) < 1) return usage("-t is a thread count of at least 1");
             o.set |= MOE_SET_THREADS;
         }
-        else if (!strcmp(a, "-n") && more) n_decode = atoi(argv[++i]);
-        else if (!strcmp(a, "--prefill") && more) n_prefill = atoi(argv[++i]);
+        else if (!strcmp(a, "-n") && more) {
+            if (arg_num("moe-bench", help, a, argv[++i], 0, 1e+08, 1, &v)) return 2;
+            n_decode = (int)v;
+        }
+        else if (!strcmp(a, "--prefill") && more) {
+            if (arg_num("moe-bench", help, a, argv[++i], 0, 1e+08, 1, &v)) return 2;
+            n_prefill = (int)v;
+        }
         else if (!strcmp(a, "--batch") && more) { if ((o.n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
         else if (!strcmp(a, "--seqs") && more) { if ((n_seqs = parse_list(argv[++i], seqs, 8)) < 1) return usage("bad --seqs"); }
         else if ((k = cache_flag(argc, argv, &i, &o, &why)) != 0) { if (k < 0) return usage(why); }
@@ -476,14 +483,24 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
                    .kv_type = MOE_KV_F32};
     *done = 1;
     for (int i = 1; i < argc; i++) {
+        double v;
         const char *a = argv[i];
         int more = i + 1 < argc;
         if (!strcmp(a, "-m") && more && o->n_models < 16) o->models[o->n_models++] = argv[++i];
         else if (!strcmp(a, "-t") && more) { if ((o->n_threads = parse_list(argv[++i], o->threads, 8)) < 1) return usage("bad -t"); }
         else if (!strcmp(a, "--depth") && more) { if ((o->n_depths = parse_list(argv[++i], o->depths, 8)) < 1) return usage("bad --depth"); }
-        else if (!strcmp(a, "-n") && more) o->n_decode = atoi(argv[++i]);
-        else if (!strcmp(a, "--prefill") && more) o->n_prefill = atoi(argv[++i]);
-        else if (!strcmp(a, "--reps") && more) o->reps = atoi(argv[++i]);
+        else if (!strcmp(a, "-n") && more) {
+            if (arg_num("moe-bench", help, a, argv[++i], 0, 1e+08, 1, &v)) return 2;
+            o->n_decode = (int)v;
+        }
+        else if (!strcmp(a, "--prefill") && more) {
+            if (arg_num("moe-bench", help, a, argv[++i], 0, 1e+08, 1, &v)) return 2;
+            o->n_prefill = (int)v;
+        }
+        else if (!strcmp(a, "--reps") && more) {
+            if (arg_num("moe-bench", help, a, argv[++i], 1, 1000, 1, &v)) return 2;
+            o->reps = (int)v;
+        }
         else if (!strcmp(a, "--kernels") && more) o->kernels = argv[++i];
         else if (!strcmp(a, "--batch") && more) { if ((o->n_batch = atoi(argv[++i])) < 1) return usage("--batch is a row count of at least 1"); }
         else if (!strcmp(a, "--kv-type") && more) {

@@ -142,13 +142,23 @@ static int parse_args(int argc, char **argv, options *o) {
     *o = (options){.fracs = {0.05, 0.1, 0.2, 0.4}, .n_fracs = 4, .seqs = 1, .half_life = MOE_HISTORY_HALF_LIFE,
                    .opt = moe_default_options()};
     for (int i = 1; i < argc; i++) {
+        double v;
         const char *a = argv[i];
         int more = i + 1 < argc;
         if (!strcmp(a, "-m") && more) o->model = argv[++i];
         else if (!strcmp(a, "--tokens") && more) o->tokens = argv[++i];
-        else if (!strcmp(a, "--seqs") && more) o->seqs = atoi(argv[++i]);
-        else if (!strcmp(a, "-t") && more) o->opt.n_threads = atoi(argv[++i]);
-        else if (!strcmp(a, "--half-life") && more) o->half_life = atof(argv[++i]);
+        else if (!strcmp(a, "--seqs") && more) {
+            if (arg_num("moe-cachesim", help, a, argv[++i], 1, 1e+06, 1, &v)) return 2;
+            o->seqs = (int)v;
+        }
+        else if (!strcmp(a, "-t") && more) {
+            if (arg_num("moe-cachesim", help, a, argv[++i], 1, 1024, 1, &v)) return 2;
+            o->opt.n_threads = (int)v;
+        }
+        else if (!strcmp(a, "--half-life") && more) {
+            if (arg_num("moe-cachesim", help, a, argv[++i], 0.001, 1e+09, 0, &v)) return 2;
+            o->half_life = v;
+        }
         else if (!strcmp(a, "--cache") && more) {
             char *p = argv[++i], *e;
             for (o->n_fracs = 0; *p && o->n_fracs < 16; p = *e ? e + 1 : e) {

@@ -1347,6 +1347,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
     *o = (options){.dense = MOE_T_BF16, .experts = -1, .ctx = 131072, .seed = 42};
     *done = 1;
     for (int i = 1; i < argc; i++) {
+        double v;
         const char *a = argv[i];
         int more = i + 1 < argc;
         if (!strcmp(a, "--random") && more) o->shape = argv[++i];
@@ -1357,7 +1358,10 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
             if ((o->experts = parse_type(argv[++i], 1)) < -1) return usage("unknown --experts type");
         } else if (!strcmp(a, "--seed") && more) o->seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(a, "--sparse")) o->sparse = 1;
-        else if (!strcmp(a, "--ctx") && more) o->ctx = atoi(argv[++i]);
+        else if (!strcmp(a, "--ctx") && more) {
+            if (arg_num("moe-convert", help, a, argv[++i], 1, 1e+09, 1, &v)) return 2;
+            o->ctx = (int)v;
+        }
         else if (!strcmp(a, "--no-tensor-first-split")) o->no_tensor_first = 1;
         else if (!strcmp(a, "--alignment") && more) {
             const long v = strtol(argv[++i], NULL, 10);

@@ -254,6 +254,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
     *o = (options){.opt = moe_default_options()};
     *done = 1;
     for (int i = 1; i < argc; i++) {
+        double v;
         const char *a = argv[i], *why = NULL;
         int more = i + 1 < argc, ck;
         if (!strcmp(a, "-m") && more) o->model = argv[++i];
@@ -263,18 +264,20 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         else if (!strcmp(a, "--save-ref") && more) o->save = argv[++i];
         else if (!strcmp(a, "--ref-logits") && more) o->load = argv[++i];
         else if (!strcmp(a, "--dense") && more) {
-            if ((o->opt.dense_type = parse_type(argv[++i])) < 0) return usage("unknown --dense type");
+            if ((o->opt.dense_type = parse_type(argv[++i])) < 0) return arg_fail("moe-perplexity", help, "--dense %s: must be asis, f32, bf16, q8_0 or q4_0", argv[i]);
         } else if (!strcmp(a, "--experts") && more) {
-            if ((o->opt.expert_type = parse_type(argv[++i])) < 0) return usage("unknown --experts type");
+            if ((o->opt.expert_type = parse_type(argv[++i])) < 0) return arg_fail("moe-perplexity", help, "--experts %s: must be asis, f32, bf16, q8_0 or q4_0", argv[i]);
         } else if (!strcmp(a, "-t") && more) {
-            o->opt.n_threads = atoi(argv[++i]);
-            if (o->opt.n_threads < 1) return usage("-t needs a thread count >= 1");
+            if (arg_num("moe-perplexity", help, a, argv[++i], 1, 1024, 1, &v)) return 2;
+            o->opt.n_threads = (int)v;
         } else if (!strcmp(a, "-c") && more) {
-            if ((o->ctx = atoi(argv[++i])) < 2) return usage("-c needs a window of at least 2 tokens");
+            if (arg_num("moe-perplexity", help, a, argv[++i], 2, 1e9, 1, &v)) return 2;
+            o->ctx = (int)v;
         } else if (!strcmp(a, "--chunks") && more) {
-            if ((o->chunks = atoi(argv[++i])) < 1) return usage("--chunks needs a count >= 1");
+            if (arg_num("moe-perplexity", help, a, argv[++i], 1, 1e9, 1, &v)) return 2;
+            o->chunks = (int)v;
         } else if (!strcmp(a, "--kv-type") && more) {
-            if ((o->opt.kv_type = parse_kv_type(argv[++i])) < 0) return usage("--kv-type is f32, bf16 or q8");
+            if ((o->opt.kv_type = parse_kv_type(argv[++i])) < 0) return arg_fail("moe-perplexity", help, "--kv-type %s: must be f32, bf16 or q8", argv[i]);
             o->stepwise = 1;
         } else if (!strcmp(a, "--json")) o->json = 1;
         else if (!strcmp(a, "--ref-routing")) o->fixed = 1;

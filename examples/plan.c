@@ -68,6 +68,7 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
                    .kv_bytes = 4};
     *done = 1;
     for (int i = 1; i < argc; i++) {
+        double v;
         const char *a = argv[i];
         int more = i + 1 < argc;
         if (!strcmp(a, "-m") && more) o->model = argv[++i];
@@ -81,15 +82,42 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
             if (!parse_size(argv[++i], &v)) return usage("--dense-budget needs a size with its unit, such as 20G (GiB)");
             o->dense_budget = (double)v;
         }
-        else if (!strcmp(a, "--disk-gbps") && more) o->disk = atof(argv[++i]), o->disk_given = 1;
-        else if (!strcmp(a, "--membw-gbps") && more) o->membw = atof(argv[++i]), o->membw_given = 1;
-        else if (!strcmp(a, "--gflops") && more) o->gflops = atof(argv[++i]), o->gflops_given = 1;
-        else if (!strcmp(a, "--expert-bytes-per-value") && more) o->ebv = atof(argv[++i]), o->ebv_given = 1;
-        else if (!strcmp(a, "--dense-bytes-per-value") && more) o->dbv = atof(argv[++i]), o->dbv_given = 1;
-        else if (!strcmp(a, "-t") && more) o->threads = atoi(argv[++i]), o->threads_given = 1;
-        else if (!strcmp(a, "--ctx") && more) o->ctx = atoi(argv[++i]), o->ctx_given = 1;
-        else if (!strcmp(a, "--seqs") && more) o->seqs = atoi(argv[++i]), o->seqs_given = 1;
-        else if (!strcmp(a, "--batch") && more) o->batch = atoi(argv[++i]);
+        else if (!strcmp(a, "--disk-gbps") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 0.001, 10000, 0, &v)) return 2;
+            o->disk = v, o->disk_given = 1;
+        }
+        else if (!strcmp(a, "--membw-gbps") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 0.001, 100000, 0, &v)) return 2;
+            o->membw = v, o->membw_given = 1;
+        }
+        else if (!strcmp(a, "--gflops") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 0.001, 1e+07, 0, &v)) return 2;
+            o->gflops = v, o->gflops_given = 1;
+        }
+        else if (!strcmp(a, "--expert-bytes-per-value") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 0.001, 8, 0, &v)) return 2;
+            o->ebv = v, o->ebv_given = 1;
+        }
+        else if (!strcmp(a, "--dense-bytes-per-value") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 0.001, 8, 0, &v)) return 2;
+            o->dbv = v, o->dbv_given = 1;
+        }
+        else if (!strcmp(a, "-t") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 1, 1024, 1, &v)) return 2;
+            o->threads = (int)v, o->threads_given = 1;
+        }
+        else if (!strcmp(a, "--ctx") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 1, 1e+09, 1, &v)) return 2;
+            o->ctx = (int)v, o->ctx_given = 1;
+        }
+        else if (!strcmp(a, "--seqs") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 1, 1e+06, 1, &v)) return 2;
+            o->seqs = (int)v, o->seqs_given = 1;
+        }
+        else if (!strcmp(a, "--batch") && more) {
+            if (arg_num("moe-plan", help, a, argv[++i], 1, 1e+06, 1, &v)) return 2;
+            o->batch = (int)v;
+        }
         else if (!strcmp(a, "--kv-type") && more) {
             const char *v = argv[++i];
             if (strcmp(v, "f32") && strcmp(v, "bf16") && strcmp(v, "q8")) return usage("--kv-type is f32, bf16 or q8");

@@ -46,12 +46,16 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
     const char *pre = NULL;
     *done = 1;
     for (int i = 1; i < argc; i++) {
+        double v;
         const char *a = argv[i];
         int more = i + 1 < argc;
         if (!strcmp(a, "--ranks") && more) o->ranks = argv[++i];
         else if (!strcmp(a, "--pre") && more) pre = argv[++i];
         else if (!strcmp(a, "--config") && more) o->config = argv[++i];
-        else if (!strcmp(a, "--n-special") && more) o->n_special = atoi(argv[++i]);
+        else if (!strcmp(a, "--n-special") && more) {
+            if (arg_num("moe-tokenize", help, a, argv[++i], 0, 65536, 1, &v)) return 2;
+            o->n_special = (int)v;
+        }
         else if (!strcmp(a, "-m") && more) o->model = argv[++i];
         else if (!strcmp(a, "--special")) o->special = 1;
         else if (!strcmp(a, "--raw-bytes")) o->raw = 1;
