@@ -157,7 +157,7 @@ static double membw(const bw_buffer *b, int threads, int passes) {
  * x 2048 columns, 17 or 9 KB, against 4 activation rows at once where the level has that kernel, as
  * prefill runs it), the faster of the two, in operations (multiply + add) per second: what the
  * integer matmul does when memory is not the limit. Both, because a level can run one format
- * faster than the other (AVX2's Q8_0 needs sign tricks before maddubs: on the device's Xeon its
+ * faster than the other (AVX2's Q8_0 needs sign tricks before maddubs: on a 16-core Emerald Rapids Xeon its
  * Q4_0 prefill outran the Q8_0 kernel's rate). */
 static double int8_peak_of(const moe__kernels *k, int type, int threads) {
     const int n = 2048, x8 = type == MOE_T_Q8_0 ? MOE_T_Q8_0X8 : MOE_T_Q4_0X8;

@@ -22,8 +22,9 @@ Modes:
                                                    (float64): checks the math before training
   train.py --ablation --data DIR                   load balance with and without the quantile rule
 
-Needs torch (and numpy); matplotlib for the loss curve PNG when present. Run through the device
-tool (scripts/train-on-device describes the command); not needed to build or test moe."""
+Needs torch (and numpy); matplotlib for the loss curve PNG when present. Run on a machine with
+PyTorch and a GPU (the shipped model: `python3 scripts/train.py --data build/trainbin --out OUT/model
+--minutes 6.3`, one H200); not needed to build or test moe."""
 import argparse
 import json
 import math
