@@ -147,7 +147,7 @@ tsan:
 	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 $(TEST_SRC) moe.c quant.c -lm -lpthread -o build-tsan/moe-test
 	./build-tsan/moe-test cache.equivalence faults.cache_reads cache.prefetch cache.concurrent_sessions cache.dense_streaming
 
-# fuzz: each parser (json safetensors gguf config ranks tokenize chat batch) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
+# fuzz: each parser (json safetensors gguf config ranks tokenize chat batch http) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
 fuzz:
 	@mkdir -p build-fuzz
 	@set -e; for t in $(FUZZ_TARGETS); do \
@@ -163,7 +163,7 @@ fuzz:
 
 FUZZ_CC ?= clang
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS = json safetensors gguf config ranks tokenize chat batch
+FUZZ_TARGETS = json safetensors gguf config ranks tokenize chat batch http
 
 # clean: remove every build folder
 clean:

@@ -1,6 +1,7 @@
 /* faults.c - tests of faults: hostile files and indexes, API misuse, the fuzz seeds, injected read errors, moe-batch
  * killed and out of disk. */
 #include "test.h"
+#include "../examples/http.h"
 
 static int copy_file(const char *from, const char *to) {
     FILE *a = fopen(from, "rb"), *b = fopen(to, "wb");
@@ -423,9 +424,9 @@ static void test_gguf_bad(void) {
 /* the fuzz seed corpora (test/fuzz/corpus) go through the fuzz targets' parsers: seeds are
  * valid inputs, so every one is accepted (a replay of what `make fuzz` starts from) */
 static void test_fuzz_seeds(void) {
-    const char *dirs[8] = {"json", "safetensors", "gguf", "config", "ranks", "tokenize", "chat", "batch"};
+    const char *dirs[9] = {"json", "safetensors", "gguf", "config", "ranks", "tokenize", "chat", "batch", "http"};
     int total = 0;
-    for (int k = 0; k < 8; k++) {
+    for (int k = 0; k < 9; k++) {
         char dir[600];
         snprintf(dir, sizeof dir, "%s/../fuzz/corpus/%s", golden_dir(), dirs[k]);
         DIR *d = opendir(dir);
@@ -451,6 +452,14 @@ static void test_fuzz_seeds(void) {
                 st = moe__tokenizer_from_mem(&t, data, nul ? (size_t)(nul - data) : len, MOE_PRETOK_KIMI, nul ? nul + 1 : NULL,
                                              nul ? len - (size_t)(nul - data) - 1 : 0, err, sizeof err);
                 moe_tokenizer_free(t);
+            } else if (k == 8) { /* the bytes of a connection: whole requests, one after the other */
+                size_t at = 0, used = 0;
+                const char *why = NULL;
+                http_request rq;
+                int r = HTTP_OK;
+                while (at < len && (r = http_parse(data + at, len - at, 8192, 1 << 20, &rq, &used, &why)) == HTTP_OK) at += used;
+                st = at == len ? MOE_OK : MOE_ERR_FORMAT;
+                if (st) snprintf(err, sizeof err, "http_parse %d at %zu: %s", r, at, why ? why : "incomplete");
             } else if (k >= 5) { /* mode byte + text / chat request / one batch line: all valid here */
                 moe__json *j = NULL;
                 st = k == 5 ? MOE_OK : moe__json_parse(data + (k == 6), len - (k == 6), &j, err, sizeof err);

@@ -8,6 +8,8 @@
 #include <sys/file.h>
 #include <sys/sysmacros.h> /* makedev */
 
+#include "../examples/http.h"
+
 /* ---- helpers ------------------------------------------------------------------------------ */
 
 /* copies every regular file of directory from into directory to (made) */
@@ -532,7 +534,69 @@ static void test_gguf_hostile(void) {
     free(cfg);
 }
 
+/* ---- HTTP requests (moe-server's parser) ---------------------------------------------------- */
+
+static int http_of(const char *req, size_t max_header, size_t max_body, http_request *rq, size_t *used) {
+    const char *why = NULL;
+    const int st = http_parse(req, strlen(req), max_header, max_body, rq, used, &why);
+    if (st >= 400 && !why) return -1; /* an error without a reason is itself a failure */
+    return st;
+}
+
+/* whole, pipelined and partial requests; each kind of malformed one answered with its status */
+static void test_http_requests(void) {
+    http_request rq;
+    size_t used;
+    const char *post = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 4\r\n\r\n{\"a\"}";
+    CHECK(http_of(post, 8192, 1 << 20, &rq, &used) == HTTP_OK && used == strlen(post) - 1); /* one byte left: the next request's */
+    CHECK(rq.method_len == 4 && !memcmp(rq.method, "POST", 4) && rq.target_len == 15 && rq.minor == 1 && rq.keep_alive);
+    CHECK(rq.body_len == 4 && !memcmp(rq.body, "{\"a\"", 4) && rq.n_headers == 3);
+    size_t vl = 0;
+    const char *v = http_get(&rq, "content-type", &vl);
+    CHECK(v && vl == 16 && !memcmp(v, "application/json", 16));
+    /* every prefix of a request is incomplete, never an error */
+    char buf[512];
+    const char *get = "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: keep-alive, close\r\n\r\n";
+    for (size_t k = 0; k < strlen(get); k++) {
+        memcpy(buf, get, k), buf[k] = 0;
+        CHECKF(http_of(buf, 8192, 1 << 20, &rq, &used) == HTTP_INCOMPLETE, "prefix %zu", k);
+    }
+    CHECK(http_of(get, 8192, 1 << 20, &rq, &used) == HTTP_OK && !rq.keep_alive && !rq.body_len);
+    CHECK(http_of("GET / HTTP/1.0\n\n", 8192, 1 << 20, &rq, &used) == HTTP_OK && !rq.keep_alive && rq.minor == 0); /* bare LF; 1.0 closes */
+    /* a body not yet all there */
+    CHECK(http_of("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n12345", 8192, 1 << 20, &rq, &used) == HTTP_INCOMPLETE);
+    const struct { const char *req; int status; } bad[] = {
+        {"GET / HTTP/2.0\r\nHost: x\r\n\r\n", 505},
+        {"GET / FTP/1.1\r\nHost: x\r\n\r\n", 400},
+        {"GET  / HTTP/1.1\r\nHost: x\r\n\r\n", 400},
+        {"G(T / HTTP/1.1\r\nHost: x\r\n\r\n", 400},
+        {"GET / HTTP/1.1\r\n\r\n", 400},                                          /* no Host */
+        {"GET / HTTP/1.1\r\nHost : x\r\n\r\n", 400},                             /* blank before the colon */
+        {"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n  folded\r\n\r\n", 400},           /* obs-fold */
+        {"GET / HTTP/1.1\r\nHost: x\x01y\r\n\r\n", 400},                          /* control character */
+        {"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nContent-Length: 5\r\n\r\nabcde", 400},
+        {"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400},
+        {"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999\r\n\r\n", 400},
+        {"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 501},
+        {"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n", 413},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        const int st = http_of(bad[i].req, 8192, 1 << 20, &rq, &used);
+        CHECKF(st == bad[i].status, "request %zu: %d, want %d", i, st, bad[i].status);
+    }
+    /* header limits: one too large, complete or not, and too many fields */
+    char big[12000];
+    int k = snprintf(big, sizeof big, "GET / HTTP/1.1\r\nHost: x\r\nX-Big: ");
+    memset(big + k, 'a', 9000), big[k + 9000] = 0;
+    CHECK(http_of(big, 8192, 1 << 20, &rq, &used) == 431); /* never ends within the limit */
+    k = snprintf(big, sizeof big, "GET / HTTP/1.1\r\nHost: x\r\n");
+    for (int i = 0; i < HTTP_MAX_HEADERS; i++) k += snprintf(big + k, sizeof big - (size_t)k, "X-%d: %d\r\n", i, i);
+    snprintf(big + k, sizeof big - (size_t)k, "\r\n");
+    CHECK(http_of(big, 8192, 1 << 20, &rq, &used) == 431);
+}
+
 const test_case hostile_tests[] = {
+    {"hostile.http_requests", test_http_requests, "moe-server's HTTP/1.1 parser: whole, partial and pipelined requests; each malformed kind's status", 0},
     {"hostile.special_files", test_special_files, "FIFOs and devices as model, tokenizer and program input files: refused, never waited on", 0},
     {"hostile.batch_output", test_batch_output, "moe-batch's output: not its input, not shared with another moe-batch, only whole answers count", 0},
     {"hostile.batch_huge_line", test_batch_huge_line, "60 MB and 3-million-value input lines refused in 300 MB of address space, the rest answered", 0},

@@ -3,7 +3,8 @@
  * then "\0" and a tokenizer_config.json), -DFUZZ_TOKENIZE (text through the three pre-tokenizers
  * and rank BPE; decode must give the text back), -DFUZZ_CHAT (a chat request rendered and encoded
  * in the K2 and K3 formats), -DFUZZ_BATCH (one moe-batch input line, also read as an answer line of
- * its output). `make fuzz` builds them with
+ * its output), -DFUZZ_HTTP (the bytes of an HTTP connection, through moe-server's request parser).
+ * `make fuzz` builds them with
  * clang -fsanitize=fuzzer,address,undefined; test/fuzz/main.c is a plain driver that replays
  * files through the same entry point, so this builds without libFuzzer too. A crash, a sanitizer
  * report or a hang is a bug; any status code is an acceptable answer. */
@@ -14,6 +15,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(FUZZ_HTTP)
+#include "../../examples/http.h"
+#endif
 
 #if defined(FUZZ_BATCH)
 #define main moe_batch_main /* the batch program's own request parser, compiled in */
@@ -161,8 +166,27 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         moe__json_free(j);
     }
+#elif defined(FUZZ_HTTP)
+    /* the bytes a connection received: every request parsed in turn, as a server loop would */
+    size_t at = 0;
+    for (int k = 0; k < 64 && at < size; k++) {
+        http_request rq;
+        size_t used = 0;
+        const char *why;
+        const int st = http_parse((const char *)data + at, size - at, 8192, 1 << 20, &rq, &used, &why);
+        if (st != HTTP_OK) {
+            if (st != HTTP_INCOMPLETE && (st < 400 || st > 505 || !why)) abort(); /* an error always says why */
+            break;
+        }
+        /* everything it points to lies within the request it consumed */
+        const char *lo = (const char *)data + at, *hi = lo + used;
+        if (!used || used > size - at || rq.method < lo || rq.target + rq.target_len > hi || rq.body + rq.body_len != hi) abort();
+        for (int i = 0; i < rq.n_headers; i++)
+            if (rq.headers[i].name < lo || rq.headers[i].value + rq.headers[i].value_len > hi) abort();
+        at += used;
+    }
 #else
-#error "define one of FUZZ_JSON, FUZZ_SAFETENSORS, FUZZ_GGUF, FUZZ_CONFIG, FUZZ_RANKS, FUZZ_TOKENIZE, FUZZ_CHAT, FUZZ_BATCH"
+#error "define one of FUZZ_JSON, FUZZ_SAFETENSORS, FUZZ_GGUF, FUZZ_CONFIG, FUZZ_RANKS, FUZZ_TOKENIZE, FUZZ_CHAT, FUZZ_BATCH, FUZZ_HTTP"
 #endif
     return 0;
 }
