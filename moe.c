@@ -1906,12 +1906,20 @@ static moe_status bind_model(moe_model *m, char *err, size_t errlen) {
     if (!b.st && (m->embed.type == MOE_T_MXFP4 || m->embed.type == MOE_T_MXFP4_GGML))
         b.st = fail(err, errlen, MOE_ERR_FORMAT, "embed_tokens must not be MXFP4");
     if (!b.st) count_params(m);
-    if (!b.st) choose_streamed(m);
-    if (!b.st && (b.st = convert_weights(m, err, errlen)) == MOE_ERR_NOMEM) fail(err, errlen, b.st, "out of memory converting weights at load");
-    if (!b.st && !(m->opt.flags & MOE_FLAG_NO_REPACK) && (b.st = repack_weights(m)))
-        fail(err, errlen, b.st, "out of memory interleaving weights at load (MOE_FLAG_NO_REPACK keeps them mapped)");
-    if (!b.st) count_dense_bytes(m);
+    if (!b.st) count_dense_bytes(m); /* as stored: what the resource plan weighs */
     return b.st;
+}
+
+/* The bound weights placed as the options say: streamed layers chosen, matrices converted and
+ * interleaved into RAM, the per-token byte counts taken again. */
+static moe_status place_weights(moe_model *m, char *err, size_t errlen) {
+    moe_status st = MOE_OK;
+    choose_streamed(m);
+    if ((st = convert_weights(m, err, errlen)) == MOE_ERR_NOMEM) fail(err, errlen, st, "out of memory converting weights at load");
+    if (!st && !(m->opt.flags & MOE_FLAG_NO_REPACK) && (st = repack_weights(m)))
+        fail(err, errlen, st, "out of memory interleaving weights at load (MOE_FLAG_NO_REPACK keeps them mapped)");
+    if (!st) count_dense_bytes(m);
+    return st;
 }
 
 /* ==== opening ================================================================================ */
@@ -2013,6 +2021,7 @@ static moe_status cache_open(moe_model *m, char *err, size_t errlen); /* PART 2,
 static void cache_free(moe_model *m);
 
 static void plan_cpus(int *cpus, int *cores); /* PART 2, section "the resource plan" */
+static moe_status plan_of_model(moe_plan *p, const moe_model *m, const moe_options *given, char *err, size_t errlen);
 
 /* the physical cores this process may use, found once */
 static int default_threads = 1;
@@ -2201,33 +2210,36 @@ moe_status moe_model_open(moe_model **out, const char *path, const moe_options *
     if (!path) return fail(err, errlen, MOE_ERR_ARG, "moe_model_open: path is NULL");
     moe_model *m = xcalloc(1, sizeof *m);
     if (!m) return MOE_ERR_NOMEM;
-    m->opt = opt ? *opt : moe_default_options();
-    if (m->opt.flags & MOE_FLAG_PLAN) {
-        moe_status pst = moe_plan_make(&m->plan, path, &m->opt, err, errlen);
-        if (pst) { free(m); return pst; }
-        m->opt = m->plan.opt, m->planned = 1;
-    }
-    if (m->opt.n_threads < 1) m->opt.n_threads = 1;
-    /* long chunks rebuild MLA's expanded keys less often and serve more rows per weight read (a
-     * 16384-token prompt 1.34x faster at 2048 rows than at 512), but their working memory (about
-     * 0.2 GB more on the benchmark shape) sits beside the cache mode's expert budget */
-    if (m->opt.n_batch < 1) m->opt.n_batch = m->opt.expert_mode == MOE_EXPERTS_CACHE ? 512 : 2048;
+    const moe_options given = opt ? *opt : moe_default_options();
+    m->opt = given;
+    m->opt.flags &= ~(unsigned)MOE_FLAG_PLAN;
     char levels[160];
     moe_status st = MOE_OK;
     if (moe__kernels_pick(&m->k, m->opt.flags, m->opt.kernels, levels, sizeof levels))
         st = fail(err, errlen, MOE_ERR_ARG, "kernels \"%s\": this CPU runs %s", m->opt.kernels, levels);
     m->info.kernels = m->k.isa;
-    m->info.n_batch = m->opt.n_batch;
-    m->opt.kernels = NULL; /* the caller's string: used only here */
     if (!st && !(m->path = strdup(path))) st = MOE_ERR_NOMEM;
+    if (!st) st = open_files(m, path, err, errlen);
+    if (!st) st = bind_model(m, err, errlen);
+    /* MOE_FLAG_PLAN: the plan weighs the files just read (opened once, whatever the plan says) */
+    if (!st && (given.flags & MOE_FLAG_PLAN) && !(st = plan_of_model(&m->plan, m, &given, err, errlen))) {
+        m->opt = m->plan.opt, m->planned = 1;
+        m->opt.flags &= ~(unsigned)MOE_FLAG_PLAN;
+    }
+    m->opt.kernels = NULL; /* the caller's string: used only for the pick */
+    if (m->opt.n_threads < 1) m->opt.n_threads = 1;
+    /* long chunks rebuild MLA's expanded keys less often and serve more rows per weight read (a
+     * 16384-token prompt 1.34x faster at 2048 rows than at 512), but their working memory (about
+     * 0.2 GB more on the benchmark shape) sits beside the cache mode's expert budget */
+    if (m->opt.n_batch < 1) m->opt.n_batch = m->opt.expert_mode == MOE_EXPERTS_CACHE ? 512 : 2048;
+    m->info.n_batch = m->opt.n_batch;
     if (!st && m->opt.expert_mode != MOE_EXPERTS_MMAP && m->opt.expert_mode != MOE_EXPERTS_CACHE)
         st = fail(err, errlen, MOE_ERR_ARG, "unknown expert_mode %d", m->opt.expert_mode);
     if (!st && m->opt.kv_type != MOE_KV_F32 && m->opt.kv_type != MOE_KV_BF16 && m->opt.kv_type != MOE_KV_Q8)
         st = fail(err, errlen, MOE_ERR_ARG, "unknown kv_type %d", m->opt.kv_type);
     if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && m->opt.expert_type != MOE_WTYPE_ASIS)
         st = fail(err, errlen, MOE_ERR_ARG, "expert_type conversion makes experts resident: it needs the mmap expert mode");
-    if (!st) st = open_files(m, path, err, errlen);
-    if (!st) st = bind_model(m, err, errlen);
+    if (!st) st = place_weights(m, err, errlen);
     int streams = 0;
     for (int i = 0; !st && i < m->cfg.n_layers; i++) streams |= m->layers[i].stream;
     if (!st && m->opt.expert_mode == MOE_EXPERTS_CACHE && (m->cfg.n_experts || streams)) st = cache_open(m, err, errlen);
@@ -3876,22 +3888,27 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
     return MOE_OK;
 }
 
+/* The plan for model m (its weights bound, not yet placed) and what the process may use */
+static moe_status plan_of_model(moe_plan *p, const moe_model *m, const moe_options *given, char *err, size_t errlen) {
+    memset(p, 0, sizeof *p);
+    p->opt = *given;
+    p->opt.flags &= ~(unsigned)MOE_FLAG_PLAN;
+    p->mem_bytes = plan_memory(&p->mem_from);
+    plan_cpus(&p->cpus, &p->cores);
+    p->expert_bytes = m->info.expert_bytes;
+    return plan_choose(p, m, given, err, errlen);
+}
+
 moe_status moe_plan_make(moe_plan *p, const char *path, const moe_options *opt, char *err, size_t errlen) {
     if (!p || !path) return fail(err, errlen, MOE_ERR_ARG, "moe_plan_make: bad argument");
     memset(p, 0, sizeof *p);
     const moe_options given = opt ? *opt : moe_default_options();
-    p->opt = given;
-    p->opt.flags &= ~(unsigned)MOE_FLAG_PLAN;
-    p->mem_bytes = plan_memory(&p->mem_from);
-    plan_cpus(&p->cpus, &p->cores);
     /* the headers alone: mapped, nothing converted or repacked */
     moe_options peek = moe_default_options();
     peek.flags |= MOE_FLAG_NO_REPACK;
     moe_model *m = NULL;
     moe_status st = moe_model_open(&m, path, &peek, err, errlen);
-    if (st) return st;
-    p->expert_bytes = m->info.expert_bytes;
-    st = plan_choose(p, m, &given, err, errlen);
+    if (!st) st = plan_of_model(p, m, &given, err, errlen);
     moe_model_close(m);
     return st;
 }
