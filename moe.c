@@ -1122,7 +1122,7 @@ static moe_status parse_config(moe_model *m, const moe__json *root, char *err, s
 
 /* ==== HF <-> GGUF tensor names ===============================================================
  * llama.cpp's names for its kimi-linear architecture, and for K3's extra tensors the names of
- * its Kimi-K3 support (AttnRes, latent MoE, gates): README lists them. Experts are stored merged
+ * its Kimi-K3 support (AttnRes, latent MoE, gates): docs/formats.md lists them. Experts are stored merged
  * per layer (ffn_{gate,up,down}_exps, [E, out, in]) and handled by the binder. */
 
 static const char *const name_map[][2] = {

@@ -88,7 +88,7 @@ enum {
                                          through the same kernels, the two products summed: about
                                          16-bit input for twice the arithmetic (decode still reads
                                          each weight once). On the shipped model it halves Q8_0's
-                                         KL divergence (README) */
+                                         KL divergence (docs/numerics.md) */
     MOE_FLAG_PLAN = 1u << 9,          /* moe_model_open chooses the options the caller did not set
                                          (moe_options.set) by the resource plan (moe_plan_make) */
     MOE_FLAG_CHECK_TENSORS = 1u << 10 /* read every F32/F16/BF16 tensor at open and refuse one that
@@ -113,7 +113,7 @@ typedef enum { MOE_EXPERTS_MMAP = 0, MOE_EXPERTS_CACHE = 1 } moe_expert_mode;
  * slice kr as int8 with one scale each (and each values' sum), 592 bytes a token at K3's shape.
  * Decode attention then runs in integer products: each head's query quantized the same way, and
  * the softmax weights of a block of keys quantized to 8 bits (per head and block one scale)
- * before they meet the latents; prefill widens the rows to f32. Lossy: see README for the KL
+ * before they meet the latents; prefill widens the rows to f32. Lossy: see docs/numerics.md for the KL
  * divergence it costs. */
 typedef enum { MOE_KV_F32 = 0, MOE_KV_BF16 = 1, MOE_KV_Q8 = 2 } moe_kv_type;
 

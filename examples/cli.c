@@ -78,7 +78,7 @@ static arg_help help = {
     "                        16 where 16 readers beat 4 on the model's disk, else 4)\n"
     "  --prefetch on|off     cache mode: read the next layer's predicted experts ahead (on)\n"
     "  --kv-type f32|bf16|q8 MLA latent cache element (f32, exact; bf16 halves it, decode attends in bf16\n"
-    "                        products; q8 quarters it, int8 products, lossy: README)\n"
+    "                        products; q8 quarters it, int8 products, lossy: docs/numerics.md)\n"
     "  --mxfp4 f32|int8      MXFP4 experts times f32 input (exact, default) or int8-quantized input (faster)\n"
     "  --act 8|16            input of the integer formats (Q8_0, Q4_0, ...) quantized to 8 bits (default)\n"
     "                        or to two 8-bit parts, about 16 bits: half Q8_0's KL divergence, twice the\n"
