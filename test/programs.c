@@ -730,6 +730,53 @@ static int cli_interrupted(char *err, size_t en) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+/* moe-cli -cnv with its input on a pipe: one turn sent, SIGINT once its reply is printing, then
+ * the pipe closed (Ctrl-D). The exit status; stderr in err. */
+static int chat_interrupted(char *err, size_t en) {
+    char out[600], errp[600], exe[700];
+    tmp_path(out, sizeof out, "chat-sigint-out.txt");
+    tmp_path(errp, sizeof errp, "chat-sigint-err.txt");
+    snprintf(exe, sizeof exe, "%s/moe-cli", exe_dir);
+    int in[2];
+    if (pipe(in)) return -1;
+    fflush(NULL);
+    const pid_t pid = fork();
+    if (pid == 0) {
+        const int o = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0600), e = open(errp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (o < 0 || e < 0 || dup2(in[0], 0) < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0) _exit(127);
+        close(in[1]);
+        signal(SIGINT, SIG_DFL);
+        execl(exe, exe, "-m", shipped_dir(), "-cnv", "-n", "1000000", "-c", "1000000", "--ignore-eos", "-t", "1", (char *)NULL);
+        _exit(127);
+    }
+    close(in[0]);
+    CHECK(write(in[1], "Hello\n", 6) == 6);
+    struct stat so, se;
+    for (int waited = 0; waited < 600; waited++) { /* the reply printing: its answer on stdout, K3's thinking on stderr */
+        if (!stat(out, &so) && !stat(errp, &se) && (so.st_size >= 200 || se.st_size >= 2000)) break;
+        struct timespec ts = {0, 100000000};
+        nanosleep(&ts, NULL);
+    }
+    kill(pid, SIGINT);
+    size_t n = 0;
+    char *e = NULL;
+    for (int waited = 0; waited < 600; waited++) { /* the reply stops and the prompt comes back */
+        free(e);
+        e = read_all(errp, &n);
+        if (e && strstr(e, "interrupted (Ctrl-C)")) break;
+        struct timespec ts = {0, 100000000};
+        nanosleep(&ts, NULL);
+    }
+    close(in[1]); /* Ctrl-D at the prompt */
+    int st = 0;
+    waitpid(pid, &st, 0);
+    free(e);
+    e = read_all(errp, &n);
+    snprintf(err, en, "%s", e ? e : "");
+    free(e);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
 /* what every program does with a bad command line: the flag and the value named, the nearest
  * option suggested, one line pointing at --help (the help itself only for --help, on stdout,
  * exit 0); model paths that are not models; -n 0; Ctrl-C stopping generation with the timings */
@@ -778,8 +825,12 @@ static void test_cli_manners(void) {
     CHECKF(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "generated 0 tokens"), "%s", a);
     /* Ctrl-C: generation stops, the timings are printed, exit status 130 */
     if (getenv("MOE_TEST_RUNNER")) return;
-    const int rc = cli_interrupted(a, sizeof a);
+    int rc = cli_interrupted(a, sizeof a);
     CHECKF(rc == 130 && strstr(a, "interrupted (Ctrl-C)") && strstr(a, "tokens in"), "rc %d: %s", rc, a);
+    /* in a chat: the reply stops, the prompt comes back, Ctrl-D ends it normally */
+    rc = chat_interrupted(a, sizeof a);
+    const char *stop = strstr(a, "interrupted (Ctrl-C); Ctrl-C or Ctrl-D at the prompt ends the chat");
+    CHECKF(rc == 0 && stop && strstr(stop, "> ") && strstr(a, "tokens in"), "rc %d: %s", rc, a);
 }
 
 /* examples/simple.c gives moe-cli's greedy text; `make install` puts the header, both libraries,
@@ -808,7 +859,7 @@ static void test_simple_install(void) {
 }
 
 const test_case programs_tests[] = {
-    {"programs.cli_manners", test_cli_manners, "bad flags named with the value and the nearest option; --help; model paths; -n 0; Ctrl-C", 0},
+    {"programs.cli_manners", test_cli_manners, "bad flags named with the value and the nearest option; --help; model paths; -n 0; Ctrl-C alone and in a chat", 0},
     {"programs.simple_install", test_simple_install, "examples/simple.c, and built through pkg-config against make install's library", 0},
     {"programs.moe_tokenize", test_moe_tokenize_cli, "moe-tokenize: the interface the checks use", 0},
     {"programs.batch_basic", test_batch_basic, "moe-batch: requests answered once each, in any order, resumable", 0},
