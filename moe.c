@@ -96,6 +96,13 @@ static int has_nonfinite16(const uint16_t *x, size_t n, uint16_t mask) {
     return any != 0;
 }
 
+/* 1 when n values of MOE_T_F32, F16 or BF16 at data hold a NaN or an infinity (other types: 0) */
+static int values_nonfinite(int type, const void *data, size_t n) {
+    if (type == MOE_T_F32) return has_nonfinite(data, n);
+    if (type == MOE_T_F16 || type == MOE_T_BF16) return has_nonfinite16(data, n, type == MOE_T_F16 ? 0x7c00 : 0x7f80);
+    return 0;
+}
+
 /* a*b (and a*b*c) with overflow detection against INT64_MAX/2 */
 static int mul_ok(int64_t a, int64_t b, int64_t *out) {
     if (a < 0 || b < 0) return 0;
@@ -1879,10 +1886,7 @@ static moe_status check_tensors(const moe_model *m, char *err, size_t errlen) {
 #endif
         for (int i = 0; i < F->n_tensors; i++) {
             const moe__st_tensor *t = &F->tensors[i];
-            const size_t n = t->type == MOE_T_F32 ? t->nbytes / 4 : t->nbytes / 2;
-            const int nf = t->type == MOE_T_F32 ? has_nonfinite(t->data, n)
-                         : t->type == MOE_T_F16 || t->type == MOE_T_BF16 ? has_nonfinite16(t->data, n, t->type == MOE_T_F16 ? 0x7c00 : 0x7f80) : 0;
-            if (nf && i < bad) bad = i;
+            if (values_nonfinite(t->type, t->data, t->type == MOE_T_F32 ? t->nbytes / 4 : t->nbytes / 2) && i < bad) bad = i;
         }
         if (bad < F->n_tensors) return fail(err, errlen, MOE_ERR_NUMERIC, "%s: tensor %s holds a NaN or an infinity", F->path, F->tensors[bad].name);
     }
@@ -2355,12 +2359,7 @@ static int in_mapping(const moe_model *m, const void *p) { return mapped_file(m,
 static uint64_t weight_data_bytes(const moe__weight *w) { return (uint64_t)w->rows * (uint64_t)moe__row_bytes(w->type, w->cols); }
 
 /* 1 when an F32, F16 or BF16 matrix holds a NaN or an infinity (other types: 0) */
-static int weight_nonfinite(const moe__weight *w) {
-    const size_t n = (size_t)w->rows * (size_t)w->cols;
-    if (w->type == MOE_T_F32) return has_nonfinite(w->data, n);
-    if (w->type == MOE_T_F16 || w->type == MOE_T_BF16) return has_nonfinite16(w->data, n, w->type == MOE_T_F16 ? 0x7c00 : 0x7f80);
-    return 0;
-}
+static int weight_nonfinite(const moe__weight *w) { return values_nonfinite(w->type, w->data, (size_t)w->rows * (size_t)w->cols); }
 static uint64_t weight_scale_bytes(const moe__weight *w) { return w->scale ? (uint64_t)(w->rows * (w->cols / 32)) : 0; }
 
 #define UNIT_MAX 20 /* matrices in one cache unit: an expert's 3, or a layer's dense ones */
