@@ -727,22 +727,21 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         const char *a = argv[i];
         int more = i + 1 < argc;
         double v;
-        char bad[300];
         if (!strcmp(a, "-m") && more) o->model = argv[++i];
         else if (!strcmp(a, "-i") && more) o->in_path = argv[++i];
         else if (!strcmp(a, "-o") && more) o->out_path = argv[++i];
         else if (!strcmp(a, "--shard") && more) { if (!parse_shard(argv[++i], &o->shard_i, &o->shard_n)) return usage("--shard is I/N with 0 <= I < N"); }
         else if (!strcmp(a, "-t") && more) {
-            if (arg_number(a, argv[++i], 1, 1024, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-batch", help, a, argv[++i], 1, 1024, 1, &v)) return 2;
             o->opt.n_threads = (int)v, o->opt.set |= MOE_SET_THREADS;
         } else if (!strcmp(a, "--parallel") && more) {
-            if (arg_number(a, argv[++i], 1, 1024, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-batch", help, a, argv[++i], 1, 1024, 1, &v)) return 2;
             o->parallel = (int)v;
         } else if (!strcmp(a, "-c") && more) {
-            if (arg_number(a, argv[++i], 2, 1e8, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-batch", help, a, argv[++i], 2, 1e8, 1, &v)) return 2;
             o->ctx = (int)v;
         } else if (!strcmp(a, "--max-tokens") && more) {
-            if (arg_number(a, argv[++i], 1, 1e9, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-batch", help, a, argv[++i], 1, 1e9, 1, &v)) return 2;
             o->default_max = (int)v;
         }
         else if (!strcmp(a, "--model-name") && more) model_name = argv[++i];

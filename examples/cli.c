@@ -245,7 +245,6 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
     *done = 1;
     for (int i = 1; i < argc; i++) {
         const char *why = NULL;
-        char bad[300];
         int ck;
         const char *a = argv[i];
         double v;
@@ -254,56 +253,56 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         else if (!strcmp(a, "-p") && more) o->prompt = argv[++i];
         else if (!strcmp(a, "-f") && more) o->file = argv[++i];
         else if (!strcmp(a, "-n") && more) {
-            if (arg_number(a, argv[++i], -1, 1e8, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], -1, 1e8, 1, &v)) return 2;
             o->n_gen = (int)v;
         }
         else if (!strcmp(a, "-t") && more) {
-            if (arg_number(a, argv[++i], 1, 1024, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 1, 1024, 1, &v)) return 2;
             o->opt.n_threads = (int)v, o->opt.set |= MOE_SET_THREADS;
         }
         else if (!strcmp(a, "--scalar")) o->opt.flags |= MOE_FLAG_FORCE_SCALAR;
         else if (!strcmp(a, "-c") && more) {
-            if (arg_number(a, argv[++i], 1, 1e9, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 1, 1e9, 1, &v)) return 2;
             o->n_ctx = (int)v;
         }
         else if (!strcmp(a, "--temp") && more) {
-            if (arg_number(a, argv[++i], 0, 100, 0, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 0, 100, 0, &v)) return 2;
             o->sp.temperature = (float)v;
         }
         else if (!strcmp(a, "--top-k") && more) {
-            if (arg_number(a, argv[++i], 0, 1e9, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 0, 1e9, 1, &v)) return 2;
             o->sp.top_k = (int)v;
         }
         else if (!strcmp(a, "--top-p") && more) {
-            if (arg_number(a, argv[++i], 0, 1, 0, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 0, 1, 0, &v)) return 2;
             o->sp.top_p = (float)v;
         }
         else if (!strcmp(a, "--min-p") && more) {
-            if (arg_number(a, argv[++i], 0, 1, 0, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 0, 1, 0, &v)) return 2;
             o->sp.min_p = (float)v;
         }
         else if (!strcmp(a, "-s") && more) {
-            if (arg_number(a, argv[++i], 0, 1.8e19, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 0, 1.8e19, 1, &v)) return 2;
             o->seed = (uint64_t)v;
         }
         else if (!strcmp(a, "--batch") && more) {
-            if (arg_number(a, argv[++i], 1, 1e6, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 1, 1e6, 1, &v)) return 2;
             o->opt.n_batch = (int)v;
         }
         else if (!strcmp(a, "--repeat-penalty") && more) {
-            if (arg_number(a, argv[++i], 0, 10, 0, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 0, 10, 0, &v)) return 2;
             o->sp.repeat_penalty = (float)v;
         }
         else if (!strcmp(a, "--presence-penalty") && more) {
-            if (arg_number(a, argv[++i], -10, 10, 0, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], -10, 10, 0, &v)) return 2;
             o->sp.presence_penalty = (float)v;
         }
         else if (!strcmp(a, "--frequency-penalty") && more) {
-            if (arg_number(a, argv[++i], -10, 10, 0, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], -10, 10, 0, &v)) return 2;
             o->sp.frequency_penalty = (float)v;
         }
         else if (!strcmp(a, "--repeat-last-n") && more) {
-            if (arg_number(a, argv[++i], 0, 1e6, 1, &v, bad, sizeof bad)) return usage(bad);
+            if (arg_num("moe-cli", help, a, argv[++i], 0, 1e6, 1, &v)) return 2;
             o->repeat_last_n = (int)v;
         }
         else if (!strcmp(a, "--stop") && more) {
