@@ -95,23 +95,19 @@ static inline int arg_unknown(const char *prog, const char *const *help, const c
     return near ? arg_fail(prog, help, "unknown option %s (did you mean %s?)", a, near) : arg_fail(prog, help, "unknown option %s", a);
 }
 
-/* A number for flag: 0 with *v when s is one in [lo, hi] (an integer where integer is set);
- * otherwise 1, with the reason in why ("-t 0: must be at least 1") */
-static inline int arg_number(const char *flag, const char *s, double lo, double hi, int integer, double *v, char *why, size_t wn) {
-    char *end;
-    const double x = strtod(s, &end);
-    if (end == s || *end) return snprintf(why, wn, "%s %s: not a number", flag, s), 1;
-    if (integer && x != (double)(long long)x) return snprintf(why, wn, "%s %s: must be a whole number", flag, s), 1;
-    if (x < lo) return snprintf(why, wn, "%s %s: must be at least %g", flag, s, lo), 1;
-    if (x > hi) return snprintf(why, wn, "%s %s: must be at most %g", flag, s, hi), 1;
-    *v = x;
-    return 0;
-}
-
-/* arg_number for a program: 0 with *v, or arg_usage's status (2) after naming the flag and value */
+/* A number for flag from the command line: 0 with *v when s is one in [lo, hi] (an integer where
+ * integer is set); otherwise arg_usage's status (2) after naming the flag, the value and what is
+ * wrong ("-t 0: must be at least 1") */
 static inline int arg_num(const char *prog, const char *const *help, const char *flag, const char *s, double lo, double hi, int integer,
                           double *v) {
-    char why[300];
-    return arg_number(flag, s, lo, hi, integer, v, why, sizeof why) ? arg_usage(prog, help, why) : 0;
+    char *end;
+    const double x = strtod(s, &end);
+    *v = 0;
+    if (end == s || *end) return arg_fail(prog, help, "%s %s: not a number", flag, s);
+    if (integer && x != (double)(long long)x) return arg_fail(prog, help, "%s %s: must be a whole number", flag, s);
+    if (x < lo) return arg_fail(prog, help, "%s %s: must be at least %g", flag, s, lo);
+    if (x > hi) return arg_fail(prog, help, "%s %s: must be at most %g", flag, s, hi);
+    *v = x;
+    return 0;
 }
 #endif
