@@ -698,80 +698,66 @@ static void test_cachesim(void) {
     CHECKF(lines == 3, "%s", a);
 }
 
-/* moe-cli started on a long generation and sent SIGINT once it has printed text: the exit
- * status, and stderr */
-static int cli_interrupted(char *err, size_t en) {
-    char out[600], errp[600];
-    tmp_path(out, sizeof out, "sigint-out.txt");
-    tmp_path(errp, sizeof errp, "sigint-err.txt");
-    char exe[700];
-    snprintf(exe, sizeof exe, "%s/moe-cli", exe_dir);
-    fflush(NULL);
-    const pid_t pid = fork();
-    if (pid == 0) {
-        const int o = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0600), e = open(errp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-        if (o < 0 || e < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0) _exit(127);
-        signal(SIGINT, SIG_DFL);
-        execl(exe, exe, "-m", shipped_dir(), "-p", "In the beginning", "-n", "1000000", "--ignore-eos", "-t", "1", (char *)NULL);
-        _exit(127);
-    }
-    struct stat sb;
-    for (int waited = 0; waited < 600 && (stat(out, &sb) || sb.st_size < 200); waited++) { /* up to a minute for text */
+/* polls every 0.1 s, up to a minute, until done(ud) */
+static void wait_until(int (*done)(void *), void *ud) {
+    for (int waited = 0; waited < 600 && !done(ud); waited++) {
         struct timespec ts = {0, 100000000};
         nanosleep(&ts, NULL);
     }
-    kill(pid, SIGINT);
-    int st = 0;
-    waitpid(pid, &st, 0);
-    size_t n = 0;
-    char *e = read_all(errp, &n);
-    snprintf(err, en, "%s", e ? e : "");
-    free(e);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-/* moe-cli -cnv with its input on a pipe: one turn sent, SIGINT once its reply is printing, then
- * the pipe closed (Ctrl-D). The exit status; stderr in err. */
-static int chat_interrupted(char *err, size_t en) {
-    char out[600], errp[600], exe[700];
-    tmp_path(out, sizeof out, "chat-sigint-out.txt");
-    tmp_path(errp, sizeof errp, "chat-sigint-err.txt");
+typedef struct { char out[600], err[600]; } cli_files;
+
+/* the reply is printing: the answer on stdout, K3's thinking on stderr (past the loading lines) */
+static int reply_printing(void *ud) {
+    const cli_files *f = ud;
+    struct stat so, se;
+    return !stat(f->out, &so) && !stat(f->err, &se) && (so.st_size >= 200 || se.st_size >= 2000);
+}
+
+static int reply_stopped(void *ud) {
+    size_t n = 0;
+    char *e = read_all(((const cli_files *)ud)->err, &n);
+    const int yes = e && strstr(e, "interrupted (Ctrl-C)");
+    free(e);
+    return yes;
+}
+
+/* moe-cli on a long generation, sent SIGINT once its reply is printing: a prompt (chat 0), or a
+ * chat (-cnv) whose one turn comes through a pipe that is closed (Ctrl-D) once the reply has
+ * stopped. The exit status; stderr in err. */
+static int cli_interrupted(int chat, char *err, size_t en) {
+    cli_files f;
+    char exe[700];
+    tmp_path(f.out, sizeof f.out, chat ? "chat-sigint-out.txt" : "sigint-out.txt");
+    tmp_path(f.err, sizeof f.err, chat ? "chat-sigint-err.txt" : "sigint-err.txt");
     snprintf(exe, sizeof exe, "%s/moe-cli", exe_dir);
     int in[2];
-    if (pipe(in)) return -1;
+    if (chat && pipe(in)) return -1;
     fflush(NULL);
     const pid_t pid = fork();
     if (pid == 0) {
-        const int o = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0600), e = open(errp, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-        if (o < 0 || e < 0 || dup2(in[0], 0) < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0) _exit(127);
-        close(in[1]);
+        const int o = open(f.out, O_WRONLY | O_CREAT | O_TRUNC, 0600), e = open(f.err, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (o < 0 || e < 0 || dup2(o, 1) < 0 || dup2(e, 2) < 0 || (chat && (dup2(in[0], 0) < 0 || close(in[1])))) _exit(127);
         signal(SIGINT, SIG_DFL);
-        execl(exe, exe, "-m", shipped_dir(), "-cnv", "-n", "1000000", "-c", "1000000", "--ignore-eos", "-t", "1", (char *)NULL);
+        if (chat) execl(exe, exe, "-m", shipped_dir(), "-cnv", "-n", "1000000", "-c", "1000000", "--ignore-eos", "-t", "1", (char *)NULL);
+        else execl(exe, exe, "-m", shipped_dir(), "-p", "In the beginning", "-n", "1000000", "--ignore-eos", "-t", "1", (char *)NULL);
         _exit(127);
     }
-    close(in[0]);
-    CHECK(write(in[1], "Hello\n", 6) == 6);
-    struct stat so, se;
-    for (int waited = 0; waited < 600; waited++) { /* the reply printing: its answer on stdout, K3's thinking on stderr */
-        if (!stat(out, &so) && !stat(errp, &se) && (so.st_size >= 200 || se.st_size >= 2000)) break;
-        struct timespec ts = {0, 100000000};
-        nanosleep(&ts, NULL);
+    if (chat) {
+        close(in[0]);
+        CHECK(write(in[1], "Hello\n", 6) == 6);
     }
+    wait_until(reply_printing, &f);
     kill(pid, SIGINT);
-    size_t n = 0;
-    char *e = NULL;
-    for (int waited = 0; waited < 600; waited++) { /* the reply stops and the prompt comes back */
-        free(e);
-        e = read_all(errp, &n);
-        if (e && strstr(e, "interrupted (Ctrl-C)")) break;
-        struct timespec ts = {0, 100000000};
-        nanosleep(&ts, NULL);
+    if (chat) {
+        wait_until(reply_stopped, &f); /* the reply stops and the prompt comes back */
+        close(in[1]);                   /* Ctrl-D at the prompt */
     }
-    close(in[1]); /* Ctrl-D at the prompt */
     int st = 0;
     waitpid(pid, &st, 0);
-    free(e);
-    e = read_all(errp, &n);
+    size_t n = 0;
+    char *e = read_all(f.err, &n);
     snprintf(err, en, "%s", e ? e : "");
     free(e);
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
@@ -825,10 +811,10 @@ static void test_cli_manners(void) {
     CHECKF(run_cmd(cmd, a, sizeof a) == 0 && strstr(a, "generated 0 tokens"), "%s", a);
     /* Ctrl-C: generation stops, the timings are printed, exit status 130 */
     if (getenv("MOE_TEST_RUNNER")) return;
-    int rc = cli_interrupted(a, sizeof a);
+    int rc = cli_interrupted(0, a, sizeof a);
     CHECKF(rc == 130 && strstr(a, "interrupted (Ctrl-C)") && strstr(a, "tokens in"), "rc %d: %s", rc, a);
     /* in a chat: the reply stops, the prompt comes back, Ctrl-D ends it normally */
-    rc = chat_interrupted(a, sizeof a);
+    rc = cli_interrupted(1, a, sizeof a);
     const char *stop = strstr(a, "interrupted (Ctrl-C); Ctrl-C or Ctrl-D at the prompt ends the chat");
     CHECKF(rc == 0 && stop && strstr(stop, "> ") && strstr(a, "tokens in"), "rc %d: %s", rc, a);
 }
