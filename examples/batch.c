@@ -28,6 +28,7 @@
 #include "args.h"
 #include "cache_flags.h"
 #include "files.h"
+#include "openai.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -61,67 +62,6 @@ static double now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t fnv(const char *s, size_t n) {
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)s[i]) * 1099511628211ull;
-    return h;
-}
-
-/* ---- growable text ---- */
-
-typedef struct {
-    char *s;
-    size_t n, cap;
-    int oom;
-} buf;
-
-static void bput(buf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *p = realloc(b->s, cap);
-        if (!p) { b->oom = 1; return; }
-        b->s = p, b->cap = cap;
-    }
-    memcpy(b->s + b->n, s, n);
-    b->n += n;
-    b->s[b->n] = 0;
-}
-
-static void bprintf(buf *b, const char *fmt, ...) {
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (k > 0) bput(b, tmp, (size_t)k < sizeof tmp ? (size_t)k : sizeof tmp - 1);
-}
-
-/* a JSON string; bytes that are not valid UTF-8 become U+FFFD (as the vendor's decode does) */
-static void bjson_str(buf *b, const char *s, size_t n) {
-    bput(b, "\"", 1);
-    for (size_t i = 0; i < n;) {
-        unsigned char c = (unsigned char)s[i];
-        if (c >= 0x80) {
-            size_t v = moe_utf8_valid_prefix(s + i, n - i < 4 ? n - i : 4);
-            size_t len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
-            if (v >= len) bput(b, s + i, len), i += len;
-            else bput(b, "\xEF\xBF\xBD", 3), i++;
-            continue;
-        }
-        if (c == '"') bput(b, "\\\"", 2);
-        else if (c == '\\') bput(b, "\\\\", 2);
-        else if (c == '\n') bput(b, "\\n", 2);
-        else if (c == '\r') bput(b, "\\r", 2);
-        else if (c == '\t') bput(b, "\\t", 2);
-        else if (c < 0x20 || c == 0x7F) bprintf(b, "\\u%04x", c);
-        else bput(b, (const char *)&c, 1);
-        i++;
-    }
-    bput(b, "\"", 1);
 }
 
 /* ---- the output file: whole lines, appended; a failed write is cut back off ---- */
@@ -268,19 +208,9 @@ static int load_answers(const char *path, keyset *done) {
 /* ---- requests ---- */
 
 typedef struct {
+    oai_request q;   /* the body */
     char *custom_id; /* NULL when the line has none */
     long lineno;
-    int chat;
-    int32_t *prompt;
-    int n_prompt;
-    int max_tokens;
-    moe_sampler sp;
-    uint64_t rng;
-    char *stop[4];
-    int n_stop;
-    int logprobs; /* -1: none; else each sampled token's log probability and this many best alternatives */
-    moe_chat_options co;
-    int n;          /* choices ("n"): each decodes as a sequence of its own */
     int started;    /* choices given a slot so far */
     int done;       /* choices finished */
     int lead;       /* the slot of its first choice, while the others assigned with it wait for its prompt */
@@ -291,13 +221,38 @@ typedef struct {
 } request;
 
 static void request_free(request *r) {
-    for (int i = 0; r->choices && i < r->n; i++) free(r->choices[i].s);
+    for (int i = 0; r->choices && i < r->q.n; i++) free(r->choices[i].s);
     free(r->choices);
     free(r->custom_id);
-    free(r->prompt);
-    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
-    free((char *)r->co.thinking_effort);
+    oai_request_free(&r->q);
 }
+
+/* Turns one parsed line into a request; 0 with a message in why when it is not a valid one. */
+static int parse_request(request *r, const moe__json *j, const moe_tokenizer *tok, int vocab_size, int ctx, int default_max, char *why,
+                         size_t wn) {
+    const moe__json *method = moe__json_get(j, "method"), *url = moe__json_get(j, "url"), *body = moe__json_get(j, "body");
+    if (method && (method->type != MOE_JSON_STR || strcmp(method->str, "POST"))) return snprintf(why, wn, "method must be POST"), 0;
+    if (!url || url->type != MOE_JSON_STR) return snprintf(why, wn, "url is missing"), 0;
+    const int chat = !strcmp(url->str, "/v1/chat/completions");
+    if (!chat && strcmp(url->str, "/v1/completions")) return snprintf(why, wn, "url must be /v1/chat/completions or /v1/completions"), 0;
+    if (!oai_parse_body(&r->q, body, chat, tok, vocab_size, ctx, default_max, fnv(r->custom_id, strlen(r->custom_id)) | 1, why, wn)) return 0;
+    if (!(r->choices = calloc((size_t)r->q.n, sizeof *r->choices))) return snprintf(why, wn, "out of memory"), 0;
+    return 1;
+}
+
+/* ---- decoding slots ---- */
+
+typedef struct {
+    request *r;
+    oai_choice c;       /* the choice it decodes */
+    /* -1: computes r's prompt itself (its first choice); >= 0: the slot computing it in this step,
+     * whose state and logits this one takes after the step; -2: takes them from the copy kept
+     * for r's later choices */
+    int leader;
+    moe_session *s;
+    int fed;            /* prompt tokens already in the session */
+    const float *lrow;  /* the logits it samples from: its row of the step's, or another's */
+} slot;
 
 static const char *model_name;
 static long g_created;
@@ -320,366 +275,6 @@ static void error_line(buf *b, const char *custom_id, long lineno, int status, c
     }
 }
 
-static int num_field(const moe__json *body, const char *key, double lo, double hi, double *out, char *why, size_t wn) {
-    const moe__json *v = moe__json_get(body, key);
-    if (!v || v->type == MOE_JSON_NULL) return 1;
-    if (v->type != MOE_JSON_NUM || !(v->num >= lo && v->num <= hi)) {
-        snprintf(why, wn, "%s must be a number in [%g, %g]", key, lo, hi);
-        return 0;
-    }
-    *out = v->num;
-    return 1;
-}
-
-/* The longest token's bytes (a special's name included): a text of B bytes is at least
- * B / longest tokens, so a prompt longer than ctx times that cannot fit and is refused before it
- * is tokenized (what one line can cost in memory is then bounded by the context) */
-static size_t longest_token(const moe_tokenizer *tok) {
-    static const moe_tokenizer *of;
-    static size_t longest;
-    if (tok != of) {
-        longest = 1;
-        for (int32_t id = 0; id < moe_tokenizer_n_ids(tok); id++) {
-            size_t l = 0;
-            if (moe_token_bytes(tok, id, &l) && l > longest) longest = l;
-        }
-        of = tok;
-    }
-    return longest;
-}
-
-/* the bytes of the texts a chat request's messages hold (string contents and text parts): all of
- * them are in the rendered prompt */
-static size_t message_bytes(const moe__json *msgs) {
-    size_t b = 0;
-    for (const moe__json *m = msgs->child; m; m = m->next) {
-        const moe__json *c = moe__json_get(m, "content");
-        if (c && c->type == MOE_JSON_STR) b += strlen(c->str);
-        for (const moe__json *part = c && c->type == MOE_JSON_ARR ? c->child : NULL; part; part = part->next) {
-            const moe__json *t = moe__json_get(part, "text");
-            if (t && t->type == MOE_JSON_STR) b += strlen(t->str);
-        }
-    }
-    return b;
-}
-
-/* 0 with a message when a text of `bytes` bytes cannot fit the context in any tokenization */
-static int text_may_fit(const moe_tokenizer *tok, size_t bytes, int ctx, char *why, size_t wn) {
-    const size_t longest = longest_token(tok);
-    if (bytes / longest <= (size_t)ctx) return 1;
-    snprintf(why, wn, "the prompt's %zu bytes are at least %zu tokens (no token is longer than %zu bytes), more than the context of %d",
-             bytes, bytes / longest, longest, ctx);
-    return 0;
-}
-
-/* Turns one parsed line into a request; 0 with a message in why when it is not a valid one. */
-static int parse_request(request *r, const moe__json *j, const moe_tokenizer *tok, int ctx, int default_max, char *why, size_t wn) {
-    const moe__json *method = moe__json_get(j, "method"), *url = moe__json_get(j, "url"), *body = moe__json_get(j, "body");
-    if (method && (method->type != MOE_JSON_STR || strcmp(method->str, "POST"))) return snprintf(why, wn, "method must be POST"), 0;
-    if (!url || url->type != MOE_JSON_STR) return snprintf(why, wn, "url is missing"), 0;
-    if (!strcmp(url->str, "/v1/chat/completions")) r->chat = 1;
-    else if (strcmp(url->str, "/v1/completions")) return snprintf(why, wn, "url must be /v1/chat/completions or /v1/completions"), 0;
-    if (!body || body->type != MOE_JSON_OBJ) return snprintf(why, wn, "body must be an object"), 0;
-    double v;
-    r->max_tokens = default_max;
-    if (!num_field(body, "max_completion_tokens", 1, 1e9, &v, why, wn) || !num_field(body, "max_tokens", 1, 1e9, &v, why, wn)) return 0;
-    if (moe__json_get(body, "max_tokens") || moe__json_get(body, "max_completion_tokens")) {
-        if (v != (double)(int)v) return snprintf(why, wn, "max_tokens must be an integer"), 0;
-        r->max_tokens = (int)v;
-    }
-    r->sp = (moe_sampler){.temperature = 1.0f, .top_p = 1.0f, .repeat_penalty = 1.0f};
-    v = 1.0;
-    if (!num_field(body, "temperature", 0, 2, &v, why, wn)) return 0;
-    r->sp.temperature = (float)v;
-    v = 1.0;
-    if (!num_field(body, "top_p", 0, 1, &v, why, wn)) return 0;
-    r->sp.top_p = (float)v;
-    v = 0;
-    if (!num_field(body, "top_k", 0, 1e9, &v, why, wn)) return 0;
-    r->sp.top_k = (int)v;
-    v = 0;
-    if (!num_field(body, "min_p", 0, 1, &v, why, wn)) return 0;
-    r->sp.min_p = (float)v;
-    v = 0;
-    if (!num_field(body, "presence_penalty", -2, 2, &v, why, wn)) return 0;
-    r->sp.presence_penalty = (float)v;
-    v = 0;
-    if (!num_field(body, "frequency_penalty", -2, 2, &v, why, wn)) return 0;
-    r->sp.frequency_penalty = (float)v;
-    v = 1;
-    if (!num_field(body, "n", 1, 128, &v, why, wn)) return 0;
-    if (v != (int)v) return snprintf(why, wn, "n must be an integer"), 0;
-    r->n = (int)v;
-    if (!(r->choices = calloc((size_t)r->n, sizeof *r->choices))) return snprintf(why, wn, "out of memory"), 0;
-    /* log probabilities: chat's "logprobs": true with "top_logprobs": N, the completions'
-     * "logprobs": N (OpenAI allows 5 there, 20 in chat: both take up to 20 here) */
-    r->logprobs = -1;
-    const moe__json *lp = moe__json_get(body, "logprobs"), *echo = moe__json_get(body, "echo");
-    if (r->chat) {
-        if (lp && lp->type != MOE_JSON_BOOL && lp->type != MOE_JSON_NULL) return snprintf(why, wn, "logprobs must be true or false"), 0;
-        v = -1;
-        if (!num_field(body, "top_logprobs", 0, 20, &v, why, wn)) return 0;
-        if (v != (int)v) return snprintf(why, wn, "top_logprobs must be an integer"), 0;
-        const int on = lp && lp->type == MOE_JSON_BOOL && lp->num != 0;
-        if (v >= 0 && !on) return snprintf(why, wn, "top_logprobs needs logprobs: true"), 0;
-        if (on) r->logprobs = v >= 0 ? (int)v : 0;
-    } else {
-        v = -1;
-        if (!num_field(body, "logprobs", 0, 20, &v, why, wn)) return 0;
-        if (v != (int)v) return snprintf(why, wn, "logprobs must be an integer"), 0;
-        r->logprobs = (int)v;
-        if (echo && !(echo->type == MOE_JSON_NULL || (echo->type == MOE_JSON_BOOL && echo->num == 0)))
-            return snprintf(why, wn, "echo is not supported"), 0;
-    }
-    const moe__json *seed = moe__json_get(body, "seed");
-    if (seed && seed->type == MOE_JSON_NUM) { /* a 64-bit integer: converting anything else to int64_t is undefined */
-        if (!(seed->num >= -9.2e18 && seed->num <= 9.2e18) || (double)(int64_t)seed->num != seed->num)
-            return snprintf(why, wn, "seed must be a 64-bit integer"), 0;
-        r->rng = (uint64_t)(int64_t)seed->num * 0x9E3779B97F4A7C15ull + 1;
-    } else if (seed && seed->type != MOE_JSON_NULL) return snprintf(why, wn, "seed must be an integer"), 0;
-    else r->rng = fnv(r->custom_id, strlen(r->custom_id)) | 1;
-    const moe__json *stop = moe__json_get(body, "stop");
-    if (stop && stop->type == MOE_JSON_STR) {
-        if (*stop->str) r->stop[r->n_stop++] = strdup(stop->str);
-    } else if (stop && stop->type == MOE_JSON_ARR) {
-        if (stop->n > 4) return snprintf(why, wn, "stop: at most 4 strings"), 0;
-        for (const moe__json *s = stop->child; s; s = s->next) {
-            if (s->type != MOE_JSON_STR) return snprintf(why, wn, "stop must be a string or a list of strings"), 0;
-            if (*s->str) r->stop[r->n_stop++] = strdup(s->str);
-        }
-    } else if (stop && stop->type != MOE_JSON_NULL) {
-        return snprintf(why, wn, "stop must be a string or a list of strings"), 0;
-    }
-    for (int i = 0; i < r->n_stop; i++)
-        if (!r->stop[i]) return snprintf(why, wn, "out of memory"), 0;
-    /* the prompt */
-    char err[512];
-    size_t n = 0, cap = (size_t)ctx + 1;
-    if (!(r->prompt = malloc(cap * sizeof *r->prompt))) return snprintf(why, wn, "out of memory"), 0;
-    moe_status st;
-    if (r->chat) {
-        const moe__json *msgs = moe__json_get(body, "messages");
-        if (!msgs) return snprintf(why, wn, "a chat request needs body.messages"), 0;
-        if (msgs->type != MOE_JSON_ARR || !msgs->n) return snprintf(why, wn, "messages must be a non-empty list of messages"), 0;
-        if (!tok) return snprintf(why, wn, "the model ships no tokenizer, so chat requests cannot be encoded"), 0;
-        if (!text_may_fit(tok, message_bytes(msgs), ctx, why, wn)) return 0;
-        r->co = moe_chat_default_options();
-        const moe__json *eff = moe__json_get(body, "reasoning_effort");
-        if (eff && eff->type == MOE_JSON_STR) {
-            if (!strcmp(eff->str, "none")) r->co.thinking = 0;
-            else if (!(r->co.thinking_effort = strdup(eff->str))) return snprintf(why, wn, "out of memory"), 0;
-        }
-        st = moe__chat_encode_tree(tok, body, &r->co, r->prompt, cap, &n, err, sizeof err);
-    } else {
-        const moe__json *p = moe__json_get(body, "prompt");
-        if (p && p->type == MOE_JSON_ARR) { /* token ids */
-            st = MOE_OK;
-            for (const moe__json *e = p->child; e && !st; e = e->next) {
-                if (e->type == MOE_JSON_ARR || e->type == MOE_JSON_STR)
-                    return snprintf(why, wn, "prompt: a list of prompts is not supported; give a string or one list of token ids"), 0;
-                if (e->type != MOE_JSON_NUM || e->num < 0 || e->num > 2147483647.0 || e->num != (double)(int32_t)e->num)
-                    return snprintf(why, wn, "prompt[%zu]: a token id is an integer >= 0", n), 0;
-                if (n < cap) r->prompt[n] = (int32_t)e->num;
-                n++;
-            }
-            if (n > cap) st = MOE_ERR_RANGE;
-        } else if (p && p->type == MOE_JSON_STR) {
-            if (!tok) return snprintf(why, wn, "the model ships no tokenizer; give the prompt as token ids"), 0;
-            if (!text_may_fit(tok, strlen(p->str), ctx, why, wn)) return 0;
-            st = moe_tokenize(tok, p->str, strlen(p->str), 0, r->prompt, cap, &n, err, sizeof err);
-        } else {
-            return snprintf(why, wn, "a completion request needs body.prompt (a string or a list of token ids)"), 0;
-        }
-    }
-    if (st == MOE_ERR_RANGE || (!st && (int)n + r->max_tokens > ctx)) {
-        snprintf(why, wn, "the prompt (%zu tokens) and max_tokens (%d) do not fit the context of %d tokens", n, r->max_tokens, ctx);
-        return 0;
-    }
-    if (st) return snprintf(why, wn, "%s", err), 0;
-    if (n == 0) return snprintf(why, wn, "the prompt is empty"), 0;
-    r->n_prompt = (int)n;
-    return 1;
-}
-
-/* ---- decoding slots ---- */
-
-typedef struct {
-    request *r;
-    int choice;         /* which of r's choices */
-    /* -1: computes r's prompt itself (its first choice); >= 0: the slot computing it in this step,
-     * whose state and logits this one takes after the step; -2: takes them from the copy kept
-     * for r's later choices */
-    int leader;
-    moe_sampler sp;     /* r's sampler, with this sequence's recent tokens */
-    uint64_t rng;       /* this choice's generator */
-    moe_session *s;
-    int fed;            /* prompt tokens already in the session */
-    int gen;            /* tokens sampled */
-    int32_t last;       /* the token to feed next */
-    const float *lrow;  /* the logits it samples from: its row of the step's, or another's */
-    int32_t pick;       /* the token sampled from them */
-    int32_t *hist;      /* prompt + generated, for penalties */
-    /* with logprobs: per sampled token its log probability, its text's offset in content, and
-     * the request's logprobs best alternatives (ids and log probabilities) */
-    float *lp, *alt_lp;
-    int32_t *alt;
-    size_t *offset;
-    buf content, reasoning;
-    moe_chat_reply rep;
-    const char *finish; /* set when done */
-} slot;
-
-/* Log probabilities of the raw logits l[0..V) (before temperature and penalties, as OpenAI
- * reports them): the pick's into *lp, the n best tokens (highest first, ties by id) into alt and
- * their log probabilities into alt_lp. */
-static void logprobs_of(const float *l, int V, int32_t pick, int n, float *lp, int32_t *alt, float *alt_lp) {
-    float mx = -INFINITY;
-    for (int i = 0; i < V; i++)
-        if (l[i] > mx) mx = l[i];
-    double sum = 0;
-    for (int i = 0; i < V; i++) sum += exp((double)l[i] - mx);
-    const double lse = mx + log(sum);
-    *lp = (float)(l[pick] - lse);
-    int have = 0;
-    for (int i = 0; i < V && n > 0; i++) {
-        if (have == n && !(l[i] > l[alt[n - 1]])) continue;
-        int j = have < n ? have++ : n - 1;
-        for (; j > 0 && l[i] > l[alt[j - 1]]; j--) alt[j] = alt[j - 1];
-        alt[j] = i;
-    }
-    for (int j = 0; j < have; j++) alt_lp[j] = (float)(l[alt[j]] - lse);
-}
-
-static int slot_check_stop(slot *sl) {
-    int stopped = 0;
-    if (!sl->r->n_stop || !sl->content.n) return 0;
-    size_t cut = moe_text_ready(sl->content.s, sl->content.n, (const char *const *)sl->r->stop, sl->r->n_stop, 1, &stopped);
-    if (stopped) sl->content.n = cut, sl->content.s[cut] = 0;
-    return stopped;
-}
-
-/* a log probability as JSON (-9999 for a token the model rules out, as OpenAI writes it) */
-static void blogprob(buf *b, float v) { bprintf(b, "%.9g", isfinite(v) ? (double)v : -9999.0); }
-
-/* token t's text: its bytes, or its id where the model has no tokenizer */
-static const char *token_text(const moe_tokenizer *tok, int32_t t, char *idbuf, size_t n, size_t *len) {
-    const char *p = tok ? moe_token_bytes(tok, t, len) : NULL;
-    if (p) return p;
-    *len = (size_t)snprintf(idbuf, n, "%d", (int)t);
-    return idbuf;
-}
-
-/* chat's {"token", "logprob", "bytes"} of token t (the bytes as numbers: a token may hold part of
- * a character) */
-static void chat_token_lp(buf *b, const moe_tokenizer *tok, int32_t t, float lp) {
-    char idb[16];
-    size_t len = 0;
-    const char *p = token_text(tok, t, idb, sizeof idb, &len);
-    bprintf(b, "\"token\": ");
-    bjson_str(b, p, len);
-    bprintf(b, ", \"logprob\": ");
-    blogprob(b, lp);
-    bprintf(b, ", \"bytes\": [");
-    for (size_t i = 0; i < len; i++) bprintf(b, i ? ", %u" : "%u", (unsigned char)p[i]);
-    bprintf(b, "]");
-}
-
-/* the choice's "logprobs": one entry per sampled token (completion_tokens of them, the reasoning
- * and a closing end-of-turn token included), chat's or the completions' form */
-static void logprobs_json(buf *b, const slot *sl, const moe_tokenizer *tok) {
-    const request *r = sl->r;
-    const int32_t *gen = sl->hist + r->n_prompt;
-    const int n = r->logprobs;
-    char idb[16];
-    size_t len = 0;
-    if (r->logprobs < 0) {
-        bprintf(b, "\"logprobs\": null, ");
-        return;
-    }
-    if (r->chat) {
-        bprintf(b, "\"logprobs\": {\"content\": [");
-        for (int i = 0; i < sl->gen; i++) {
-            bprintf(b, i ? ", {" : "{");
-            chat_token_lp(b, tok, gen[i], sl->lp[i]);
-            bprintf(b, ", \"top_logprobs\": [");
-            for (int j = 0; j < n; j++) {
-                bprintf(b, j ? ", {" : "{");
-                chat_token_lp(b, tok, sl->alt[(size_t)i * n + j], sl->alt_lp[(size_t)i * n + j]);
-                bprintf(b, "}");
-            }
-            bprintf(b, "]}");
-        }
-        bprintf(b, "], \"refusal\": null}, ");
-        return;
-    }
-    bprintf(b, "\"logprobs\": {\"tokens\": [");
-    for (int i = 0; i < sl->gen; i++) {
-        const char *p = token_text(tok, gen[i], idb, sizeof idb, &len);
-        if (i) bprintf(b, ", ");
-        bjson_str(b, p, len);
-    }
-    bprintf(b, "], \"token_logprobs\": [");
-    for (int i = 0; i < sl->gen; i++) {
-        if (i) bprintf(b, ", ");
-        blogprob(b, sl->lp[i]);
-    }
-    bprintf(b, "], \"top_logprobs\": ");
-    if (n > 0) {
-        bprintf(b, "[");
-        for (int i = 0; i < sl->gen; i++) {
-            bprintf(b, i ? ", {" : "{");
-            for (int j = 0; j < n; j++) {
-                const char *p = token_text(tok, sl->alt[(size_t)i * n + j], idb, sizeof idb, &len);
-                if (j) bprintf(b, ", ");
-                bjson_str(b, p, len);
-                bprintf(b, ": ");
-                blogprob(b, sl->alt_lp[(size_t)i * n + j]);
-            }
-            bprintf(b, "}");
-        }
-        bprintf(b, "]");
-    } else {
-        bprintf(b, "null");
-    }
-    bprintf(b, ", \"text_offset\": [");
-    for (int i = 0; i < sl->gen; i++) bprintf(b, i ? ", %zu" : "%zu", sl->offset[i]);
-    bprintf(b, "]}, ");
-}
-
-/* choice k's generator: the request's own for the first, so that n = 1 draws as before; the
- * others from it by splitmix64's mixing */
-static uint64_t choice_rng(uint64_t seed, int k) {
-    if (!k) return seed;
-    uint64_t z = seed + (uint64_t)k * 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return (z ^ (z >> 31)) | 1;
-}
-
-/* one finished choice as its JSON object, into b */
-static void choice_json(buf *b, const slot *sl, const char *tool_calls, const moe_tokenizer *tok) {
-    bprintf(b, "{\"index\": %d, ", sl->choice);
-    if (sl->r->chat) {
-        bprintf(b, "\"message\": {\"role\": \"assistant\", \"content\": ");
-        bjson_str(b, sl->content.s ? sl->content.s : "", sl->content.n);
-        if (sl->reasoning.n) {
-            bprintf(b, ", \"reasoning_content\": ");
-            bjson_str(b, sl->reasoning.s, sl->reasoning.n);
-        }
-        if (tool_calls) {
-            bprintf(b, ", \"tool_calls\": ");
-            bput(b, tool_calls, strlen(tool_calls));
-        }
-        bprintf(b, "}, ");
-    } else {
-        bprintf(b, "\"text\": ");
-        bjson_str(b, sl->content.s ? sl->content.s : "", sl->content.n);
-        bprintf(b, ", ");
-    }
-    logprobs_json(b, sl, tok);
-    bprintf(b, "\"finish_reason\": \"%s\"}", tool_calls ? "tool_calls" : sl->finish);
-}
-
 /* the answer line of request r, every choice finished (the prompt counted once, as OpenAI does) */
 static void answer_line(buf *b, const request *r) {
     char rid[32];
@@ -687,15 +282,15 @@ static void answer_line(buf *b, const request *r) {
     bprintf(b, "{\"id\": \"batch_req_%s\", \"custom_id\": ", rid);
     bjson_str(b, r->custom_id, strlen(r->custom_id));
     bprintf(b, ", \"response\": {\"status_code\": 200, \"request_id\": \"req_%s\", \"body\": {\"id\": \"%s-%s\", \"object\": \"%s\", "
-               "\"created\": %ld, \"model\": ", rid, r->chat ? "chatcmpl" : "cmpl", rid, r->chat ? "chat.completion" : "text_completion", g_created);
+               "\"created\": %ld, \"model\": ", rid, r->q.chat ? "chatcmpl" : "cmpl", rid, r->q.chat ? "chat.completion" : "text_completion", g_created);
     bjson_str(b, model_name, strlen(model_name));
     bprintf(b, ", \"choices\": [");
-    for (int i = 0; i < r->n; i++) {
+    for (int i = 0; i < r->q.n; i++) {
         if (i) bprintf(b, ", ");
         bput(b, r->choices[i].s, r->choices[i].n);
     }
-    bprintf(b, "], \"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %d, \"total_tokens\": %d}}}, \"error\": null}\n", r->n_prompt,
-            r->gen_total, r->n_prompt + r->gen_total);
+    bprintf(b, "], \"usage\": {\"prompt_tokens\": %d, \"completion_tokens\": %d, \"total_tokens\": %d}}}, \"error\": null}\n", r->q.n_prompt,
+            r->gen_total, r->q.n_prompt + r->gen_total);
 }
 
 static int parse_shard(const char *s, int *i, int *n) {
@@ -904,13 +499,7 @@ static int take_request(job *jb, const char *custom_id, moe__json *j, long linen
     int ok = custom_id != NULL;
     if (ok) {
         rq.custom_id = strdup(custom_id);
-        ok = rq.custom_id && parse_request(&rq, j, jb->tok, jb->o.ctx, jb->o.default_max, why, wn);
-        if (rq.logprobs > c->vocab_size) rq.logprobs = c->vocab_size; /* no more alternatives than tokens */
-        for (int i = 0; ok && i < rq.n_prompt; i++)
-            if (rq.prompt[i] < 0 || rq.prompt[i] >= c->vocab_size) {
-                snprintf(why, wn, "prompt token %d is outside the vocabulary (%d)", (int)rq.prompt[i], c->vocab_size);
-                ok = 0;
-            }
+        ok = rq.custom_id && parse_request(&rq, j, jb->tok, c->vocab_size, jb->o.ctx, jb->o.default_max, why, wn);
     }
     if (!ok) {
         buf *line = &jb->line;
@@ -969,11 +558,11 @@ static int collect_requests(job *jb) {
 static int start_slots(job *jb) {
     const int P = jb->o.parallel;
     if (jb->n_reqs >= 2) {
-        int lcp = jb->reqs[0].n_prompt - 1;
+        int lcp = jb->reqs[0].q.n_prompt - 1;
         for (size_t i = 1; i < jb->n_reqs && lcp > 0; i++) {
             int k = 0;
-            const int lim = jb->reqs[i].n_prompt - 1 < lcp ? jb->reqs[i].n_prompt - 1 : lcp;
-            while (k < lim && jb->reqs[i].prompt[k] == jb->reqs[0].prompt[k]) k++;
+            const int lim = jb->reqs[i].q.n_prompt - 1 < lcp ? jb->reqs[i].q.n_prompt - 1 : lcp;
+            while (k < lim && jb->reqs[i].q.prompt[k] == jb->reqs[0].q.prompt[k]) k++;
             lcp = k;
         }
         jb->lcp = lcp < 8 ? 0 : lcp;
@@ -984,7 +573,7 @@ static int start_slots(job *jb) {
         return oom();
     if (jb->lcp) {
         if (moe_session_new(&jb->prefix, jb->m, jb->o.ctx, jb->err, sizeof jb->err)) return failed(jb);
-        moe_seq q = {.s = jb->prefix, .tokens = jb->reqs[0].prompt, .n = jb->lcp};
+        moe_seq q = {.s = jb->prefix, .tokens = jb->reqs[0].q.prompt, .n = jb->lcp};
         if (moe_step(jb->m, &q, 1, &jb->stats, jb->err, sizeof jb->err)) return failed(jb);
         fprintf(stderr, "moe-batch: the %d-token prefix all prompts share is computed once\n", jb->lcp);
     }
@@ -1001,34 +590,15 @@ static int start_choice(job *jb, int i, long pass) {
      * the same pass take its state after the step, later ones a copy of it */
     if (!rq->started) rq->lead = i, rq->lead_pass = pass;
     sl->leader = !rq->started ? -1 : rq->lead_pass == pass ? rq->lead : -2;
-    sl->choice = rq->started++;
-    if (rq->started == rq->n) jb->next++;
-    sl->sp = rq->sp, sl->rng = choice_rng(rq->rng, sl->choice);
-    int32_t *h = realloc(sl->hist, sizeof *h * (size_t)(rq->n_prompt + rq->max_tokens + 1));
-    if (!h) return oom();
-    sl->hist = h;
-    memcpy(h, rq->prompt, sizeof *h * (size_t)rq->n_prompt);
-    if (rq->logprobs >= 0) {
-        const size_t nt = (size_t)rq->max_tokens, na = nt * (size_t)rq->logprobs + 1;
-        float *lp = realloc(sl->lp, sizeof *lp * nt), *alt_lp = realloc(sl->alt_lp, sizeof *alt_lp * na);
-        int32_t *alt = realloc(sl->alt, sizeof *alt * na);
-        size_t *off = realloc(sl->offset, sizeof *off * nt);
-        if (lp) sl->lp = lp;
-        if (alt_lp) sl->alt_lp = alt_lp;
-        if (alt) sl->alt = alt;
-        if (off) sl->offset = off;
-        if (!lp || !alt_lp || !alt || !off) return oom();
-    }
-    sl->r = rq, sl->gen = 0, sl->finish = NULL, sl->content.n = 0, sl->reasoning.n = 0;
-    if (sl->content.s) sl->content.s[0] = 0;
-    if (sl->reasoning.s) sl->reasoning.s[0] = 0;
+    if (!oai_choice_begin(&sl->c, &rq->q, rq->started++, jb->tok)) return oom();
+    if (rq->started == rq->q.n) jb->next++;
+    sl->r = rq;
     sl->fed = 0;
     moe_session_reset(sl->s);
     if (jb->lcp) {
         if (moe_session_restore(sl->s, jb->prefix, jb->err, sizeof jb->err)) return failed(jb);
         sl->fed = jb->lcp;
     }
-    if (rq->chat && jb->tok) moe_chat_reply_init(&sl->rep, jb->tok, &rq->co);
     return 0;
 }
 
@@ -1042,13 +612,14 @@ static int step_slots(job *jb, int *active) {
         slot *sl = &jb->slots[i];
         *active += sl->r != NULL;
         if (!sl->r || sl->leader != -1) continue;
-        moe_seq *q = &jb->seqs[ns];
-        memset(q, 0, sizeof *q);
-        q->s = sl->s;
-        q->logits = jb->logits + (size_t)ns++ * V;
-        sl->lrow = q->logits;
-        if (sl->fed < sl->r->n_prompt) q->tokens = sl->r->prompt + sl->fed, q->n = sl->r->n_prompt - sl->fed, jb->prompt_tokens += (uint64_t)q->n;
-        else q->tokens = &sl->last, q->n = 1;
+        const oai_request *q = &sl->r->q;
+        moe_seq *sq = &jb->seqs[ns];
+        memset(sq, 0, sizeof *sq);
+        sq->s = sl->s;
+        sq->logits = jb->logits + (size_t)ns++ * V;
+        sl->lrow = sq->logits;
+        if (sl->fed < q->n_prompt) sq->tokens = q->prompt + sl->fed, sq->n = q->n_prompt - sl->fed, jb->prompt_tokens += (uint64_t)sq->n;
+        else sq->tokens = &sl->c.pick, sq->n = 1;
     }
     if (!*active) return 0;
     const moe_status st = ns ? moe_step(jb->m, jb->seqs, ns, &jb->stats, jb->err, sizeof jb->err) : MOE_OK;
@@ -1079,52 +650,27 @@ static void sample_slots(job *jb, int active) {
 #endif
     for (int i = 0; i < jb->o.parallel; i++) {
         slot *sl = &jb->slots[i];
-        if (!sl->r || sl->r->failed) continue;
-        request *rq = sl->r;
-        sl->sp.recent = sl->hist + (rq->n_prompt + sl->gen > 64 ? rq->n_prompt + sl->gen - 64 : 0);
-        sl->sp.n_recent = rq->n_prompt + sl->gen < 64 ? rq->n_prompt + sl->gen : 64;
-        const float *row = sl->lrow;
-        sl->pick = moe_sample(row, V, &sl->sp, &sl->rng);
-        if (rq->logprobs >= 0)
-            logprobs_of(row, V, sl->pick, rq->logprobs, &sl->lp[sl->gen], sl->alt + (size_t)sl->gen * rq->logprobs,
-                        sl->alt_lp + (size_t)sl->gen * rq->logprobs);
+        if (sl->r && !sl->r->failed) oai_choice_sample(&sl->c, sl->lrow, V);
     }
-}
-
-/* a chat reply's tool calls as JSON (caller frees), or NULL when it made none */
-static char *reply_tool_calls(job *jb, const slot *sl) {
-    const request *rq = sl->r;
-    char *calls = NULL;
-    size_t cl = 0, cap = 256;
-    for (int tries = 0; tries < 8; tries++, cap = cl + 1) {
-        free(calls);
-        if (!(calls = malloc(cap))) break;
-        moe_status ts = moe_chat_tool_calls(jb->tok, sl->hist + rq->n_prompt, (size_t)sl->gen, &rq->co, calls, cap, &cl, jb->err, sizeof jb->err);
-        if (ts != MOE_ERR_RANGE) {
-            if (ts || !strcmp(calls, "[]")) free(calls), calls = NULL;
-            break;
-        }
-    }
-    return calls;
 }
 
 /* slot sl's choice is finished: its JSON kept; the request's answer line written once its last
  * choice is */
 static int finish_choice(job *jb, slot *sl) {
     request *rq = sl->r;
-    char *calls = rq->chat && jb->tok ? reply_tool_calls(jb, sl) : NULL;
-    buf *ch = &rq->choices[sl->choice];
-    choice_json(ch, sl, calls, jb->tok);
+    char *calls = oai_tool_calls(&sl->c, jb->tok);
+    buf *ch = &rq->choices[sl->c.index];
+    oai_choice_json(ch, &sl->c, calls, jb->tok);
     free(calls);
     if (ch->oom) return oom();
-    rq->done++, rq->gen_total += sl->gen;
+    rq->done++, rq->gen_total += sl->c.gen;
     sl->r = NULL;
-    if (rq->done < rq->n) return 0; /* the line waits for the request's last choice */
+    if (rq->done < rq->q.n) return 0; /* the line waits for the request's last choice */
     buf *line = &jb->line;
     line->n = 0;
     answer_line(line, rq);
     if (line->oom || append_line(line)) return fprintf(stderr, "moe-batch: %s: %s\n", jb->o.out_path, line->oom ? "out of memory" : strerror(errno)), 1;
-    for (int k = 0; k < rq->n; k++) free(rq->choices[k].s), rq->choices[k] = (buf){0};
+    for (int k = 0; k < rq->q.n; k++) free(rq->choices[k].s), rq->choices[k] = (buf){0};
     jb->finished++;
     return 0;
 }
@@ -1135,11 +681,11 @@ static int fail_choice(job *jb, slot *sl) {
     request *rq = sl->r;
     sl->r = NULL;
     rq->done++;
-    if (rq->started < rq->n) { /* only reqs[next] has choices waiting for a slot */
-        rq->done += rq->n - rq->started, rq->started = rq->n;
+    if (rq->started < rq->q.n) { /* only reqs[next] has choices waiting for a slot */
+        rq->done += rq->q.n - rq->started, rq->started = rq->q.n;
         jb->next++;
     }
-    if (rq->done < rq->n) return 0;
+    if (rq->done < rq->q.n) return 0;
     buf *line = &jb->line;
     line->n = 0;
     error_line(line, rq->custom_id, rq->lineno, 500, "server_error",
@@ -1153,7 +699,6 @@ static int fail_choice(job *jb, slot *sl) {
 
 /* each slot's pick appended to its text; finished choices written */
 static int advance_slots(job *jb) {
-    const moe_tokenizer *tok = jb->tok;
     for (int i = 0; i < jb->o.parallel; i++) {
         slot *sl = &jb->slots[i];
         if (!sl->r) continue;
@@ -1161,30 +706,10 @@ static int advance_slots(job *jb) {
             if (fail_choice(jb, sl)) return 1;
             continue;
         }
-        request *rq = sl->r;
-        sl->fed = rq->n_prompt;
-        int32_t t = sl->pick;
-        if (rq->logprobs >= 0) sl->offset[sl->gen] = sl->content.n;
-        sl->hist[rq->n_prompt + sl->gen++] = t;
-        sl->last = t;
+        sl->fed = sl->r->q.n_prompt;
         jb->tokens++;
-        int end = rq->chat ? t == jb->c->eos_token_id : moe_token_is_eog(jb->m, tok, t);
-        if (tok) {
-            size_t bl = 0;
-            const char *b = moe_token_bytes(tok, t, &bl);
-            int ch = rq->chat ? moe_chat_reply_token(&sl->rep, tok, t)
-                   : moe_token_is_special(tok, t) ? MOE_REPLY_HIDDEN : MOE_REPLY_CONTENT;
-            if (ch == MOE_REPLY_END) end = 1;
-            else if (ch == MOE_REPLY_CONTENT && b) bput(&sl->content, b, bl);
-            else if (ch == MOE_REPLY_REASONING && b) bput(&sl->reasoning, b, bl);
-        } else {
-            bprintf(&sl->content, sl->gen > 1 ? " %d" : "%d", (int)t); /* no tokenizer: the ids */
-            if (rq->logprobs >= 0 && sl->gen > 1) sl->offset[sl->gen - 1]++; /* past the space */
-        }
-        if (sl->content.oom || sl->reasoning.oom) return oom();
-        if (end || slot_check_stop(sl)) sl->finish = "stop";
-        else if (sl->gen >= rq->max_tokens) sl->finish = "length";
-        if (sl->finish && finish_choice(jb, sl)) return 1;
+        if (!oai_choice_take(&sl->c, jb->m, jb->tok, jb->c->eos_token_id)) return oom();
+        if (sl->c.finish && finish_choice(jb, sl)) return 1;
     }
     return 0;
 }
@@ -1232,10 +757,8 @@ static int job_end(job *jb, int rc) {
         rc = 1;
     }
     for (int i = 0; jb->slots && i < jb->o.parallel; i++) {
-        slot *sl = &jb->slots[i];
-        moe_session_free(sl->s);
-        free(sl->hist), free(sl->lp), free(sl->alt), free(sl->alt_lp), free(sl->offset);
-        free(sl->content.s), free(sl->reasoning.s);
+        moe_session_free(jb->slots[i].s);
+        oai_choice_free(&jb->slots[i].c);
     }
     for (size_t i = 0; i < jb->n_reqs; i++) request_free(&jb->reqs[i]);
     free(jb->reqs), free(jb->slots), free(jb->seqs), free(jb->logits), free(jb->line.s), free(jb->input);
