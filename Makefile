@@ -16,7 +16,7 @@ ALL_CFLAGS = $(CFLAGS) $(OPENMP) $(EXTRA_CFLAGS)
 
 LIB = $(BUILD)/moe.o $(BUILD)/quant.o
 # the example programs: examples/NAME.c becomes $(BUILD)/moe-NAME
-EXAMPLE_NAMES = logits cli perplexity convert bench plan tokenize batch cachesim
+EXAMPLE_NAMES = logits cli perplexity convert bench plan tokenize batch cachesim server
 EXAMPLES = $(EXAMPLE_NAMES:%=$(BUILD)/moe-%)
 # the test suite: test/main.c (the runner), test/util.c (shared helpers), one file per area
 TEST_SRC = test/main.c test/util.c test/kernels.c test/gguf.c test/model.c test/cache.c test/text.c test/programs.c test/faults.c test/hostile.c
@@ -34,7 +34,7 @@ BENCH_ARGS ?= -t 1,2 --depth 0,4096 --prefill 512
 # all: the library objects, every example program and the test suite
 all: $(LIB) $(EXAMPLES) $(BUILD)/simple $(TESTS)
 
-# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert, moe-bench, moe-plan, moe-tokenize, moe-batch, moe-cachesim)
+# examples: the programs in examples/ (moe-logits, moe-cli, moe-perplexity, moe-convert, moe-bench, moe-plan, moe-tokenize, moe-batch, moe-cachesim, moe-server)
 examples: $(EXAMPLES)
 
 $(BUILD)/%.o: %.c | $(BUILD)
@@ -42,6 +42,14 @@ $(BUILD)/%.o: %.c | $(BUILD)
 
 $(BUILD)/moe-%: examples/%.c $(LIB)
 	$(CC) $(ALL_CFLAGS) $(DEPFLAGS) $< $(LIB) $(LDLIBS) -o $@
+
+# moe-server serves examples/chat.html at /, compiled in as the C array chat_html (od is POSIX)
+$(BUILD)/chat_html.h: examples/chat.html | $(BUILD)
+	{ printf 'static const unsigned char chat_html[] = {\n'; od -An -v -tx1 $< | sed 's/ *\([0-9a-f][0-9a-f]\)/0x\1,/g'; printf '};\n'; } > $@.tmp
+	mv $@.tmp $@
+
+$(BUILD)/moe-server: examples/server.c $(BUILD)/chat_html.h $(LIB)
+	$(CC) $(ALL_CFLAGS) -I$(BUILD) $(DEPFLAGS) $< $(LIB) $(LDLIBS) -o $@
 
 # examples/simple.c, the smallest program (README's embedding example), as build/simple
 $(BUILD)/simple: examples/simple.c $(LIB)

@@ -438,25 +438,13 @@ static int open_output_and_model(job *jb) {
 }
 
 /* Parses one input line (0 with j set), or says in why why it is not a request: not UTF-8, not
- * JSON, or more JSON values than a request can need. The last is decided by counting the commas
- * and brackets outside strings before parsing, since each value costs a parse node (about 50
- * bytes, where "1," is 2): a line is parsed only when it holds at most the context's worth of
- * token ids and 65,536 more values, so the memory one line takes is bounded by the line and ctx. */
+ * JSON, or more JSON values than a request can need: a line is parsed only when it holds at most
+ * the context's worth of token ids and 65,536 more values (oai_count_json_values), so the memory
+ * one line takes is bounded by the line and ctx. */
 static int parse_line(const char *text, size_t len, int ctx, moe__json **j, char *why, size_t wn) {
     *j = NULL;
     if (moe_utf8_valid_prefix(text, len) != len) return snprintf(why, wn, "the line is not valid UTF-8"), 1;
-    size_t values = 1;
-    for (size_t i = 0, in_str = 0; i < len; i++) {
-        const char c = text[i];
-        if (in_str) {
-            if (c == '\\') i++;
-            else if (c == '"') in_str = 0;
-        } else if (c == '"') {
-            in_str = 1;
-        } else {
-            values += c == ',' || c == '[' || c == '{';
-        }
-    }
+    const size_t values = oai_count_json_values(text, len);
     if (values > (size_t)ctx + 65536)
         return snprintf(why, wn, "the line holds %zu JSON values: more than any request that fits the context of %d tokens", values, ctx), 1;
     return moe__json_parse(text, len, j, why, wn) != MOE_OK;
