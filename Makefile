@@ -19,7 +19,7 @@ LIB = $(BUILD)/moe.o $(BUILD)/quant.o
 EXAMPLE_NAMES = logits cli perplexity convert bench plan tokenize batch cachesim server
 EXAMPLES = $(EXAMPLE_NAMES:%=$(BUILD)/moe-%)
 # the test suite: test/main.c (the runner), test/util.c (shared helpers), one file per area
-TEST_SRC = test/main.c test/util.c test/kernels.c test/gguf.c test/model.c test/cache.c test/text.c test/programs.c test/faults.c test/hostile.c
+TEST_SRC = test/main.c test/util.c test/kernels.c test/gguf.c test/model.c test/cache.c test/text.c test/programs.c test/faults.c test/hostile.c test/server.c
 TEST_OBJ = $(TEST_SRC:test/%.c=$(BUILD)/test/%.o)
 TESTS = $(BUILD)/moe-test
 # every compile writes the headers it read (-MMD) into a .d file beside its output, read below

@@ -578,6 +578,8 @@ typedef struct {
     double since;      /* the first byte of the request being read, or the last activity */
     double out_since;  /* when out last had bytes taken, or became non-empty */
     int close_after;   /* close once out is sent */
+    int eof;           /* the client has closed its side: what it sent whole is answered, a job in
+                          flight is cancelled (a client keeps its side open until it has its answer) */
     int continued;     /* 100 Continue sent for the request being read */
 } conn;
 
@@ -843,7 +845,8 @@ static int read_input(conn *c, double t) {
         ssize_t r = recv(c->fd, c->in + c->in_n, c->in_cap - c->in_n, 0);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-        if (r <= 0) return -1;
+        if (r == 0) return c->eof = 1, 0;
+        if (r < 0) return -1;
         if (!c->in_n && !c->j) c->since = t; /* a new request begins */
         c->in_n += (size_t)r;
     }
@@ -942,7 +945,7 @@ static void serve(int lfd) {
         for (int i = 0; i < n_conns; i++) {
             conn *c = &conns[i];
             /* reading goes on while a job runs, to see the client leave (and keep a pipelined request) */
-            const int full = c->in_n >= MAX_HEADER + server.o.max_body + 4096;
+            const int full = c->eof || c->in_n >= MAX_HEADER + server.o.max_body + 4096;
             pfd[i + 2] = (struct pollfd){.fd = c->fd, .events = (short)((c->out.n > c->out_off ? POLLOUT : 0) | (full ? 0 : POLLIN))};
         }
         const int nc = n_conns;
@@ -958,8 +961,12 @@ static void serve(int lfd) {
             int gone = 0;
             if (ev & (POLLIN | POLLHUP | POLLERR)) gone = read_input(c, t2) < 0;
             if (!gone && (ev & POLLOUT)) gone = send_output(c, t2) < 0;
+            if (!gone && !c->j) serve_input(c, t2);
+            if (!gone && c->eof) { /* nothing more will come: what is answered is sent, then it closes */
+                c->close_after = 1;
+                gone = c->j != NULL;
+            }
             if (gone) conn_close(c);
-            else if (!c->j) serve_input(c, t2);
             if (!gone && c->out.n > c->out_off && send_output(c, t2) < 0) conn_close(c);
         }
         if (pfd[0].revents & POLLIN) accept_all(lfd, t2);

@@ -8,6 +8,8 @@
  *   text      tokenizer, chat formats, streaming text, sampling
  *   programs  the example programs run as a user runs them, moe-batch
  *   faults    hostile files, API misuse, injected I/O errors, kill -9, full disks
+ *   hostile   hostile inputs: special files, huge lines, bad requests, NaN weights
+ *   server    moe-server over sockets: endpoints, streaming, many clients, hostile requests
  *
  *   moe-test               run everything
  *   moe-test ARG...        run the tests named: an area ("cache"), a test ("cache.prefetch"), or a
@@ -33,6 +35,7 @@ static const struct {
     {"programs", "programs and batch", programs_tests},
     {"faults", "faults", faults_tests},
     {"hostile", "hostile inputs", hostile_tests},
+    {"server", "moe-server", server_tests},
 };
 #define N_AREAS (int)(sizeof areas / sizeof *areas)
 

@@ -2,7 +2,7 @@
  * shipped data, and helpers several areas use (defined in test/util.c).
  *
  * A test is a void function in the file of its area (test/kernels.c, test/gguf.c, test/model.c,
- * test/cache.c, test/text.c, test/programs.c, test/faults.c, test/hostile.c), listed in that file's table
+ * test/cache.c, test/text.c, test/programs.c, test/faults.c, test/hostile.c, test/server.c), listed in that file's table
  * AREA_tests[] as {"area.name", fn, "what it checks, in one line"}; test/main.c runs the tables.
  * A test passes when none of its CHECKs failed; a CHECK records file:line and goes on. */
 #ifndef MOE_TEST_H
@@ -43,6 +43,7 @@ extern const test_case text_tests[];
 extern const test_case programs_tests[];
 extern const test_case faults_tests[];
 extern const test_case hostile_tests[];
+extern const test_case server_tests[];
 
 extern int g_failed_checks; /* the runner's own bookkeeping, not library state */
 

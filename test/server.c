@@ -1,0 +1,544 @@
+/* server.c - tests of moe-server: servers started on the shipped model on a port of the kernel's
+ * choosing (--port 0), spoken to over raw sockets as curl would: every endpoint, streamed and
+ * whole answers, many clients at once, clients that leave, hostile and slow requests. */
+#include "test.h"
+
+#include <netinet/in.h>
+#include <ctype.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+typedef struct {
+    pid_t pid;
+    int port;
+    char log[512];
+} server_proc;
+
+/* moe-server -m the shipped model with args, on a free port: 1 when it listens */
+static int server_start(server_proc *s, const char *args) {
+    static int n;
+    char name[64];
+    snprintf(name, sizeof name, "server-%d.log", n++);
+    tmp_path(s->log, sizeof s->log, name);
+    unlink(s->log);
+    char cmd[2048];
+    const char *runner = getenv("MOE_TEST_RUNNER");
+    snprintf(cmd, sizeof cmd, "exec %s %s/moe-server -m %s --port 0 -t 1 %s 2>%s", runner ? runner : "", exe_dir, shipped_dir(), args, s->log);
+    s->port = 0;
+    if ((s->pid = fork()) == 0) {
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    if (s->pid < 0) return 0;
+    for (int tries = 0; tries < 1200 && !s->port; tries++) { /* up to 60 s */
+        struct timespec ts = {0, 50 * 1000000};
+        nanosleep(&ts, NULL);
+        FILE *f = fopen(s->log, "r");
+        char line[512];
+        while (f && fgets(line, sizeof line, f)) {
+            const char *p = strstr(line, "listening on http://127.0.0.1:");
+            if (p) s->port = atoi(p + strlen("listening on http://127.0.0.1:"));
+        }
+        if (f) fclose(f);
+        int status;
+        if (!s->port && waitpid(s->pid, &status, WNOHANG) == s->pid) {
+            s->pid = -1;
+            break;
+        }
+    }
+    if (!s->port) fprintf(stderr, "  moe-server did not start (%s)\n", s->log);
+    return s->port > 0;
+}
+
+/* SIGTERM: 1 when it ends by itself with status 0 */
+static int server_stop(server_proc *s) {
+    if (s->pid <= 0) return 0;
+    kill(s->pid, SIGTERM);
+    int status = 0;
+    for (int tries = 0; tries < 400; tries++) {
+        if (waitpid(s->pid, &status, WNOHANG) == s->pid) return s->pid = -1, WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        struct timespec ts = {0, 25 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+    kill(s->pid, SIGKILL);
+    waitpid(s->pid, &status, 0);
+    s->pid = -1;
+    return 0;
+}
+
+static int connect_to(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port), .sin_addr.s_addr = htonl(0x7f000001)};
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a)) close(fd), fd = -1;
+    return fd;
+}
+
+static int send_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w <= 0) return -1;
+        p += w, n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* what fd sends until it closes or `seconds` pass, into a malloc'd NUL-terminated string */
+static char *read_until_close(int fd, double seconds, size_t *len) {
+    size_t n = 0, cap = 1 << 16;
+    char *out = malloc(cap);
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        struct timespec t1;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        const double left = seconds - ((t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9);
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (left <= 0 || poll(&p, 1, (int)(left * 1000) + 1) <= 0) break;
+        if (n + 4096 > cap) out = realloc(out, cap *= 2);
+        ssize_t r = recv(fd, out + n, cap - n - 1, 0);
+        if (r <= 0) break;
+        n += (size_t)r;
+    }
+    out[n] = 0;
+    if (len) *len = n;
+    return out;
+}
+
+typedef struct {
+    int status;
+    char *raw;  /* the whole response */
+    char *body; /* the body, de-chunked */
+    size_t body_len;
+} response;
+
+static void response_free(response *r) { free(r->raw), free(r->body); }
+
+/* the status and de-chunked body of the raw response in r->raw */
+static void response_parse(response *r) {
+    r->status = -1;
+    r->body = calloc(1, 1), r->body_len = 0;
+    if (strncmp(r->raw, "HTTP/1.1 ", 9)) return;
+    r->status = atoi(r->raw + 9);
+    char *h = strstr(r->raw, "\r\n\r\n");
+    if (!h) return;
+    *h = 0; /* the headers as one string, for strstr */
+    char *b = h + 4;
+    if (!strstr(r->raw, "Transfer-Encoding: chunked")) {
+        r->body_len = strlen(b);
+        r->body = realloc(r->body, r->body_len + 1);
+        memcpy(r->body, b, r->body_len + 1);
+        return;
+    }
+    for (;;) {
+        char *e;
+        size_t k = strtoul(b, &e, 16);
+        if (e == b || strncmp(e, "\r\n", 2) || k == 0) break;
+        b = e + 2;
+        r->body = realloc(r->body, r->body_len + k + 1);
+        memcpy(r->body + r->body_len, b, k);
+        r->body_len += k, r->body[r->body_len] = 0;
+        b += k + 2;
+    }
+}
+
+/* one request on a connection of its own (Connection: close), its answer read whole */
+static response request(int port, const char *method, const char *path, const char *body, const char *headers) {
+    response r = {0};
+    char head[1024];
+    snprintf(head, sizeof head, "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%sContent-Type: application/json\r\nContent-Length: %zu\r\n\r\n",
+             method, path, headers ? headers : "", body ? strlen(body) : 0);
+    int fd = connect_to(port);
+    if (fd < 0 || send_all(fd, head, strlen(head)) || (body && send_all(fd, body, strlen(body)))) {
+        if (fd >= 0) close(fd);
+        r.raw = calloc(1, 1), r.body = calloc(1, 1), r.status = -1;
+        return r;
+    }
+    r.raw = read_until_close(fd, 60, NULL);
+    close(fd);
+    response_parse(&r);
+    return r;
+}
+
+/* the text of a streamed answer: each data event's delta content (chat) or text, and its
+ * reasoning, concatenated; *done set by a [DONE] event; the usage chunk's object kept */
+static void stream_text(const char *body, char *text, size_t tn, char *reasoning, size_t rn, int *done, moe__json **usage, int *events) {
+    size_t t = 0, rr = 0;
+    *done = 0, *events = 0;
+    text[0] = 0, reasoning[0] = 0;
+    for (const char *p = body; (p = strstr(p, "data: "));) {
+        const char *e = strstr(p, "\n\n");
+        if (!e) break;
+        p += 6;
+        if (!strncmp(p, "[DONE]", 6)) *done = 1;
+        moe__json *j = NULL;
+        if (!*done && moe__json_parse(p, (size_t)(e - p), &j, NULL, 0) == MOE_OK) {
+            (*events)++;
+            const moe__json *ch = moe__json_get(j, "choices"), *u = moe__json_get(j, "usage");
+            const moe__json *c0 = ch && ch->child ? ch->child : NULL;
+            const moe__json *d = c0 ? moe__json_get(c0, "delta") : NULL;
+            const moe__json *tx = d ? moe__json_get(d, "content") : c0 ? moe__json_get(c0, "text") : NULL;
+            const moe__json *rs = d ? moe__json_get(d, "reasoning_content") : NULL;
+            if (tx && tx->type == MOE_JSON_STR) t += (size_t)snprintf(text + t, tn - t, "%s", tx->str);
+            if (rs && rs->type == MOE_JSON_STR) rr += (size_t)snprintf(reasoning + rr, rn - rr, "%s", rs->str);
+            if (t >= tn) t = tn - 1;
+            if (rr >= rn) rr = rn - 1;
+            if (u && u->type == MOE_JSON_OBJ && usage) {
+                moe__json_free(*usage);
+                moe__json_parse(p, (size_t)(e - p), usage, NULL, 0);
+            }
+        }
+        moe__json_free(j);
+        p = e;
+    }
+}
+
+/* a whole answer's first choice: its message content and reasoning (chat) or text */
+static int answer_text(const char *body, char *text, size_t tn, char *reasoning, size_t rn) {
+    moe__json *j = NULL;
+    text[0] = reasoning[0] = 0;
+    if (moe__json_parse(body, strlen(body), &j, NULL, 0) != MOE_OK) return 0;
+    const moe__json *ch = moe__json_get(j, "choices");
+    const moe__json *c0 = ch && ch->child ? ch->child : NULL;
+    const moe__json *msg = c0 ? moe__json_get(c0, "message") : NULL;
+    const moe__json *tx = msg ? moe__json_get(msg, "content") : c0 ? moe__json_get(c0, "text") : NULL;
+    const moe__json *rs = msg ? moe__json_get(msg, "reasoning_content") : NULL;
+    if (tx && tx->type == MOE_JSON_STR) snprintf(text, tn, "%s", tx->str);
+    if (rs && rs->type == MOE_JSON_STR) snprintf(reasoning, rn, "%s", rs->str);
+    moe__json_free(j);
+    return tx != NULL;
+}
+
+/* the value of a metric line "NAME VALUE" in a /metrics body; -1 if absent */
+static double metric(const char *body, const char *name) {
+    char key[200];
+    snprintf(key, sizeof key, "\n%s ", name);
+    const char *p = strstr(body, key);
+    return p ? atof(p + strlen(key)) : -1;
+}
+
+static void test_endpoints(void) {
+    server_proc s;
+    if (!server_start(&s, "--api-key sekrit --parallel 2 -c 512")) {
+        CHECK(0);
+        return;
+    }
+    const char *auth = "Authorization: Bearer sekrit\r\n";
+    response r = request(s.port, "GET", "/health", NULL, NULL); /* /health needs no key */
+    CHECKF(r.status == 200 && strstr(r.body, "\"ok\""), "%d %s", r.status, r.body);
+    response_free(&r);
+    r = request(s.port, "GET", "/v1/models", NULL, NULL);
+    CHECKF(r.status == 401 && strstr(r.body, "\"authentication_error\""), "%d %s", r.status, r.body);
+    response_free(&r);
+    r = request(s.port, "GET", "/v1/models", NULL, "Authorization: Bearer sekrix\r\n");
+    CHECK(r.status == 401);
+    response_free(&r);
+    r = request(s.port, "GET", "/v1/models", NULL, auth);
+    CHECKF(r.status == 200 && strstr(r.body, "\"id\": \"kimi-k3-tiny\"") && strstr(r.body, "\"object\": \"list\""), "%d %s", r.status, r.body);
+    response_free(&r);
+    r = request(s.port, "GET", "/", NULL, NULL); /* the page: static, served without the key */
+    CHECK(r.status == 200 && strstr(r.raw, "text/html") && strstr(r.body, "v1/chat/completions"));
+    response_free(&r);
+    r = request(s.port, "GET", "/v2/nothing", NULL, auth);
+    CHECKF(r.status == 404 && strstr(r.body, "\"not_found_error\""), "%d", r.status);
+    response_free(&r);
+    r = request(s.port, "GET", "/../../etc/passwd", NULL, auth);
+    CHECK(r.status == 404);
+    response_free(&r);
+    r = request(s.port, "DELETE", "/v1/chat/completions", NULL, auth);
+    CHECKF(r.status == 405 && strstr(r.raw, "Allow: POST"), "%d", r.status);
+    response_free(&r);
+    r = request(s.port, "POST", "/health", "{}", auth);
+    CHECK(r.status == 405);
+    response_free(&r);
+    /* bad bodies: 400 with a message naming what is wrong */
+    static const struct { const char *body, *says; } bad[] = {
+        {"{\"messages\": [", "not JSON"},
+        {"[1, 2]", "body must be an object"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"temperature\": \"hot\"}", "temperature must be a number"},
+        {"{\"messages\": []}", "non-empty list"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"max_tokens\": 100000}", "do not fit the context of 512"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"n\": 3}", "--parallel 2"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"stream\": \"yes\"}", "stream must be true or false"},
+        {"{\"prompt\": \"x\", \"stream_options\": 5}", "stream_options must be an object"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        r = request(s.port, "POST", i == 7 ? "/v1/completions" : "/v1/chat/completions", bad[i].body, auth);
+        CHECKF(r.status == 400 && strstr(r.body, bad[i].says) && strstr(r.body, "\"invalid_request_error\""), "%s -> %d %s", bad[i].body, r.status, r.body);
+        response_free(&r);
+    }
+    /* a whole chat answer and a whole text completion, and their usage */
+    r = request(s.port, "POST", "/v1/chat/completions",
+                "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 12, \"temperature\": 0, \"logprobs\": true, \"top_logprobs\": 2}", auth);
+    CHECKF(r.status == 200 && strstr(r.body, "\"object\": \"chat.completion\"") && strstr(r.body, "\"completion_tokens\": 12") &&
+               strstr(r.body, "\"cached_tokens\": ") && strstr(r.body, "\"top_logprobs\": [{"),
+           "%d %s", r.status, r.body);
+    response_free(&r);
+    r = request(s.port, "POST", "/v1/completions", "{\"prompt\": \"Once upon a time\", \"max_tokens\": 8, \"temperature\": 0, \"n\": 2}", auth);
+    CHECKF(r.status == 200 && strstr(r.body, "\"object\": \"text_completion\"") && strstr(r.body, "\"index\": 1") &&
+               strstr(r.body, "\"completion_tokens\": 16"),
+           "%d %s", r.status, r.body);
+    response_free(&r);
+    r = request(s.port, "GET", "/metrics", NULL, auth);
+    CHECKF(r.status == 200 && metric(r.body, "moe_requests_total{endpoint=\"chat_completions\"}") == 8 &&
+               metric(r.body, "moe_tokens_generated_total") == 12 + 16 && metric(r.body, "moe_requests_running") == 0 &&
+               metric(r.body, "moe_responses_total{code=\"401\"}") == 2 && metric(r.body, "moe_expert_cache_hits_total") >= 0,
+           "%s", r.body);
+    response_free(&r);
+    CHECK(server_stop(&s));
+}
+
+/* a streamed answer is the whole answer in pieces: the same text, the usage, [DONE]; the
+ * completions form too; and a stop string never shows */
+static void test_stream(void) {
+    server_proc s;
+    if (!server_start(&s, "--parallel 2")) {
+        CHECK(0);
+        return;
+    }
+    static char t1[8192], r1[8192], t2[8192], r2[8192];
+    const char *chat = "{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me a story\"}], \"max_tokens\": 60, \"temperature\": 0%s}";
+    char body[512];
+    snprintf(body, sizeof body, chat, "");
+    response r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
+    CHECK(r.status == 200 && answer_text(r.body, t1, sizeof t1, r1, sizeof r1));
+    response_free(&r);
+    snprintf(body, sizeof body, chat, ", \"stream\": true, \"stream_options\": {\"include_usage\": true}");
+    r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
+    int done, events;
+    moe__json *usage = NULL;
+    stream_text(r.body, t2, sizeof t2, r2, sizeof r2, &done, &usage, &events);
+    CHECKF(r.status == 200 && strstr(r.raw, "text/event-stream") && done && events > 10, "%d done %d events %d", r.status, done, events);
+    CHECKF(!strcmp(t1, t2) && !strcmp(r1, r2), "whole [%s|%s] streamed [%s|%s]", r1, t1, r2, t2);
+    const moe__json *u = usage ? moe__json_get(usage, "usage") : NULL;
+    const moe__json *ct = u ? moe__json_get(u, "completion_tokens") : NULL;
+    CHECK(ct && ct->num == 60);
+    moe__json_free(usage), usage = NULL;
+    response_free(&r);
+    /* completions, with a stop string cut out of the text; streamed the same */
+    const char *comp = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 40, \"temperature\": 0%s}";
+    snprintf(body, sizeof body, comp, "");
+    r = request(s.port, "POST", "/v1/completions", body, NULL);
+    CHECK(r.status == 200 && answer_text(r.body, t1, sizeof t1, r1, sizeof r1));
+    response_free(&r);
+    CHECKF(strlen(t1) > 8, "%s", t1);
+    char stop[8] = {0}; /* three letters from its second half */
+    for (size_t i = strlen(t1) / 2; i + 3 <= strlen(t1) && !stop[0]; i++)
+        if (islower((unsigned char)t1[i]) && islower((unsigned char)t1[i + 1]) && islower((unsigned char)t1[i + 2])) memcpy(stop, t1 + i, 3);
+    CHECKF(stop[0], "no three letters in the second half of [%s]", t1);
+    char extra[128];
+    snprintf(extra, sizeof extra, ", \"stop\": [\"%s\"]", stop);
+    for (int streamed = 0; streamed < 2 && stop[0]; streamed++) {
+        char e2[200];
+        snprintf(e2, sizeof e2, "%s%s", extra, streamed ? ", \"stream\": true" : "");
+        snprintf(body, sizeof body, comp, e2);
+        r = request(s.port, "POST", "/v1/completions", body, NULL);
+        if (streamed) stream_text(r.body, t2, sizeof t2, r2, sizeof r2, &done, NULL, &events);
+        else answer_text(r.body, t2, sizeof t2, r2, sizeof r2);
+        const char *at = strstr(t1, stop);
+        CHECKF(r.status == 200 && at && strlen(t2) == (size_t)(at - t1) && !strncmp(t1, t2, strlen(t2)) && strstr(r.body, "\"finish_reason\": \"stop\""),
+               "stop [%s]: [%s] then [%s]", stop, t1, t2);
+        response_free(&r);
+    }
+    CHECK(server_stop(&s));
+}
+
+typedef struct {
+    int port;
+    char body[512];
+    char text[4096], reasoning[4096];
+    int status, done;
+} client;
+
+static void *client_run(void *arg) {
+    client *c = arg;
+    response r = request(c->port, "POST", "/v1/chat/completions", c->body, NULL);
+    int events;
+    c->status = r.status;
+    stream_text(r.body, c->text, sizeof c->text, c->reasoning, sizeof c->reasoning, &c->done, NULL, &events);
+    response_free(&r);
+    return NULL;
+}
+
+/* 16 clients streaming at once through 4 sequences: every answer whole, and each the same as
+ * the same request run alone */
+static void test_concurrent(void) {
+    server_proc s;
+    if (!server_start(&s, "--parallel 4")) {
+        CHECK(0);
+        return;
+    }
+    enum { N = 16 };
+    static client cl[N];
+    static char alone[N][4096], alone_r[N][4096];
+    const char *subjects[] = {"cats", "the sea", "trains", "winter", "bread", "music", "stars", "rivers"};
+    for (int i = 0; i < N; i++) {
+        cl[i].port = s.port;
+        snprintf(cl[i].body, sizeof cl[i].body,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"Say something about %s, number %d\"}], \"max_tokens\": %d, \"temperature\": 0, \"stream\": %s}",
+                 subjects[i % 8], i, 8 + 3 * i, "%s");
+        char b[512];
+        snprintf(b, sizeof b, cl[i].body, "false");
+        response r = request(s.port, "POST", "/v1/chat/completions", b, NULL);
+        CHECK(r.status == 200 && answer_text(r.body, alone[i], sizeof alone[i], alone_r[i], sizeof alone_r[i]));
+        response_free(&r);
+        snprintf(b, sizeof b, cl[i].body, "true");
+        snprintf(cl[i].body, sizeof cl[i].body, "%s", b);
+    }
+    pthread_t th[N];
+    for (int i = 0; i < N; i++) pthread_create(&th[i], NULL, client_run, &cl[i]);
+    for (int i = 0; i < N; i++) pthread_join(th[i], NULL);
+    int same = 0;
+    for (int i = 0; i < N; i++) {
+        CHECKF(cl[i].status == 200 && cl[i].done, "client %d: %d, done %d", i, cl[i].status, cl[i].done);
+        same += !strcmp(cl[i].text, alone[i]) && !strcmp(cl[i].reasoning, alone_r[i]);
+        if (strcmp(cl[i].text, alone[i]) || strcmp(cl[i].reasoning, alone_r[i]))
+            fprintf(stderr, "  client %d: alone [%s|%s], beside others [%s|%s]\n", i, alone_r[i], alone[i], cl[i].reasoning, cl[i].text);
+    }
+    CHECKF(same == N, "%d of %d the same", same, N);
+    response r = request(s.port, "GET", "/metrics", NULL, NULL);
+    CHECKF(metric(r.body, "moe_requests_total{endpoint=\"chat_completions\"}") == 2 * N && metric(r.body, "moe_requests_running") == 0 &&
+               metric(r.body, "moe_requests_queued") == 0, "%s", r.body);
+    response_free(&r);
+    CHECK(server_stop(&s));
+}
+
+/* a client that leaves mid-stream frees its sequence: with one sequence, the next request is
+ * answered long before the first could have finished */
+static void test_disconnect(void) {
+    server_proc s;
+    if (!server_start(&s, "--parallel 1 -c 65536")) {
+        CHECK(0);
+        return;
+    }
+    const char *body = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 60000, \"temperature\": 0, \"stream\": true}";
+    char head[512];
+    snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n", strlen(body));
+    int fd = connect_to(s.port);
+    CHECK(fd >= 0 && !send_all(fd, head, strlen(head)) && !send_all(fd, body, strlen(body)));
+    char got[4096];
+    ssize_t n = 0;
+    for (int tries = 0; tries < 200 && !strstr(got, "data: "); tries++) { /* the first event */
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 100) > 0) {
+            ssize_t r = recv(fd, got + n, sizeof got - 1 - (size_t)n, 0);
+            if (r <= 0) break;
+            n += r;
+        }
+        got[n] = 0;
+    }
+    CHECK(strstr(got, "data: ") != NULL);
+    close(fd);
+    response r = request(s.port, "POST", "/v1/completions", "{\"prompt\": \"Hello\", \"max_tokens\": 4, \"temperature\": 0}", NULL);
+    CHECKF(r.status == 200 && strstr(r.body, "\"completion_tokens\": 4"), "%d %s", r.status, r.body);
+    response_free(&r);
+    r = request(s.port, "GET", "/metrics", NULL, NULL);
+    const double gen = metric(r.body, "moe_tokens_generated_total");
+    CHECKF(metric(r.body, "moe_requests_running") == 0 && gen > 4 && gen < 30000, "%s", r.body);
+    response_free(&r);
+    CHECK(server_stop(&s));
+}
+
+/* raw bytes on a connection of their own: the status of the answer, read within `seconds` */
+static int raw_status(int port, const char *bytes, size_t n, double seconds, char *out, size_t on) {
+    int fd = connect_to(port);
+    if (fd < 0) return -1;
+    if (send_all(fd, bytes, n)) { /* the server may answer and close before all is sent */ }
+    size_t len;
+    char *resp = read_until_close(fd, seconds, &len);
+    close(fd);
+    const int st = !strncmp(resp, "HTTP/1.1 ", 9) ? atoi(resp + 9) : -1;
+    if (out) snprintf(out, on, "%s", resp);
+    free(resp);
+    return st;
+}
+
+/* truncated, oversized, malformed and slow requests: each answered with its status (or the
+ * connection just closed), and the server goes on answering */
+static void test_hostile(void) {
+    server_proc s;
+    if (!server_start(&s, "--timeout 1 --idle-timeout 1 --max-body 4K --max-connections 8")) {
+        CHECK(0);
+        return;
+    }
+    char out[2048];
+    static const struct { const char *req; int status; } cases[] = {
+        {"GET /health HTTP/1.1\r\n\r\n", 400},                                    /* no Host */
+        {"GET /health HTTP/2.0\r\nHost: x\r\n\r\n", 505},
+        {"GET  /health HTTP/1.1\r\nHost: x\r\n\r\n", 400},
+        {"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 501},
+        {"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999\r\n\r\n", 413},
+        {"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab", 400},
+        {"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n{\"a\":", 400}, /* bad JSON */
+        {"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n\xff\xfe{}", 400}, /* not UTF-8 */
+        {"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n\r\n{\"prompt\"", 408},       /* truncated: times out */
+        {"BREW /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405},
+        {"GET /health HTTP/1.1\r\nHost: x\r\nX: a\r\n folded\r\n\r\n", 400},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        const int st = raw_status(s.port, cases[i].req, strlen(cases[i].req), 5, out, sizeof out);
+        CHECKF(st == cases[i].status, "case %zu: %d, wanted %d: %.200s", i, st, cases[i].status, out);
+    }
+    /* a header larger than 64 KiB */
+    char *big = malloc(80000);
+    int k = snprintf(big, 80000, "GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ");
+    memset(big + k, 'a', 70000);
+    memcpy(big + k + 70000, "\r\n\r\n", 5);
+    CHECK(raw_status(s.port, big, strlen(big), 5, out, sizeof out) == 431);
+    free(big);
+    /* a slow drip: one byte at a time, never whole within --timeout; the server answers others meanwhile */
+    int fd = connect_to(s.port);
+    const char *drip = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"prompt\": \"a\", ";
+    double t0 = (double)time(NULL);
+    int answered = 0, status = -1;
+    for (size_t i = 0; drip[i] && fd >= 0; i++) {
+        if (send(fd, drip + i, 1, MSG_NOSIGNAL) != 1) break;
+        struct timespec ts = {0, 100 * 1000000};
+        nanosleep(&ts, NULL);
+        if (i == 5) {
+            response r = request(s.port, "GET", "/health", NULL, NULL);
+            answered = r.status == 200;
+            response_free(&r);
+        }
+    }
+    if (fd >= 0) {
+        size_t len;
+        char *resp = read_until_close(fd, 5, &len);
+        status = !strncmp(resp, "HTTP/1.1 ", 9) ? atoi(resp + 9) : -1;
+        free(resp);
+        close(fd);
+    }
+    CHECKF(answered && status == 408, "answered %d, drip %d after %.0f s", answered, status, (double)time(NULL) - t0);
+    /* more connections than --max-connections: the ninth is answered 503; idle ones closed after --idle-timeout */
+    int idle[8];
+    for (int i = 0; i < 8; i++) idle[i] = connect_to(s.port);
+    struct timespec ts = {0, 200 * 1000000};
+    nanosleep(&ts, NULL);
+    CHECK(raw_status(s.port, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n", 34, 5, out, sizeof out) == 503);
+    size_t len;
+    char *gone = read_until_close(idle[0], 5, &len); /* closed by the server, nothing sent */
+    CHECK(len == 0);
+    free(gone);
+    for (int i = 0; i < 8; i++) close(idle[i]);
+    nanosleep(&ts, NULL);
+    /* keep-alive: two requests on one connection, then a pipelined pair */
+    fd = connect_to(s.port);
+    const char *two = "GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    CHECK(!send_all(fd, two, strlen(two)));
+    char *both = read_until_close(fd, 5, &len);
+    CHECKF(strstr(both, "\"status\": \"ok\"") && strstr(both, "\"object\": \"list\""), "%s", both);
+    free(both);
+    close(fd);
+    response r = request(s.port, "GET", "/health", NULL, NULL);
+    CHECK(r.status == 200);
+    response_free(&r);
+    CHECK(server_stop(&s));
+}
+
+const test_case server_tests[] = {
+    {"server.endpoints", test_endpoints, "moe-server's endpoints: health, models, metrics, page, 401/404/405/400 with OpenAI error objects", 0},
+    {"server.stream", test_stream, "a streamed answer equals the whole one (chat and completions), with usage and [DONE]; stop strings never show", 0},
+    {"server.concurrent", test_concurrent, "16 clients streaming at once through 4 sequences: each answer whole and equal to it run alone", 0},
+    {"server.disconnect", test_disconnect, "a client that leaves mid-stream frees its sequence for the next request", 0},
+    {"server.hostile", test_hostile, "malformed, oversized, truncated, slow and too many requests: each its status, the server goes on", 0},
+    {NULL, NULL, NULL, 0},
+};
