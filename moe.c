@@ -5923,6 +5923,189 @@ moe_status moe_session_fork(moe_session **out, const moe_session *src, char *err
     return MOE_OK;
 }
 
+/* ==== session state on disk ====================================================================
+ * moe_session_save's layout, little-endian as the machine writes it (the identity check refuses a
+ * file from a machine of the other byte order, whose model id differs):
+ *   "MOESTAT1", u64 moe_model_id, u32 n_layers, u32 latent element bytes, u32 position,
+ *   u64 state bytes; then per layer in order: a KDA layer's state [H, D, D] and convolution tail
+ *   (f32), an MLA layer's latent rows [pos, r + d_r] (and with int8 latents their [pos] scales
+ *   and sums); then u64 a checksum of the state bytes (state_sum). */
+
+/* a 64-bit checksum of n bytes, 8 at a time (FNV-1a is a byte at a time: too slow for GBs) */
+static uint64_t state_sum(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0x9E3779B97F4A7C15ull;
+        h ^= h >> 29;
+    }
+    for (; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+static uint64_t fnv_bytes(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* the first and last 64 KiB of a weight's data (all of it when smaller), with its format */
+static uint64_t weight_id(uint64_t h, const moe__weight *w) {
+    const int64_t d[3] = {w->type, w->rows, w->cols};
+    h = fnv_bytes(h, d, sizeof d);
+    if (!w->data || w->type < 0) return h;
+    const size_t n = moe__row_bytes(w->type, w->cols) * (size_t)w->rows, k = n < 65536 ? n : 65536;
+    h = state_sum(h, w->data, k);
+    return state_sum(h, (const char *)w->data + n - k, k);
+}
+
+uint64_t moe_model_id(const moe_model *m) {
+    const moe_config *c = &m->cfg;
+    const int32_t shape[] = {c->n_layers, c->hidden_size, c->vocab_size, c->n_experts, c->kv_lora_rank, c->qk_rope_dim, c->kda_heads,
+                             c->kda_head_dim, c->conv_kernel, m->opt.kv_type, (int32_t)(m->opt.flags & (MOE_FLAG_MXFP4_INT8 | MOE_FLAG_ACT16)),
+                             m->opt.dense_type};
+    uint64_t h = fnv_bytes(1469598103934665603ull, shape, sizeof shape);
+    h = fnv_bytes(h, m->layer_kind, (size_t)c->n_layers);
+    h = fnv_bytes(h, m->layer_moe, (size_t)c->n_layers);
+    h = weight_id(h, &m->embed);
+    h = weight_id(h, &m->lm_head);
+    if (m->final_norm) h = state_sum(h, m->final_norm, sizeof(float) * (size_t)c->hidden_size);
+    for (int i = 0; i < c->n_layers; i++) /* each layer's first dense matrix in memory: its first KiB */
+        for (size_t f = 0; f < N_DENSE_FIELDS; f++) {
+            const moe__weight *w = layer_matrix(&m->layers[i], f);
+            if (!w->data || w->rows <= 0) continue;
+            const size_t n = moe__row_bytes(w->type, w->cols) * (size_t)w->rows;
+            h = state_sum(h, w->data, n < 1024 ? n : 1024);
+            break;
+        }
+    return h;
+}
+
+/* each piece of a session's state in file order: fn(ctx, pointer, bytes) */
+static int session_pieces(const moe_session *s, int (*fn)(void *ctx, void *p, size_t n), void *ctx) {
+    const moe_model *m = s->m;
+    const moe_config *c = &m->cfg;
+    const size_t cw = (size_t)c->kv_lora_rank + c->qk_rope_dim;
+    for (int i = 0; i < c->n_layers; i++) {
+        if (s->kda_state[i] && (fn(ctx, s->kda_state[i], sizeof(float) * kda_state_floats(c)) ||
+                                fn(ctx, s->conv_tail[i], sizeof(float) * conv_tail_floats(c))))
+            return -1;
+        if (m->layer_kind[i] == MOE_LAYER_MLA && s->pos) {
+            if (fn(ctx, s->mla_cache[i], kv_elem(m) * cw * (size_t)s->pos)) return -1;
+            if (s->mla_meta[i] && fn(ctx, s->mla_meta[i], sizeof(moe__kv8_meta) * (size_t)s->pos)) return -1;
+        }
+    }
+    return 0;
+}
+
+static int count_piece(void *ctx, void *p, size_t n) {
+    (void)p;
+    *(size_t *)ctx += n;
+    return 0;
+}
+
+size_t moe_session_state_bytes(const moe_session *s) {
+    size_t n = 0;
+    if (s) session_pieces(s, count_piece, &n);
+    return n;
+}
+
+typedef struct {
+    int fd;
+    uint64_t sum;
+    int err; /* errno of a failed read or write; -1: the file ended early */
+} state_io;
+
+static int write_piece(void *ctx, void *p, size_t n) {
+    state_io *io = ctx;
+    io->sum = state_sum(io->sum, p, n);
+    for (const char *b = p; n;) {
+        ssize_t w = write(io->fd, b, n);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return io->err = w < 0 ? errno : ENOSPC, -1;
+        b += w, n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int read_piece(void *ctx, void *p, size_t n) {
+    state_io *io = ctx;
+    for (char *b = p; n;) {
+        ssize_t r = read(io->fd, b, n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return io->err = r < 0 ? errno : -1, -1;
+        b += r, n -= (size_t)r;
+    }
+    return 0;
+}
+
+typedef struct {
+    char magic[8];
+    uint64_t model_id;
+    uint32_t n_layers, elem, pos, pad;
+    uint64_t bytes;
+} state_header;
+
+moe_status moe_session_save(const moe_session *s, int fd, char *err, size_t errlen) {
+    if (!s || fd < 0) return fail(err, errlen, MOE_ERR_ARG, "moe_session_save: no session or no file");
+    state_header h = {{'M', 'O', 'E', 'S', 'T', 'A', 'T', '1'}, moe_model_id(s->m), (uint32_t)s->m->cfg.n_layers, (uint32_t)kv_elem(s->m),
+                      (uint32_t)s->pos, 0, moe_session_state_bytes(s)};
+    state_io io = {fd, 0, 0};
+    if (write_piece(&io, &h, sizeof h)) goto failed;
+    io.sum = 0;
+    if (session_pieces(s, write_piece, &io)) goto failed;
+    uint64_t sum = io.sum;
+    if (write_piece(&io, &sum, sizeof sum)) goto failed;
+    return MOE_OK;
+failed:
+    return fail(err, errlen, MOE_ERR_IO, "moe_session_save: %s", strerror(io.err > 0 ? io.err : EIO));
+}
+
+/* reads a piece and adds it to the checksum */
+static int read_sum_piece(void *ctx, void *p, size_t n) {
+    state_io *io = ctx;
+    if (read_piece(ctx, p, n)) return -1;
+    io->sum = state_sum(io->sum, p, n);
+    return 0;
+}
+
+moe_status moe_session_load(moe_session *s, int fd, char *err, size_t errlen) {
+    if (!s || fd < 0) return fail(err, errlen, MOE_ERR_ARG, "moe_session_load: no session or no file");
+    state_header h;
+    state_io io = {fd, 0, 0};
+    if (read_piece(&io, &h, sizeof h)) goto short_read;
+    if (memcmp(h.magic, "MOESTAT1", 8)) return fail(err, errlen, MOE_ERR_FORMAT, "moe_session_load: not a session state (no MOESTAT1 header)");
+    if (h.model_id != moe_model_id(s->m) || h.n_layers != (uint32_t)s->m->cfg.n_layers || h.elem != (uint32_t)kv_elem(s->m))
+        return fail(err, errlen, MOE_ERR_FORMAT, "moe_session_load: the state is of another model, or of other --kv-type, --mxfp4, --act or --dense choices");
+    if (h.pos > (uint32_t)s->n_ctx)
+        return fail(err, errlen, MOE_ERR_CTX_FULL, "moe_session_load: the state holds %u tokens, more than the context of %d", h.pos, s->n_ctx);
+    moe_session_reset(s);
+    const moe_config *c = &s->m->cfg;
+    for (int i = 0; i < c->n_layers; i++)
+        if (s->m->layer_kind[i] == MOE_LAYER_MLA && h.pos && mla_cache_reserve(s, i, (int)h.pos))
+            return fail(err, errlen, MOE_ERR_NOMEM, "moe_session_load: out of memory");
+    s->pos = (int)h.pos;
+    if (moe_session_state_bytes(s) != h.bytes) {
+        moe_session_reset(s);
+        return fail(err, errlen, MOE_ERR_FORMAT, "moe_session_load: the state's size (%llu bytes) is not what %u tokens of this model take",
+                    (unsigned long long)h.bytes, h.pos);
+    }
+    if (session_pieces(s, read_sum_piece, &io)) goto short_read;
+    uint64_t sum, got = io.sum;
+    if (read_piece(&io, &sum, sizeof sum)) goto short_read;
+    if (sum != got) {
+        moe_session_reset(s);
+        return fail(err, errlen, MOE_ERR_FORMAT, "moe_session_load: the state's checksum does not match (the file is damaged)");
+    }
+    return MOE_OK;
+short_read:
+    moe_session_reset(s);
+    if (io.err < 0) return fail(err, errlen, MOE_ERR_FORMAT, "moe_session_load: the state is cut short (the file ends early)");
+    return fail(err, errlen, MOE_ERR_IO, "moe_session_load: %s", strerror(io.err));
+}
+
 /* =================================================================================================
  * PART 6: TEXT
  * =================================================================================================

@@ -303,6 +303,23 @@ MOE_API moe_status moe_session_fork(moe_session **out, const moe_session *src, c
 /* Overwrites dst's state with src's (same model); dst's n_ctx must be >= src's position. */
 MOE_API moe_status moe_session_restore(moe_session *dst, const moe_session *src, char *err,
                                        size_t errlen);
+/* A session's state on disk, for a prefix cache that outlives the process. moe_session_save
+ * writes the state (KDA states, MLA latents, position) to fd at its offset, with the model's
+ * identity (moe_model_id) and a checksum; moe_session_load reads it back into s, at the end of
+ * the same model opened with the same state-shaping options, and refuses, naming why, a state of
+ * another model or options, one longer than s's context, a cut or damaged one (s is then reset).
+ * The caller owns fd: writing to a temporary file and renaming it makes the file appear whole. */
+MOE_API moe_status moe_session_save(const moe_session *s, int fd, char *err, size_t errlen);
+MOE_API moe_status moe_session_load(moe_session *s, int fd, char *err, size_t errlen);
+/* Bytes of the state moe_session_save writes (its header and checksum aside): also what a copy
+ * of the session (moe_session_fork) holds. */
+MOE_API size_t moe_session_state_bytes(const moe_session *s);
+/* A 64-bit identity of what a session's state depends on: the model's shape and layer kinds, a
+ * sample of its weights (the embedding's and LM head's first and last 64 KiB, the final norm,
+ * the first KiB of each layer's first dense matrix) and the options that change the numbers
+ * (kv_type, MOE_FLAG_MXFP4_INT8, MOE_FLAG_ACT16, dense_type). Two models that differ only in
+ * weights outside that sample (a fine-tune of routed experts alone) are not told apart. */
+MOE_API uint64_t moe_model_id(const moe_model *m);
 
 /* ---- stepping --------------------------------------------------------------------------- */
 

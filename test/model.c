@@ -415,6 +415,85 @@ static void test_snapshot_fork(void) {
     moe_model_close(m);
 }
 
+/* a session saved to a file and loaded into another session (of the same model, or of the same
+ * model opened anew) continues exactly as the original; every latent format; a state of another
+ * model, a cut or damaged file, and too small a context are refused by name */
+static void test_session_save(void) {
+    char path[600], file[600], err[300];
+    snprintf(path, sizeof path, "%s/seed", golden_dir());
+    tmp_path(file, sizeof file, "session.state");
+    int ng;
+    int32_t *ids = golden_ids("seed", 3, &ng);
+    for (int kv = 0; kv < 3; kv++) {
+        moe_options o = moe_default_options();
+        o.kv_type = kv == 0 ? MOE_KV_F32 : kv == 1 ? MOE_KV_BF16 : MOE_KV_Q8;
+        moe_model *m = NULL, *m2 = NULL;
+        if (moe_model_open(&m, path, &o, err, sizeof err) || moe_model_open(&m2, path, &o, err, sizeof err)) {
+            CHECKF(0, "%s", err);
+            moe_model_close(m);
+            return;
+        }
+        CHECK(moe_model_id(m) == moe_model_id(m2));
+        const int V = moe_model_config(m)->vocab_size;
+        float *la = malloc(sizeof(float) * V * 10), *lb = malloc(sizeof(float) * V * 10);
+        moe_session *a, *b;
+        CHECK(moe_session_new(&a, m, 100, NULL, 0) == MOE_OK && moe_session_new(&b, m2, 100, NULL, 0) == MOE_OK);
+        moe_seq q = {.s = a, .tokens = ids, .n = 30};
+        CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
+        int fd = open(file, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        CHECK(fd >= 0 && moe_session_save(a, fd, err, sizeof err) == MOE_OK);
+        close(fd);
+        struct stat sb;
+        CHECK(!stat(file, &sb) && (size_t)sb.st_size == moe_session_state_bytes(a) + 48);
+        fd = open(file, O_RDONLY);
+        CHECKF(moe_session_load(b, fd, err, sizeof err) == MOE_OK && moe_session_pos(b) == 30, "%s", err);
+        close(fd);
+        q = (moe_seq){.s = a, .tokens = ids + 30, .n = 10, .logits = la, .logits_all = 1};
+        CHECK(moe_step(m, &q, 1, NULL, NULL, 0) == MOE_OK);
+        q = (moe_seq){.s = b, .tokens = ids + 30, .n = 10, .logits = lb, .logits_all = 1};
+        CHECK(moe_step(m2, &q, 1, NULL, NULL, 0) == MOE_OK);
+        CHECKF(max_abs_diff(la, lb, (size_t)V * 10) == 0, "kv %d", kv);
+        if (kv == 0) {
+            /* too small a context; a damaged byte; a cut file; a state of the model with other options */
+            moe_session *tiny;
+            CHECK(moe_session_new(&tiny, m, 10, NULL, 0) == MOE_OK);
+            fd = open(file, O_RDONLY);
+            CHECK(moe_session_load(tiny, fd, err, sizeof err) == MOE_ERR_CTX_FULL && strstr(err, "more than the context of 10"));
+            close(fd);
+            moe_session_free(tiny);
+            fd = open(file, O_RDWR);
+            unsigned char byte;
+            CHECK(pread(fd, &byte, 1, 100) == 1);
+            byte ^= 1;
+            CHECK(pwrite(fd, &byte, 1, 100) == 1);
+            CHECK(lseek(fd, 0, SEEK_SET) == 0);
+            CHECKF(moe_session_load(b, fd, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "checksum") && moe_session_pos(b) == 0, "%s", err);
+            CHECK(ftruncate(fd, sb.st_size - 20) == 0 && lseek(fd, 0, SEEK_SET) == 0);
+            CHECKF(moe_session_load(b, fd, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "cut short"), "%s", err);
+            close(fd);
+            moe_options o8 = moe_default_options();
+            o8.kv_type = MOE_KV_Q8;
+            moe_model *m8 = NULL;
+            moe_session *c8 = NULL;
+            CHECK(moe_model_open(&m8, path, &o8, NULL, 0) == MOE_OK && moe_session_new(&c8, m8, 100, NULL, 0) == MOE_OK);
+            CHECK(moe_model_id(m8) != moe_model_id(m));
+            fd = open(file, O_WRONLY | O_TRUNC);
+            CHECK(moe_session_save(a, fd, NULL, 0) == MOE_OK);
+            close(fd);
+            fd = open(file, O_RDONLY);
+            CHECKF(moe_session_load(c8, fd, err, sizeof err) == MOE_ERR_FORMAT && strstr(err, "another model"), "%s", err);
+            close(fd);
+            moe_session_free(c8);
+            moe_model_close(m8);
+        }
+        free(la), free(lb);
+        moe_session_free(a), moe_session_free(b);
+        moe_model_close(m), moe_model_close(m2);
+    }
+    unlink(file);
+    free(ids);
+}
+
 /* MOE_FLAG_MXFP4_INT8 on the shipped model (MXFP4 experts, trained: the random golden K3 model
  * amplifies any rounding into whole logits, Q8_0 experts as much as this): on the reference
  * tokens, with the routing pinned to the f32-input run's, the mean KL per token is the 8-bit
@@ -604,6 +683,7 @@ static void test_shipped_reference(void) {
 }
 
 const test_case model_tests[] = {
+    {"model.session_save", test_session_save, "a session saved to a file and loaded continues exactly; other models, damage, cuts refused", 0},
     {"model.shipped_reference", test_shipped_reference, "the shipped model's logits against its PyTorch reference", 0},
     {"model.shipped_mxfp4_int8", test_shipped_mxfp4_int8, "MXFP4 experts on int8 input: KL on the shipped model within target", 0},
     {"model.shipped_act16", test_shipped_act16, "two-part int8 input (--act 16) halves the Q8_0 KL on the shipped model", 0},
