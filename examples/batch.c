@@ -29,6 +29,7 @@
 #include "cache_flags.h"
 #include "files.h"
 #include "openai.h"
+#include "prefix_cache.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -52,6 +53,9 @@ static arg_help help = {
     "  -c CTX           context per request: prompt + max_tokens must fit (default 4096)\n"
     "  --max-tokens N   for requests without max_tokens (default 256)\n"
     "  --model-name S   the \"model\" field of the answers (default: the model path's last part)\n"
+    "  --prefix-cache DIR  take each prompt's longest prefix computed before (by moe-batch, moe-cli or\n"
+    "                   moe-server given DIR) from DIR, and keep each prompt's state there\n"
+    "  --prefix-cache-size SIZE  disk for DIR; least recently used files go first (default 20G)\n"
     "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
     "  --kv-type f32|bf16|q8, --mxfp4 f32|int8, --act 8|16,\n"
     "  --kernels NAME, --check-tensors  as in moe-cli\n", NULL};
@@ -252,6 +256,9 @@ typedef struct {
     moe_session *s;
     int fed;            /* prompt tokens already in the session */
     const float *lrow;  /* the logits it samples from: its row of the step's, or another's */
+    float *own;         /* with --prefix-cache: [vocab] the logits of a prompt found there whole */
+    int cached;         /* its prompt and logits came from the prefix cache: nothing to compute */
+    int prefilling;     /* its prompt is computed in this step */
 } slot;
 
 static const char *model_name;
@@ -306,14 +313,15 @@ static int parse_shard(const char *s, int *i, int *n) {
 /* ---- the job ---- */
 
 typedef struct {
-    const char *model, *in_path, *out_path;
+    const char *model, *in_path, *out_path, *prefix_dir;
+    size_t prefix_size;
     int shard_i, shard_n, parallel, ctx, default_max;
     moe_options opt;
 } options;
 
 /* Parses the command line into o; 0, or usage()'s exit status (2, or 0 for --help) with *done set. */
 static int parse_args(int argc, char **argv, options *o, int *done) {
-    *o = (options){.shard_n = 1, .parallel = 8, .ctx = 4096, .default_max = 256, .opt = moe_default_options()};
+    *o = (options){.shard_n = 1, .prefix_size = (size_t)20 << 30, .parallel = 8, .ctx = 4096, .default_max = 256, .opt = moe_default_options()};
     *done = 1;
     o->opt.flags |= MOE_FLAG_PLAN; /* what the command line does not set, the resource plan does */
     for (int i = 1; i < argc; i++) {
@@ -340,7 +348,9 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
             o->default_max = (int)v;
         }
         else if (!strcmp(a, "--model-name") && more) model_name = argv[++i];
-        else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
+        else if ((ck = pc_flag(argc, argv, &i, &o->prefix_dir, &o->prefix_size, &why)) != 0) {
+            if (ck < 0) return usage(why);
+        } else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else return arg_unknown("moe-batch", help, a, more ? argv[i + 1] : NULL);
@@ -374,6 +384,8 @@ typedef struct {
     size_t next, finished; /* reqs[next] is the next to get a slot; requests answered */
     uint64_t tokens, prompt_tokens;
     moe_step_stats stats;
+    prefix_cache pc; /* with --prefix-cache */
+    uint64_t cached_tokens;
     char err[512];
 } job;
 
@@ -565,8 +577,12 @@ static int start_slots(job *jb) {
         if (moe_step(jb->m, &q, 1, &jb->stats, jb->err, sizeof jb->err)) return failed(jb);
         fprintf(stderr, "moe-batch: the %d-token prefix all prompts share is computed once\n", jb->lcp);
     }
-    for (int i = 0; i < P; i++)
+    for (int i = 0; i < P; i++) {
         if (moe_session_new(&jb->slots[i].s, jb->m, jb->o.ctx, jb->err, sizeof jb->err)) return failed(jb);
+        if (jb->o.prefix_dir && !(jb->slots[i].own = malloc(sizeof(float) * (size_t)jb->c->vocab_size))) return oom();
+    }
+    if (jb->o.prefix_dir && pc_open(&jb->pc, "moe-batch", jb->m, jb->o.ctx, 0, jb->o.prefix_dir, jb->o.prefix_size, jb->err, sizeof jb->err))
+        return fprintf(stderr, "moe-batch: --prefix-cache %s\n", jb->err), 1;
     return 0;
 }
 
@@ -583,7 +599,12 @@ static int start_choice(job *jb, int i, long pass) {
     sl->r = rq;
     sl->fed = 0;
     moe_session_reset(sl->s);
-    if (jb->lcp) {
+    sl->cached = 0;
+    const int have = jb->pc.dir && sl->leader == -1 ? pc_lookup(&jb->pc, rq->q.prompt, rq->q.n_prompt, sl->s, sl->own) : 0;
+    if (have > jb->lcp) { /* from the prefix cache */
+        sl->fed = have, jb->cached_tokens += (uint64_t)have;
+        if (have == rq->q.n_prompt) sl->cached = 1, sl->lrow = sl->own;
+    } else if (jb->lcp) {
         if (moe_session_restore(sl->s, jb->prefix, jb->err, sizeof jb->err)) return failed(jb);
         sl->fed = jb->lcp;
     }
@@ -599,14 +620,15 @@ static int step_slots(job *jb, int *active) {
     for (int i = 0; i < jb->o.parallel; i++) {
         slot *sl = &jb->slots[i];
         *active += sl->r != NULL;
-        if (!sl->r || sl->leader != -1) continue;
+        if (!sl->r || sl->leader != -1 || sl->cached) continue;
         const oai_request *q = &sl->r->q;
         moe_seq *sq = &jb->seqs[ns];
         memset(sq, 0, sizeof *sq);
         sq->s = sl->s;
         sq->logits = jb->logits + (size_t)ns++ * V;
         sl->lrow = sq->logits;
-        if (sl->fed < q->n_prompt) sq->tokens = q->prompt + sl->fed, sq->n = q->n_prompt - sl->fed, jb->prompt_tokens += (uint64_t)sq->n;
+        sl->prefilling = sl->fed < q->n_prompt;
+        if (sl->prefilling) sq->tokens = q->prompt + sl->fed, sq->n = q->n_prompt - sl->fed, jb->prompt_tokens += (uint64_t)sq->n;
         else sq->tokens = &sl->c.pick, sq->n = 1;
     }
     if (!*active) return 0;
@@ -617,6 +639,11 @@ static int step_slots(job *jb, int *active) {
                 if (jb->slots[i].r && jb->slots[i].s == jb->seqs[k].s) jb->slots[i].r->failed = 1;
     } else if (st) {
         return fprintf(stderr, "moe-batch: %s (the requests in flight get no answer; rerun to finish)\n", jb->err), 1;
+    }
+    for (int i = 0; jb->pc.dir && i < jb->o.parallel; i++) { /* each prompt computed now kept for later runs */
+        slot *sl = &jb->slots[i];
+        if (sl->r && sl->prefilling && !sl->r->failed) pc_insert(&jb->pc, sl->r->q.prompt, sl->r->q.n_prompt, sl->s, sl->lrow);
+        sl->prefilling = 0;
     }
     for (int i = 0; i < jb->o.parallel; i++) { /* the waiting choices take their first choice's prompt and logits */
         slot *sl = &jb->slots[i];
@@ -694,7 +721,7 @@ static int advance_slots(job *jb) {
             if (fail_choice(jb, sl)) return 1;
             continue;
         }
-        sl->fed = sl->r->q.n_prompt;
+        sl->fed = sl->r->q.n_prompt, sl->cached = 0;
         jb->tokens++;
         if (!oai_choice_take(&sl->c, jb->m, jb->tok, jb->c->eos_token_id)) return oom();
         if (sl->c.finish && finish_choice(jb, sl)) return 1;
@@ -735,6 +762,8 @@ static int decode(job *jb) {
     }
     fprintf(stderr, "\nmoe-batch: %zu requests answered by the model, %ld failed, %ld refused, %llu prompt tokens computed, %llu tokens in %.2f s\n",
             jb->finished - (size_t)jb->n_failed, jb->n_failed, jb->n_errors, (unsigned long long)jb->prompt_tokens, (unsigned long long)jb->tokens, now() - t0);
+    if (jb->pc.dir)
+        fprintf(stderr, "moe-batch: prefix cache: %llu prompt tokens taken from %s\n", (unsigned long long)jb->cached_tokens, jb->o.prefix_dir);
     return 0;
 }
 
@@ -747,12 +776,14 @@ static int job_end(job *jb, int rc) {
     for (int i = 0; jb->slots && i < jb->o.parallel; i++) {
         moe_session_free(jb->slots[i].s);
         oai_choice_free(&jb->slots[i].c);
+        free(jb->slots[i].own);
     }
     for (size_t i = 0; i < jb->n_reqs; i++) request_free(&jb->reqs[i]);
     free(jb->reqs), free(jb->slots), free(jb->seqs), free(jb->logits), free(jb->line.s), free(jb->input);
     moe_session_free(jb->prefix);
     moe_session_free(jb->kept);
     free(jb->kept_logits);
+    pc_close(&jb->pc);
     ks_free(&jb->done);
     ks_free(&jb->seen);
     moe_tokenizer_free(jb->tok);

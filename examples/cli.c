@@ -13,6 +13,7 @@
 #include "../moe.h"
 #include "files.h"
 #include "cache_flags.h"
+#include "prefix_cache.h"
 #include "args.h"
 
 #include <errno.h>
@@ -36,6 +37,9 @@ static arg_help help = {
     "  -n N            tokens to generate (default 128; -1 = until the end token or context; 0 = the\n"
     "                  prompt only, for its timing)\n"
     "  -c CTX          context size in tokens (default: prompt + n, 4096 in chat mode)\n"
+    "  --prefix-cache DIR  take the longest prompt prefix computed before (by moe-cli, moe-batch or\n"
+    "                  moe-server given DIR) from DIR, and keep each prompt's state there\n"
+    "  --prefix-cache-size SIZE  disk for DIR; least recently used files go first (default 20G)\n"
     "  --stop STR      stop when the output contains STR (repeatable; STR is not printed)\n"
     "  --ignore-eos    keep generating after the end-of-turn token\n"
     "  --show-special  print special tokens (markers) by name\n"
@@ -201,7 +205,8 @@ static int append_msg(char **conv, size_t *n, size_t *cap, int *n_msgs, const ch
 }
 
 typedef struct {
-    const char *model, *prompt, *file, *sys, *effort;
+    const char *model, *prompt, *file, *sys, *effort, *prefix_dir;
+    size_t prefix_size;
     int n_gen, n_ctx, ignore_eos, ids_mode, chat, show_special, display_prompt, think, repeat_last_n;
     int format;    /* MOE_CHAT_AUTO, _K2, _K3, or -1: none */
     int templated; /* prompts go through a chat template */
@@ -237,7 +242,7 @@ static int check_options(options *o, const char *tmpl) {
 
 /* Parses the command line into o; 0, or usage()'s exit status with *done set. */
 static int parse_args(int argc, char **argv, options *o, int *done) {
-    *o = (options){.n_gen = 128, .display_prompt = 1, .think = 1, .repeat_last_n = 64, .seed = (uint64_t)time(NULL),
+    *o = (options){.n_gen = 128, .prefix_size = (size_t)20 << 30, .display_prompt = 1, .think = 1, .repeat_last_n = 64, .seed = (uint64_t)time(NULL),
                    .sp = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .min_p = 0.05f, .repeat_penalty = 1.0f},
                    .opt = moe_default_options()};
     const char *tmpl = NULL;
@@ -317,7 +322,9 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         else if ((!strcmp(a, "-sys") || !strcmp(a, "--system-prompt")) && more) o->sys = argv[++i];
         else if (!strcmp(a, "--no-think")) o->think = 0;
         else if (!strcmp(a, "--effort") && more) o->effort = argv[++i];
-        else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
+        else if ((ck = pc_flag(argc, argv, &i, &o->prefix_dir, &o->prefix_size, &why)) != 0) {
+            if (ck < 0) return usage(why);
+        } else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) {
             if (ck < 0) return usage(why);
         } else if (!strcmp(a, "-h") || !strcmp(a, "--help")) return usage(NULL);
         else return arg_unknown("moe-cli", help, a, more ? argv[i + 1] : NULL);
@@ -355,6 +362,8 @@ typedef struct {
     double t_prompt, t_gen;
     long long read_prompt, read_gen; /* bytes read from storage in each; -1: not known */
     int n_prompt, n_out;
+    prefix_cache pc; /* with --prefix-cache */
+    int cached;      /* prompt tokens it gave */
     char err[512];
 } cli;
 
@@ -409,6 +418,8 @@ static int open_model(cli *r) {
     r->co.thinking_effort = o->effort;
     if (!o->n_ctx) o->n_ctx = o->chat ? 4096 : 0;
     if (!(r->logits = malloc(sizeof(float) * (size_t)c->vocab_size))) return oom();
+    if (o->prefix_dir && pc_open(&r->pc, "moe-cli", r->m, 1 << 30, 0, o->prefix_dir, o->prefix_size, r->err, sizeof r->err))
+        return fprintf(stderr, "moe-cli: --prefix-cache %s\n", r->err), 1;
     if (o->templated) {
         if (!grow(&r->conv, &r->conv_cap, 64)) return oom();
         r->conv_n = (size_t)sprintf(r->conv, "{\"messages\": [");
@@ -499,6 +510,10 @@ static int feed_prompt(cli *r, const char *text, size_t len, size_t nid, int *ct
     if (!r->s && moe_session_new(&r->s, r->m, *ctx, r->err, sizeof r->err)) return fprintf(stderr, "moe-cli: %s\n", r->err), 1;
     int keep = r->nh <= (int)nid && (!r->nh || !memcmp(r->hist, r->ids, sizeof *r->ids * (size_t)r->nh)) ? r->nh : 0;
     if (!keep && r->nh) moe_session_reset(r->s), r->nh = 0;
+    if (!keep && r->pc.dir) { /* a prompt computed before, by this run or another program, is not computed again */
+        keep = pc_lookup(&r->pc, r->ids, (int)nid, r->s, r->logits);
+        if (keep) fprintf(stderr, "moe-cli: prefix cache: %d of the prompt's %d tokens taken from %s\n", keep, (int)nid, o->prefix_dir);
+    }
     size_t need = nid + (size_t)(o->n_gen >= 0 ? o->n_gen : *ctx) + 2;
     if (need > r->hist_cap) {
         int32_t *nhist = realloc(r->hist, need * sizeof *r->hist);
@@ -523,6 +538,7 @@ static int feed_prompt(cli *r, const char *text, size_t len, size_t nid, int *ct
         moe_seq sq = {.s = r->s, .tokens = r->ids + keep, .n = feed, .logits = r->logits};
         if (moe_step(r->m, &sq, 1, &ps, r->err, sizeof r->err)) return fprintf(stderr, "moe-cli: %s\n", r->err), 1;
         add_stats(&r->tot, &ps, 0);
+        if (r->pc.dir) pc_insert(&r->pc, r->ids, (int)nid, r->s, r->logits);
     }
     r->t_prompt += now() - tp, r->n_prompt += feed;
     add_read(&r->read_prompt, rp);
@@ -653,6 +669,7 @@ int main(int argc, char **argv) {
     r.q.stop = r.o.stops, r.q.n_stop = r.o.n_stops;
     rc = run(&r);
     free(r.text), free(r.line), free(r.think_buf), free(r.conv), free(r.q.buf), free(r.q.reply), free(r.hist), free(r.ids), free(r.logits);
+    pc_close(&r.pc);
     moe_session_free(r.s);
     moe_tokenizer_free(r.tok);
     moe_model_close(r.m);

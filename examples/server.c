@@ -27,6 +27,7 @@
 #include "cache_flags.h"
 #include "http.h"
 #include "openai.h"
+#include "prefix_cache.h"
 #include "chat_html.h" /* build/chat_html.h: examples/chat.html as a C array (made by the Makefile) */
 
 #include <errno.h>
@@ -61,6 +62,9 @@ static arg_help help = {
     "  --idle-timeout S      seconds an idle keep-alive connection stays open (default 30)\n"
     "  --max-connections N   open connections at most; more are answered 503 (default 256)\n"
     "  --max-body SIZE       largest request body (default 32M)\n"
+    "  --prefix-cache-ram SIZE  RAM for computed prompt prefixes that later prompts reuse (default 1G; 0: none)\n"
+    "  --prefix-cache DIR    keep them in DIR too, for restarts and other programs given the same DIR\n"
+    "  --prefix-cache-size SIZE  disk for them in DIR; least recently used files go first (default 20G)\n"
     "  -t THREADS            worker threads (default: the physical cores)\n"
     "  --load-mode M, --expert-budget SIZE, --dense TYPE, --dense-budget SIZE, --io-threads N, --prefetch on|off,\n"
     "  --kv-type f32|bf16|q8, --mxfp4 f32|int8, --act 8|16,\n"
@@ -77,7 +81,8 @@ static double now(void) {
 enum { MAX_HEADER = 64 * 1024 };
 
 typedef struct {
-    const char *model, *host, *api_key, *model_name;
+    const char *model, *host, *api_key, *model_name, *prefix_dir;
+    size_t prefix_size, prefix_ram;
     int port, parallel, ctx, default_max, queue, prefill_chunk, max_conns;
     double timeout, idle_timeout;
     size_t max_body;
@@ -121,6 +126,7 @@ static struct {
     uint64_t prompt_tokens, gen_tokens, cached_tokens, steps;
     double step_seconds;
     uint64_t cache_hits, cache_misses, bytes_read;
+    prefix_cache pc; /* a copy of the model thread's prefix cache's counters (its pointers not used) */
     double started;
     const char *model_name;
     options o;
@@ -216,7 +222,12 @@ typedef struct {
     const float *lrow;
     size_t shown, shown_r; /* content and reasoning bytes streamed */
     int lp_sent;        /* tokens whose log probabilities were streamed */
+    int fresh;          /* given a job since the last step: its prompt's cached prefix not yet looked up */
+    int stop_at;        /* a prefill stops here first to keep a snapshot (pc_branch_point), or 0 */
+    float *own;         /* [vocab] logits of a prompt found whole in the prefix cache */
 } slot;
+
+static prefix_cache pc;
 
 static slot *slots;
 static float *step_logits; /* [parallel, vocab] */
@@ -382,7 +393,7 @@ static int start_job(job *j) {
         if (sl->j) continue;
         if (!oai_choice_begin(&sl->c, &j->q, k++, server.tok)) return 0;
         sl->j = j, sl->fed = 0, sl->ready = 0, sl->shown = sl->shown_r = 0, sl->lp_sent = 0;
-        sl->leader = lead;
+        sl->leader = lead, sl->fresh = lead < 0, sl->stop_at = 0;
         if (lead < 0) lead = i;
         moe_session_reset(sl->s);
     }
@@ -443,17 +454,16 @@ static int step(void) {
         sq->logits = step_logits + (size_t)ns++ * V;
         sl->lrow = sq->logits;
         if (sl->fed < q->n_prompt) {
-            const int left = q->n_prompt - sl->fed;
+            const int left = (sl->stop_at > sl->fed ? sl->stop_at : q->n_prompt) - sl->fed;
             sq->tokens = q->prompt + sl->fed, sq->n = left < server.o.prefill_chunk ? left : server.o.prefill_chunk;
             prompt += sq->n;
         } else {
             sq->tokens = &sl->c.pick, sq->n = 1;
         }
     }
-    if (!ns) return 0;
     char err[512];
     moe_step_stats st = {0};
-    const moe_status rc = moe_step(server.m, seqs, ns, &st, err, sizeof err);
+    const moe_status rc = ns ? moe_step(server.m, seqs, ns, &st, err, sizeof err) : MOE_OK;
     pthread_mutex_lock(&server.mu);
     server.steps++, server.step_seconds += st.seconds, server.prompt_tokens += (uint64_t)prompt;
     server.cache_hits += st.cache_hits, server.cache_misses += st.cache_misses, server.bytes_read += st.bytes_read;
@@ -464,8 +474,14 @@ static int step(void) {
             if (!sl->j || sl->s != seqs[k].s) continue;
             if (rc && rc != MOE_ERR_NUMERIC) sl->j->failed = 1;
             else if (seqs[k].nonfinite) sl->j->failed = 2;
-            else if (sl->fed < sl->j->q.n_prompt) sl->fed += seqs[k].n, sl->ready = sl->fed == sl->j->q.n_prompt;
-            else sl->ready = 1;
+            else if (sl->fed < sl->j->q.n_prompt) {
+                const oai_request *q = &sl->j->q;
+                sl->fed += seqs[k].n, sl->ready = sl->fed == q->n_prompt;
+                if (sl->stop_at && sl->fed == sl->stop_at) pc_insert(&pc, q->prompt, sl->fed, sl->s, NULL), sl->stop_at = 0;
+                if (sl->ready) pc_insert(&pc, q->prompt, q->n_prompt, sl->s, sl->lrow);
+            } else {
+                sl->ready = 1;
+            }
         }
     }
     if (rc && rc != MOE_ERR_NUMERIC) fprintf(stderr, "moe-server: %s\n", err);
@@ -543,8 +559,29 @@ static void advance(void) {
         job_done(j);
     }
     server.gen_tokens += gen;
+    server.pc = pc;
     pthread_mutex_unlock(&server.mu);
     wake_net();
+}
+
+/* The newly started jobs' prompts: the longest prefix the cache holds restored into the first
+ * choice's session (a whole prompt: its logits too, and nothing to compute); where the prompt
+ * shares more with another cached prompt, its prefill stops there first to keep a snapshot. */
+static void restore_prefixes(void) {
+    int reused = 0;
+    for (int i = 0; i < server.o.parallel; i++) {
+        slot *sl = &slots[i];
+        if (!sl->j || !sl->fresh) continue;
+        sl->fresh = 0;
+        const oai_request *q = &sl->j->q;
+        const int have = pc_lookup(&pc, q->prompt, q->n_prompt, sl->s, sl->own);
+        if (have == q->n_prompt) sl->lrow = sl->own, sl->ready = 1;
+        sl->fed = have, sl->j->cached = have, reused += have;
+        sl->stop_at = pc_branch_point(&pc, q->prompt, q->n_prompt, have);
+    }
+    pthread_mutex_lock(&server.mu);
+    server.cached_tokens += (uint64_t)reused;
+    pthread_mutex_unlock(&server.mu);
 }
 
 static void *model_thread(void *arg) {
@@ -560,6 +597,7 @@ static void *model_thread(void *arg) {
         }
         admit_jobs();
         pthread_mutex_unlock(&server.mu);
+        restore_prefixes();
         step();
         sample_ready();
         advance();
@@ -648,6 +686,19 @@ static int metrics(buf *out, int keep_alive) {
                 "moe_expert_cache_misses_total %llu\n", (unsigned long long)server.cache_misses);
     bprintf(&b, "# HELP moe_bytes_read_total Bytes read from the model's files by the expert cache.\n# TYPE moe_bytes_read_total counter\n"
                 "moe_bytes_read_total %llu\n", (unsigned long long)server.bytes_read);
+    bprintf(&b, "# HELP moe_prefix_cache_hits_total Prompts that began with a cached prefix.\n# TYPE moe_prefix_cache_hits_total counter\n"
+                "moe_prefix_cache_hits_total %llu\n", (unsigned long long)server.pc.hits);
+    bprintf(&b, "# HELP moe_prefix_cache_lookups_total Prompts looked up in the prefix cache.\n# TYPE moe_prefix_cache_lookups_total counter\n"
+                "moe_prefix_cache_lookups_total %llu\n", (unsigned long long)server.pc.lookups);
+    bprintf(&b, "# HELP moe_prefix_cache_entries Prefixes kept.\n# TYPE moe_prefix_cache_entries gauge\nmoe_prefix_cache_entries %d\n", server.pc.n);
+    bprintf(&b, "# HELP moe_prefix_cache_ram_bytes RAM the kept prefixes take.\n# TYPE moe_prefix_cache_ram_bytes gauge\nmoe_prefix_cache_ram_bytes %zu\n",
+            server.pc.ram_used);
+    bprintf(&b, "# HELP moe_prefix_cache_disk_bytes Bytes of prefix files in --prefix-cache DIR.\n# TYPE moe_prefix_cache_disk_bytes gauge\n"
+                "moe_prefix_cache_disk_bytes %zu\n", server.pc.disk_used);
+    bprintf(&b, "# HELP moe_prefix_cache_evictions_total Prefixes evicted from RAM or disk.\n# TYPE moe_prefix_cache_evictions_total counter\n"
+                "moe_prefix_cache_evictions_total %llu\n", (unsigned long long)server.pc.evicted);
+    bprintf(&b, "# HELP moe_prefix_cache_write_errors_total Prefix files that could not be written.\n# TYPE moe_prefix_cache_write_errors_total counter\n"
+                "moe_prefix_cache_write_errors_total %llu\n", (unsigned long long)server.pc.write_errors);
     bprintf(&b, "# HELP moe_uptime_seconds Seconds since the server started.\n# TYPE moe_uptime_seconds gauge\nmoe_uptime_seconds %.3f\n",
             now() - server.started);
     pthread_mutex_unlock(&server.mu);
@@ -980,7 +1031,8 @@ static void serve(int lfd) {
 
 static int parse_args(int argc, char **argv, options *o, int *done) {
     *o = (options){.host = "127.0.0.1", .port = 8080, .parallel = 4, .ctx = 4096, .queue = 64, .prefill_chunk = 512, .max_conns = 256,
-                   .timeout = 600, .idle_timeout = 30, .max_body = 32u << 20, .opt = moe_default_options()};
+                   .timeout = 600, .idle_timeout = 30, .max_body = 32u << 20, .prefix_ram = (size_t)1 << 30, .prefix_size = (size_t)20 << 30,
+                   .opt = moe_default_options()};
     *done = 1;
     o->opt.flags |= MOE_FLAG_PLAN;
     for (int i = 1; i < argc; i++) {
@@ -1002,6 +1054,11 @@ static int parse_args(int argc, char **argv, options *o, int *done) {
         else if (!strcmp(a, "--max-connections") && more) { if (NUM(1, 1e5)) return 2; o->max_conns = (int)v; }
         else if (!strcmp(a, "--timeout") && more) { if (arg_num("moe-server", help, a, argv[++i], 0.1, 1e7, 0, &v)) return 2; o->timeout = v; }
         else if (!strcmp(a, "--idle-timeout") && more) { if (arg_num("moe-server", help, a, argv[++i], 0.1, 1e7, 0, &v)) return 2; o->idle_timeout = v; }
+        else if ((ck = pc_flag(argc, argv, &i, &o->prefix_dir, &o->prefix_size, &why)) != 0) { if (ck < 0) return usage(why); }
+        else if (!strcmp(a, "--prefix-cache-ram") && more) {
+            if (strcmp(argv[++i], "0") && !parse_size(argv[i], &o->prefix_ram)) return usage("--prefix-cache-ram: a size with its unit, such as 1G, or 0");
+            if (!strcmp(argv[i], "0")) o->prefix_ram = 0;
+        }
         else if (!strcmp(a, "--max-body") && more) { if (!parse_size(argv[++i], &o->max_body)) return usage("--max-body: a size with its unit, such as 32M"); }
         else if (!strcmp(a, "-t") && more) { if (NUM(1, 1024)) return 2; o->opt.n_threads = (int)v, o->opt.set |= MOE_SET_THREADS; }
         else if ((ck = cache_flag(argc, argv, &i, &o->opt, &why)) != 0) { if (ck < 0) return usage(why); }
@@ -1039,8 +1096,14 @@ int main(int argc, char **argv) {
     seqs = calloc((size_t)o->parallel, sizeof *seqs);
     rc = !slots || !step_logits || !seqs;
     if (rc) fprintf(stderr, "moe-server: out of memory\n");
-    for (int i = 0; !rc && i < o->parallel; i++)
+    for (int i = 0; !rc && i < o->parallel; i++) {
         if (moe_session_new(&slots[i].s, server.m, o->ctx, err, sizeof err)) rc = (fprintf(stderr, "moe-server: %s\n", err), 1);
+        else if (!(slots[i].own = malloc(sizeof(float) * V))) rc = (fprintf(stderr, "moe-server: out of memory\n"), 1);
+    }
+    if (!rc && pc_open(&pc, "moe-server", server.m, o->ctx, o->prefix_ram, o->prefix_dir, o->prefix_size, err, sizeof err))
+        rc = (fprintf(stderr, "moe-server: --prefix-cache %s\n", err), 1);
+    if (!rc && o->prefix_dir)
+        fprintf(stderr, "moe-server: prefix cache: %d prefixes (%.2f GiB) in %s\n", pc.n, pc.disk_used / 1073741824.0, o->prefix_dir);
     int lfd = -1;
     pthread_t mt;
     int have_thread = 0;
@@ -1087,8 +1150,10 @@ int main(int argc, char **argv) {
         }
         moe_session_free(slots[i].s);
         oai_choice_free(&slots[i].c);
+        free(slots[i].own);
     }
     pthread_mutex_unlock(&server.mu);
+    pc_close(&pc);
     free(slots), free(step_logits), free(seqs);
     moe_tokenizer_free(server.tok);
     moe_model_close(server.m);

@@ -534,11 +534,158 @@ static void test_hostile(void) {
     CHECK(server_stop(&s));
 }
 
+/* a chat request's body: a system prompt long enough to matter, one user turn (and an earlier
+ * exchange when `before` is given) */
+static void chat_body(char *b, size_t n, const char *user, const char *before) {
+    char sys[2048] = "";
+    for (int i = 0; i < 20; i++) strcat(sys, "The rules of the game are simple and every player must follow them. ");
+    snprintf(b, n, "{\"messages\": [{\"role\": \"system\", \"content\": \"%s\"}, %s{\"role\": \"user\", \"content\": \"%s\"}], \"max_tokens\": 10, \"temperature\": 0}",
+             sys, before ? before : "", user);
+}
+
+/* an answer's usage: prompt tokens and cached ones; its text into text */
+static int cached_of(const response *r, int *prompt, char *text, size_t tn) {
+    moe__json *j = NULL;
+    *prompt = -1;
+    int cached = -1;
+    char rs[4096];
+    answer_text(r->body, text, tn, rs, sizeof rs);
+    strncat(text, rs, tn - strlen(text) - 1);
+    if (moe__json_parse(r->body, strlen(r->body), &j, NULL, 0) != MOE_OK) return -1;
+    const moe__json *u = moe__json_get(j, "usage"), *pt = u ? moe__json_get(u, "prompt_tokens") : NULL;
+    const moe__json *d = u ? moe__json_get(u, "prompt_tokens_details") : NULL, *ct = d ? moe__json_get(d, "cached_tokens") : NULL;
+    if (pt) *prompt = (int)pt->num;
+    if (ct) cached = (int)ct->num;
+    moe__json_free(j);
+    return cached;
+}
+
+/* the prefix cache: a repeated prompt computes nothing, a conversation's next turn reuses the
+ * last, a third prompt with a shared system prompt reuses it; the answers equal a server's
+ * without the cache; a restarted server, moe-cli and moe-batch given the directory reuse what
+ * is there; a damaged file is dropped; the directory stays within its size */
+static void test_prefix_cache(void) {
+    char dir[600], cmd[2400], out[8192], body[4096];
+    tmp_path(dir, sizeof dir, "prefix-cache");
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    CHECK(system(cmd) == 0);
+    server_proc s, ref;
+    char args[800];
+    snprintf(args, sizeof args, "--parallel 2 --prefix-cache %s", dir);
+    if (!server_start(&s, args) || !server_start(&ref, "--parallel 2 --prefix-cache-ram 0")) {
+        CHECK(0);
+        return;
+    }
+    static char text[5][4096], want[4096];
+    int prompt[5], cached[5];
+    const char *users[] = {"What is one?", "What is one?", "What is two?", "What is three?", "And four?"};
+    for (int i = 0; i < 5; i++) {
+        chat_body(body, sizeof body, users[i], i == 4 ? "{\"role\": \"user\", \"content\": \"What is one?\"}, {\"role\": \"assistant\", \"content\": \"One.\"}, " : NULL);
+        response r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
+        CHECK(r.status == 200);
+        cached[i] = cached_of(&r, &prompt[i], text[i], sizeof text[i]);
+        response_free(&r);
+        r = request(ref.port, "POST", "/v1/chat/completions", body, NULL);
+        int p2;
+        CHECK(cached_of(&r, &p2, want, sizeof want) == 0 && p2 == prompt[i]);
+        CHECKF(!strcmp(want, text[i]), "request %d: [%s] with the cache, [%s] without", i, text[i], want);
+        response_free(&r);
+    }
+    CHECKF(cached[0] == 0 && cached[1] == prompt[1] && cached[2] == 0 && cached[3] > 100 && cached[3] < prompt[3] && cached[4] >= prompt[0] - 8,
+           "cached %d %d %d %d %d of %d %d %d %d %d", cached[0], cached[1], cached[2], cached[3], cached[4], prompt[0], prompt[1], prompt[2], prompt[3],
+           prompt[4]);
+    response r = request(s.port, "GET", "/metrics", NULL, NULL);
+    CHECKF(metric(r.body, "moe_prefix_cache_hits_total") == 3 && metric(r.body, "moe_prompt_tokens_cached_total") == cached[1] + cached[3] + cached[4],
+           "%s", r.body);
+    response_free(&r);
+    CHECK(server_stop(&s) && server_stop(&ref));
+    /* a restarted server finds the first prompt on disk */
+    if (!server_start(&s, args)) {
+        CHECK(0);
+        return;
+    }
+    chat_body(body, sizeof body, users[0], NULL);
+    r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
+    int p;
+    CHECK(cached_of(&r, &p, want, sizeof want) == prompt[0] && !strcmp(want, text[0]));
+    response_free(&r);
+    /* a completion the server computed, then the same prompt from moe-cli and moe-batch */
+    const char *story = "Once upon a time there was a small village by the sea, and in it lived an old fisherman";
+    snprintf(body, sizeof body, "{\"prompt\": \"%s\", \"max_tokens\": 6, \"temperature\": 0}", story);
+    r = request(s.port, "POST", "/v1/completions", body, NULL);
+    int story_tokens;
+    CHECK(cached_of(&r, &story_tokens, want, sizeof want) == 0);
+    response_free(&r);
+    CHECK(server_stop(&s));
+    snprintf(cmd, sizeof cmd, "%s/moe-cli -m %s -p '%s' -n 6 --temp 0 -t 1 --prefix-cache %s 2>&1", exe_dir, shipped_dir(), story, dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0);
+    char expect[200];
+    snprintf(expect, sizeof expect, "prefix cache: %d of the prompt's %d tokens taken", story_tokens, story_tokens);
+    CHECKF(strstr(out, expect) && strstr(out, want), "%s (wanted %s and [%s])", out, expect, want);
+    char in[600], bout[600];
+    tmp_path(in, sizeof in, "prefix-batch.jsonl");
+    tmp_path(bout, sizeof bout, "prefix-batch-out.jsonl");
+    unlink(bout);
+    FILE *f = fopen(in, "w");
+    fprintf(f, "{\"custom_id\": \"a\", \"method\": \"POST\", \"url\": \"/v1/completions\", \"body\": %s}\n", body);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "%s/moe-batch -m %s -i %s -o %s -t 1 --prefix-cache %s 2>&1", exe_dir, shipped_dir(), in, bout, dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0);
+    snprintf(expect, sizeof expect, "prefix cache: %d prompt tokens taken", story_tokens);
+    CHECKF(strstr(out, expect), "%s", out);
+    char answer[600];
+    CHECK(check_batch_output(bout, "a", answer, sizeof answer) == 1 && !strcmp(answer, want));
+    /* every file damaged in its last byte: dropped when used, the prompt computed again, the same answer */
+    DIR *d = opendir(dir);
+    int damaged = 0;
+    for (struct dirent *de; d && (de = readdir(d));) {
+        if (!strstr(de->d_name, ".moeprefix")) continue;
+        char path[1200];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        int fd = open(path, O_RDWR);
+        struct stat sb;
+        unsigned char byte;
+        if (fd >= 0 && !fstat(fd, &sb) && pread(fd, &byte, 1, sb.st_size - 9) == 1) {
+            byte ^= 0x40;
+            damaged += pwrite(fd, &byte, 1, sb.st_size - 9) == 1;
+        }
+        if (fd >= 0) close(fd);
+    }
+    if (d) closedir(d);
+    CHECK(damaged >= 5);
+    snprintf(args, sizeof args, "--parallel 2 --prefix-cache %s --prefix-cache-ram 0 --prefix-cache-size 2M", dir);
+    if (!server_start(&s, args)) {
+        CHECK(0);
+        return;
+    }
+    chat_body(body, sizeof body, users[0], NULL);
+    r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
+    CHECK(cached_of(&r, &p, want, sizeof want) == 0 && !strcmp(want, text[0]));
+    response_free(&r);
+    /* within 2 MiB: the oldest files go */
+    for (int i = 0; i < 4; i++) {
+        char u[64];
+        snprintf(u, sizeof u, "Question number %d?", i);
+        chat_body(body, sizeof body, u, NULL);
+        r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
+        CHECK(r.status == 200);
+        response_free(&r);
+    }
+    r = request(s.port, "GET", "/metrics", NULL, NULL);
+    CHECKF(metric(r.body, "moe_prefix_cache_disk_bytes") <= 2 << 20 && metric(r.body, "moe_prefix_cache_disk_bytes") > 0 &&
+               metric(r.body, "moe_prefix_cache_evictions_total") >= 1, "%s", r.body);
+    response_free(&r);
+    CHECK(server_stop(&s));
+    snprintf(cmd, sizeof cmd, "du -sb %s | cut -f1", dir);
+    CHECK(run_cmd(cmd, out, sizeof out) == 0 && atol(out) <= (2 << 20) + 8192);
+}
+
 const test_case server_tests[] = {
     {"server.endpoints", test_endpoints, "moe-server's endpoints: health, models, metrics, page, 401/404/405/400 with OpenAI error objects", 0},
     {"server.stream", test_stream, "a streamed answer equals the whole one (chat and completions), with usage and [DONE]; stop strings never show", 0},
     {"server.concurrent", test_concurrent, "16 clients streaming at once through 4 sequences: each answer whole and equal to it run alone", 0},
     {"server.disconnect", test_disconnect, "a client that leaves mid-stream frees its sequence for the next request", 0},
+    {"server.prefix_cache", test_prefix_cache, "prefix reuse: repeats, next turns, shared system prompts, restarts, moe-cli and moe-batch; damage; size", 0},
     {"server.hostile", test_hostile, "malformed, oversized, truncated, slow and too many requests: each its status, the server goes on", 0},
     {NULL, NULL, NULL, 0},
 };
