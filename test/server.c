@@ -680,12 +680,97 @@ static void test_prefix_cache(void) {
     CHECK(run_cmd(cmd, out, sizeof out) == 0 && atol(out) <= (2 << 20) + 8192);
 }
 
+/* the client tests' packages (test/clients/package-lock.json) installed through npm when they are
+ * missing; 0 with a message when node or npm is not there */
+static int clients_ready(void) {
+    char out[4096];
+    if (run_cmd("node --version 2>&1", out, sizeof out) != 0 || run_cmd("npm --version 2>&1", out, sizeof out) != 0) {
+        fprintf(stderr, "  node and npm are needed for this test (apt-get install nodejs npm)\n");
+        return 0;
+    }
+    struct stat sb;
+    if (stat("test/clients/node_modules/openai/package.json", &sb) || stat("test/clients/node_modules/puppeteer-core/package.json", &sb)) {
+        if (run_cmd("npm ci --prefix test/clients --no-audit --no-fund 2>&1", out, sizeof out) != 0) {
+            fprintf(stderr, "  npm ci --prefix test/clients failed:\n%s\n", out);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* the official openai package as the client: models, chat whole and streamed, tools,
+ * completions, and its error classes for 401 and 400 */
+static void test_openai_client(void) {
+    if (!clients_ready()) {
+        CHECK(0);
+        return;
+    }
+    server_proc s;
+    if (!server_start(&s, "--api-key sekrit --parallel 2")) {
+        CHECK(0);
+        return;
+    }
+    char cmd[600], out[16384];
+    snprintf(cmd, sizeof cmd, "node test/clients/openai-client.mjs http://127.0.0.1:%d sekrit kimi-k3-tiny 2>&1", s.port);
+    const int rc = run_cmd(cmd, out, sizeof out);
+    CHECKF(rc == 0 && strstr(out, " checks, 0 failed"), "%s", out);
+    CHECK(server_stop(&s));
+}
+
+/* the chat page in headless Chromium: a message sent, the streamed reply and its tokens/s seen,
+ * a screenshot (build/test-logs/chat-page.png); a second reply stopped with the Stop button */
+static void test_chat_page(void) {
+    const char *chromium = getenv("CHROMIUM") ? getenv("CHROMIUM") : "/usr/bin/chromium";
+    if (access(chromium, X_OK)) {
+        fprintf(stderr, "  %s: not found (apt-get install chromium, or set CHROMIUM)\n", chromium);
+        CHECK(0);
+        return;
+    }
+    if (!clients_ready()) {
+        CHECK(0);
+        return;
+    }
+    server_proc s;
+    if (!server_start(&s, "--parallel 2 -c 16384")) {
+        CHECK(0);
+        return;
+    }
+    char dir[600], shot[700], cmd[2000], out[16384];
+    snprintf(dir, sizeof dir, "%s/test-logs", exe_dir);
+    mkdir(dir, 0755);
+    snprintf(shot, sizeof shot, "%s/chat-page.png", dir);
+    unlink(shot);
+    snprintf(cmd, sizeof cmd, "node test/clients/chat-page.mjs http://127.0.0.1:%d %s %s 2>&1", s.port, shot, chromium);
+    const int rc = run_cmd(cmd, out, sizeof out);
+    CHECKF(rc == 0 && strstr(out, " checks, 0 failed"), "%s", out);
+    struct stat sb;
+    unsigned char png[8] = {0};
+    FILE *f = fopen(shot, "rb");
+    if (f) {
+        CHECK(fread(png, 1, 8, f) == 8);
+        fclose(f);
+    }
+    CHECKF(!stat(shot, &sb) && sb.st_size > 5000 && !memcmp(png, "\x89PNG", 4), "%s", shot);
+    response r = request(s.port, "GET", "/metrics", NULL, NULL); /* the stopped reply's sequence is freed */
+    for (int tries = 0; tries < 50 && metric(r.body, "moe_requests_running") != 0; tries++) {
+        response_free(&r);
+        struct timespec ts = {0, 100 * 1000000};
+        nanosleep(&ts, NULL);
+        r = request(s.port, "GET", "/metrics", NULL, NULL);
+    }
+    CHECKF(metric(r.body, "moe_requests_running") == 0 && metric(r.body, "moe_requests_total{endpoint=\"page\"}") == 1, "%s", r.body);
+    response_free(&r);
+    CHECK(server_stop(&s));
+}
+
 const test_case server_tests[] = {
     {"server.endpoints", test_endpoints, "moe-server's endpoints: health, models, metrics, page, 401/404/405/400 with OpenAI error objects", 0},
     {"server.stream", test_stream, "a streamed answer equals the whole one (chat and completions), with usage and [DONE]; stop strings never show", 0},
     {"server.concurrent", test_concurrent, "16 clients streaming at once through 4 sequences: each answer whole and equal to it run alone", 0},
     {"server.disconnect", test_disconnect, "a client that leaves mid-stream frees its sequence for the next request", 0},
     {"server.prefix_cache", test_prefix_cache, "prefix reuse: repeats, next turns, shared system prompts, restarts, moe-cli and moe-batch; damage; size", 0},
+    {"server.openai_client", test_openai_client, "the official openai npm package as the client: models, chat and completions whole and streamed, tools, errors", 0},
+    {"server.chat_page", test_chat_page, "the chat page in headless Chromium: a streamed reply with its tokens/s, a screenshot, Stop", 0},
     {"server.hostile", test_hostile, "malformed, oversized, truncated, slow and too many requests: each its status, the server goes on", 0},
     {NULL, NULL, NULL, 0},
 };
