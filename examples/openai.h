@@ -579,6 +579,31 @@ static inline void oai_logprobs_json(buf *b, const oai_choice *c, int from, int 
     bprintf(b, "]}");
 }
 
+/* "tool_calls": the calls of oai_tool_calls's array in a stream's delta form, each with its
+ * "index" (OpenAI's clients put a call's pieces together by it; here each comes whole) */
+static inline void oai_tool_calls_delta(buf *b, const char *tool_calls) {
+    moe__json *arr = NULL;
+    bputs(b, "\"tool_calls\": [");
+    if (moe__json_parse(tool_calls, strlen(tool_calls), &arr, NULL, 0) == MOE_OK && arr->type == MOE_JSON_ARR) {
+        int k = 0;
+        for (const moe__json *call = arr->child; call; call = call->next, k++) {
+            const moe__json *id = moe__json_get(call, "id"), *fn = moe__json_get(call, "function");
+            const moe__json *name = fn ? moe__json_get(fn, "name") : NULL, *args = fn ? moe__json_get(fn, "arguments") : NULL;
+            const char *ids = id && id->type == MOE_JSON_STR ? id->str : "", *names = name && name->type == MOE_JSON_STR ? name->str : "";
+            const char *argss = args && args->type == MOE_JSON_STR ? args->str : "";
+            bprintf(b, "%s{\"index\": %d, \"id\": ", k ? ", " : "", k);
+            bjson_str(b, ids, strlen(ids));
+            bputs(b, ", \"type\": \"function\", \"function\": {\"name\": ");
+            bjson_str(b, names, strlen(names));
+            bputs(b, ", \"arguments\": ");
+            bjson_str(b, argss, strlen(argss));
+            bputs(b, "}}");
+        }
+    }
+    moe__json_free(arr);
+    bputs(b, "]");
+}
+
 /* one finished choice as its JSON object, into b (tool_calls: oai_tool_calls's, or NULL) */
 static inline void oai_choice_json(buf *b, const oai_choice *c, const char *tool_calls, const moe_tokenizer *tok) {
     bprintf(b, "{\"index\": %d, ", c->index);

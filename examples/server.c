@@ -282,26 +282,7 @@ static void stream_choice(buf *out, slot *sl, const char *tool_calls) {
             bprintf(&b, "%s\"reasoning_content\": ", sep), sep = ", ";
             bjson_str(&b, c->reasoning.s + sl->shown_r, ready_r);
         }
-        if (tool_calls) { /* the calls, each with its "index" (a stream's delta form) */
-            moe__json *arr = NULL;
-            if (moe__json_parse(tool_calls, strlen(tool_calls), &arr, NULL, 0) == MOE_OK && arr->type == MOE_JSON_ARR) {
-                bprintf(&b, "%s\"tool_calls\": [", sep);
-                int k = 0;
-                for (const moe__json *call = arr->child; call; call = call->next, k++) {
-                    const moe__json *id = moe__json_get(call, "id"), *fn = moe__json_get(call, "function");
-                    const moe__json *name = fn ? moe__json_get(fn, "name") : NULL, *args = fn ? moe__json_get(fn, "arguments") : NULL;
-                    bprintf(&b, "%s{\"index\": %d, \"id\": ", k ? ", " : "", k);
-                    bjson_str(&b, id && id->type == MOE_JSON_STR ? id->str : "", id && id->type == MOE_JSON_STR ? strlen(id->str) : 0);
-                    bputs(&b, ", \"type\": \"function\", \"function\": {\"name\": ");
-                    bjson_str(&b, name && name->type == MOE_JSON_STR ? name->str : "", name && name->type == MOE_JSON_STR ? strlen(name->str) : 0);
-                    bputs(&b, ", \"arguments\": ");
-                    bjson_str(&b, args && args->type == MOE_JSON_STR ? args->str : "", args && args->type == MOE_JSON_STR ? strlen(args->str) : 0);
-                    bputs(&b, "}}");
-                }
-                bputs(&b, "]");
-            }
-            moe__json_free(arr);
-        }
+        if (tool_calls) bputs(&b, sep), oai_tool_calls_delta(&b, tool_calls);
         bputs(&b, "}, ");
     } else {
         bputs(&b, "\"text\": ");

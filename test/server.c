@@ -2,6 +2,7 @@
  * choosing (--port 0), spoken to over raw sockets as curl would: every endpoint, streamed and
  * whole answers, many clients at once, clients that leave, hostile and slow requests. */
 #include "test.h"
+#include "../examples/openai.h"
 
 #include <netinet/in.h>
 #include <ctype.h>
@@ -763,12 +764,66 @@ static void test_chat_page(void) {
     CHECK(server_stop(&s));
 }
 
+/* a reply that calls tools, as the shipped model's format writes it: the choice's tool calls
+ * (oai_tool_calls), its whole message (finish_reason "tool_calls") and a stream's delta form
+ * with each call's index (oai_tool_calls_delta) */
+static void test_tool_call_answers(void) {
+    moe_model *m = NULL;
+    moe_tokenizer *tok = NULL;
+    if (moe_model_open(&m, shipped_dir(), NULL, NULL, 0) || moe_tokenizer_for_model(&tok, m, NULL, 0)) {
+        CHECK(0);
+        moe_model_close(m);
+        return;
+    }
+    const char *reply = "Need it.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>"
+                        "<|open|>call tool=\"get_weather\" index=\"1\"<|sep|><|open|>argument key=\"city\" type=\"string\"<|sep|>Paris"
+                        "<|close|>argument<|sep|><|close|>call<|sep|><|open|>call tool=\"now\" index=\"2\"<|sep|><|close|>call<|sep|>"
+                        "<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>";
+    int32_t ids[256];
+    size_t n = 0;
+    CHECK(moe_tokenize(tok, reply, strlen(reply), MOE_TOK_SPECIAL, ids, 256, &n, NULL, 0) == MOE_OK);
+    oai_request q = {.chat = 1, .max_tokens = 256, .n = 1, .logprobs = -1, .co = moe_chat_default_options()};
+    int32_t prompt[1] = {0};
+    q.prompt = prompt, q.n_prompt = 1;
+    oai_choice c = {0};
+    CHECK(oai_choice_begin(&c, &q, 0, tok));
+    for (size_t i = 0; i < n && !c.finish; i++) {
+        c.pick = ids[i];
+        CHECK(oai_choice_take(&c, m, tok, moe_model_config(m)->eos_token_id));
+    }
+    CHECKF(c.finish && !strcmp(c.finish, "stop") && c.gen == (int)n, "finish %s after %d of %zu", c.finish ? c.finish : "(none)", c.gen, n);
+    char *calls = oai_tool_calls(&c, tok);
+    CHECKF(calls && !strcmp(calls, "[{\"id\": \"call_1\", \"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"arguments\": "
+                                   "\"{\\\"city\\\": \\\"Paris\\\"}\"}}, {\"id\": \"call_2\", \"type\": \"function\", \"function\": {\"name\": "
+                                   "\"now\", \"arguments\": \"{}\"}}]"), "%s", calls ? calls : "(none)");
+    buf b = {0};
+    oai_choice_json(&b, &c, calls, tok);
+    moe__json *j = NULL;
+    CHECKF(moe__json_parse(b.s, b.n, &j, NULL, 0) == MOE_OK, "%s", b.s);
+    const moe__json *fr = j ? moe__json_get(j, "finish_reason") : NULL, *msg = j ? moe__json_get(j, "message") : NULL;
+    const moe__json *tc = msg ? moe__json_get(msg, "tool_calls") : NULL, *ct = msg ? moe__json_get(msg, "content") : NULL;
+    CHECK(fr && fr->type == MOE_JSON_STR && !strcmp(fr->str, "tool_calls") && tc && tc->n == 2 && ct && !strcmp(ct->str, ""));
+    moe__json_free(j);
+    b.n = 0;
+    bputs(&b, "{");
+    if (calls) oai_tool_calls_delta(&b, calls);
+    bputs(&b, "}");
+    CHECKF(!strcmp(b.s, "{\"tool_calls\": [{\"index\": 0, \"id\": \"call_1\", \"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+                        "\"arguments\": \"{\\\"city\\\": \\\"Paris\\\"}\"}}, {\"index\": 1, \"id\": \"call_2\", \"type\": \"function\", "
+                        "\"function\": {\"name\": \"now\", \"arguments\": \"{}\"}}]}"), "%s", b.s);
+    free(b.s), free(calls);
+    oai_choice_free(&c);
+    moe_tokenizer_free(tok);
+    moe_model_close(m);
+}
+
 const test_case server_tests[] = {
     {"server.endpoints", test_endpoints, "moe-server's endpoints: health, models, metrics, page, 401/404/405/400 with OpenAI error objects", 0},
     {"server.stream", test_stream, "a streamed answer equals the whole one (chat and completions), with usage and [DONE]; stop strings never show", 0},
     {"server.concurrent", test_concurrent, "16 clients streaming at once through 4 sequences: each answer whole and equal to it run alone", 0},
     {"server.disconnect", test_disconnect, "a client that leaves mid-stream frees its sequence for the next request", 0},
     {"server.prefix_cache", test_prefix_cache, "prefix reuse: repeats, next turns, shared system prompts, restarts, moe-cli and moe-batch; damage; size", 0},
+    {"server.tool_calls", test_tool_call_answers, "a reply with tool calls: the choice's calls, its message (finish_reason tool_calls), a stream's deltas", 0},
     {"server.openai_client", test_openai_client, "the official openai npm package as the client: models, chat and completions whole and streamed, tools, errors", 0},
     {"server.chat_page", test_chat_page, "the chat page in headless Chromium: a streamed reply with its tokens/s, a screenshot, Stop", 0},
     {"server.hostile", test_hostile, "malformed, oversized, truncated, slow and too many requests: each its status, the server goes on", 0},
