@@ -224,6 +224,9 @@ typedef struct {
     int lp_sent;        /* tokens whose log probabilities were streamed */
     int fresh;          /* given a job since the last step: its prompt's cached prefix not yet looked up */
     int stop_at;        /* a prefill stops here first to keep a snapshot (pc_branch_point), or 0 */
+    int wait_for, wait_at; /* -1, or: the slot computing the first wait_at tokens of this prompt too
+                              (prompts started together that share a prefix compute it once) */
+    const job *wait_job;   /* the job that slot held when this one began to wait */
     float *own;         /* [vocab] logits of a prompt found whole in the prefix cache */
 } slot;
 
@@ -374,7 +377,7 @@ static int start_job(job *j) {
         if (sl->j) continue;
         if (!oai_choice_begin(&sl->c, &j->q, k++, server.tok)) return 0;
         sl->j = j, sl->fed = 0, sl->ready = 0, sl->shown = sl->shown_r = 0, sl->lp_sent = 0;
-        sl->leader = lead, sl->fresh = lead < 0, sl->stop_at = 0;
+        sl->leader = lead, sl->fresh = lead < 0, sl->stop_at = 0, sl->wait_for = -1;
         if (lead < 0) lead = i;
         moe_session_reset(sl->s);
     }
@@ -427,7 +430,7 @@ static int step(void) {
     int ns = 0, prompt = 0;
     for (int i = 0; i < server.o.parallel; i++) {
         slot *sl = &slots[i];
-        if (!sl->j || sl->leader >= 0 || sl->ready) continue;
+        if (!sl->j || sl->leader >= 0 || sl->ready || sl->wait_for >= 0) continue;
         const oai_request *q = &sl->j->q;
         moe_seq *sq = &seqs[ns];
         memset(sq, 0, sizeof *sq);
@@ -435,7 +438,10 @@ static int step(void) {
         sq->logits = step_logits + (size_t)ns++ * V;
         sl->lrow = sq->logits;
         if (sl->fed < q->n_prompt) {
-            const int left = (sl->stop_at > sl->fed ? sl->stop_at : q->n_prompt) - sl->fed;
+            int end = sl->stop_at > sl->fed ? sl->stop_at : q->n_prompt;
+            for (int w = 0; w < server.o.parallel; w++) /* where a prompt waiting for this one takes its state */
+                if (slots[w].j && slots[w].wait_for == i && slots[w].wait_at > sl->fed && slots[w].wait_at < end) end = slots[w].wait_at;
+            const int left = end - sl->fed;
             sq->tokens = q->prompt + sl->fed, sq->n = left < server.o.prefill_chunk ? left : server.o.prefill_chunk;
             prompt += sq->n;
         } else {
@@ -466,6 +472,22 @@ static int step(void) {
         }
     }
     if (rc && rc != MOE_ERR_NUMERIC) fprintf(stderr, "moe-server: %s\n", err);
+    for (int i = 0; i < server.o.parallel; i++) { /* prompts waiting for a shared prefix take it once it is computed */
+        slot *sl = &slots[i];
+        if (!sl->j || sl->wait_for < 0) continue;
+        const slot *from = &slots[sl->wait_for];
+        if (from->j != sl->wait_job || from->j->failed) { /* it went away: compute the prompt alone */
+            sl->wait_for = -1;
+            continue;
+        }
+        if (from->fed != sl->wait_at) continue;
+        if (moe_session_restore(sl->s, from->s, err, sizeof err)) {
+            sl->wait_for = -1;
+            continue;
+        }
+        sl->j->cached += sl->wait_at - sl->fed;
+        sl->fed = sl->wait_at, sl->wait_for = -1;
+    }
     for (int i = 0; i < server.o.parallel; i++) { /* the other choices of a job take its prompt from its first */
         slot *sl = &slots[i];
         if (!sl->j || sl->leader < 0 || !slots[sl->leader].ready || slots[sl->leader].c.gen) continue;
@@ -559,6 +581,19 @@ static void restore_prefixes(void) {
         if (have == q->n_prompt) sl->lrow = sl->own, sl->ready = 1;
         sl->fed = have, sl->j->cached = have, reused += have;
         sl->stop_at = pc_branch_point(&pc, q->prompt, q->n_prompt, have);
+        /* a prompt started with it that shares more than 32 tokens beyond what either has: its
+         * prefill computes them, and this one takes its state there */
+        int best = 0, from = -1;
+        for (int k = 0; k < i; k++) {
+            const slot *o = &slots[k];
+            if (!o->j || o->leader >= 0 || o->ready || o->j == sl->j) continue;
+            const oai_request *oq = &o->j->q;
+            int n = 0;
+            const int lim = (q->n_prompt - 1 < oq->n_prompt ? q->n_prompt - 1 : oq->n_prompt);
+            while (n < lim && q->prompt[n] == oq->prompt[n]) n++;
+            if (n > best && n > have + 32 && n > o->fed) best = n, from = k;
+        }
+        if (from >= 0) sl->wait_for = from, sl->wait_at = best, sl->wait_job = slots[from].j;
     }
     pthread_mutex_lock(&server.mu);
     server.cached_tokens += (uint64_t)reused;
