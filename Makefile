@@ -149,11 +149,14 @@ bench: all
 	  ./$(BUILD)/moe-convert --random bench/shapes/kimi-linear-bench.json $(BENCH_MODELS)/kimi-linear-bench-$$t.gguf --dense $$t || exit 1; done
 	./$(BUILD)/moe-bench -m $(BENCH_MODELS)/kimi-linear-bench-q4_0.gguf -m $(BENCH_MODELS)/kimi-linear-bench-q8_0.gguf $(BENCH_ARGS)
 
-# tsan: the expert-cache and concurrency tests under ThreadSanitizer (clang), in build-tsan/
-tsan:
+# tsan: the expert-cache, concurrency and moe-server tests under ThreadSanitizer (clang), in build-tsan/
+tsan: $(BUILD)/chat_html.h $(BUILD)/moe-cli $(BUILD)/moe-batch
 	@mkdir -p build-tsan
 	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 $(TEST_SRC) moe.c quant.c -lm -lpthread -o build-tsan/moe-test
-	./build-tsan/moe-test cache.equivalence faults.cache_reads cache.prefetch cache.concurrent_sessions cache.dense_streaming
+	$(FUZZ_CC) -g -O1 -fsanitize=thread -std=c11 -I$(BUILD) examples/server.c moe.c quant.c -lm -lpthread -o build-tsan/moe-server
+	cp $(BUILD)/moe-cli $(BUILD)/moe-batch build-tsan/
+	./build-tsan/moe-test cache.equivalence faults.cache_reads cache.prefetch cache.concurrent_sessions cache.dense_streaming \
+	  server.endpoints server.stream server.concurrent server.disconnect server.prefix_cache server.hostile
 
 # fuzz: each parser (json safetensors gguf config ranks tokenize chat batch http) under libFuzzer + ASan/UBSan for FUZZ_SECONDS
 fuzz:

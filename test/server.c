@@ -51,13 +51,27 @@ static int server_start(server_proc *s, const char *args) {
     return s->port > 0;
 }
 
-/* SIGTERM: 1 when it ends by itself with status 0 */
+/* 1 when the server's log holds a sanitizer's report (its stderr goes there, not to ours), which
+ * is printed */
+static int log_has_report(const server_proc *s) {
+    FILE *f = fopen(s->log, "r");
+    char line[1024];
+    int found = 0;
+    while (f && fgets(line, sizeof line, f)) {
+        if (strstr(line, "Sanitizer") || strstr(line, "runtime error:")) found = 1;
+        if (found) fprintf(stderr, "  %s: %s", s->log, line);
+    }
+    if (f) fclose(f);
+    return found;
+}
+
+/* SIGTERM: 1 when it ends by itself with status 0, its log free of sanitizer reports */
 static int server_stop(server_proc *s) {
     if (s->pid <= 0) return 0;
     kill(s->pid, SIGTERM);
     int status = 0;
     for (int tries = 0; tries < 400; tries++) {
-        if (waitpid(s->pid, &status, WNOHANG) == s->pid) return s->pid = -1, WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (waitpid(s->pid, &status, WNOHANG) == s->pid) return s->pid = -1, WIFEXITED(status) && WEXITSTATUS(status) == 0 && !log_has_report(s);
         struct timespec ts = {0, 25 * 1000000};
         nanosleep(&ts, NULL);
     }
