@@ -417,11 +417,11 @@ static void test_concurrent(void) {
     CHECK(server_stop(&s));
 }
 
-/* a client that leaves mid-stream frees its sequence: with one sequence, the next request is
- * answered long before the first could have finished */
+/* a client that leaves mid-stream frees its sequence: with one sequence, the request queued
+ * behind it is answered long before the first could have finished; a full queue answers 503 */
 static void test_disconnect(void) {
     server_proc s;
-    if (!server_start(&s, "--parallel 1 -c 65536")) {
+    if (!server_start(&s, "--parallel 1 --queue 1 -c 65536")) {
         CHECK(0);
         return;
     }
@@ -442,13 +442,36 @@ static void test_disconnect(void) {
         got[n] = 0;
     }
     CHECK(strstr(got, "data: ") != NULL);
-    close(fd);
-    response r = request(s.port, "POST", "/v1/completions", "{\"prompt\": \"Hello\", \"max_tokens\": 4, \"temperature\": 0}", NULL);
+    /* a second request waits in the queue (--queue 1); a third finds it full: 503 */
+    const char *small = "{\"prompt\": \"Hello\", \"max_tokens\": 4, \"temperature\": 0}";
+    char req2[512];
+    snprintf(req2, sizeof req2, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %zu\r\n\r\n%s", strlen(small), small);
+    int fd2 = connect_to(s.port);
+    CHECK(fd2 >= 0 && !send_all(fd2, req2, strlen(req2)));
+    response r = {0};
+    for (int tries = 0; tries < 100; tries++) { /* until it is queued */
+        r = request(s.port, "GET", "/metrics", NULL, NULL);
+        const int queued = metric(r.body, "moe_requests_queued") == 1;
+        response_free(&r);
+        if (queued) break;
+        struct timespec ts = {0, 20 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+    r = request(s.port, "POST", "/v1/completions", small, NULL);
+    CHECKF(r.status == 503 && strstr(r.raw, "Retry-After: 1") && strstr(r.body, "\"server_busy\""), "%d %s", r.status, r.body);
+    response_free(&r);
+    close(fd); /* the first client leaves: the queued request runs */
+    size_t len;
+    char *second = read_until_close(fd2, 30, &len);
+    close(fd2);
+    CHECKF(!strncmp(second, "HTTP/1.1 200", 12) && strstr(second, "\"completion_tokens\": 4"), "%s", second);
+    free(second);
+    r = request(s.port, "POST", "/v1/completions", small, NULL);
     CHECKF(r.status == 200 && strstr(r.body, "\"completion_tokens\": 4"), "%d %s", r.status, r.body);
     response_free(&r);
     r = request(s.port, "GET", "/metrics", NULL, NULL);
     const double gen = metric(r.body, "moe_tokens_generated_total");
-    CHECKF(metric(r.body, "moe_requests_running") == 0 && gen > 4 && gen < 30000, "%s", r.body);
+    CHECKF(metric(r.body, "moe_requests_running") == 0 && gen > 8 && gen < 30000, "%s", r.body);
     response_free(&r);
     CHECK(server_stop(&s));
 }
@@ -835,7 +858,7 @@ const test_case server_tests[] = {
     {"server.endpoints", test_endpoints, "moe-server's endpoints: health, models, metrics, page, 401/404/405/400 with OpenAI error objects", 0},
     {"server.stream", test_stream, "a streamed answer equals the whole one (chat and completions), with usage and [DONE]; stop strings never show", 0},
     {"server.concurrent", test_concurrent, "16 clients streaming at once through 4 sequences: each answer whole and equal to it run alone", 0},
-    {"server.disconnect", test_disconnect, "a client that leaves mid-stream frees its sequence for the next request", 0},
+    {"server.disconnect", test_disconnect, "a client that leaves mid-stream frees its sequence for the queued request; a full queue is 503", 0},
     {"server.prefix_cache", test_prefix_cache, "prefix reuse: repeats, next turns, shared system prompts, restarts, moe-cli and moe-batch; damage; size", 0},
     {"server.tool_calls", test_tool_call_answers, "a reply with tool calls: the choice's calls, its message (finish_reason tool_calls), a stream's deltas", 0},
     {"server.openai_client", test_openai_client, "the official openai npm package as the client: models, chat and completions whole and streamed, tools, errors", 0},
