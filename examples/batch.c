@@ -384,6 +384,7 @@ typedef struct {
     size_t next, finished; /* reqs[next] is the next to get a slot; requests answered */
     uint64_t tokens, prompt_tokens;
     moe_step_stats stats;
+    double t_start;  /* when the slots began: the prefix all prompts share, then decoding */
     prefix_cache pc; /* with --prefix-cache */
     uint64_t cached_tokens;
     char err[512];
@@ -557,6 +558,7 @@ static int collect_requests(job *jb) {
  * prompt) computed once */
 static int start_slots(job *jb) {
     const int P = jb->o.parallel;
+    jb->t_start = now();
     if (jb->n_reqs >= 2) {
         int lcp = jb->reqs[0].q.n_prompt - 1;
         for (size_t i = 1; i < jb->n_reqs && lcp > 0; i++) {
@@ -732,7 +734,8 @@ static int advance_slots(job *jb) {
 /* Lockstep decoding; requests join as slots free up. */
 static int decode(job *jb) {
     const size_t V = (size_t)jb->c->vocab_size;
-    double t0 = now(), last_report = t0;
+    const double t0 = jb->t_start; /* the shared prefix's computing counts too */
+    double last_report = t0;
     for (long pass = 0;; pass++) {
         for (int i = 0; i < jb->o.parallel && jb->next < jb->n_reqs; i++)
             if (!jb->slots[i].r && start_choice(jb, i, pass)) return 1;
