@@ -329,6 +329,14 @@ static void test_stream(void) {
     CHECK(ct && ct->num == 60);
     moe__json_free(usage), usage = NULL;
     response_free(&r);
+    /* streamed log probabilities: one entry per generated token over all chunks, as whole */
+    snprintf(body, sizeof body, chat, ", \"stream\": true, \"logprobs\": true, \"top_logprobs\": 2");
+    r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
+    int entries = 0, tops = 0;
+    for (const char *p = r.body; (p = strstr(p, "\"logprob\": ")); p++) entries++;
+    for (const char *p = r.body; (p = strstr(p, "\"top_logprobs\": [{")); p++) tops++;
+    CHECKF(r.status == 200 && entries == 60 * 3 && tops == 60, "%d logprob entries, %d top lists", entries, tops);
+    response_free(&r);
     /* completions, with a stop string cut out of the text; streamed the same */
     const char *comp = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 40, \"temperature\": 0%s}";
     snprintf(body, sizeof body, comp, "");
