@@ -102,6 +102,7 @@ struct job {
     /* set before it is queued */
     oai_request q;
     int keep_alive;
+    uint64_t serial; /* this job's number: a freed job's address may be a new job's */
     char id[48];
     long created;
     double t_queued;
@@ -226,7 +227,7 @@ typedef struct {
     int stop_at;        /* a prefill stops here first to keep a snapshot (pc_branch_point), or 0 */
     int wait_for, wait_at; /* -1, or: the slot computing the first wait_at tokens of this prompt too
                               (prompts started together that share a prefix compute it once) */
-    const job *wait_job;   /* the job that slot held when this one began to wait */
+    uint64_t wait_serial;  /* the serial of the job that slot held when this one began to wait */
     float *own;         /* [vocab] logits of a prompt found whole in the prefix cache */
 } slot;
 
@@ -366,8 +367,9 @@ static void job_fail(job *j, int status, const char *msg) {
     }
 }
 
-/* A queued job given its slots (one per choice), which server.mu guards no longer: the first
- * choice computes the prompt, the others take its state. */
+/* under server.mu: a queued job given its slots, one per choice (the model thread's alone: the
+ * network thread never reads them); the first choice computes the prompt, the others take its
+ * state. 0 out of memory. */
 static int start_job(job *j) {
     int k = 0;
     if (!(j->choices = calloc((size_t)j->q.n, sizeof *j->choices))) return 0;
@@ -476,8 +478,8 @@ static int step(void) {
         slot *sl = &slots[i];
         if (!sl->j || sl->wait_for < 0) continue;
         const slot *from = &slots[sl->wait_for];
-        if (from->j != sl->wait_job || from->j->failed) { /* it went away: compute the prompt alone */
-            sl->wait_for = -1;
+        if (!from->j || from->j->serial != sl->wait_serial || from->j->failed || from->fed > sl->wait_at) {
+            sl->wait_for = -1; /* it went away, or took a longer prefix from elsewhere: compute the prompt alone */
             continue;
         }
         if (from->fed != sl->wait_at) continue;
@@ -593,7 +595,7 @@ static void restore_prefixes(void) {
             while (n < lim && q->prompt[n] == oq->prompt[n]) n++;
             if (n > best && n > have + 32 && n > o->fed) best = n, from = k;
         }
-        if (from >= 0) sl->wait_for = from, sl->wait_at = best, sl->wait_job = slots[from].j;
+        if (from >= 0) sl->wait_for = from, sl->wait_at = best, sl->wait_serial = slots[from].j->serial;
     }
     pthread_mutex_lock(&server.mu);
     server.cached_tokens += (uint64_t)reused;
@@ -788,6 +790,8 @@ static int completion(conn *c, const http_request *rq, int chat) {
         free(j);
         return http_error(&c->out, 503, "the server is busy: too many requests are waiting; retry later", ka, "Retry-After: 1\r\n");
     }
+    static uint64_t serial;
+    j->serial = ++serial;
     j->refs = 2;
     if (server.queue_tail) server.queue_tail->next = j;
     else server.queue = j;
