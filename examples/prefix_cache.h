@@ -24,6 +24,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -214,6 +215,23 @@ static inline void pc_scan(prefix_cache *pc) {
     pc_compact(pc);
 }
 
+/* the temporary files of writers that were killed (NAME.moeprefix.PID.tmp whose PID is gone) removed */
+static inline void pc_remove_orphans(const prefix_cache *pc) {
+    DIR *d = opendir(pc->dir);
+    for (struct dirent *de; d && (de = readdir(d));) {
+        const char *p = strstr(de->d_name, ".moeprefix.");
+        char *end;
+        if (!p) continue;
+        const long pid = strtol(p + 11, &end, 10);
+        if (pid <= 0 || strcmp(end, ".tmp")) continue;
+        if (!kill((pid_t)pid, 0) || errno != ESRCH) continue; /* its writer lives (or may: not ours to tell) */
+        char path[4200];
+        pc_path(pc, de->d_name, path, sizeof path);
+        unlink(path);
+    }
+    if (d) closedir(d);
+}
+
 /* A cache for model m's sessions (prog: the program, for messages) of n_ctx tokens: RAM within ram_budget bytes (0: none), and the
  * directory dir (NULL: none; made if missing) within disk_budget. 0, or -1 with err set. */
 static inline int pc_open(prefix_cache *pc, const char *prog, moe_model *m, int n_ctx, size_t ram_budget, const char *dir, size_t disk_budget,
@@ -228,6 +246,7 @@ static inline int pc_open(prefix_cache *pc, const char *prog, moe_model *m, int 
         if (stat(dir, &sb) || !S_ISDIR(sb.st_mode)) return snprintf(err, en, "%s: not a directory", dir), -1;
         if (access(dir, W_OK | X_OK)) return snprintf(err, en, "%s: %s", dir, strerror(errno)), -1;
         if (!(pc->dir = strdup(dir))) return snprintf(err, en, "out of memory"), -1;
+        pc_remove_orphans(pc);
         pc_scan(pc);
     }
     return 0;

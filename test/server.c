@@ -645,7 +645,13 @@ static void test_prefix_cache(void) {
            "%s", r.body);
     response_free(&r);
     CHECK(server_stop(&s) && server_stop(&ref));
-    /* a restarted server finds the first prompt on disk */
+    /* a restarted server finds the first prompt on disk, and removes what a killed writer left */
+    pid_t dead = fork();
+    if (dead == 0) _exit(0);
+    waitpid(dead, NULL, 0);
+    char orphan[1200];
+    snprintf(orphan, sizeof orphan, "%s/0123456789abcdef-7.moeprefix.%ld.tmp", dir, (long)dead);
+    CHECK(write_all(orphan, "partial", 7));
     if (!server_start(&s, args)) {
         CHECK(0);
         return;
@@ -654,6 +660,7 @@ static void test_prefix_cache(void) {
     r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
     int p;
     CHECK(cached_of(&r, &p, want, sizeof want) == prompt[0] && !strcmp(want, text[0]));
+    CHECK(access(orphan, F_OK) != 0);
     response_free(&r);
     /* a completion the server computed, then the same prompt from moe-cli and moe-batch */
     const char *story = "Once upon a time there was a small village by the sea, and in it lived an old fisherman";
