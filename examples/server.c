@@ -843,6 +843,7 @@ static void serve_input(conn *c, double t) {
         http_request rq;
         size_t used;
         const char *why;
+        if (c->out.n <= c->out_off) c->out_since = t; /* what is answered now must be taken within --timeout */
         const int st = http_parse(c->in, c->in_n, MAX_HEADER, server.o.max_body, &rq, &used, &why);
         if (st == HTTP_INCOMPLETE) {
             size_t n;
