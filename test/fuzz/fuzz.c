@@ -161,7 +161,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             request rq = {0};
             char why[600];
             rq.custom_id = strdup(cid->str);
-            if (rq.custom_id) (void)parse_request(&rq, j, fixed_tokenizer(MOE_PRETOK_KIMI, 1), 512, 16, why, sizeof why);
+            const moe_tokenizer *tok = fixed_tokenizer(MOE_PRETOK_KIMI, 1);
+            if (rq.custom_id) (void)parse_request(&rq, j, tok, moe_tokenizer_n_ids(tok), 512, 16, why, sizeof why);
             request_free(&rq);
         }
         moe__json_free(j);
