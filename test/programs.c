@@ -781,6 +781,10 @@ static void test_cli_manners(void) {
         {"moe-tokenize", "--spcial", "unknown option --spcial (did you mean --special?)"},
         {"moe-convert", "a b --dnse q8_0", "unknown option --dnse (did you mean --dense?)"},
         {"moe-logits", "-m M --tokens x --expert-budget 3", "--expert-budget 3: not a size with its unit"},
+        {"moe-server", "-m M --prot 8080", "unknown option --prot (did you mean --port?)"},
+        {"moe-server", "-m M --port 70000", "--port 70000: must be at most 65535"},
+        {"moe-server", "-m M --prefix-cache-size 3", "--prefix-cache-size: a size with its unit"},
+        {"moe-server", "-m M --api-key ''", "--api-key must not be empty"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         snprintf(cmd, sizeof cmd, "%s/%s %s 2>&1 >/dev/null", exe_dir, bad[i].prog, bad[i].args);
@@ -789,7 +793,8 @@ static void test_cli_manners(void) {
         for (const char *p = a; *p; p++) lines += *p == '\n';
         CHECKF(rc == 2 && strstr(a, bad[i].want) && strstr(a, "--help' lists the options") && lines == 2, "%s %s: rc %d:\n%s", bad[i].prog, bad[i].args, rc, a);
     }
-    const char *progs[] = {"moe-cli", "moe-batch", "moe-plan", "moe-perplexity", "moe-tokenize", "moe-convert", "moe-logits", "moe-bench", "moe-cachesim"};
+    const char *progs[] = {"moe-cli", "moe-batch", "moe-plan", "moe-perplexity", "moe-tokenize", "moe-convert", "moe-logits", "moe-bench", "moe-cachesim",
+                           "moe-server"};
     for (size_t i = 0; i < sizeof progs / sizeof *progs; i++) {
         snprintf(cmd, sizeof cmd, "%s/%s --help 2>&1 >/dev/null | wc -c; %s/%s --help | grep -c usage", exe_dir, progs[i], exe_dir, progs[i]);
         CHECKF(run_cmd(cmd, a, sizeof a) == 0 && atoi(a) == 0 && atoi(strchr(a, '\n') + 1) >= 1, "%s --help: %s", progs[i], a);
