@@ -3724,49 +3724,95 @@ static void plan_cpus(int *cpus, int *cores) {
     *cpus = n, *cores = nc < 1 ? 1 : nc > n ? n : nc;
 }
 
+/* the 2 MB blocks of a file that hold data: where a sparse file's holes are, reading returns
+ * zeros without touching the disk, so the probe reads only blocks wholly inside data extents */
+typedef struct {
+    off_t *at; /* block offsets */
+    size_t n;
+} data_blocks;
+
+enum { PROBE_BLOCK = 2 << 20 };
+
+static void find_data_blocks(int fd, off_t size, data_blocks *b) {
+    b->at = NULL, b->n = 0;
+    size_t cap = 0;
+    for (off_t pos = 0; pos < size;) {
+        off_t start = pos, end = size;
+#if defined(SEEK_DATA) && defined(SEEK_HOLE)
+        start = lseek(fd, pos, SEEK_DATA);
+        if (start < 0) break; /* no more data (ENXIO), or no SEEK_DATA: the blocks so far */
+        end = lseek(fd, start, SEEK_HOLE);
+        if (end < 0) end = size;
+#endif
+        for (off_t a = (start + PROBE_BLOCK - 1) / PROBE_BLOCK * PROBE_BLOCK; a + PROBE_BLOCK <= end; a += PROBE_BLOCK) {
+            if (b->n == cap) {
+                cap = cap ? 2 * cap : 1024;
+                off_t *na = realloc(b->at, cap * sizeof *na);
+                if (!na) return;
+                b->at = na;
+            }
+            b->at[b->n++] = a;
+        }
+        pos = end > start ? end : start + 1;
+    }
+}
+
+size_t moe__data_blocks(int fd, long long size) {
+    data_blocks b;
+    find_data_blocks(fd, (off_t)size, &b);
+    free(b.at);
+    return b.n;
+}
+
 typedef struct {
     int fd, seed;
-    off_t size;
+    const data_blocks *blocks;
     size_t bytes;
     int failed;
 } disk_reader;
 
 static void *disk_read_blocks(void *arg) {
     disk_reader *r = arg;
-    enum { BLOCK = 2 << 20 };
     void *buf = NULL;
-    if (posix_memalign(&buf, 4096, BLOCK)) { r->failed = 1; return NULL; }
+    if (posix_memalign(&buf, 4096, PROBE_BLOCK)) { r->failed = 1; return NULL; }
     uint64_t x = 0x9E3779B97F4A7C15ull * (uint64_t)(r->seed + 1);
-    const uint64_t blocks = (uint64_t)r->size / BLOCK;
-    for (size_t done = 0; done < r->bytes && blocks; done += BLOCK) {
+    for (size_t done = 0; done < r->bytes; done += PROBE_BLOCK) {
         x ^= x >> 12, x ^= x << 25, x ^= x >> 27;
-        const off_t at = (off_t)((x * 0x2545F4914F6CDD1Dull >> 11) % blocks) * BLOCK;
-        if (pread(r->fd, buf, BLOCK, at) != BLOCK) { r->failed = 1; break; }
+        const off_t at = r->blocks->at[(x * 0x2545F4914F6CDD1Dull >> 11) % r->blocks->n];
+        if (pread(r->fd, buf, PROBE_BLOCK, at) != PROBE_BLOCK) { r->failed = 1; break; }
     }
     free(buf);
     return NULL;
 }
 
 /* GB/s of `readers` threads reading 64 MB of path in 2 MB blocks at random offsets with
- * O_DIRECT; 0 where that cannot be done (no O_DIRECT, a file under 64 MB, a read failing) */
+ * O_DIRECT, only where the file holds data; 0 where that cannot be done (no O_DIRECT, under 64 MB
+ * of data, as a sparse file's mostly holes may be, a read failing) */
 static double disk_probe(const char *path, int readers) {
 #ifdef O_DIRECT
     int fd;
     struct stat sb;
+    data_blocks blocks = {0};
     if (open_regular(path, O_DIRECT, &fd, NULL, 0)) return 0;
-    if (fstat(fd, &sb) || sb.st_size < (64 << 20)) { close(fd); return 0; }
+    if (!fstat(fd, &sb)) find_data_blocks(fd, sb.st_size, &blocks);
+    if (blocks.n < (64 << 20) / PROBE_BLOCK) {
+        free(blocks.at);
+        close(fd);
+        return 0;
+    }
     disk_reader r[16];
     pthread_t th[16];
     const double t0 = now_sec();
     int started = 0, failed = 0;
     for (int i = 0; i < readers && i < 16; i++) {
-        r[i] = (disk_reader){fd, i, sb.st_size, (size_t)(64 << 20) / (size_t)readers, 0};
+        r[i] = (disk_reader){fd, i, &blocks, (size_t)(64 << 20) / (size_t)readers, 0};
         if (!pthread_create(&th[i], NULL, disk_read_blocks, &r[i])) started++;
         else failed = 1;
     }
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL), failed |= r[i].failed;
     const double dt = now_sec() - t0;
     close(fd);
+    free(blocks.at);
     return failed || dt <= 0 ? 0 : (64 << 20) / dt / 1e9;
 #else
     (void)path, (void)readers;
@@ -3875,6 +3921,7 @@ static moe_status plan_choose(moe_plan *p, const moe_model *m, const moe_options
         if (f) plan_disk(f, p->disk_gbps);
         o->io_threads = p->disk_gbps[1] > 0 && p->disk_gbps[1] >= 1.1 * p->disk_gbps[0] ? 16 : 4;
         if (p->disk_gbps[0] > 0) snprintf(disk, sizeof disk, ", disk %.2f GB/s by 4 readers and %.2f by 16", p->disk_gbps[0], p->disk_gbps[1]);
+        else snprintf(disk, sizeof disk, ", disk not measured (no O_DIRECT, or under 64 MB of data in the file)");
     }
     if (!(set & MOE_SET_PREFETCH)) o->prefetch = 1;
     char streamed[96] = "";

@@ -827,6 +827,9 @@ moe_status moe__weights_parse_mem(moe__st_file *f, const void *data, size_t size
  * them; mem_from names them); the disk is probed only where the cache mode needs I/O threads. */
 moe_status moe__plan_choose(moe_plan *plan, const moe_model *m, const moe_options *given, char *err, size_t errlen);
 
+/* Test hook: how many 2 MB blocks of the file fd (size bytes) lie wholly inside its data, which
+ * is where the plan's disk probe reads (a sparse file's holes never reach the disk). */
+size_t moe__data_blocks(int fd, long long size);
 /* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);

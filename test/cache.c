@@ -1,5 +1,6 @@
 /* cache.c - tests of cache and streaming: the expert cache and streamed dense layers against the mapping, read-ahead, O_DIRECT,
  * concurrency, and the memory the process holds. */
+#define _GNU_SOURCE /* SEEK_DATA */
 #include "test.h"
 
 /* the whole golden check of a case with experts read through a two-expert cache */
@@ -533,7 +534,33 @@ static void test_rss_seed_600(void) {
     free(ids);
 }
 
+/* The plan's disk probe reads only 2 MB blocks wholly inside a file's data: a 200 MB file with
+ * 6 MB of data (at 64 MB) offers 3 blocks where the file system keeps holes (a sparse stand-in of
+ * K3 would otherwise be "read" at memory speed), and a file without holes all of its blocks. */
+static void test_probe_sparse(void) {
+    char path[600];
+    tmp_path(path, sizeof path, "sparse.bin");
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    if (fd < 0) return;
+    char *data = malloc(6 << 20);
+    memset(data, 7, 6 << 20);
+    CHECK(pwrite(fd, data, 6 << 20, (off_t)64 << 20) == 6 << 20);
+    CHECK(ftruncate(fd, (off_t)200 << 20) == 0);
+    const int holes = lseek(fd, 0, SEEK_DATA) == (off_t)64 << 20; /* the file system keeps holes */
+    const size_t n = moe__data_blocks(fd, 200ll << 20);
+    CHECKF(holes ? n == 3 : n == 100, "%zu blocks (holes: %d)", n, holes);
+    close(fd);
+    fd = open(path, O_RDWR | O_TRUNC);
+    for (int i = 0; i < 10 && fd >= 0; i++) CHECK(write(fd, data, 6 << 20) == 6 << 20);
+    CHECK(moe__data_blocks(fd, 60ll << 20) == 30);
+    close(fd);
+    unlink(path);
+    free(data);
+}
+
 const test_case cache_tests[] = {
+    {"cache.probe_sparse", test_probe_sparse, "the plan's disk probe reads only blocks inside a file's data, never a sparse file's holes", 0},
     {"cache.rss_seed_600", test_rss_seed_600, "the seed model with a 600-token prompt stays under 100 MB resident", 1},
     {"cache.plan", test_plan, "the resource plan: mapped where it fits, then the cache with dense Q8_0, Q4_0, an error", 0},
     {"cache.kquants", test_cache_kquants, "k-quant experts interleaved as the cache reads them: same logits", 0},
