@@ -736,6 +736,7 @@ void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out
  * ggml's reference rounding; Q4_K, Q5_K, Q6_K by a search of our own for each sub-block's scale
  * (and minimum), in the spirit of ggml's, not bit for bit its output. */
 void moe__quantize_row(int type, const float *x, void *out, int64_t n);
+void moe__quantize_q8_0_ref(const float *x, void *out, int64_t n); /* the scalar reference of its Q8_0 */
 float moe__dotq_ref(int type, const void *w, const moe__block_q8a *x, int64_t n);
 float moe__dotq_mxfp4_ref(const void *w, const uint8_t *scale, const moe__block_q8a *x, int64_t n);
 void moe__dotq8_ref(int type, const void *w, const moe__block_q8a *x, int64_t n, float *out);

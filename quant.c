@@ -903,9 +903,84 @@ static void quantize_iq4_xs(const float *x, moe__block_iq4_xs *b) {
     }
 }
 
+/* ggml's quantize_row_q8_0_ref: each block's scale is its largest magnitude / 127, each value
+ * rounded half away from zero (roundf) */
+void moe__quantize_q8_0_ref(const float *x, void *out, int64_t n) {
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float *v = x + i * 32;
+        moe__block_q8_0 *b = (moe__block_q8_0 *)out + i;
+        float amax = 0;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
+        float d = amax / 127, id = d ? 1.0f / d : 0.0f;
+        b->d = moe__f32_to_f16(d);
+        for (int j = 0; j < 32; j++) b->qs[j] = (int8_t)roundf(v[j] * id);
+    }
+}
+
+#ifdef MOE_X86
+static int cpu_has_avx2(void);
+
+/* moe__quantize_q8_0_ref's bytes on AVX2 (a model's BF16 matrices become Q8_0 at load through
+ * this): the largest magnitude by lanes (max is exact in any order), the same float product, and
+ * roundf's halves away from zero from truncation and the remainder (the CPU's own rounding takes
+ * ties to even). A block holding a NaN or an infinity goes through the reference, whose fmaxf
+ * skips NaNs as max_ps does not. */
+MOE_TARGET("avx2") static void quantize_q8_0_avx2(const float *x, void *out, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f), inf = _mm256_set1_ps(INFINITY);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* the two packs interleave 128-bit lanes */
+    for (int64_t i = 0; i < n / 32; i++) {
+        const float *v = x + i * 32;
+        moe__block_q8_0 *b = (moe__block_q8_0 *)out + i;
+        __m256 a[4], m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            a[k] = _mm256_loadu_ps(v + 8 * k);
+            const __m256 mag = _mm256_andnot_ps(sign, a[k]);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(mag, inf, _CMP_NLT_UQ)); /* NaN or infinite */
+            m = _mm256_max_ps(m, mag);
+        }
+        if (_mm256_movemask_ps(bad)) {
+            moe__quantize_q8_0_ref(v, b, 32);
+            continue;
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float amax = _mm_cvtss_f32(h), d = amax / 127, id = d ? 1.0f / d : 0.0f;
+        b->d = moe__f32_to_f16(d);
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) {
+            const __m256 p = _mm256_mul_ps(a[k], vid), t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
+            const __m256 step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, p))); /* +-1 where the remainder is >= 0.5 */
+            q[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
+        }
+        const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(void *)b->qs, _mm256_permutevar8x32_epi32(q16, order));
+    }
+}
+#endif
+
+/* Q8_0 rows: on AVX2 where the CPU has it, else the reference; the same bytes either way */
+static void quantize_q8_0(const float *x, void *out, int64_t n) {
+#ifdef MOE_X86
+    static int avx2 = -1; /* decided once; a race only writes the same value twice */
+    if (avx2 < 0) avx2 = cpu_has_avx2();
+    if (avx2) {
+        quantize_q8_0_avx2(x, out, n);
+        return;
+    }
+#endif
+    moe__quantize_q8_0_ref(x, out, n);
+}
+
 /* ggml's reference quantizers for Q8_0 and Q4_0 (quantize_row_q8_0_ref / quantize_row_q4_0_ref),
  * so files and results match llama.cpp's bit for bit; the others as above. */
 void moe__quantize_row(int type, const float *x, void *out, int64_t n) {
+    if (type == MOE_T_Q8_0) {
+        quantize_q8_0(x, out, n);
+        return;
+    }
     if (type == MOE_T_Q4_1 || type == MOE_T_Q5_0 || type == MOE_T_Q5_1) {
         for (int64_t i = 0; i < n / 32; i++) quantize_q4_1_q5(type, x + i * 32, (unsigned char *)out + i * moe__row_bytes(type, 32));
         return;
@@ -930,27 +1005,18 @@ void moe__quantize_row(int type, const float *x, void *out, int64_t n) {
         for (int64_t i = 0; i < n / 32; i++) quantize_iq4_nl(x + i * 32, (moe__block_iq4_nl *)out + i);
         return;
     }
-    for (int64_t i = 0; i < n / 32; i++) {
+    for (int64_t i = 0; i < n / 32; i++) { /* Q4_0 */
         const float *v = x + i * 32;
-        if (type == MOE_T_Q8_0) {
-            moe__block_q8_0 *b = (moe__block_q8_0 *)out + i;
-            float amax = 0;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
-            float d = amax / 127, id = d ? 1.0f / d : 0.0f;
-            b->d = moe__f32_to_f16(d);
-            for (int j = 0; j < 32; j++) b->qs[j] = (int8_t)roundf(v[j] * id);
-        } else {
-            moe__block_q4_0 *b = (moe__block_q4_0 *)out + i;
-            float amax = 0, max = 0;
-            for (int j = 0; j < 32; j++)
-                if (fabsf(v[j]) > amax) amax = fabsf(v[j]), max = v[j];
-            float d = max / -8, id = d ? 1.0f / d : 0.0f;
-            b->d = moe__f32_to_f16(d);
-            for (int j = 0; j < 16; j++) {
-                int q0 = (int)(v[j] * id + 8.5f), q1 = (int)(v[j + 16] * id + 8.5f);
-                q0 = q0 > 15 ? 15 : q0, q1 = q1 > 15 ? 15 : q1;
-                b->qs[j] = (uint8_t)(q0 | q1 << 4);
-            }
+        moe__block_q4_0 *b = (moe__block_q4_0 *)out + i;
+        float amax = 0, max = 0;
+        for (int j = 0; j < 32; j++)
+            if (fabsf(v[j]) > amax) amax = fabsf(v[j]), max = v[j];
+        float d = max / -8, id = d ? 1.0f / d : 0.0f;
+        b->d = moe__f32_to_f16(d);
+        for (int j = 0; j < 16; j++) {
+            int q0 = (int)(v[j] * id + 8.5f), q1 = (int)(v[j + 16] * id + 8.5f);
+            q0 = q0 > 15 ? 15 : q0, q1 = q1 > 15 ? 15 : q1;
+            b->qs[j] = (uint8_t)(q0 | q1 << 4);
         }
     }
 }

@@ -333,6 +333,41 @@ static void test_dwconv_levels(void) {
     free(w), free(x);
 }
 
+/* moe__quantize_row's Q8_0 (SIMD where the CPU has it) against the scalar reference, bit for bit:
+ * random rows at many scales, halves that round away from zero (a block whose largest value is
+ * 127 has the scale 1, so k + 0.5 stays exact), values just under a half, subnormals, zeros */
+static void test_quantize_q8_0(void) {
+    enum { N = 32 * 64 };
+    float *v = malloc(sizeof(float) * N);
+    moe__block_q8_0 *a = malloc(sizeof *a * (N / 32)), *r = malloc(sizeof *r * (N / 32));
+    for (int rep = 0; rep < 40; rep++) {
+        const float scale = rep < 10 ? powf(10.0f, (float)(rep - 5) * 3) : 1.0f;
+        for (int i = 0; i < N; i++) {
+            const int kind = rep < 10 ? 0 : (int)(urand() * 5);
+            if (kind == 0) v[i] = nrand() * scale;
+            else if (kind == 1) v[i] = (float)((int)(urand() * 252) - 125) + (urand() < 0.5 ? 0.5f : -0.5f); /* halves, within 127 */
+            else if (kind == 2) v[i] = nextafterf((float)(int)(urand() * 126) + 0.5f, 0.0f); /* just under a half */
+            else if (kind == 3) v[i] = (urand() < 0.5 ? -1 : 1) * 1e-39f * urand(); /* subnormal */
+            else v[i] = 0;
+        }
+        for (int b = 0; b < N / 32; b++) /* blocks whose largest magnitude is 127: scale 1 */
+            if (rep >= 10 && b % 3 == 0) v[b * 32 + (rep % 32)] = rep % 2 ? 127.0f : -127.0f;
+        if (rep == 39) memset(v, 0, sizeof(float) * 64); /* all-zero blocks */
+        moe__quantize_row(MOE_T_Q8_0, v, a, N);
+        moe__quantize_q8_0_ref(v, r, N);
+        int bad = -1;
+        for (int b = 0; b < N / 32 && bad < 0; b++)
+            if (memcmp(&a[b], &r[b], sizeof a[b])) bad = b;
+        CHECKF(bad < 0, "rep %d block %d: d %04x/%04x, q[0] %d/%d", rep, bad, bad < 0 ? 0 : a[bad].d, bad < 0 ? 0 : r[bad].d,
+               bad < 0 ? 0 : a[bad].qs[0], bad < 0 ? 0 : r[bad].qs[0]);
+    }
+    /* a ragged tail (n not a multiple of 8 blocks) and one block */
+    moe__quantize_row(MOE_T_Q8_0, v, a, 32 * 5);
+    moe__quantize_q8_0_ref(v, r, 32 * 5);
+    CHECK(!memcmp(a, r, sizeof *a * 5));
+    free(v), free(a), free(r);
+}
+
 /* Q8_0/Q4_0: ggml's rounding (hand-derived known answers), round-trip bounds, and every int8
  * kernel level against the scalar reference; the q8a activation quantizers must agree bit for bit */
 static void test_quant_blocks(void) {
@@ -1525,6 +1560,7 @@ static void test_mla8_kernels(void) {
 }
 
 const test_case kernels_tests[] = {
+    {"kernels.quantize_q8_0", test_quantize_q8_0, "Q8_0 quantization (AVX2 where present) equals ggml's reference bit for bit: halves, subnormals, scales", 0},
     {"kernels.bf16_f16", test_bf16_f16, "half and bfloat16 conversions round-trip every bit pattern", 0},
     {"kernels.mxfp4_worked_example", test_mxfp4_worked_example, "MXFP4 decode of a real K3 row (golden/README.md's worked example)", 0},
     {"kernels.mxfp4_golden_dequant", test_mxfp4_golden_dequant, "MXFP4 decode matches the golden k3mx case's dequantized weights", 0},
