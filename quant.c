@@ -543,14 +543,37 @@ static void kq_decode(int type, const void *row, int64_t s, kq_sub *o) {
     }
 }
 
+#ifdef MOE_X86
+static int cpu_has_avx2(void);
+
+/* BF16 to f32 on AVX2: each value's 16 bits become the top half of its float, as
+ * moe__bf16_to_f32 does one at a time (a model's BF16 matrices are decoded so at load) */
+MOE_TARGET("avx2") static void bf16_row_avx2(const uint16_t *p, float *out, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(p + i)));
+        _mm256_storeu_ps(out + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+    for (; i < n; i++) out[i] = moe__bf16_to_f32(p[i]);
+}
+#endif
+
+static void bf16_row(const uint16_t *p, float *out, int64_t n) {
+#ifdef MOE_X86
+    static int avx2 = -1; /* decided once; a race only writes the same value twice */
+    if (avx2 < 0) avx2 = cpu_has_avx2();
+    if (avx2) {
+        bf16_row_avx2(p, out, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) out[i] = moe__bf16_to_f32(p[i]);
+}
+
 void moe__row_to_f32(int type, const void *row, const uint8_t *scale, float *out, int64_t n) {
     switch (type) {
     case MOE_T_F32: memcpy(out, row, (size_t)n * 4); break;
-    case MOE_T_BF16: {
-        const uint16_t *p = row;
-        for (int64_t i = 0; i < n; i++) out[i] = moe__bf16_to_f32(p[i]);
-        break;
-    }
+    case MOE_T_BF16: bf16_row(row, out, n); break;
     case MOE_T_F16: {
         const uint16_t *p = row;
         for (int64_t i = 0; i < n; i++) out[i] = moe__f16_to_f32(p[i]);
@@ -918,8 +941,6 @@ void moe__quantize_q8_0_ref(const float *x, void *out, int64_t n) {
 }
 
 #ifdef MOE_X86
-static int cpu_has_avx2(void);
-
 /* moe__quantize_q8_0_ref's bytes on AVX2 (a model's BF16 matrices become Q8_0 at load through
  * this): the largest magnitude by lanes (max is exact in any order), the same float product, and
  * roundf's halves away from zero from truncation and the remainder (the CPU's own rounding takes

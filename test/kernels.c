@@ -361,6 +361,18 @@ static void test_quantize_q8_0(void) {
         CHECKF(bad < 0, "rep %d block %d: d %04x/%04x, q[0] %d/%d", rep, bad, bad < 0 ? 0 : a[bad].d, bad < 0 ? 0 : r[bad].d,
                bad < 0 ? 0 : a[bad].qs[0], bad < 0 ? 0 : r[bad].qs[0]);
     }
+    /* BF16 rows decode as moe__bf16_to_f32 does, every bit pattern, at a ragged length */
+    uint16_t *h = malloc(sizeof *h * 65536);
+    float *f = malloc(sizeof *f * 65536);
+    for (int i = 0; i < 65536; i++) h[i] = (uint16_t)(i * 40503u);
+    moe__row_to_f32(MOE_T_BF16, h + 1, NULL, f, 65535);
+    int wrong = 0;
+    for (int i = 0; i < 65535; i++) {
+        const float want = moe__bf16_to_f32(h[i + 1]);
+        wrong += memcmp(&f[i], &want, 4) != 0;
+    }
+    CHECKF(!wrong, "%d BF16 values decoded differently", wrong);
+    free(h), free(f);
     /* a ragged tail (n not a multiple of 8 blocks) and one block */
     moe__quantize_row(MOE_T_Q8_0, v, a, 32 * 5);
     moe__quantize_q8_0_ref(v, r, 32 * 5);
@@ -1560,7 +1572,7 @@ static void test_mla8_kernels(void) {
 }
 
 const test_case kernels_tests[] = {
-    {"kernels.quantize_q8_0", test_quantize_q8_0, "Q8_0 quantization (AVX2 where present) equals ggml's reference bit for bit: halves, subnormals, scales", 0},
+    {"kernels.quantize_q8_0", test_quantize_q8_0, "Q8_0 quantization and BF16 rows (AVX2 where present) equal their references bit for bit: halves, subnormals, scales", 0},
     {"kernels.bf16_f16", test_bf16_f16, "half and bfloat16 conversions round-trip every bit pattern", 0},
     {"kernels.mxfp4_worked_example", test_mxfp4_worked_example, "MXFP4 decode of a real K3 row (golden/README.md's worked example)", 0},
     {"kernels.mxfp4_golden_dequant", test_mxfp4_golden_dequant, "MXFP4 decode matches the golden k3mx case's dequantized weights", 0},
