@@ -972,7 +972,9 @@ MOE_TARGET("avx2") static void quantize_q8_0_avx2(const float *x, void *out, int
         __m256i q[4];
         for (int k = 0; k < 4; k++) {
             const __m256 p = _mm256_mul_ps(a[k], vid), t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
+            /* |p| >= |t| + 0.5 (exact: t is a small integer), never p - t, which a compiler told to
+             * contract (-ffp-contract=fast with FMA) could fuse with the product and round once */
+            const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, p), _mm256_add_ps(_mm256_andnot_ps(sign, t), half), _CMP_GE_OQ);
             const __m256 step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, p))); /* +-1 where the remainder is >= 0.5 */
             q[k] = _mm256_cvttps_epi32(_mm256_add_ps(t, step));
         }
