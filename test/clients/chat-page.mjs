@@ -1,7 +1,7 @@
 // moe-server's chat page in headless Chromium, as a person uses it:
 //   node test/clients/chat-page.mjs BASE_URL SCREENSHOT.png [CHROMIUM]
 // Loads the page, sends a message, waits for the streamed reply and its tokens/s, takes a
-// screenshot; then sends another and stops it mid-reply. Prints "N checks, N failed" last and
+// screenshot; then sends another and stops it mid-reply (both at temperature 0: see below). Prints "N checks, N failed" last and
 // exits 1 if any failed.
 import puppeteer from "puppeteer-core";
 
@@ -18,6 +18,15 @@ try {
   await page.setViewport({ width: 1000, height: 700 });
   const errors = [];
   page.on("pageerror", (e) => errors.push(String(e)));
+  // the page's requests sent at temperature 0, so that its replies are the same every run: the
+  // first ends by itself (140 tokens on the shipped model), the second runs for thousands
+  await page.setRequestInterception(true);
+  page.on("request", (req) => {
+    if (req.method() !== "POST" || !req.url().endsWith("/v1/chat/completions")) return req.continue();
+    const body = JSON.parse(req.postData());
+    body.temperature = 0;
+    req.continue({ postData: JSON.stringify(body) });
+  });
   const resp = await page.goto(base + "/", { waitUntil: "load" });
   check(resp.status() === 200, "GET / " + resp.status());
   await page.waitForFunction(() => document.getElementById("model").textContent.length > 0, { timeout: 10000 });
@@ -43,7 +52,7 @@ try {
   await page.screenshot({ path: shot });
 
   // a second message, stopped mid-reply: the page says so and takes a new message
-  await page.type("#input", "Now tell me a very long story");
+  await page.type("#input", "Count to one thousand");
   await page.click("#send");
   await page.waitForFunction(() => document.querySelectorAll(".assistant").length === 2 &&
     document.querySelectorAll(".assistant")[1].textContent.length > 0, { timeout: 30000 });
