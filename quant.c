@@ -546,6 +546,14 @@ static void kq_decode(int type, const void *row, int64_t s, kq_sub *o) {
 #ifdef MOE_X86
 static int cpu_has_avx2(void);
 
+/* whether the load-time conversions (bf16_row, quantize_q8_0) take their AVX2 forms: asked of the
+ * CPU once (a race only stores the same answer twice) */
+static int conversions_avx2(void) {
+    static int avx2 = -1;
+    if (avx2 < 0) avx2 = cpu_has_avx2();
+    return avx2;
+}
+
 /* BF16 to f32 on AVX2: each value's 16 bits become the top half of its float, as
  * moe__bf16_to_f32 does one at a time (a model's BF16 matrices are decoded so at load) */
 MOE_TARGET("avx2") static void bf16_row_avx2(const uint16_t *p, float *out, int64_t n) {
@@ -560,9 +568,7 @@ MOE_TARGET("avx2") static void bf16_row_avx2(const uint16_t *p, float *out, int6
 
 static void bf16_row(const uint16_t *p, float *out, int64_t n) {
 #ifdef MOE_X86
-    static int avx2 = -1; /* decided once; a race only writes the same value twice */
-    if (avx2 < 0) avx2 = cpu_has_avx2();
-    if (avx2) {
+    if (conversions_avx2()) {
         bf16_row_avx2(p, out, n);
         return;
     }
@@ -987,9 +993,7 @@ MOE_TARGET("avx2") static void quantize_q8_0_avx2(const float *x, void *out, int
 /* Q8_0 rows: on AVX2 where the CPU has it, else the reference; the same bytes either way */
 static void quantize_q8_0(const float *x, void *out, int64_t n) {
 #ifdef MOE_X86
-    static int avx2 = -1; /* decided once; a race only writes the same value twice */
-    if (avx2 < 0) avx2 = cpu_has_avx2();
-    if (avx2) {
+    if (conversions_avx2()) {
         quantize_q8_0_avx2(x, out, n);
         return;
     }
