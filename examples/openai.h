@@ -178,26 +178,14 @@ static inline int oai_text_may_fit(const moe_tokenizer *tok, size_t bytes, int c
 
 /* the sampling fields of body into r (defaults where absent); 0 with a message in why */
 static inline int oai_parse_sampling(oai_request *r, const moe__json *body, char *why, size_t wn) {
-    double v;
-    r->sp = (moe_sampler){.temperature = 1.0f, .top_p = 1.0f, .repeat_penalty = 1.0f};
-    v = 1.0;
-    if (!oai_num_field(body, "temperature", 0, 2, &v, why, wn)) return 0;
-    r->sp.temperature = (float)v;
-    v = 1.0;
-    if (!oai_num_field(body, "top_p", 0, 1, &v, why, wn)) return 0;
-    r->sp.top_p = (float)v;
-    v = 0;
-    if (!oai_num_field(body, "top_k", 0, 1e9, &v, why, wn)) return 0;
-    r->sp.top_k = (int)v;
-    v = 0;
-    if (!oai_num_field(body, "min_p", 0, 1, &v, why, wn)) return 0;
-    r->sp.min_p = (float)v;
-    v = 0;
-    if (!oai_num_field(body, "presence_penalty", -2, 2, &v, why, wn)) return 0;
-    r->sp.presence_penalty = (float)v;
-    v = 0;
-    if (!oai_num_field(body, "frequency_penalty", -2, 2, &v, why, wn)) return 0;
-    r->sp.frequency_penalty = (float)v;
+    double temperature = 1, top_p = 1, top_k = 0, min_p = 0, presence = 0, frequency = 0; /* oai_num_field leaves absent ones */
+    if (!oai_num_field(body, "temperature", 0, 2, &temperature, why, wn) || !oai_num_field(body, "top_p", 0, 1, &top_p, why, wn) ||
+        !oai_num_field(body, "top_k", 0, 1e9, &top_k, why, wn) || !oai_num_field(body, "min_p", 0, 1, &min_p, why, wn) ||
+        !oai_num_field(body, "presence_penalty", -2, 2, &presence, why, wn) ||
+        !oai_num_field(body, "frequency_penalty", -2, 2, &frequency, why, wn))
+        return 0;
+    r->sp = (moe_sampler){.temperature = (float)temperature, .top_p = (float)top_p, .top_k = (int)top_k, .min_p = (float)min_p,
+                          .presence_penalty = (float)presence, .frequency_penalty = (float)frequency, .repeat_penalty = 1.0f};
     return 1;
 }
 
