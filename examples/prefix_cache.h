@@ -293,10 +293,9 @@ static inline int pc_lookup(prefix_cache *pc, const int32_t *tokens, int n, moe_
             pc_path(pc, e->name, path, sizeof path);
             const int fd = pc_open_file(pc, e->name, &h, &t);
             int ok = fd >= 0 && h.n_tokens == (uint32_t)e->n && !memcmp(t, e->tokens, sizeof *t * (size_t)e->n) && (e->n < n || h.has_logits);
-            if (ok && h.has_logits) {
-                float *l = e->n == n ? logits : malloc(sizeof *l * (size_t)pc->vocab);
-                ok = l && !pc_read_all(fd, l, sizeof *l * (size_t)pc->vocab);
-                if (l != logits) free(l);
+            if (ok && h.has_logits) { /* wanted for a whole prompt, else passed over */
+                const size_t lb = sizeof *logits * (size_t)pc->vocab;
+                ok = e->n == n ? !pc_read_all(fd, logits, lb) : lseek(fd, (off_t)lb, SEEK_CUR) >= 0;
             }
             ok = ok && moe_session_load(s, fd, pc->last_error, sizeof pc->last_error) == MOE_OK;
             free(t);
