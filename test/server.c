@@ -15,7 +15,8 @@ typedef struct {
     char log[512];
 } server_proc;
 
-/* moe-server -m the shipped model with args, on a free port: 1 when it listens */
+/* moe-server -m the shipped model with args, on a free port: 1 when it listens (else a failed
+ * check) */
 static int server_start(server_proc *s, const char *args) {
     static int n;
     char name[64];
@@ -47,7 +48,7 @@ static int server_start(server_proc *s, const char *args) {
             break;
         }
     }
-    if (!s->port) fprintf(stderr, "  moe-server did not start (%s)\n", s->log);
+    CHECKF(s->port > 0, "moe-server did not start (%s)", s->log);
     return s->port > 0;
 }
 
@@ -231,12 +232,22 @@ static double metric(const char *body, const char *name) {
     return p ? atof(p + strlen(key)) : -1;
 }
 
+/* polls /metrics until metric `name` is `want`, for up to 5 s: 1 when it got there */
+static int wait_metric(int port, const char *name, double want) {
+    for (int tries = 0; tries < 100; tries++) {
+        response r = request(port, "GET", "/metrics", NULL, NULL);
+        const double v = metric(r.body, name);
+        response_free(&r);
+        if (v == want) return 1;
+        struct timespec ts = {0, 50 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
 static void test_endpoints(void) {
     server_proc s;
-    if (!server_start(&s, "--api-key sekrit --parallel 2 -c 512")) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, "--api-key sekrit --parallel 2 -c 512")) return;
     const char *auth = "Authorization: Bearer sekrit\r\n";
     response r = request(s.port, "GET", "/health", NULL, NULL); /* /health needs no key */
     CHECKF(r.status == 200 && strstr(r.body, "\"ok\""), "%d %s", r.status, r.body);
@@ -306,10 +317,7 @@ static void test_endpoints(void) {
  * completions form too; and a stop string never shows */
 static void test_stream(void) {
     server_proc s;
-    if (!server_start(&s, "--parallel 2")) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, "--parallel 2")) return;
     static char t1[8192], r1[8192], t2[8192], r2[8192];
     const char *chat = "{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me a story\"}], \"max_tokens\": 60, \"temperature\": 0%s}";
     char body[512];
@@ -386,10 +394,7 @@ static void *client_run(void *arg) {
  * the same request run alone */
 static void test_concurrent(void) {
     server_proc s;
-    if (!server_start(&s, "--parallel 4")) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, "--parallel 4")) return;
     enum { N = 16 };
     static client cl[N];
     static char alone[N][4096], alone_r[N][4096];
@@ -429,10 +434,7 @@ static void test_concurrent(void) {
  * behind it is answered long before the first could have finished; a full queue answers 503 */
 static void test_disconnect(void) {
     server_proc s;
-    if (!server_start(&s, "--parallel 1 --queue 1 -c 65536")) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, "--parallel 1 --queue 1 -c 65536")) return;
     const char *body = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 60000, \"temperature\": 0, \"stream\": true}";
     char head[512];
     snprintf(head, sizeof head, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %zu\r\n\r\n", strlen(body));
@@ -456,16 +458,8 @@ static void test_disconnect(void) {
     snprintf(req2, sizeof req2, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %zu\r\n\r\n%s", strlen(small), small);
     int fd2 = connect_to(s.port);
     CHECK(fd2 >= 0 && !send_all(fd2, req2, strlen(req2)));
-    response r = {0};
-    for (int tries = 0; tries < 100; tries++) { /* until it is queued */
-        r = request(s.port, "GET", "/metrics", NULL, NULL);
-        const int queued = metric(r.body, "moe_requests_queued") == 1;
-        response_free(&r);
-        if (queued) break;
-        struct timespec ts = {0, 20 * 1000000};
-        nanosleep(&ts, NULL);
-    }
-    r = request(s.port, "POST", "/v1/completions", small, NULL);
+    CHECK(wait_metric(s.port, "moe_requests_queued", 1));
+    response r = request(s.port, "POST", "/v1/completions", small, NULL);
     CHECKF(r.status == 503 && strstr(r.raw, "Retry-After: 1") && strstr(r.body, "\"server_busy\""), "%d %s", r.status, r.body);
     response_free(&r);
     close(fd); /* the first client leaves: the queued request runs */
@@ -502,10 +496,7 @@ static int raw_status(int port, const char *bytes, size_t n, double seconds, cha
  * connection just closed), and the server goes on answering */
 static void test_hostile(void) {
     server_proc s;
-    if (!server_start(&s, "--timeout 1 --idle-timeout 1 --max-body 4K --max-connections 8")) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, "--timeout 1 --idle-timeout 1 --max-body 4K --max-connections 8")) return;
     char out[2048];
     static const struct { const char *req; int status; } cases[] = {
         {"GET /health HTTP/1.1\r\n\r\n", 400},                                    /* no Host */
@@ -618,10 +609,7 @@ static void test_prefix_cache(void) {
     server_proc s, ref;
     char args[800];
     snprintf(args, sizeof args, "--parallel 2 --prefix-cache %s", dir);
-    if (!server_start(&s, args) || !server_start(&ref, "--parallel 2 --prefix-cache-ram 0")) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, args) || !server_start(&ref, "--parallel 2 --prefix-cache-ram 0")) return;
     static char text[5][4096], want[4096];
     int prompt[5], cached[5];
     const char *users[] = {"What is one?", "What is one?", "What is two?", "What is three?", "And four?"};
@@ -652,10 +640,7 @@ static void test_prefix_cache(void) {
     char orphan[1200];
     snprintf(orphan, sizeof orphan, "%s/0123456789abcdef-7.moeprefix.%ld.tmp", dir, (long)dead);
     CHECK(write_all(orphan, "partial", 7));
-    if (!server_start(&s, args)) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, args)) return;
     chat_body(body, sizeof body, users[0], NULL);
     r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
     int p;
@@ -707,10 +692,7 @@ static void test_prefix_cache(void) {
     if (d) closedir(d);
     CHECK(damaged >= 5);
     snprintf(args, sizeof args, "--parallel 2 --prefix-cache %s --prefix-cache-ram 0 --prefix-cache-size 2M", dir);
-    if (!server_start(&s, args)) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, args)) return;
     chat_body(body, sizeof body, users[0], NULL);
     r = request(s.port, "POST", "/v1/chat/completions", body, NULL);
     CHECK(cached_of(&r, &p, want, sizeof want) == 0 && !strcmp(want, text[0]));
@@ -734,17 +716,17 @@ static void test_prefix_cache(void) {
 }
 
 /* the client tests' packages (test/clients/package-lock.json) installed through npm when they are
- * missing; 0 with a message when node or npm is not there */
+ * missing; 0 with a failed check when node or npm is not there */
 static int clients_ready(void) {
     char out[4096];
     if (run_cmd("node --version 2>&1", out, sizeof out) != 0 || run_cmd("npm --version 2>&1", out, sizeof out) != 0) {
-        fprintf(stderr, "  node and npm are needed for this test (apt-get install nodejs npm)\n");
+        CHECKF(0, "node and npm are needed for this test (apt-get install nodejs npm)");
         return 0;
     }
     struct stat sb;
     if (stat("test/clients/node_modules/openai/package.json", &sb) || stat("test/clients/node_modules/puppeteer-core/package.json", &sb)) {
         if (run_cmd("npm ci --prefix test/clients --no-audit --no-fund 2>&1", out, sizeof out) != 0) {
-            fprintf(stderr, "  npm ci --prefix test/clients failed:\n%s\n", out);
+            CHECKF(0, "npm ci --prefix test/clients failed:\n%s", out);
             return 0;
         }
     }
@@ -754,15 +736,9 @@ static int clients_ready(void) {
 /* the official openai package as the client: models, chat whole and streamed, tools,
  * completions, and its error classes for 401 and 400 */
 static void test_openai_client(void) {
-    if (!clients_ready()) {
-        CHECK(0);
-        return;
-    }
+    if (!clients_ready()) return;
     server_proc s;
-    if (!server_start(&s, "--api-key sekrit --parallel 2")) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, "--api-key sekrit --parallel 2")) return;
     char cmd[600], out[16384];
     snprintf(cmd, sizeof cmd, "node test/clients/openai-client.mjs http://127.0.0.1:%d sekrit kimi-k3-tiny 2>&1", s.port);
     const int rc = run_cmd(cmd, out, sizeof out);
@@ -775,19 +751,12 @@ static void test_openai_client(void) {
 static void test_chat_page(void) {
     const char *chromium = getenv("CHROMIUM") ? getenv("CHROMIUM") : "/usr/bin/chromium";
     if (access(chromium, X_OK)) {
-        fprintf(stderr, "  %s: not found (apt-get install chromium, or set CHROMIUM)\n", chromium);
-        CHECK(0);
+        CHECKF(0, "%s: not found (apt-get install chromium, or set CHROMIUM)", chromium);
         return;
     }
-    if (!clients_ready()) {
-        CHECK(0);
-        return;
-    }
+    if (!clients_ready()) return;
     server_proc s;
-    if (!server_start(&s, "--parallel 2 -c 16384")) {
-        CHECK(0);
-        return;
-    }
+    if (!server_start(&s, "--parallel 2 -c 16384")) return;
     char dir[600], shot[700], cmd[2000], out[16384];
     snprintf(dir, sizeof dir, "%s/test-logs", exe_dir);
     mkdir(dir, 0755);
@@ -804,13 +773,8 @@ static void test_chat_page(void) {
         fclose(f);
     }
     CHECKF(!stat(shot, &sb) && sb.st_size > 5000 && !memcmp(png, "\x89PNG", 4), "%s", shot);
-    response r = request(s.port, "GET", "/metrics", NULL, NULL); /* the stopped reply's sequence is freed */
-    for (int tries = 0; tries < 50 && metric(r.body, "moe_requests_running") != 0; tries++) {
-        response_free(&r);
-        struct timespec ts = {0, 100 * 1000000};
-        nanosleep(&ts, NULL);
-        r = request(s.port, "GET", "/metrics", NULL, NULL);
-    }
+    CHECK(wait_metric(s.port, "moe_requests_running", 0)); /* the stopped reply's sequence is freed */
+    response r = request(s.port, "GET", "/metrics", NULL, NULL);
     CHECKF(metric(r.body, "moe_requests_running") == 0 && metric(r.body, "moe_requests_total{endpoint=\"page\"}") == 1, "%s", r.body);
     response_free(&r);
     CHECK(server_stop(&s));
