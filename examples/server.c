@@ -105,12 +105,11 @@ struct job {
     uint64_t serial; /* this job's number: a freed job's address may be a new job's */
     char id[48];
     long created;
-    double t_queued;
     /* the model thread's */
-    int started, finished, gen_total, cached;
+    int started;  /* its stream's head is written (an error then goes as an event) */
+    int finished, gen_total, cached; /* choices done, their tokens, prompt tokens not computed */
     int failed;
     buf *choices; /* non-streaming: each finished choice's JSON */
-    double t_first, t_last;
 };
 
 /* ---- what both threads see ---- */
@@ -383,7 +382,6 @@ static int start_job(job *j) {
         if (lead < 0) lead = i;
         moe_session_reset(sl->s);
     }
-    j->started = 0; /* set when its first bytes are written */
     return 1;
 }
 
@@ -542,9 +540,6 @@ static void advance(void) {
             continue;
         }
         gen++;
-        const double t = now();
-        if (!j->t_first) j->t_first = t;
-        j->t_last = t;
         oai_choice *c = &sl->c;
         char *calls = c->finish ? oai_tool_calls(c, server.tok) : NULL;
         if (j->q.stream) {
@@ -781,7 +776,6 @@ static int completion(conn *c, const http_request *rq, int chat) {
     }
     j->keep_alive = ka;
     j->created = (long)time(NULL);
-    j->t_queued = now();
     snprintf(j->id, sizeof j->id, "%s-%016llx", chat ? "chatcmpl" : "cmpl", (unsigned long long)next_seed());
     pthread_mutex_lock(&server.mu);
     if (server.queued >= server.o.queue) {
