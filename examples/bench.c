@@ -309,16 +309,41 @@ static void add_stats(moe_step_stats *a, const moe_step_stats *b) {
     a->expert_bytes += b->expert_bytes, a->dense_reads += b->dense_reads;
 }
 
-static void stream_line(const char *mode, int seqs, const run_stats *r, double disk_gbps, int threads) {
+/* a / b as a JSON number, or null where b is 0 (nothing read: no I/O floor) */
+static void json_ratio(char out[32], double a, double b) {
+    if (b > 0) snprintf(out, 32, "%.3f", a / b);
+    else snprintf(out, 32, "null");
+}
+
+/* A run's two floors per token: the I/O floor (bytes read from storage over the disk's parallel
+ * read rate) and the memory floor (the weight bytes its compute reads, each step's dense matrices
+ * in their loaded format plus the routed experts it computes, over the memory read rate): a token
+ * takes at least the larger. Both rates are measured beside the run. */
+static void stream_line(const char *mode, int seqs, const run_stats *r, int steps, double disk_gbps, double mem_gbps, double dense_bytes, int threads) {
     const double tok = r->tokens, hr = (double)r->sum.cache_hits / (double)(r->sum.cache_hits + r->sum.cache_misses + 1e-9);
-    const double bpt = r->sum.bytes_read / tok, floor = bpt / (disk_gbps * 1e9);
+    const double bpt = r->sum.bytes_read / tok, io_floor = bpt / (disk_gbps * 1e9);
+    const double mem_bpt = (dense_bytes * steps + (double)r->sum.expert_bytes) / tok;
+    const double mem_floor = mem_gbps > 0 ? mem_bpt / (mem_gbps * 1e9) : 0, floor = io_floor > mem_floor ? io_floor : mem_floor;
+    char over_io[32], over[32];
+    json_ratio(over_io, r->seconds / tok, io_floor), json_ratio(over, r->seconds / tok, floor);
     printf("{\"mode\": \"%s\", \"sequences\": %d, \"tokens\": %d, \"s_per_token\": %.4f, \"tok_s\": %.3f, \"bytes_read_per_token\": %.0f, "
-           "\"hit_rate\": %.4f, \"disk_read_gbps\": %.3f, \"io_floor_s_per_token\": %.4f, \"stall_frac\": %.3f, \"prefetch_recall\": %.3f, "
-           "\"expert_loads_per_step\": %.1f, \"dense_layer_reads_per_step\": %.2f}\n",
-           mode, seqs, r->tokens, r->seconds / tok, tok / r->seconds, bpt, hr, disk_gbps, floor, r->sum.io_seconds / (r->seconds * threads),
+           "\"hit_rate\": %.4f, \"disk_read_gbps\": %.3f, \"io_floor_s_per_token\": %.4f, \"weight_bytes_per_token\": %.0f, "
+           "\"membw_read_gbps\": %.2f, \"mem_floor_s_per_token\": %.4f, \"over_io_floor\": %s, \"over_floor\": %s, \"stall_frac\": %.3f, "
+           "\"prefetch_recall\": %.3f, \"expert_loads_per_step\": %.1f, \"dense_layer_reads_per_step\": %.2f}\n",
+           mode, seqs, r->tokens, r->seconds / tok, tok / r->seconds, bpt, hr, disk_gbps, io_floor, mem_bpt, mem_gbps, mem_floor,
+           over_io, over, r->sum.io_seconds / (r->seconds * threads),
            r->sum.prefetch_routed ? (double)r->sum.prefetch_predicted / r->sum.prefetch_routed : 0.0,
            (double)r->sum.expert_loads * seqs / tok, (double)r->sum.dense_reads * seqs / tok);
     fflush(stdout);
+}
+
+/* The memory read rate drifts as the disk's does: probed again right after a run, and the
+ * run's memory floor takes the better of that and the probe before it (*last, then updated) */
+static double membw_again(const bw_buffer *b, int threads, double *last) {
+    const double now_gbps = membw(b, threads, 4), best = now_gbps > *last ? now_gbps : *last;
+    fprintf(stderr, "moe-bench: memory read after the run: %.1f GB/s (the floor takes %.1f)\n", now_gbps, best);
+    *last = now_gbps;
+    return best;
 }
 
 /* this process's resident memory, as /proc/self/status reports it (Linux; silent elsewhere) */
@@ -389,6 +414,10 @@ static int stream_bench(const char *model, int argc, char **argv) {
     /* the model is opened first (headers, dense weights) to size the random reads as its expert
      * reads are: a whole expert where its tensors are adjacent (K3's layout), a third of one in a
      * GGUF (merged expert tensors: w1, w2 and w3 rows apart) */
+    /* the memory read rate, on a buffer held for the whole run: 128 MiB, four times a Zen 4 CCD's L3 (a smaller one read faster than memory),
+     * inside the memory the plan leaves beside the model (plan_choose's reserve, 256 MiB and more) */
+    bw_buffer probe;
+    if (bw_buffer_new(&probe, (size_t)128 << 20)) { fprintf(stderr, "moe-bench: no memory for the bandwidth probe\n"); return 1; }
     char err[512];
     moe_model *m = NULL;
     double t0 = now();
@@ -396,6 +425,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
     if (st) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
     const double open_s = now() - t0;
     use_plan("moe-bench", m, &o);
+    double mem_gbps = membw(&probe, o.n_threads, 4);
     const moe_config *c = moe_model_config(m);
     const moe_model_info mi = moe_model_get_info(m);
     int n_moe = 0;
@@ -438,7 +468,9 @@ static int stream_bench(const char *model, int argc, char **argv) {
         double t = now();
         if ((st = moe_step(m, q, 1, &s1, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
         r.seconds = now() - t, r.tokens = n_prefill, r.sum = s1;
-        stream_line("prefill", 1, &r, disk_again(biggest, bsize, block, &par_gbps), o.n_threads);
+        const int chunks = (n_prefill + mi.n_batch - 1) / mi.n_batch;
+        stream_line("prefill", 1, &r, chunks, disk_again(biggest, bsize, block, &par_gbps), membw_again(&probe, o.n_threads, &mem_gbps),
+                    (double)mi.dense_bytes_per_token, o.n_threads);
         fprintf(stderr, "moe-bench: prefill %d tokens: %llu distinct experts routed, %llu read (%.2f GB)\n", n_prefill,
                 (unsigned long long)s1.expert_loads, (unsigned long long)s1.cache_misses, s1.bytes_read / 1e9);
         print_rss("after prefill");
@@ -461,10 +493,11 @@ static int stream_bench(const char *model, int argc, char **argv) {
             if (k) add_stats(&r.sum, &s1);
         }
         r.seconds = now() - t, r.tokens = n_decode * S;
-        stream_line("decode", S, &r, disk_again(biggest, bsize, block, &par_gbps), o.n_threads);
+        stream_line("decode", S, &r, n_decode, disk_again(biggest, bsize, block, &par_gbps), membw_again(&probe, o.n_threads, &mem_gbps),
+                    (double)mi.dense_bytes_per_token, o.n_threads);
     }
     for (int i = 0; i < maxs; i++) moe_session_free(ss[i]);
-    free(ss), free(q), free(logits), free(ids), free(next);
+    free(ss), free(q), free(logits), free(ids), free(next), free(probe.a);
     moe_model_close(m);
     return 0;
 }
