@@ -4256,7 +4256,14 @@ static void rows_times(const moe_model *m, const moe__weight *W, int64_t row0, i
         for (int64_t i = 0; i < n; i++) y[i] = scale * m->k.dotq_mxfp4(base + (row0 + i) * rb, W->scale + (row0 + i) * sb, xq, K);
         return;
     }
-    for (int64_t i = 0; i < n; i++)
+    int64_t i = 0;
+    if (m->k.dot4[W->type]) /* four rows a pass over x (MXFP4), each as dot would give it */
+        for (; i + 4 <= n; i += 4) {
+            float o[4];
+            m->k.dot4[W->type](base + (row0 + i) * rb, rb, W->scale ? W->scale + (row0 + i) * sb : NULL, x, K, o);
+            for (int r = 0; r < 4; r++) y[i + r] = scale * o[r];
+        }
+    for (; i < n; i++)
         y[i] = scale * m->k.dot[W->type](base + (row0 + i) * rb, W->scale ? W->scale + (row0 + i) * sb : NULL, x, K);
 }
 

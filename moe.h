@@ -672,6 +672,9 @@ typedef void (*moe__dotq8_fn)(const void *w, const moe__block_q8a *x, int64_t n,
 
 typedef struct {
     moe__dot_fn dot[MOE_T_COUNT];   /* weight row . f32 vector, per float weight type */
+    /* four weight rows (rb bytes apart; MXFP4's scales n / 32 bytes apart) . one f32 row ->
+     * out[4], each bit for bit the level's dot (MXFP4 in both layouts; NULL where a level has none) */
+    void (*dot4[MOE_T_COUNT])(const void *w, int64_t rb, const uint8_t *scale, const float *x, int64_t n, float *out);
     moe__gemm_fn gemm[MOE_T_COUNT]; /* F32 and BF16 weights times a batch of rows (moe__gemm_ref) */
     moe__dotq_fn dotq[MOE_T_COUNT]; /* weight row . q8a row, per integer weight type (and MXFP4_GGML) */
     /* one weight row . 4 q8a rows (x + t * xs blocks) -> out[t], each bit for bit the level's

@@ -175,11 +175,17 @@ const float moe__e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.
 /* 2 x E2M1 as int8 (exact: |v| <= 12), the integer kernels' decoding */
 static const int8_t e2m1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-/* E8M0 scale byte -> 2^(s-127), built from bits (exact); 255 is NaN in the MX spec. */
+/* E8M0 scale byte -> 2^(s-127), built from bits (exact); 255 is NaN in the MX spec. The bits of
+ * all 256 in a table, for kernels that load a block's scale rather than compute it. */
+#define E8M0_BITS(s) ((s) == 0 ? 0x00400000u : (s) == 255 ? 0x7fc00000u : (uint32_t)(s) << 23)
+#define E8M0_BITS4(s) E8M0_BITS(s), E8M0_BITS((s) + 1), E8M0_BITS((s) + 2), E8M0_BITS((s) + 3)
+#define E8M0_BITS16(s) E8M0_BITS4(s), E8M0_BITS4((s) + 4), E8M0_BITS4((s) + 8), E8M0_BITS4((s) + 12)
+#define E8M0_BITS64(s) E8M0_BITS16(s), E8M0_BITS16((s) + 16), E8M0_BITS16((s) + 32), E8M0_BITS16((s) + 48)
+static const uint32_t e8m0_bits[256] = {E8M0_BITS64(0), E8M0_BITS64(64), E8M0_BITS64(128), E8M0_BITS64(192)};
+
 static inline float e8m0(uint8_t s) {
-    uint32_t u = s == 0 ? 0x00400000u : s == 255 ? 0x7fc00000u : (uint32_t)s << 23;
     float f;
-    memcpy(&f, &u, 4);
+    memcpy(&f, &e8m0_bits[s], 4);
     return f;
 }
 
@@ -4701,35 +4707,93 @@ GEMM_AVX512(gemm_bf16_avx512, uint16_t, LW_BF16, LWM_BF16)
 
 #undef GEMM_TILE_STEP
 
-/* MXFP4, both layouts: the 2*E2M1 codes of a block as 32 int8 (column order), widened 16 at a
- * time; the block sum is scaled by 2^(s-127)/2 */
-MOE_TARGET(MOE_AVX512) static inline __m512 mxfp4_block_avx512(__m128i c0, __m128i c1, const float *xb, __m512 acc, float scale) {
-    __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c0)), _mm512_loadu_ps(xb));
-    s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c1)), _mm512_loadu_ps(xb + 16), s);
-    return _mm512_fmadd_ps(s, _mm512_set1_ps(scale), acc);
+/* MXFP4 times float activations, both layouts, 1 or 4 rows a pass. A block's 16 code bytes are
+ * widened to 16 lanes; one 16-entry table lookup (vpermps reads an index's low 4 bits) gives the
+ * E2M1 values of the low nibbles, a second after a shift those of the high nibbles. The
+ * activations they meet: compressed-tensors packs columns 2j and 2j + 1 in byte j, so the
+ * block's 32 activations are split into even and odd columns once for every row of the pass;
+ * ggml packs columns j and j + 16, the block's two halves as they are. A row's block sum
+ * (low . first + high . second) is scaled by the block's power of two into its accumulator:
+ * the 4-row kernels give each row's dot bit for bit (the same operations per row). */
+typedef struct {
+    const uint8_t *codes, *scales; /* row r's block b: codes + r rs + b cs (16 bytes), its scale scales + r rss + b ss */
+    int64_t rs, cs, rss, ss;
+    int even_odd; /* compressed-tensors: columns 2j, 2j + 1 in byte j */
+} mxfp4_rows;
+
+MOE_TARGET(MOE_AVX512) static inline __m512 mxfp4_row_block_avx512(const mxfp4_rows *w, int r, int64_t b, __m512 lut, __m512 xa, __m512 xb,
+                                                                 __m512 acc) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->codes + r * w->rs + b * w->cs)));
+    __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(c, lut), xa);
+    s = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), lut), xb, s);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_set1_epi32((int)e8m0_bits[w->scales[r * w->rss + b * w->ss]]));
+    return _mm512_fmadd_ps(s, scale, acc);
+}
+
+/* block b's activations as the low (*xa) and high (*xb) nibbles meet them */
+MOE_TARGET(MOE_AVX512) static inline void mxfp4_block_x_avx512(const mxfp4_rows *w, const float *x, int64_t b, __m512 *xa, __m512 *xb) {
+    const __m512 x0 = _mm512_loadu_ps(x + b * 32), x1 = _mm512_loadu_ps(x + b * 32 + 16);
+    if (!w->even_odd) {
+        *xa = x0, *xb = x1;
+        return;
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    *xa = _mm512_permutex2var_ps(x0, even, x1);
+    *xb = _mm512_permutex2var_ps(x0, _mm512_add_epi32(even, _mm512_set1_epi32(1)), x1);
+}
+
+/* rows 0 .. nr-1 (1 or 4) of w . x -> out[r] */
+MOE_TARGET(MOE_AVX512) static inline void mxfp4_rows_avx512(const mxfp4_rows *w, int nr, const float *x, int64_t n, float *out) {
+    const __m512 lut = _mm512_loadu_ps(moe__e2m1);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t b = 0; b < n / 32; b++) {
+        __m512 xa, xb;
+        mxfp4_block_x_avx512(w, x, b, &xa, &xb);
+        if (nr == 4) {
+            acc[0] = mxfp4_row_block_avx512(w, 0, b, lut, xa, xb, acc[0]);
+            acc[1] = mxfp4_row_block_avx512(w, 1, b, lut, xa, xb, acc[1]);
+            acc[2] = mxfp4_row_block_avx512(w, 2, b, lut, xa, xb, acc[2]);
+            acc[3] = mxfp4_row_block_avx512(w, 3, b, lut, xa, xb, acc[3]);
+        } else
+            acc[0] = mxfp4_row_block_avx512(w, 0, b, lut, xa, xb, acc[0]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+/* the layouts' rows: compressed-tensors rows of rb code bytes, scales n / 32 bytes a row apart;
+ * ggml rows of rb bytes of 17-byte blocks (scale, then 16 code bytes) */
+static mxfp4_rows mxfp4_ct_rows(const void *w, int64_t rb, const uint8_t *sc, int64_t n) {
+    return (mxfp4_rows){.codes = w, .scales = sc, .rs = rb, .cs = 16, .rss = n / 32, .ss = 1, .even_odd = 1};
+}
+static mxfp4_rows mxfp4_ggml_rows(const void *w, int64_t rb) {
+    const uint8_t *p = w;
+    return (mxfp4_rows){.codes = p + 1, .scales = p, .rs = rb, .cs = 17, .rss = rb, .ss = 17, .even_odd = 0};
 }
 
 MOE_TARGET(MOE_AVX512) static float dot_mxfp4_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
-    const uint8_t *p = w;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t b = 0; b < n / 32; b++) {
-        __m128i lo, hi;
-        mxfp4_decode16(_mm_loadu_si128((const __m128i *)(p + b * 16)), &lo, &hi);
-        acc = mxfp4_block_avx512(_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi), x + b * 32, acc, 0.5f * e8m0(sc[b]));
-    }
-    return _mm512_reduce_add_ps(acc);
+    const mxfp4_rows r = mxfp4_ct_rows(w, 0, sc, n);
+    float out;
+    mxfp4_rows_avx512(&r, 1, x, n, &out);
+    return out;
 }
 
 MOE_TARGET(MOE_AVX512) static float dot_mxfp4g_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
     (void)sc;
-    const moe__block_mxfp4 *b = w;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n / 32; i++) {
-        __m128i lo, hi;
-        mxfp4_decode16(_mm_loadu_si128((const __m128i *)b[i].qs), &lo, &hi);
-        acc = mxfp4_block_avx512(lo, hi, x + i * 32, acc, 0.5f * e8m0(b[i].e));
-    }
-    return _mm512_reduce_add_ps(acc);
+    const mxfp4_rows r = mxfp4_ggml_rows(w, 0);
+    float out;
+    mxfp4_rows_avx512(&r, 1, x, n, &out);
+    return out;
+}
+
+MOE_TARGET(MOE_AVX512) static void dot4_mxfp4_avx512(const void *w, int64_t rb, const uint8_t *sc, const float *x, int64_t n, float *out) {
+    const mxfp4_rows r = mxfp4_ct_rows(w, rb, sc, n);
+    mxfp4_rows_avx512(&r, 4, x, n, out);
+}
+
+MOE_TARGET(MOE_AVX512) static void dot4_mxfp4g_avx512(const void *w, int64_t rb, const uint8_t *sc, const float *x, int64_t n, float *out) {
+    (void)sc;
+    const mxfp4_rows r = mxfp4_ggml_rows(w, rb);
+    mxfp4_rows_avx512(&r, 4, x, n, out);
 }
 
 MOE_TARGET(MOE_AVX512) static float dot_f16_avx512(const void *w, const uint8_t *sc, const float *x, int64_t n) {
@@ -7056,6 +7120,7 @@ static const moe__kernels level_avx512 = {
             [MOE_T_MXFP4_GGML] = dot_mxfp4g_avx512,
             [MOE_T_F16] = dot_f16_avx512,
         },
+    .dot4 = {[MOE_T_MXFP4] = dot4_mxfp4_avx512, [MOE_T_MXFP4_GGML] = dot4_mxfp4g_avx512},
     .gemm = {[MOE_T_F32] = gemm_f32_avx512, [MOE_T_BF16] = gemm_bf16_avx512},
     .quant_q8a = quant_q8a_avx512,
     .axpy = axpy_avx512,
@@ -7263,6 +7328,7 @@ static void overlay(moe__kernels *k, const moe__kernels *o) {
 #define OVERLAY_TYPES(f) \
     for (int t = 0; t < MOE_T_COUNT; t++) OVERLAY(f[t])
     OVERLAY_TYPES(dot);
+    OVERLAY_TYPES(dot4);
     OVERLAY_TYPES(gemm);
     OVERLAY_TYPES(dotq);
     OVERLAY_TYPES(dotq4);
@@ -7292,8 +7358,8 @@ static void overlay(moe__kernels *k, const moe__kernels *o) {
 #undef OVERLAY_TYPES
 #undef OVERLAY
 }
-/* a field added to moe__kernels needs its line in overlay: 9 per-type arrays, then 17 pointers */
-_Static_assert(offsetof(moe__kernels, dot8) == (9 * MOE_T_COUNT + 17) * sizeof(void *), "overlay() lists every field of moe__kernels");
+/* a field added to moe__kernels needs its line in overlay: 10 per-type arrays, then 17 pointers */
+_Static_assert(offsetof(moe__kernels, dot8) == (10 * MOE_T_COUNT + 17) * sizeof(void *), "overlay() lists every field of moe__kernels");
 
 void moe__x8_prefetch(moe__kernels *k, int mode) {
 #ifdef MOE_X86

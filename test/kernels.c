@@ -228,6 +228,41 @@ static void test_dot_levels(void) {
         }
 }
 
+/* Four MXFP4 rows a pass (dot4, both layouts) give each row's dot bit for bit, at every level
+ * that has them: rows of random codes with scales over the whole E8M0 range, the zero scale
+ * (2^-127, subnormal) and NaN's (255) among them, lengths of 1 to 230 blocks */
+static int same_bits(float a, float b) { return !memcmp(&a, &b, sizeof a); }
+
+static void test_dot4_levels(void) {
+    moe__kernels lv[MOE_KERNEL_LEVELS_MAX];
+    const int nl = moe__kernel_levels(lv, MOE_KERNEL_LEVELS_MAX), lens[] = {32, 64, 96, 2048, 7168, 7360};
+    for (int li = 0; li < nl; li++) /* a level without dot4 (scalar, NEON) has nothing to compare */
+        for (int a = 0; a < (int)(sizeof lens / sizeof *lens); a++)
+            for (int mode = 0; mode < 3; mode++) {
+                const int n = lens[a], nb = n / 32;
+                const int64_t rb = (int64_t)nb * 17; /* room for either layout's row */
+                float *x = malloc(sizeof(float) * (size_t)n);
+                uint8_t *w = malloc((size_t)rb * 4), *sc = malloc((size_t)nb * 4);
+                for (int i = 0; i < n; i++) x[i] = nrand();
+                for (int64_t i = 0; i < rb * 4; i++) w[i] = (uint8_t)(urand() * 256);
+                for (int i = 0; i < nb * 4; i++) /* mode 0: typical scales, 1: any byte, 2: any but NaN's */
+                    sc[i] = (uint8_t)(mode == 0 ? 110 + urand() * 20 : mode == 1 ? urand() * 256 : urand() * 255);
+                if (mode == 2) sc[0] = 0, sc[nb * 4 - 1] = 0;
+                for (int t = 0; t < 2; t++) {
+                    const int type = t ? MOE_T_MXFP4_GGML : MOE_T_MXFP4;
+                    if (!lv[li].dot4[type]) continue;
+                    float o[4];
+                    lv[li].dot4[type](w, t ? rb : nb * 16, t ? NULL : sc, x, n, o);
+                    for (int r = 0; r < 4; r++) {
+                        const float d = lv[li].dot[type](t ? w + r * rb : w + r * nb * 16, t ? NULL : sc + r * nb, x, n);
+                        CHECKF(same_bits(d, o[r]), "%s %s n %d mode %d row %d: dot4 %g, dot %g", lv[li].isa, t ? "mxfp4 ggml" : "mxfp4", n, mode,
+                               r, o[r], d);
+                    }
+                }
+                free(x), free(w), free(sc);
+            }
+}
+
 /* The elementwise functions (sigmoid, silu, softplus, softmax exponentials) of every SIMD level
  * against libm's: random values over the whole range, the thresholds, inf, NaN, results that
  * underflow to subnormals and to 0, ragged lengths (tails) */
@@ -1578,6 +1613,7 @@ const test_case kernels_tests[] = {
     {"kernels.mxfp4_golden_dequant", test_mxfp4_golden_dequant, "MXFP4 decode matches the golden k3mx case's dequantized weights", 0},
     {"kernels.mxfp4_int8", test_mxfp4_int8_kernels, "MXFP4 times int8 activations: exact reference, every level bit for bit", 0},
     {"kernels.dot_levels", test_dot_levels, "float dot kernels of every level against the scalar reference", 0},
+    {"kernels.dot4_levels", test_dot4_levels, "MXFP4 four rows a pass give each row's dot bit for bit, both layouts", 0},
     {"kernels.act_levels", test_act_levels, "activation kernels (sigmoid, silu, softplus, exp) of every level", 0},
     {"kernels.quant_blocks", test_quant_blocks, "Q8_0/Q4_0: ggml's rounding, round-trip bounds, every int8 kernel level", 0},
     {"kernels.kquant_blocks", test_kquant_blocks, "Q4_1 .. Q6_K and IQ4 formats: decode, quantize, every level and x8 layout", 0},
