@@ -3502,6 +3502,12 @@ static int cache_queue(const moe_model *m, int li, const unsigned char *want, in
     if (!k->n_io) { pthread_mutex_unlock(&k->lock); return 0; }
     if (demand) k->cur_layer = li;
     else k->next_layer = li;
+    if (demand) /* the layer's routing is known: guesses for it still queued are wrong ones */
+        for (int i = k->qn - 1; i >= 0; i--) {
+            const io_req *r = &k->queue[i];
+            const int rl = (int)(r->id / k->units), re = (int)(r->id % k->units);
+            if (!r->demand && rl == li && re < E && !want[re]) k->queue[i] = k->queue[--k->qn];
+        }
     for (int e = 0; e < E; e++)
         if (want[e]) queued += queue_push(m, k, li, e, demand);
     if (queued) pthread_cond_broadcast(&k->work);
