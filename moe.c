@@ -2745,6 +2745,7 @@ struct expert_cache {
     size_t spare_bytes[SPARE_MAX];
     int n_spare;
     int fail_after; /* fault injection: the n-th read from now fails (0: never) */
+    int io_hold;    /* tests: the I/O threads take nothing from the queue (moe__cache_hold) */
     size_t direct_min; /* units of at least this many bytes are read with O_DIRECT (DIRECT_MIN) */
     uint64_t bytes_read; /* by every thread since open */
     uint64_t kx8_count;  /* k-quant/IQ4_XS expert matrices interleaved as read, since open */
@@ -3365,6 +3366,25 @@ void moe__fail_expert_read(moe_model *m, int n) {
     pthread_mutex_unlock(&m->cache->lock);
 }
 
+void moe__cache_hold(moe_model *m, int hold) {
+    if (!m || !m->cache) return;
+    pthread_mutex_lock(&m->cache->lock);
+    m->cache->io_hold = hold;
+    pthread_cond_broadcast(&m->cache->work);
+    pthread_mutex_unlock(&m->cache->lock);
+}
+
+int moe__cache_queued(const moe_model *m, int *layer, int *unit, int *demand, int max) {
+    if (!m || !m->cache) return 0;
+    struct expert_cache *k = m->cache;
+    pthread_mutex_lock(&k->lock);
+    const int n = k->qn;
+    for (int i = 0; i < n && i < max; i++)
+        layer[i] = (int)(k->queue[i].id / k->units), unit[i] = (int)(k->queue[i].id % k->units), demand[i] = k->queue[i].demand;
+    pthread_mutex_unlock(&k->lock);
+    return n;
+}
+
 uint64_t moe__expert_kx8_count(const moe_model *m) {
     if (!m || !m->cache) return 0;
     pthread_mutex_lock(&m->cache->lock);
@@ -3410,7 +3430,7 @@ static void *cache_io_main(void *arg) {
     struct expert_cache *k = m->cache;
     pthread_mutex_lock(&k->lock);
     for (;;) {
-        while (!k->io_stop && !k->qn) pthread_cond_wait(&k->work, &k->lock);
+        while (!k->io_stop && (!k->qn || k->io_hold)) pthread_cond_wait(&k->work, &k->lock);
         if (k->io_stop) break;
         const io_req rq = cache_take(k);
         if (k->slot[rq.id]) continue;

@@ -837,6 +837,12 @@ size_t moe__data_blocks(int fd, long long size);
 /* Test hook (fault injection): the n-th expert load from now on fails as with EIO (n >= 1;
  * 0 disables). CACHE mode only. */
 void moe__fail_expert_read(moe_model *m, int n);
+/* Test hooks, CACHE mode: the I/O threads take nothing from their queue while held (a step then
+ * reads what it needs itself); the queued reads, up to max of them (layer, unit: an expert, or the
+ * layer's dense matrices as unit n_experts; demand: the layer computing asked for it, else a
+ * guess), and how many there are. */
+void moe__cache_hold(moe_model *m, int hold);
+int moe__cache_queued(const moe_model *m, int *layer, int *unit, int *demand, int max);
 /* CACHE mode: units of at least `bytes` are read with O_DIRECT where the file allows (tests: the
  * aligned piece-by-piece reads of small models) */
 void moe__set_direct_min(moe_model *m, size_t bytes);

@@ -119,6 +119,33 @@ static void test_cache_prefetch(void) {
     moe_model_close(m), moe_model_close(ref);
 }
 
+/* When a layer's routing is known, its read-ahead guesses still queued and not routed are dropped:
+ * with the I/O threads held (every step reads what it needs itself, guesses stay queued), nothing
+ * is left queued after each step, though every step queued guesses */
+static void test_cache_guesses_dropped(void) {
+    moe_model *m = open_cache_pf("seed", 40 * 12288, 2, 1);
+    if (!m) return;
+    moe__cache_hold(m, 1);
+    int n;
+    int32_t *ids = golden_ids("seed", 2, &n);
+    const int V = moe_model_config(m)->vocab_size;
+    float *logits = malloc(sizeof(float) * (size_t)V);
+    moe_session *s;
+    CHECK(moe_session_new(&s, m, n, NULL, 0) == MOE_OK);
+    for (int t = 0; t < n; t++) {
+        moe_seq q = {.s = s, .tokens = ids + t, .n = 1, .logits = logits};
+        moe_step_stats st;
+        CHECK(moe_step(m, &q, 1, &st, NULL, 0) == MOE_OK);
+        int layer[64], unit[64], demand[64];
+        const int queued = moe__cache_queued(m, layer, unit, demand, 64);
+        CHECKF(st.prefetch_issued > 0 && queued == 0, "token %d: %llu guesses queued, %d reads left queued (the first: layer %d unit %d demand %d)", t,
+               (unsigned long long)st.prefetch_issued, queued, queued ? layer[0] : -1, queued ? unit[0] : -1, queued ? demand[0] : -1);
+    }
+    moe_session_free(s);
+    free(logits), free(ids);
+    moe_model_close(m);
+}
+
 /* Dense matrices streamed through the cache (dense_budget): every layer, or the layers after
  * those that fit, read from disk each step give the mapping's logits in every golden case, with
  * or without I/O threads; a failed dense read is an error from the step and the model works on */
@@ -566,6 +593,7 @@ const test_case cache_tests[] = {
     {"cache.kquants", test_cache_kquants, "k-quant experts interleaved as the cache reads them: same logits", 0},
     {"cache.equivalence", test_cache_equivalence, "a two-expert budget gives the mapping's logits, within budget", 0},
     {"cache.prefetch", test_cache_prefetch, "read-ahead on the I/O threads: same logits, guesses counted", 0},
+    {"cache.guesses_dropped", test_cache_guesses_dropped, "a layer's wrong read-ahead guesses leave the queue once it is routed", 0},
     {"cache.concurrent_sessions", test_concurrent_sessions, "sessions stepping at once on one cached model", 0},
     {"cache.concurrent_teams", test_concurrent_teams, "several sessions' thread teams at once: each gives its own bits", 0},
     {"cache.direct_io", test_cache_direct_io, "large experts read with one aligned O_DIRECT read each", 0},
