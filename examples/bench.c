@@ -414,8 +414,9 @@ static int stream_bench(const char *model, int argc, char **argv) {
     /* the model is opened first (headers, dense weights) to size the random reads as its expert
      * reads are: a whole expert where its tensors are adjacent (K3's layout), a third of one in a
      * GGUF (merged expert tensors: w1, w2 and w3 rows apart) */
-    /* the memory read rate, on a buffer held for the whole run: 128 MiB, four times a Zen 4 CCD's L3 (a smaller one read faster than memory),
-     * inside the memory the plan leaves beside the model (plan_choose's reserve, 256 MiB and more) */
+    /* the memory read rate, on a buffer held for the whole run: 128 MiB, four times a Zen 4 CCD's
+     * L3 (a smaller one reads faster than memory), inside the memory the plan leaves beside the
+     * model (plan_choose's reserve, 256 MiB and more) */
     bw_buffer probe;
     if (bw_buffer_new(&probe, (size_t)128 << 20)) { fprintf(stderr, "moe-bench: no memory for the bandwidth probe\n"); return 1; }
     char err[512];
