@@ -19,7 +19,8 @@
  * expert-sized blocks at random offsets), then through the expert cache: decode of one sequence,
  * a prefill chunk, and lockstep decode of several sequences, each a JSON line with seconds per
  * token, bytes read per token, hit rate, the I/O floor (bytes read per token over the parallel
- * bandwidth), the fraction of thread time stalled on reads and the prefetch recall. */
+ * bandwidth), the memory floor (weight bytes computed per token over the memory read rate), the
+ * fraction of thread time stalled on reads and the prefetch recall. */
 #define _POSIX_C_SOURCE 200809L
 #define _ISOC11_SOURCE
 #define _GNU_SOURCE /* O_DIRECT (glibc declares it only then; other libcs ignore this) */
@@ -221,6 +222,12 @@ static int parse_list(const char *s, int *out, int max) {
 }
 
 
+/* the next state of a xorshift64 generator (13, 7, 17): token ids and read offsets */
+static uint64_t xorshift(uint64_t *s) {
+    *s ^= *s << 13, *s ^= *s >> 7, *s ^= *s << 17;
+    return *s;
+}
+
 /* ---- streaming benchmark ---- */
 
 typedef struct {
@@ -239,8 +246,7 @@ static void *disk_random(void *arg) {
     void *buf = NULL;
     if (fd < 0 || posix_memalign(&buf, 4096, j->block)) { j->err = errno ? errno : ENOMEM; if (fd >= 0) close(fd); return NULL; }
     for (int i = 0; i < j->reads; i++) {
-        j->seed ^= j->seed << 13, j->seed ^= j->seed >> 7, j->seed ^= j->seed << 17;
-        off_t off = (off_t)(j->seed % (uint64_t)(j->size - (off_t)j->block)) & ~(off_t)4095;
+        off_t off = (off_t)(xorshift(&j->seed) % (uint64_t)(j->size - (off_t)j->block)) & ~(off_t)4095;
         ssize_t r = pread(fd, buf, j->block, off);
         if (r <= 0) { j->err = r < 0 ? errno : EIO; break; }
         j->bytes += (uint64_t)r;
@@ -411,14 +417,14 @@ static int stream_bench(const char *model, int argc, char **argv) {
         if (!found) break;
     }
     if (!bsize) { fprintf(stderr, "moe-bench: %s: no model-NNNNN-of-NNNNN.safetensors shards\n", model); return 1; }
-    /* the model is opened first (headers, dense weights) to size the random reads as its expert
-     * reads are: a whole expert where its tensors are adjacent (K3's layout), a third of one in a
-     * GGUF (merged expert tensors: w1, w2 and w3 rows apart) */
     /* the memory read rate, on a buffer held for the whole run: 128 MiB, four times a Zen 4 CCD's
      * L3 (a smaller one reads faster than memory), inside the memory the plan leaves beside the
      * model (plan_choose's reserve, 256 MiB and more) */
     bw_buffer probe;
     if (bw_buffer_new(&probe, (size_t)128 << 20)) { fprintf(stderr, "moe-bench: no memory for the bandwidth probe\n"); return 1; }
+    /* the model is opened first (headers, dense weights) to size the random reads as its expert
+     * reads are: a whole expert where its tensors are adjacent (K3's layout), a third of one in a
+     * GGUF (merged expert tensors: w1, w2 and w3 rows apart) */
     char err[512];
     moe_model *m = NULL;
     double t0 = now();
@@ -455,8 +461,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
     if (!ss || !q || !logits || !ids || !next) { fprintf(stderr, "moe-bench: out of memory\n"); return 1; }
     uint64_t rng = 777;
     for (int i = 0; i < (n_prefill + 8) * maxs; i++) {
-        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-        ids[i] = (int32_t)(rng % (uint64_t)c->vocab_size);
+        ids[i] = (int32_t)(xorshift(&rng) % (uint64_t)c->vocab_size);
     }
     for (int i = 0; i < maxs; i++)
         if ((st = moe_session_new(&ss[i], m, ctx, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
@@ -492,8 +497,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
                  * in turn route the same experts every 4 steps and flatter the cache: on the K3
                  * slice at an 8 GB cap 0.69 of the experts hit over 32 tokens so, against
                  * 0.35-0.38 in moe-cli's greedy decoding of it) */
-                drng ^= drng << 13, drng ^= drng >> 7, drng ^= drng << 17;
-                next[i] = (int32_t)(drng % (uint64_t)c->vocab_size);
+                next[i] = (int32_t)(xorshift(&drng) % (uint64_t)c->vocab_size);
                 q[i] = (moe_seq){.s = ss[i], .tokens = &next[i], .n = 1, .logits = logits + (size_t)i * c->vocab_size};
             }
             if ((st = moe_step(m, q, S, &s1, err, sizeof err))) { fprintf(stderr, "moe-bench: %s\n", err); return 1; }
@@ -661,8 +665,7 @@ static int bench_model(const options *o, const char *path, int t, const moe__ker
     b.logits = malloc(sizeof(float) * (size_t)c->vocab_size);
     uint64_t rng = 12345;
     for (int i = 0; b.ids && i < ctx; i++) {
-        rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-        b.ids[i] = (int32_t)(rng % (uint64_t)c->vocab_size);
+        b.ids[i] = (int32_t)(xorshift(&rng) % (uint64_t)c->vocab_size);
     }
     int rc = !b.ids || !b.logits ? fprintf(stderr, "moe-bench: out of memory\n") > 0 : 0;
     if (!rc && moe_session_new(&b.s, b.m, ctx, b.err, sizeof b.err)) rc = fprintf(stderr, "moe-bench: %s\n", b.err) > 0;
