@@ -5529,10 +5529,17 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     if (by_expert && !eb) { st = MOE_ERR_NOMEM; goto done; }
     (void)nt;
     const int rows_split = by_expert && !m->cache;
-    /* the shared experts' output, computed with the routed experts' products on that path */
+    /* the shared experts' output: with the routed experts' products on the rows_split path, else
+     * first, while the I/O threads (CACHE mode) or the kernel's read-ahead (expert_advise) bring
+     * the routed experts in; added after them either way (step 6) */
     float *sh = c->n_shared ? malloc(sizeof(float) * (size_t)n * d) : NULL;
     if (c->n_shared && !sh) { st = MOE_ERR_NOMEM; goto done; }
     if (rows_split) st = experts_by_rows(m, L, cnt, rows, xe, n, de, Ie, eb, x, sh);
+    else if (c->n_shared) st = ffn_forward(m, &L->gate, &L->up, &L->down, x, n, sh);
+    if (st) {
+        free(sh);
+        goto done;
+    }
     /* On the rows_split path this loop does nothing, yet on a Zen 4 VM taking it out
      * of that path (no OpenMP region there) made decode tokens 25-28% slower in-process: about
      * 230 us a MoE layer passed before the next loop's first instruction, with no CPU samples
@@ -5598,11 +5605,8 @@ static moe_status moe_ffn_forward(const moe_model *m, const layer *L, int li, co
     } else if (!st) {
         memcpy(out, ye, sizeof(float) * (size_t)n * d);
     }
-    /* 6. shared experts on the full-width input */
-    if (c->n_shared && !st) {
-        if (!rows_split) st = ffn_forward(m, &L->gate, &L->up, &L->down, x, n, sh);
-        if (!st) m->k.axpy(out, 1.0f, sh, (int64_t)n * d);
-    }
+    /* 6. shared experts on the full-width input (computed above) */
+    if (c->n_shared && !st) m->k.axpy(out, 1.0f, sh, (int64_t)n * d);
     free(sh);
 done:
     if (st && queued) cache_unqueue(m, li, ids, nk);
