@@ -1834,6 +1834,32 @@ static int converted_type(const moe__weight *w, int to);
 static moe_status convert_weights(moe_model *m, char *err, size_t errlen);
 static moe_status repack_weights(moe_model *m);
 
+/* which part of a layer matrix f (a dense_fields offset) is in a decoded token's order: the mixer
+ * (LAYER_MIXER), the FFN before the routed experts' outputs are in (LAYER_FFN: the dense or
+ * shared experts' gate, up and down, the latent down-projection), or after (LAYER_LAT_UP) */
+enum { LAYER_MIXER, LAYER_FFN, LAYER_LAT_UP };
+static int layer_part(size_t f) {
+    if (f == offsetof(layer, lat_up)) return LAYER_LAT_UP;
+    return f == offsetof(layer, gate) || f == offsetof(layer, up) || f == offsetof(layer, down) || f == offsetof(layer, lat_down)
+               ? LAYER_FFN
+               : LAYER_MIXER;
+}
+
+/* the bytes a decoded token reads of part of layer L's matrices were its dense matrices converted
+ * to to (count_dense_bytes) */
+static uint64_t layer_bytes_as(const layer *L, int part, int to) {
+    uint64_t b = 0;
+    for (size_t k = 0; k < N_DENSE_FIELDS; k++) {
+        const size_t f = dense_fields[k];
+        const moe__weight *w = (const moe__weight *)(const void *)((const char *)L + f);
+        if (layer_part(f) != part || !w->data) continue;
+        b += (uint64_t)w->rows * (uint64_t)moe__row_bytes(f == offsetof(layer, kv_b) ? w->type : converted_type(w, to), w->cols);
+    }
+    if (part == LAYER_MIXER && L->k_b.data) /* decode reads these in place of kv_b (absorbed MLA) */
+        b += weight_bytes(&L->k_b) + weight_bytes(&L->v_b) - weight_bytes(&L->kv_b);
+    return b;
+}
+
 static void count_dense_bytes(moe_model *m) {
     static const char *names[MOE_T_COUNT] = {"f32", "f16", "bf16", "mxfp4", "mxfp4", "q8_0", "q4_0", "u8", "i32", "q8_0", "q4_0", "mxfp4",
                                              "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q4_k", "q5_k",
@@ -1854,25 +1880,31 @@ static void count_dense_bytes(moe_model *m) {
     m->info.weight_type = names[best];
     /* what a decoded token reads of them for each dense_type, as convert_weights converts: the
      * LM head (Q8_0 under Q4_0) and the layers' matrices but kv_b; the router, one embedding row,
-     * kv_b and the absorbed k_b/v_b as they are */
+     * kv_b and the absorbed k_b/v_b as they are. Of those, the serial part: the layers before the
+     * first MoE layer and that layer's mixer and router (the token's routing is not known before
+     * them), the last MoE layer's latent up-projection, the layers after it and the LM head (the
+     * token's experts are all in by then): no expert read of the token can overlap them. */
+    const int used = m->opt.dense_type >= MOE_WTYPE_ASIS && m->opt.dense_type <= MOE_WTYPE_Q4_0 ? m->opt.dense_type : 0;
+    int first = 0, last = m->cfg.n_layers - 1;
+    while (first < m->cfg.n_layers && !m->layer_moe[first]) first++;
+    while (last >= 0 && !m->layer_moe[last]) last--;
     for (int to = MOE_WTYPE_ASIS; to <= MOE_WTYPE_Q4_0; to++) {
         const int head_to = to == MOE_WTYPE_Q4_0 ? MOE_WTYPE_Q8_0 : to;
         uint64_t b = (uint64_t)m->lm_head.rows * (uint64_t)moe__row_bytes(converted_type(&m->lm_head, head_to), m->lm_head.cols) +
                      (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
+        uint64_t serial = b;
         for (int i = 0; i < m->cfg.n_layers; i++) {
-            layer *L = &m->layers[i];
-            b += weight_bytes(&L->router);
-            for (size_t k = 0; k < N_DENSE_FIELDS; k++) {
-                const moe__weight *w = layer_matrix(L, k);
-                const int t = dense_fields[k] == offsetof(layer, kv_b) ? w->type : converted_type(w, to);
-                b += w->data ? (uint64_t)w->rows * (uint64_t)moe__row_bytes(t, w->cols) : 0;
-            }
-            if (L->k_b.data) /* decode reads these in place of kv_b (absorbed MLA) */
-                b += weight_bytes(&L->k_b) + weight_bytes(&L->v_b) - weight_bytes(&L->kv_b);
+            const layer *L = &m->layers[i];
+            const uint64_t mixer = weight_bytes(&L->router) + layer_bytes_as(L, LAYER_MIXER, to),
+                           ffn = layer_bytes_as(L, LAYER_FFN, to), lat_up = layer_bytes_as(L, LAYER_LAT_UP, to);
+            b += mixer + ffn + lat_up;
+            if (i < first || i > last) serial += mixer + ffn + lat_up;
+            else serial += (i == first ? mixer : 0) + (i == last ? lat_up : 0);
         }
         m->info.dense_bytes_as[to] = b;
+        if (to == used) m->info.serial_bytes_per_token = serial;
     }
-    m->info.dense_bytes_per_token = m->info.dense_bytes_as[m->opt.dense_type >= MOE_WTYPE_ASIS && m->opt.dense_type <= MOE_WTYPE_Q4_0 ? m->opt.dense_type : 0];
+    m->info.dense_bytes_per_token = m->info.dense_bytes_as[used];
 }
 
 /* MOE_FLAG_CHECK_TENSORS: every float tensor of the files read once, in parallel; the first

@@ -255,6 +255,11 @@ typedef struct {
     uint64_t dense_bytes_per_token; /* non-expert weight bytes one decoded token reads, in the
                                        formats used after load (one embedding row) */
     uint64_t dense_bytes_as[5];     /* the same were dense_type each moe_wtype (ASIS: as stored) */
+    uint64_t serial_bytes_per_token; /* of dense_bytes_per_token, what no expert read of the token
+                                        can overlap: the layers before its first MoE layer, that
+                                        layer's mixer and router (its routing is not known before
+                                        them), the last MoE layer's latent up-projection, the
+                                        layers after it, the LM head (its experts are all in) */
     int streamed_layers;      /* CACHE mode: layers whose dense matrices are read every step */
     uint64_t streamed_bytes;  /* bytes of those matrices as stored (read once per step) */
     int n_files;              /* weight files mapped (safetensors shards, GGUF parts) */

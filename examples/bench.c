@@ -321,23 +321,31 @@ static void json_ratio(char out[32], double a, double b) {
     else snprintf(out, 32, "null");
 }
 
-/* A run's two floors per token: the I/O floor (bytes read from storage over the disk's parallel
- * read rate) and the memory floor (the weight bytes its compute reads, each step's dense matrices
- * in their loaded format plus the routed experts it computes, over the memory read rate): a token
- * takes at least the larger. Both rates are measured beside the run. */
-static void stream_line(const char *mode, int seqs, const run_stats *r, int steps, double disk_gbps, double mem_gbps, double dense_bytes, int threads) {
+/* A run's floors per token: the I/O floor (bytes read from storage over the disk's parallel read
+ * rate), the memory floor (the weight bytes its compute reads, each step's dense matrices in their
+ * loaded format plus the routed experts it computes, over the memory read rate), and the serial
+ * floor: the I/O floor plus the dense bytes no expert read of the step can overlap
+ * (moe_model_info.serial_bytes_per_token: before the first routing and after the last expert)
+ * over the memory read rate. A token takes at least the larger of the first two, and at least
+ * the serial floor. Both rates are measured beside the run. */
+static void stream_line(const char *mode, int seqs, const run_stats *r, int steps, double disk_gbps, double mem_gbps,
+                        const moe_model_info *mi, int threads) {
     const double tok = r->tokens, hr = (double)r->sum.cache_hits / (double)(r->sum.cache_hits + r->sum.cache_misses + 1e-9);
     const double bpt = r->sum.bytes_read / tok, io_floor = bpt / (disk_gbps * 1e9);
-    const double mem_bpt = (dense_bytes * steps + (double)r->sum.expert_bytes) / tok;
+    const double mem_bpt = ((double)mi->dense_bytes_per_token * steps + (double)r->sum.expert_bytes) / tok;
     const double mem_floor = mem_gbps > 0 ? mem_bpt / (mem_gbps * 1e9) : 0, floor = io_floor > mem_floor ? io_floor : mem_floor;
-    char over_io[32], over[32];
+    const double serial_bpt = (double)mi->serial_bytes_per_token * steps / tok;
+    const double serial_floor = io_floor + (mem_gbps > 0 ? serial_bpt / (mem_gbps * 1e9) : 0);
+    char over_io[32], over[32], over_serial[32];
     json_ratio(over_io, r->seconds / tok, io_floor), json_ratio(over, r->seconds / tok, floor);
+    json_ratio(over_serial, r->seconds / tok, serial_floor);
     printf("{\"mode\": \"%s\", \"sequences\": %d, \"tokens\": %d, \"s_per_token\": %.4f, \"tok_s\": %.3f, \"bytes_read_per_token\": %.0f, "
            "\"hit_rate\": %.4f, \"disk_read_gbps\": %.3f, \"io_floor_s_per_token\": %.4f, \"weight_bytes_per_token\": %.0f, "
-           "\"membw_read_gbps\": %.2f, \"mem_floor_s_per_token\": %.4f, \"over_io_floor\": %s, \"over_floor\": %s, \"stall_frac\": %.3f, "
+           "\"membw_read_gbps\": %.2f, \"mem_floor_s_per_token\": %.4f, \"over_io_floor\": %s, \"over_floor\": %s, "
+           "\"serial_bytes_per_token\": %.0f, \"serial_floor_s_per_token\": %.4f, \"over_serial_floor\": %s, \"stall_frac\": %.3f, "
            "\"prefetch_recall\": %.3f, \"expert_loads_per_step\": %.1f, \"dense_layer_reads_per_step\": %.2f}\n",
            mode, seqs, r->tokens, r->seconds / tok, tok / r->seconds, bpt, hr, disk_gbps, io_floor, mem_bpt, mem_gbps, mem_floor,
-           over_io, over, r->sum.io_seconds / (r->seconds * threads),
+           over_io, over, serial_bpt, serial_floor, over_serial, r->sum.io_seconds / (r->seconds * threads),
            r->sum.prefetch_routed ? (double)r->sum.prefetch_predicted / r->sum.prefetch_routed : 0.0,
            (double)r->sum.expert_loads * seqs / tok, (double)r->sum.dense_reads * seqs / tok);
     fflush(stdout);
@@ -476,7 +484,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
         r.seconds = now() - t, r.tokens = n_prefill, r.sum = s1;
         const int chunks = (n_prefill + mi.n_batch - 1) / mi.n_batch;
         stream_line("prefill", 1, &r, chunks, disk_again(biggest, bsize, block, &par_gbps), membw_again(&probe, o.n_threads, &mem_gbps),
-                    (double)mi.dense_bytes_per_token, o.n_threads);
+                    &mi, o.n_threads);
         fprintf(stderr, "moe-bench: prefill %d tokens: %llu distinct experts routed, %llu read (%.2f GB)\n", n_prefill,
                 (unsigned long long)s1.expert_loads, (unsigned long long)s1.cache_misses, s1.bytes_read / 1e9);
         print_rss("after prefill");
@@ -505,7 +513,7 @@ static int stream_bench(const char *model, int argc, char **argv) {
         }
         r.seconds = now() - t, r.tokens = n_decode * S;
         stream_line("decode", S, &r, n_decode, disk_again(biggest, bsize, block, &par_gbps), membw_again(&probe, o.n_threads, &mem_gbps),
-                    (double)mi.dense_bytes_per_token, o.n_threads);
+                    &mi, o.n_threads);
     }
     for (int i = 0; i < maxs; i++) moe_session_free(ss[i]);
     free(ss), free(q), free(logits), free(ids), free(next), free(probe.a);

@@ -682,6 +682,77 @@ static void test_shipped_reference(void) {
     moe_model_close(m);
 }
 
+/* the bytes of tensors of a checkpoint's shards whose names serial_name (or dense_name) takes */
+static int serial_name(const char *n) {
+    const char *l = "language_model.model.layers.";
+    if (!strcmp(n, "language_model.lm_head.weight")) return 1;
+    if (strncmp(n, l, strlen(l))) return 0;
+    n += strlen(l);
+    const int proj = strlen(n) > 12 && !strcmp(n + strlen(n) - 12, "_proj.weight");
+    if (!strncmp(n, "0.", 2)) return proj && (!strncmp(n, "0.self_attn.", 12) || !strncmp(n, "0.mlp.", 6));
+    if (!strncmp(n, "1.", 2)) return (proj && !strncmp(n, "1.self_attn.", 12)) || !strcmp(n, "1.block_sparse_moe.gate.weight");
+    return !strcmp(n, "2.block_sparse_moe.routed_expert_up_proj.weight");
+}
+static int dense_name(const char *n) {
+    const int proj = strlen(n) > 12 && !strcmp(n + strlen(n) - 12, "_proj.weight");
+    const int part = strstr(n, ".self_attn.") || strstr(n, ".mlp.") || strstr(n, ".block_sparse_moe.");
+    return serial_name(n) || (part && !strstr(n, ".experts.") && (proj || strstr(n, ".block_sparse_moe.gate.weight")));
+}
+static uint64_t shard_bytes(const char *dir, int (*take)(const char *), uint64_t *embed_row) {
+    uint64_t b = 0;
+    for (int i = 1; i <= 9; i++) {
+        char path[800];
+        moe__st_file f;
+        snprintf(path, sizeof path, "%s/model-%05d-of-%06d.safetensors", dir, i, 4);
+        if (moe__st_open(&f, path, NULL, 0)) continue;
+        for (int t = 0; t < f.n_tensors; t++) {
+            const moe__st_tensor *x = &f.tensors[t];
+            if (take(x->name)) b += x->nbytes;
+            if (!strcmp(x->name, "language_model.model.embed_tokens.weight")) *embed_row = x->nbytes / (uint64_t)x->shape[0];
+        }
+        moe__st_close(&f);
+    }
+    return b;
+}
+
+/* moe_model_info.serial_bytes_per_token against the tensors of a K3-layout checkpoint (KDA +
+ * dense, KDA + MoE, KDA + MoE) as stored: the first layer's matrices, the second's mixer and
+ * router, the third's latent up-projection, the LM head and an embedding row; below the whole
+ * dense_bytes_per_token, itself the sum over every dense matrix; smaller again in Q8_0. */
+static void test_serial_bytes(void) {
+    char dir[600], js[2048];
+    snprintf(js, sizeof js,
+             "{\"k3_dims\": {\"hidden_size\": 64, \"vocab_size\": 300, \"intermediate_size\": 96, \"num_attention_heads\": 2,"
+             "\"q_lora_rank\": 32, \"kv_lora_rank\": 32, \"qk_nope_head_dim\": 16, \"qk_rope_head_dim\": 8, \"v_head_dim\": 16,"
+             "\"kda_heads\": 2, \"kda_head_dim\": 16, \"short_conv_kernel_size\": 4, \"kda_a_log_len\": 4, \"num_experts\": 4,"
+             "\"num_experts_per_token\": 2, \"moe_intermediate_size\": 32, \"routed_expert_hidden_size\": 32,"
+             "\"num_shared_experts\": 1, \"first_k_dense_replace\": 1, \"attn_res_block_size\": 2},"
+             "\"layers\": [{\"attention\": \"kda\", \"ffn\": \"dense\"}, {\"attention\": \"kda\", \"ffn\": \"moe\"},"
+             "{\"attention\": \"kda\", \"ffn\": \"moe\"}]}");
+    if (!make_slice("serial", js, dir, sizeof dir)) return;
+    uint64_t row = 0;
+    const uint64_t serial = shard_bytes(dir, serial_name, &row), dense = shard_bytes(dir, dense_name, &row);
+    moe_options o = moe_default_options();
+    o.dense_type = MOE_WTYPE_ASIS;
+    moe_model *m = NULL;
+    CHECK(moe_model_open(&m, dir, &o, NULL, 0) == MOE_OK);
+    if (!m) return;
+    const moe_model_info a = moe_model_get_info(m);
+    CHECKF(a.serial_bytes_per_token == serial + row, "%llu against %llu + %llu", (unsigned long long)a.serial_bytes_per_token,
+           (unsigned long long)serial, (unsigned long long)row);
+    CHECKF(a.dense_bytes_per_token == dense + row, "%llu against %llu + %llu", (unsigned long long)a.dense_bytes_per_token,
+           (unsigned long long)dense, (unsigned long long)row);
+    CHECK(serial < dense);
+    moe_model_close(m);
+    o.dense_type = MOE_WTYPE_Q8_0;
+    CHECK(moe_model_open(&m, dir, &o, NULL, 0) == MOE_OK);
+    if (!m) return;
+    const moe_model_info q = moe_model_get_info(m);
+    CHECKF(q.serial_bytes_per_token < a.serial_bytes_per_token && q.serial_bytes_per_token < q.dense_bytes_per_token,
+           "Q8_0 %llu, as stored %llu", (unsigned long long)q.serial_bytes_per_token, (unsigned long long)a.serial_bytes_per_token);
+    moe_model_close(m);
+}
+
 const test_case model_tests[] = {
     {"model.session_save", test_session_save, "a session saved to a file and loaded continues exactly; other models, damage, cuts refused", 0},
     {"model.shipped_reference", test_shipped_reference, "the shipped model's logits against its PyTorch reference", 0},
@@ -702,5 +773,6 @@ const test_case model_tests[] = {
     {"model.small_batch_chunks", test_small_batch_chunks, "a prompt in small chunks equals it in one step", 0},
     {"model.snapshot_fork", test_snapshot_fork, "session snapshot, restore and fork continue identically", 0},
     {"model.step_team", test_step_team, "one team of threads for a step equals a region per loop", 0},
+    {"model.serial_bytes", test_serial_bytes, "the dense bytes no expert read can overlap, against the shards' tensors", 0},
     {0}
 };
