@@ -2780,6 +2780,8 @@ struct expert_cache {
     int io_hold;    /* tests: the I/O threads take nothing from the queue (moe__cache_hold) */
     size_t direct_min; /* units of at least this many bytes are read with O_DIRECT (DIRECT_MIN) */
     uint64_t bytes_read; /* by every thread since open */
+    int reading;         /* reads in flight (I/O threads and steps) */
+    double busy_since, busy_total; /* when reading last became nonzero; seconds with reads in flight */
     uint64_t kx8_count;  /* k-quant/IQ4_XS expert matrices interleaved as read, since open */
     /* I/O threads read queued units into free or evictable room, most urgent first (what the
      * current layer needs, then read-ahead), in file and offset order within each class */
@@ -3288,6 +3290,26 @@ static int unit_fill(const moe_model *m, struct expert_cache *k, const moe__weig
 /* what a failed unit read (unit_fill's errno value) reports */
 static moe_status unit_status(int rc) { return rc == EDOM ? MOE_ERR_NUMERIC : MOE_ERR_IO; }
 
+/* a read from the files starts or ends (the caller holds the lock): the time with at least one in
+ * flight is summed (moe_step_stats.io_busy_seconds) */
+static void reads_begin(struct expert_cache *k) {
+    if (k->reading++ == 0) k->busy_since = now_sec();
+}
+
+static void reads_end(struct expert_cache *k) {
+    if (--k->reading == 0) k->busy_total += now_sec() - k->busy_since;
+}
+
+/* seconds with reads in flight since open, the current stretch included */
+static double cache_busy_seconds(const moe_model *m) {
+    if (!m->cache) return 0;
+    struct expert_cache *k = m->cache;
+    pthread_mutex_lock(&k->lock);
+    const double b = k->busy_total + (k->reading ? now_sec() - k->busy_since : 0);
+    pthread_mutex_unlock(&k->lock);
+    return b;
+}
+
 /* makes unit (li, e) resident and pinned; *out is valid until cache_put. Counted in stats: an
  * expert as a hit or a miss, dense matrices as a read when they came from disk for this use. */
 static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out, moe_step_stats *stats) {
@@ -3354,6 +3376,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
      * the unit (the test's injected faults landed there: tests cache_faults) */
     queue_drop(k, id);
     const int inject = k->fail_after > 0 && --k->fail_after == 0;
+    reads_begin(k);
     pthread_mutex_unlock(&k->lock);
 
     double t0 = now_sec();
@@ -3361,6 +3384,7 @@ static moe_status cache_get(const moe_model *m, int li, int e, cache_entry **out
     const double dt = now_sec() - t0;
 
     pthread_mutex_lock(&k->lock);
+    reads_end(k);
     if (stats) stats->io_seconds += dt;
     if (!rc) k->bytes_read += bytes, k->kx8_count += (uint64_t)v->kx8;
     if (rc) { /* a failed read leaves nothing behind: the slot is free for a later try */
@@ -3483,9 +3507,11 @@ static void *cache_io_main(void *arg) {
         k->peak = k->used > k->peak ? k->used : k->peak;
         /* fault injection counts the reads a step needs (its own and demand reads), not guesses */
         const int inject = rq.demand && k->fail_after > 0 && --k->fail_after == 0;
+        reads_begin(k);
         pthread_mutex_unlock(&k->lock);
         int rc = inject ? EIO : unit_fill(m, k, src, nw, v);
         pthread_mutex_lock(&k->lock);
+        reads_end(k);
         v->loading = 0;
         if (rc) { /* kept as an empty marker (no budget), so that the step that wants it reports the error */
             entry_free(v->buf, v->bytes);
@@ -5855,6 +5881,7 @@ moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *sta
     moe_step_stats local;
     memset(&local, 0, sizeof local);
     const uint64_t read0 = moe__expert_bytes_read(m);
+    const double busy0 = cache_busy_seconds(m);
     int total = 0;
     for (int i = 0; i < n_seqs; i++) {
         moe_seq *q = &seqs[i];
@@ -5924,8 +5951,9 @@ moe_status moe_step(moe_model *m, moe_seq *seqs, int n_seqs, moe_step_stats *sta
     free(done_tok);
     if (!st) st = check_logits(m, seqs, n_seqs, err, errlen);
     local.n_tokens = total;
-    local.seconds = now_sec() - t0;
     local.bytes_read = moe__expert_bytes_read(m) - read0;
+    local.io_busy_seconds = cache_busy_seconds(m) - busy0;
+    local.seconds = now_sec() - t0;
     if (stats) *stats = local;
     return st;
 }

@@ -362,6 +362,9 @@ typedef struct {
     uint64_t prefetch_predicted, prefetch_routed; /* routed experts that had been predicted /
                                                      all routed experts (recall = ratio) */
     double seconds;        /* wall time of the step */
+    double io_busy_seconds; /* CACHE mode: wall time of the step with at least one read from the
+                               files in flight (by any thread): bytes_read over it is the rate the
+                               reads got, seconds less it the time the disk had nothing to do */
 } moe_step_stats;
 
 /* Runs the tokens of n_seqs sequences through the model in one batched forward pass: a prefill

@@ -312,7 +312,7 @@ typedef struct {
 static void add_stats(moe_step_stats *a, const moe_step_stats *b) {
     a->cache_hits += b->cache_hits, a->cache_misses += b->cache_misses, a->bytes_read += b->bytes_read, a->io_seconds += b->io_seconds;
     a->prefetch_predicted += b->prefetch_predicted, a->prefetch_routed += b->prefetch_routed, a->expert_loads += b->expert_loads;
-    a->expert_bytes += b->expert_bytes, a->dense_reads += b->dense_reads;
+    a->expert_bytes += b->expert_bytes, a->dense_reads += b->dense_reads, a->io_busy_seconds += b->io_busy_seconds;
 }
 
 /* a / b as a JSON number, or null where b is 0 (nothing read: no I/O floor) */
@@ -327,7 +327,8 @@ static void json_ratio(char out[32], double a, double b) {
  * floor: the I/O floor plus the dense bytes no expert read of the step can overlap
  * (moe_model_info.serial_bytes_per_token: before the first routing and after the last expert)
  * over the memory read rate. A token takes at least the larger of the first two, and at least
- * the serial floor. Both rates are measured beside the run. */
+ * the serial floor. Both rates are measured beside the run. Beside them, what the run's own reads
+ * did: the fraction of its time with a read in flight, and the bytes over that time. */
 static void stream_line(const char *mode, int seqs, const run_stats *r, int steps, double disk_gbps, double mem_gbps,
                         const moe_model_info *mi, int threads) {
     const double tok = r->tokens, hr = (double)r->sum.cache_hits / (double)(r->sum.cache_hits + r->sum.cache_misses + 1e-9);
@@ -342,10 +343,12 @@ static void stream_line(const char *mode, int seqs, const run_stats *r, int step
     printf("{\"mode\": \"%s\", \"sequences\": %d, \"tokens\": %d, \"s_per_token\": %.4f, \"tok_s\": %.3f, \"bytes_read_per_token\": %.0f, "
            "\"hit_rate\": %.4f, \"disk_read_gbps\": %.3f, \"io_floor_s_per_token\": %.4f, \"weight_bytes_per_token\": %.0f, "
            "\"membw_read_gbps\": %.2f, \"mem_floor_s_per_token\": %.4f, \"over_io_floor\": %s, \"over_floor\": %s, "
-           "\"serial_bytes_per_token\": %.0f, \"serial_floor_s_per_token\": %.4f, \"over_serial_floor\": %s, \"stall_frac\": %.3f, "
+           "\"serial_bytes_per_token\": %.0f, \"serial_floor_s_per_token\": %.4f, \"over_serial_floor\": %s, "
+           "\"io_busy_frac\": %.3f, \"reads_gbps\": %.3f, \"stall_frac\": %.3f, "
            "\"prefetch_recall\": %.3f, \"expert_loads_per_step\": %.1f, \"dense_layer_reads_per_step\": %.2f}\n",
            mode, seqs, r->tokens, r->seconds / tok, tok / r->seconds, bpt, hr, disk_gbps, io_floor, mem_bpt, mem_gbps, mem_floor,
-           over_io, over, serial_bpt, serial_floor, over_serial, r->sum.io_seconds / (r->seconds * threads),
+           over_io, over, serial_bpt, serial_floor, over_serial, r->sum.io_busy_seconds / r->seconds,
+           r->sum.io_busy_seconds > 0 ? r->sum.bytes_read / r->sum.io_busy_seconds / 1e9 : 0.0, r->sum.io_seconds / (r->seconds * threads),
            r->sum.prefetch_routed ? (double)r->sum.prefetch_predicted / r->sum.prefetch_routed : 0.0,
            (double)r->sum.expert_loads * seqs / tok, (double)r->sum.dense_reads * seqs / tok);
     fflush(stdout);

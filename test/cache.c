@@ -121,10 +121,12 @@ static void test_cache_prefetch(void) {
 
 /* When a layer's routing is known, its read-ahead guesses still queued and not routed are dropped:
  * with the I/O threads held (every step reads what it needs itself, guesses stay queued), nothing
- * is left queued after each step, though every step queued guesses */
+ * is left queued after each step, though every step queued guesses. The steps' io_busy_seconds:
+ * nonzero where the step read (all of them, in this small cache), within its time. */
 static void test_cache_guesses_dropped(void) {
     moe_model *m = open_cache_pf("seed", 40 * 12288, 2, 1);
     if (!m) return;
+    int reads = 0;
     moe__cache_hold(m, 1);
     int n;
     int32_t *ids = golden_ids("seed", 2, &n);
@@ -140,7 +142,12 @@ static void test_cache_guesses_dropped(void) {
         const int queued = moe__cache_queued(m, layer, unit, demand, 64);
         CHECKF(st.prefetch_issued > 0 && queued == 0, "token %d: %llu guesses queued, %d reads left queued (the first: layer %d unit %d demand %d)", t,
                (unsigned long long)st.prefetch_issued, queued, queued ? layer[0] : -1, queued ? unit[0] : -1, queued ? demand[0] : -1);
+        /* only the step reads (the I/O threads are held): time with a read in flight iff it read */
+        CHECKF((st.bytes_read > 0) == (st.io_busy_seconds > 0) && st.io_busy_seconds <= st.seconds, "token %d: %llu bytes read, %.6f s busy of %.6f",
+               t, (unsigned long long)st.bytes_read, st.io_busy_seconds, st.seconds);
+        reads += st.bytes_read > 0;
     }
+    CHECKF(reads > 0, "%d of %d steps read", reads, n);
     moe_session_free(s);
     free(logits), free(ids);
     moe_model_close(m);
