@@ -1834,9 +1834,10 @@ static int converted_type(const moe__weight *w, int to);
 static moe_status convert_weights(moe_model *m, char *err, size_t errlen);
 static moe_status repack_weights(moe_model *m);
 
-/* which part of a layer matrix f (a dense_fields offset) is in a decoded token's order: the mixer
- * (LAYER_MIXER), the FFN before the routed experts' outputs are in (LAYER_FFN: the dense or
- * shared experts' gate, up and down, the latent down-projection), or after (LAYER_LAT_UP) */
+/* the part of its layer that matrix f (a dense_fields offset) belongs to, in the order a decoded
+ * token meets them: the mixer (LAYER_MIXER); the FFN that needs no routed expert's output
+ * (LAYER_FFN: the dense or shared experts' gate, up and down, the latent down-projection); the
+ * latent up-projection of the routed experts' outputs (LAYER_LAT_UP) */
 enum { LAYER_MIXER, LAYER_FFN, LAYER_LAT_UP };
 static int layer_part(size_t f) {
     if (f == offsetof(layer, lat_up)) return LAYER_LAT_UP;
