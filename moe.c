@@ -1848,11 +1848,11 @@ static int layer_part(size_t f) {
 
 /* the bytes a decoded token reads of part of layer L's matrices were its dense matrices converted
  * to to (count_dense_bytes) */
-static uint64_t layer_bytes_as(const layer *L, int part, int to) {
+static uint64_t layer_bytes_as(layer *L, int part, int to) {
     uint64_t b = 0;
     for (size_t k = 0; k < N_DENSE_FIELDS; k++) {
         const size_t f = dense_fields[k];
-        const moe__weight *w = (const moe__weight *)(const void *)((const char *)L + f);
+        const moe__weight *w = layer_matrix(L, k);
         if (layer_part(f) != part || !w->data) continue;
         b += (uint64_t)w->rows * (uint64_t)moe__row_bytes(f == offsetof(layer, kv_b) ? w->type : converted_type(w, to), w->cols);
     }
@@ -1895,7 +1895,7 @@ static void count_dense_bytes(moe_model *m) {
                      (uint64_t)moe__row_bytes(m->embed.type, m->embed.cols);
         uint64_t serial = b;
         for (int i = 0; i < m->cfg.n_layers; i++) {
-            const layer *L = &m->layers[i];
+            layer *L = &m->layers[i];
             const uint64_t mixer = weight_bytes(&L->router) + layer_bytes_as(L, LAYER_MIXER, to),
                            ffn = layer_bytes_as(L, LAYER_FFN, to), lat_up = layer_bytes_as(L, LAYER_LAT_UP, to);
             b += mixer + ffn + lat_up;

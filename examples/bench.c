@@ -20,7 +20,9 @@
  * a prefill chunk, and lockstep decode of several sequences, each a JSON line with seconds per
  * token, bytes read per token, hit rate, the I/O floor (bytes read per token over the parallel
  * bandwidth), the memory floor (weight bytes computed per token over the memory read rate), the
- * fraction of thread time stalled on reads and the prefetch recall. */
+ * serial floor (the I/O floor plus the compute no read can overlap), the share of the time with a
+ * read in flight and the rate the reads got then, the fraction of thread time stalled on reads
+ * and the prefetch recall. */
 #define _POSIX_C_SOURCE 200809L
 #define _ISOC11_SOURCE
 #define _GNU_SOURCE /* O_DIRECT (glibc declares it only then; other libcs ignore this) */

@@ -682,7 +682,8 @@ static void test_shipped_reference(void) {
     moe_model_close(m);
 }
 
-/* the bytes of tensors of a checkpoint's shards whose names serial_name (or dense_name) takes */
+/* test_serial_bytes' tensors, by name: those of the serial part (serial_name) and all the dense
+ * matrices a decoded token reads (dense_name), in the checkpoint it writes */
 static int serial_name(const char *n) {
     const char *l = "language_model.model.layers.";
     if (!strcmp(n, "language_model.lm_head.weight")) return 1;
@@ -698,13 +699,17 @@ static int dense_name(const char *n) {
     const int part = strstr(n, ".self_attn.") || strstr(n, ".mlp.") || strstr(n, ".block_sparse_moe.");
     return serial_name(n) || (part && !strstr(n, ".experts.") && (proj || strstr(n, ".block_sparse_moe.gate.weight")));
 }
+/* the bytes of the tensors of a K3-layout slice's 4 shards whose names take takes; *embed_row: the
+ * bytes of one embedding row */
 static uint64_t shard_bytes(const char *dir, int (*take)(const char *), uint64_t *embed_row) {
     uint64_t b = 0;
-    for (int i = 1; i <= 9; i++) {
+    for (int i = 1; i <= 4; i++) {
         char path[800];
         moe__st_file f;
         snprintf(path, sizeof path, "%s/model-%05d-of-%06d.safetensors", dir, i, 4);
-        if (moe__st_open(&f, path, NULL, 0)) continue;
+        const moe_status st = moe__st_open(&f, path, NULL, 0);
+        CHECKF(st == MOE_OK, "%s: %s", path, moe_status_str(st));
+        if (st) continue;
         for (int t = 0; t < f.n_tensors; t++) {
             const moe__st_tensor *x = &f.tensors[t];
             if (take(x->name)) b += x->nbytes;
